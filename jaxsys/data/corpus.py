@@ -1,0 +1,157 @@
+"""Text corpora: list documents from the stdlib, a directory or a glob, split by path hash.
+
+Example::
+
+    paths = list_documents("stdlib", "train")
+    docs = read_documents(paths)  # list[bytes]
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+import pathlib
+import sysconfig
+from collections.abc import Iterable
+
+from absl import logging
+
+SPLITS = ("train", "val", "test", "all")
+# Fractions of documents (by hash of the relative path) in the held-out splits.
+VAL_FRACTION = 0.02
+TEST_FRACTION = 0.02
+
+# Installed third-party packages are not "the standard library" and change from machine
+# to machine, which would make the corpus (and every result on it) irreproducible.
+_STDLIB_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages"})
+# Byte-code caches are binary build outputs, never documents.
+_ALWAYS_EXCLUDED_DIRS = frozenset({"__pycache__"})
+_GLOB_MAGIC = ("*", "?", "[")
+
+
+def stdlib_root() -> pathlib.Path:
+  """Directory of the running interpreter's standard library (the default corpus)."""
+  return pathlib.Path(sysconfig.get_paths()["stdlib"])
+
+
+def _split_of(relative_posix: str) -> str:
+  """Stable split for a document: sha1 of its relative path -> u in [0, 1)."""
+  digest = hashlib.sha1(relative_posix.encode("utf-8")).digest()
+  u = int.from_bytes(digest[:8], "big") / 2.0**64
+  if u < VAL_FRACTION:
+    return "val"
+  if u < VAL_FRACTION + TEST_FRACTION:
+    return "test"
+  return "train"
+
+
+def _walk(root: pathlib.Path, *, suffix: str | None, excluded_dirs: frozenset[str]) -> list[pathlib.Path]:
+  """Regular files under `root`, skipping hidden entries and `excluded_dirs`."""
+  found = []
+  for dirpath, dirnames, filenames in os.walk(root):
+    # Pruning in place stops os.walk from descending (site-packages alone can be GBs).
+    dirnames[:] = [d for d in dirnames if not d.startswith(".") and d not in excluded_dirs]
+    for name in filenames:
+      if name.startswith("."):
+        continue
+      if suffix is not None and not name.endswith(suffix):
+        continue
+      path = pathlib.Path(dirpath) / name
+      if path.is_file():
+        found.append(path)
+  return found
+
+
+def _glob_root(pattern: str) -> pathlib.Path:
+  """The longest leading directory of `pattern` without glob characters."""
+  parts = pathlib.PurePath(pattern).parts
+  fixed = []
+  for part in parts:
+    if any(c in part for c in _GLOB_MAGIC):
+      break
+    fixed.append(part)
+  if len(fixed) == len(parts):  # A plain file path: its directory is the root.
+    fixed = fixed[:-1]
+  return pathlib.Path(*fixed) if fixed else pathlib.Path(".")
+
+
+def _source_files(source: str) -> tuple[pathlib.Path, list[pathlib.Path]]:
+  """(root, files) for a `data.source` value; raises a one-line ValueError if empty."""
+  valid = "use 'stdlib', an existing directory, or a glob such as '/path/**/*.txt'"
+  if source == "stdlib":
+    root = stdlib_root()
+    files = _walk(root, suffix=".py", excluded_dirs=_STDLIB_EXCLUDED_DIRS | _ALWAYS_EXCLUDED_DIRS)
+    if not files:
+      raise ValueError(f"data.source='stdlib': no *.py files under {str(root)!r}; {valid}")
+    return root, files
+  if not isinstance(source, str) or not source:
+    raise ValueError(f"data.source={source!r}: expected a non-empty string; {valid}")
+  if os.path.isdir(source):
+    root = pathlib.Path(source)
+    files = _walk(root, suffix=None, excluded_dirs=_ALWAYS_EXCLUDED_DIRS)
+    if not files:
+      raise ValueError(
+          f"data.source={source!r}: directory has no (non-hidden) files; {valid}"
+      )
+    return root, files
+  matches = [pathlib.Path(p) for p in glob.glob(source, recursive=True)]
+  files = [p for p in matches if p.is_file()]
+  if not files:
+    if any(c in source for c in _GLOB_MAGIC):
+      raise ValueError(f"data.source={source!r}: glob matches no files; {valid}")
+    raise ValueError(f"data.source={source!r}: no such directory or file pattern; {valid}")
+  return _glob_root(source), files
+
+
+def list_documents(source: str, split: str) -> list[pathlib.Path]:
+  """Sorted document paths of `split` in {"train", "val", "test", "all"} of `source`.
+
+  `source` is "stdlib" (every *.py of the interpreter's stdlib, without site-packages),
+  a directory (every non-hidden file under it), or a glob (recursive `**` allowed).
+  Documents go to val (2%), test (2%) or train (96%) by a sha1 of their path relative to
+  the source root, so adding a file never moves another one between splits.
+
+  Example::
+
+    list_documents("/data/books", "val")  # -> [PosixPath('/data/books/a.txt'), ...]
+  """
+  if split not in SPLITS:
+    raise ValueError(f"split={split!r} is not a valid split; use one of {', '.join(map(repr, SPLITS))}")
+  root, files = _source_files(source)
+  if split != "all":
+    files = [p for p in files if _split_of(p.relative_to(root).as_posix()) == split]
+    if not files:
+      raise ValueError(
+          f"data.source={source!r} has no files in split {split!r} (val and test each get"
+          f" ~{VAL_FRACTION:.0%} of documents by path hash); use more documents or split='all'"
+      )
+  return sorted(files)
+
+
+def read_documents(paths: Iterable[str | os.PathLike], *, require_utf8: bool = True) -> list[bytes]:
+  """Raw bytes of each file, skipping empty files and (by default) files that are not UTF-8.
+
+  Non-UTF-8 files are skipped because a byte-level BPE can only round-trip valid text
+  (a handful of stdlib test files are deliberately mis-encoded); the count is logged.
+  """
+  docs = []
+  skipped_empty = skipped_binary = 0
+  for path in paths:
+    data = pathlib.Path(path).read_bytes()
+    if not data:
+      skipped_empty += 1
+      continue
+    if require_utf8:
+      try:
+        data.decode("utf-8")
+      except UnicodeDecodeError:
+        skipped_binary += 1
+        continue
+    docs.append(data)
+  if skipped_empty or skipped_binary:
+    logging.info(
+        "read_documents: kept %d, skipped %d empty and %d non-UTF-8 files",
+        len(docs), skipped_empty, skipped_binary,
+    )
+  return docs

@@ -1,0 +1,193 @@
+"""Grain loaders: corpus -> tokens -> packed rows -> shuffled, sharded, checkpointable batches.
+
+Example::
+
+  loader = make_loader(cfg.data, "train", batch_size=64, seed=0, workdir="/tmp/run")
+  batch = next(loader)              # dict of [64 // process_count, seq_len] arrays
+  state = loader.get_state()        # JSON-serialisable; loader.set_state(state) resumes
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import grain
+import numpy as np
+from absl import logging
+
+from jaxsys.data import corpus
+from jaxsys.data import packing
+from jaxsys.data import tokenizer as tokenizer_lib
+
+# Keys of the loader state that must match on resume: a different corpus, batch size,
+# seed or order would make "the next batch" meaningless. process_index/process_count are
+# deliberately NOT among them: the iterator position counts global steps (see make_loader),
+# so a run may resume on a different number of hosts.
+_STATE_KEYS = ("split", "num_rows", "seq_len", "batch_size", "seed", "shuffle", "repeat")
+
+
+def _field(data_cfg: Any, name: str) -> Any:
+  try:
+    return getattr(data_cfg, name)
+  except (AttributeError, KeyError):
+    raise ValueError(f"data config has no field data.{name}; it needs source, tokenizer, vocab_size, seq_len, num_threads") from None
+
+
+def _json_safe(x: Any) -> Any:
+  """numpy scalars / tuples -> plain Python, so json.dumps(state) always works."""
+  if isinstance(x, dict):
+    return {str(k): _json_safe(v) for k, v in x.items()}
+  if isinstance(x, (list, tuple)):
+    return [_json_safe(v) for v in x]
+  if isinstance(x, np.generic):
+    return x.item()
+  if isinstance(x, np.ndarray):
+    return x.tolist()
+  return x
+
+
+class Loader:
+  """Iterator over batches: dict of np arrays [local_batch_size, seq_len] (see packing.FIELDS).
+
+  Attributes: `tokenizer`, `seq_len`, `num_rows` (packed rows in the split), `batch_size`
+  (global), `local_batch_size`, `steps_per_epoch` (global batches per pass over the rows).
+  """
+
+  def __init__(self, dataset: grain.IterDataset, *, tokenizer, rows: packing.PackedRows, meta: dict[str, Any],
+               local_batch_size: int):
+    self._dataset = dataset
+    self._iterator = iter(dataset)
+    self._meta = meta
+    self.tokenizer = tokenizer
+    self.seq_len = rows.seq_len
+    self.num_rows = len(rows)
+    self.num_tokens = rows.num_tokens
+    self.batch_size = meta["batch_size"]
+    self.local_batch_size = local_batch_size
+    self.steps_per_epoch = self.num_rows // self.batch_size
+
+  def __iter__(self) -> Loader:
+    return self
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    return next(self._iterator)
+
+  def get_state(self) -> dict[str, Any]:
+    """JSON-serialisable position: grain's iterator state plus what it is only valid for."""
+    return {"grain": _json_safe(self._iterator.get_state()), **self._meta}
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    """Restores a `get_state` result so the next batch is the one that would have come next."""
+    if not isinstance(state, dict) or "grain" not in state:
+      raise ValueError(f"loader state must be a dict from Loader.get_state with key 'grain', got {type(state).__name__} with keys {sorted(state) if isinstance(state, dict) else None}")
+    mismatched = {k: (state.get(k), self._meta[k]) for k in _STATE_KEYS if state.get(k) != self._meta[k]}
+    if mismatched:
+      details = ", ".join(f"{k}: saved {s!r} vs now {n!r}" for k, (s, n) in mismatched.items())
+      raise ValueError(f"loader state was saved for a different data pipeline ({details}); resume with the same data config, batch_size and seed")
+    self._iterator.set_state(state["grain"])
+
+
+def make_loader(
+    data_cfg: Any,
+    split: str,
+    *,
+    batch_size: int,
+    seed: int,
+    shuffle: bool = True,
+    repeat: bool = True,
+    process_index: int = 0,
+    process_count: int = 1,
+    tokenizer: tokenizer_lib.Tokenizer | None = None,
+    workdir: str | os.PathLike | None = None,
+) -> Loader:
+  """Loader over packed rows of `split` of `data_cfg.source`, sharded over processes.
+
+  `batch_size` is global: process `process_index` yields `batch_size // process_count`
+  rows per step, and at every step the processes' rows together are exactly the rows of
+  the single-process batch (shard = global row index modulo process_count). A
+  non-repeating loader drops the last incomplete GLOBAL batch so every process runs the
+  same number of steps (otherwise multi-host collectives would hang).
+
+  Example::
+
+    cfg = ml_collections.ConfigDict(dict(source="stdlib", tokenizer="byte", vocab_size=256,
+                                         seq_len=512, num_threads=2))
+    loader = make_loader(cfg, "val", batch_size=8, seed=0, shuffle=False, repeat=False)
+    for batch in loader: ...
+  """
+  _check_int("batch_size", batch_size, minimum=1)
+  _check_int("process_count", process_count, minimum=1)
+  _check_int("seed", seed, minimum=0)
+  if seed >= 2**32:  # grain's index shuffle takes a 32-bit seed
+    raise ValueError(f"seed={seed} must be < 2**32")
+  if not isinstance(process_index, (int, np.integer)) or not 0 <= process_index < process_count:
+    raise ValueError(f"process_index={process_index!r} must be in [0, process_count={process_count})")
+  if batch_size % process_count:
+    raise ValueError(f"batch_size={batch_size} is not divisible by process_count={process_count}; use a multiple of {process_count}")
+  local_batch_size = batch_size // process_count
+  source = _field(data_cfg, "source")
+  seq_len = _field(data_cfg, "seq_len")
+  num_threads = _field(data_cfg, "num_threads")
+  _check_int("data.num_threads", num_threads, minimum=0)
+
+  docs = corpus.read_documents(corpus.list_documents(source, split))
+  if not docs:
+    raise ValueError(f"data.source={source!r} split {split!r} has no non-empty UTF-8 documents")
+  if tokenizer is None:
+    tokenizer = _default_tokenizer(data_cfg, split, docs, workdir)
+  rows = packing.PackedRows(tokenizer.encode_batch(docs), seq_len)
+  del docs  # The packed stream is all we keep; raw text can be ~1 GB.
+  if len(rows) < batch_size:
+    raise ValueError(
+        f"data.source={source!r} split {split!r} packs into {len(rows)} rows of data.seq_len={seq_len},"
+        f" fewer than batch_size={batch_size}; use a smaller batch_size or seq_len, or more data"
+    )
+
+  ds = grain.MapDataset.source(rows)
+  if shuffle:
+    ds = ds.shuffle(seed=seed)
+  if repeat:
+    # shuffle before repeat: grain folds the epoch into the seed -> a new order each epoch.
+    ds = ds.repeat(None)
+  else:
+    ds = ds[: (len(ds) // batch_size) * batch_size]
+  # Strided sharding of the global row order: step s of every process covers global
+  # rows [s * batch_size, (s + 1) * batch_size), whatever process_count is.
+  ds = ds[process_index::process_count]
+  ds = ds.batch(local_batch_size, drop_remainder=True)
+  read_options = grain.ReadOptions(
+      num_threads=int(num_threads),
+      # Rows are computed from memory, so a few batches ahead per thread hides the latency.
+      prefetch_buffer_size=max(2, 2 * int(num_threads)) if num_threads > 0 else 0,
+  )
+  iter_ds = ds.to_iter_dataset(read_options)
+  meta = dict(
+      split=split, num_rows=len(rows), seq_len=rows.seq_len, batch_size=int(batch_size), seed=int(seed),
+      shuffle=bool(shuffle), repeat=bool(repeat),
+  )
+  logging.info(
+      "make_loader(%s, %r): %d tokens, %d rows of %d, local batch %d of %d",
+      source, split, rows.num_tokens, len(rows), rows.seq_len, local_batch_size, batch_size,
+  )
+  return Loader(iter_ds, tokenizer=tokenizer, rows=rows, meta=meta, local_batch_size=local_batch_size)
+
+
+def _check_int(name: str, value: Any, *, minimum: int) -> None:
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+    raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
+
+
+def _default_tokenizer(data_cfg: Any, split: str, docs: list[bytes], workdir) -> tokenizer_lib.Tokenizer:
+  """make_tokenizer for data_cfg; BPE trains on the TRAIN split only, cached in workdir."""
+  name = _field(data_cfg, "tokenizer")
+  if name != "bpe":
+    return tokenizer_lib.make_tokenizer(name)
+  cache_path = os.path.join(workdir, "tokenizer.json") if workdir is not None else None
+  train_docs = None
+  if cache_path is None or not os.path.exists(cache_path):
+    # Training on val/test would leak held-out text into the vocabulary.
+    train_docs = docs if split == "train" else corpus.read_documents(corpus.list_documents(_field(data_cfg, "source"), "train"))
+  return tokenizer_lib.make_tokenizer(
+      name, vocab_size=_field(data_cfg, "vocab_size"), train_docs=train_docs, cache_path=cache_path
+  )

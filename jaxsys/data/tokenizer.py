@@ -1,0 +1,218 @@
+"""Tokenizers: raw bytes (default) and a byte-level BPE trained locally with `tokenizers`.
+
+Both map any UTF-8 text to ids and back exactly, and report how many bytes each token
+stands for (`token_bytes`), so losses can be compared across tokenizers in bits per byte.
+
+Example::
+
+  tok = make_tokenizer("bpe", vocab_size=4096, train_docs=docs, cache_path="/tmp/tok.json")
+  ids = tok.encode("def f(x):\\n  return x\\n")   # np.uint16 [num_tokens]
+  assert tok.decode(ids) == "def f(x):\\n  return x\\n"
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from collections.abc import Sequence
+
+import numpy as np
+import tokenizers
+from absl import logging
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+TOKENIZERS = ("byte", "bpe")
+MIN_BPE_VOCAB = 257  # 256 byte tokens plus at least one merge.
+# encode_batch builds Rust `Encoding` objects for a whole batch at once; chunking bounds
+# the peak memory on large corpora without losing the parallelism within a chunk.
+_ENCODE_CHUNK_DOCS = 512
+
+
+def _as_bytes(text: str | bytes) -> bytes:
+  return text.encode("utf-8") if isinstance(text, str) else bytes(text)
+
+
+class ByteTokenizer:
+  """One token per UTF-8 byte; ids are the byte values 0..255.
+
+  Example::
+
+    ByteTokenizer().encode("é")  # -> array([195, 169], dtype=uint8)
+  """
+
+  vocab_size: int = 256
+
+  def encode(self, text: str | bytes) -> np.ndarray:
+    """uint8 ids (the bytes themselves), the cheapest dtype for a 100M-token corpus."""
+    return np.frombuffer(_as_bytes(text), dtype=np.uint8).copy()
+
+  def encode_batch(self, texts: Sequence[str | bytes]) -> list[np.ndarray]:
+    return [self.encode(t) for t in texts]
+
+  def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+    ids = np.asarray(ids)
+    if ids.size and (ids.min() < 0 or ids.max() > 255):
+      raise ValueError(f"ByteTokenizer.decode: ids must be in [0, 255], got range [{ids.min()}, {ids.max()}]")
+    return bytes(ids.astype(np.uint8)).decode("utf-8", errors="replace")
+
+  def token_bytes(self) -> np.ndarray:
+    """int32 [vocab_size]: bytes per token (all ones)."""
+    return np.ones(self.vocab_size, dtype=np.int32)
+
+
+def _check_bpe_vocab_size(vocab_size) -> None:
+  if not isinstance(vocab_size, (int, np.integer)) or isinstance(vocab_size, bool) or vocab_size < MIN_BPE_VOCAB:
+    raise ValueError(
+        f"data.vocab_size={vocab_size!r} is too small for tokenizer 'bpe'; use an int"
+        f" >= {MIN_BPE_VOCAB} (256 byte tokens + merges)"
+    )
+
+
+class BPETokenizer:
+  """Byte-level BPE (GPT-2 style ByteLevel pre-tokenizer and decoder) via `tokenizers`.
+
+  Every string round-trips exactly: the ByteLevel alphabet has one character per byte.
+  """
+
+  def __init__(self, tokenizer: tokenizers.Tokenizer):
+    self._tok = tokenizer
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    self._dtype = np.uint16 if size <= 2**16 else np.int32
+
+  @classmethod
+  def train(cls, docs: Sequence[bytes | str], vocab_size: int) -> BPETokenizer:
+    """Trains on `docs` locally (no download); fails if the corpus cannot fill the vocab.
+
+    Example::
+
+      tok = BPETokenizer.train([b"hello world"] * 100, vocab_size=260)
+    """
+    _check_bpe_vocab_size(vocab_size)
+    tok = tokenizers.Tokenizer(models.BPE())
+    # use_regex=True is GPT-2's split (words, numbers, punctuation, spaces); merges never
+    # cross those boundaries, which keeps tokens meaningful for code and prose alike.
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=int(vocab_size),
+        min_frequency=2,  # a merge seen once is noise, not compression
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # all 256 bytes, always
+        special_tokens=[],
+        show_progress=False,
+    )
+    texts = (d.decode("utf-8") if isinstance(d, bytes) else d for d in docs)
+    tok.train_from_iterator(texts, trainer=trainer, length=len(docs))
+    got = tok.get_vocab_size(with_added_tokens=True)
+    if got != vocab_size:
+      # A model sized for vocab_size would silently carry dead rows; say so instead.
+      raise ValueError(
+          f"data.vocab_size={vocab_size} is more than the training corpus supports (BPE"
+          f" found only {got} tokens with frequency >= 2); use data.vocab_size <= {got} or more data"
+      )
+    return cls(tok)
+
+  def save(self, path: str | os.PathLike) -> None:
+    pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+    self._tok.save(str(path))
+
+  @classmethod
+  def load(cls, path: str | os.PathLike) -> BPETokenizer:
+    """Loads a tokenizer saved by `save`; rejects files that are not byte-level BPE."""
+    tok = tokenizers.Tokenizer.from_file(str(path))
+    spec = json.loads(tok.to_str())
+    kinds = (spec["model"]["type"], (spec.get("pre_tokenizer") or {}).get("type"), (spec.get("decoder") or {}).get("type"))
+    if kinds != ("BPE", "ByteLevel", "ByteLevel"):
+      raise ValueError(
+          f"{str(path)!r} is not a byte-level BPE tokenizer (model, pre_tokenizer, decoder ="
+          f" {kinds}); expected ('BPE', 'ByteLevel', 'ByteLevel'), e.g. one saved by BPETokenizer.save"
+      )
+    return cls(tok)
+
+  @property
+  def vocab_size(self) -> int:
+    return self._tok.get_vocab_size(with_added_tokens=True)
+
+  @property
+  def hf_tokenizer(self) -> tokenizers.Tokenizer:
+    """The underlying `tokenizers.Tokenizer`."""
+    return self._tok
+
+  def _text(self, text: str | bytes) -> str:
+    if isinstance(text, str):
+      return text
+    try:
+      return bytes(text).decode("utf-8")
+    except UnicodeDecodeError as e:
+      raise ValueError(f"BPETokenizer.encode needs UTF-8 text; got invalid bytes at offset {e.start}") from None
+
+  def encode(self, text: str | bytes) -> np.ndarray:
+    """uint16 ids (int32 if the vocab exceeds 65536)."""
+    return np.asarray(self._tok.encode(self._text(text), add_special_tokens=False).ids, dtype=self._dtype)
+
+  def encode_batch(self, texts: Sequence[str | bytes]) -> list[np.ndarray]:
+    """Like `encode` on each text, tokenised in parallel by the Rust library."""
+    out = []
+    for i in range(0, len(texts), _ENCODE_CHUNK_DOCS):
+      chunk = [self._text(t) for t in texts[i : i + _ENCODE_CHUNK_DOCS]]
+      # encode_batch_fast skips offset tracking, which we never use.
+      encodings = self._tok.encode_batch_fast(chunk, add_special_tokens=False)
+      out.extend(np.asarray(e.ids, dtype=self._dtype) for e in encodings)
+    return out
+
+  def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+    """Text for `ids`; bytes that are not valid UTF-8 (e.g. a cut character) become U+FFFD."""
+    return self._tok.decode([int(i) for i in np.asarray(ids).reshape(-1)], skip_special_tokens=False)
+
+  def token_bytes(self) -> np.ndarray:
+    """int32 [vocab_size]: raw bytes each token decodes to (special tokens: 0)."""
+    alphabet = set(pre_tokenizers.ByteLevel.alphabet())
+    special = set(self._tok.get_added_tokens_decoder())
+    out = np.zeros(self.vocab_size, dtype=np.int32)
+    for token, idx in self._tok.get_vocab(with_added_tokens=True).items():
+      if idx in special:
+        continue
+      # Each ByteLevel character stands for exactly one byte.
+      if not set(token) <= alphabet:
+        raise ValueError(f"token {token!r} (id {idx}) is not in the ByteLevel alphabet")
+      out[idx] = len(token)
+    return out
+
+
+Tokenizer = ByteTokenizer | BPETokenizer
+
+
+def make_tokenizer(
+    name: str,
+    *,
+    vocab_size: int | None = None,
+    train_docs: Sequence[bytes] | None = None,
+    cache_path: str | os.PathLike | None = None,
+) -> Tokenizer:
+  """Tokenizer by `data.tokenizer` name; "bpe" is loaded from `cache_path` or trained and saved.
+
+  Example::
+
+    make_tokenizer("byte")
+    make_tokenizer("bpe", vocab_size=1024, train_docs=docs, cache_path="/tmp/run/tokenizer.json")
+  """
+  if name == "byte":
+    return ByteTokenizer()
+  if name != "bpe":
+    raise ValueError(f"data.tokenizer={name!r} is not a tokenizer; use one of {', '.join(map(repr, TOKENIZERS))}")
+  _check_bpe_vocab_size(vocab_size)
+  if cache_path is not None and os.path.exists(cache_path):
+    tok = BPETokenizer.load(cache_path)
+    if tok.vocab_size != vocab_size:
+      raise ValueError(
+          f"data.vocab_size={vocab_size} but the cached tokenizer {str(cache_path)!r} has"
+          f" {tok.vocab_size} tokens; set data.vocab_size={tok.vocab_size} or delete the cache"
+      )
+    return tok
+  if not train_docs:
+    raise ValueError("data.tokenizer='bpe' needs train_docs (or an existing cache_path) to train on")
+  tok = BPETokenizer.train(train_docs, vocab_size)
+  if cache_path is not None:
+    tok.save(cache_path)
+    logging.info("Trained BPE tokenizer (vocab %d) saved to %s", tok.vocab_size, cache_path)
+  return tok

@@ -1,0 +1,116 @@
+"""Tests for jaxsys.data.corpus: sources, stable hash splits, one-line errors."""
+
+import collections
+import pathlib
+
+import pytest
+
+from jaxsys.data import corpus
+
+
+def _write_tree(root: pathlib.Path, n: int = 300) -> list[pathlib.Path]:
+  paths = []
+  for i in range(n):
+    p = root / f"d{i % 7}" / f"doc{i}.txt"
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(f"document {i}\n")
+    paths.append(p)
+  return paths
+
+
+def test_directory_splits_are_stable_disjoint_and_cover(tmp_path):
+  written = _write_tree(tmp_path)
+  (tmp_path / ".hidden").write_text("secret")
+  (tmp_path / ".git").mkdir()
+  (tmp_path / ".git" / "HEAD").write_text("ref")
+  (tmp_path / "__pycache__").mkdir()
+  (tmp_path / "__pycache__" / "x.pyc").write_bytes(b"\x00\xff")
+  splits = {s: corpus.list_documents(str(tmp_path), s) for s in ("train", "val", "test")}
+  everything = corpus.list_documents(str(tmp_path), "all")
+  assert everything == sorted(written)  # hidden files/dirs and caches are skipped
+  for s, paths in splits.items():
+    assert paths == corpus.list_documents(str(tmp_path), s)  # same answer twice
+    assert paths == sorted(paths)
+  sets = [set(p) for p in splits.values()]
+  assert sum(len(s) for s in sets) == len(set().union(*sets))  # disjoint
+  assert set().union(*sets) == set(everything)
+
+
+def test_split_depends_on_relative_path_only(tmp_path):
+  _write_tree(tmp_path / "a", 300)
+  _write_tree(tmp_path / "b" / "deeper", 300)
+  val_a = [p.relative_to(tmp_path / "a") for p in corpus.list_documents(str(tmp_path / "a"), "val")]
+  val_b = [p.relative_to(tmp_path / "b" / "deeper") for p in corpus.list_documents(str(tmp_path / "b" / "deeper"), "val")]
+  assert val_a == val_b and val_a
+
+
+def test_glob_source(tmp_path):
+  _write_tree(tmp_path, 50)
+  (tmp_path / "d0" / "other.md").write_text("# md")
+  files = corpus.list_documents(str(tmp_path / "**" / "*.txt"), "all")
+  assert len(files) == 50 and all(p.suffix == ".txt" for p in files)
+  # Same relative paths as the directory source -> same split assignment.
+  by_dir = corpus.list_documents(str(tmp_path), "train")
+  by_glob = corpus.list_documents(str(tmp_path / "**" / "*.txt"), "train")
+  assert by_glob == [p for p in by_dir if p.suffix == ".txt"]
+
+
+def test_single_file_source(tmp_path):
+  p = tmp_path / "one.txt"
+  p.write_text("hello")
+  assert corpus.list_documents(str(p), "all") == [p]
+
+
+def test_read_documents_skips_empty_and_non_utf8(tmp_path):
+  (tmp_path / "a.txt").write_bytes("héllo".encode())
+  (tmp_path / "b.txt").write_bytes(b"")
+  (tmp_path / "c.bin").write_bytes(b"\xff\xfe\x00")
+  docs = corpus.read_documents(corpus.list_documents(str(tmp_path), "all"))
+  assert docs == ["héllo".encode()]
+
+
+@pytest.mark.parametrize(
+    "make_source, message",
+    [
+        (lambda tmp: str(tmp / "nope"), "no such directory or file pattern"),
+        (lambda tmp: (tmp / "empty").mkdir() or str(tmp / "empty"), "directory has no"),
+        (lambda tmp: str(tmp / "**" / "*.nothing"), "glob matches no files"),
+    ],
+)
+def test_bad_source_errors_name_the_field(tmp_path, make_source, message):
+  source = make_source(tmp_path)
+  with pytest.raises(ValueError) as e:
+    corpus.list_documents(source, "train")
+  text = str(e.value)
+  assert "data.source" in text and repr(source) in text and message in text
+  assert "\n" not in text
+
+
+def test_empty_split_and_unknown_split(tmp_path):
+  (tmp_path / "only.txt").write_text("x")
+  raised = []
+  for split in ("train", "val", "test"):
+    try:
+      corpus.list_documents(str(tmp_path), split)
+    except ValueError as e:
+      assert f"has no files in split {split!r}" in str(e) and "data.source=" in str(e)
+      raised.append(split)
+  assert len(raised) == 2  # the one document lands in exactly one split
+  with pytest.raises(ValueError, match="split='dev'.*'train', 'val', 'test', 'all'"):
+    corpus.list_documents(str(tmp_path), "dev")
+
+
+def test_stdlib_split_is_disjoint_stable_and_about_96_2_2():
+  root = corpus.stdlib_root()
+  splits = {s: corpus.list_documents("stdlib", s) for s in ("train", "val", "test")}
+  everything = corpus.list_documents("stdlib", "all")
+  assert all(p.suffix == ".py" for p in everything)
+  assert not any("site-packages" in p.parts or "dist-packages" in p.parts for p in everything)
+  assert all(root in p.parents for p in everything)
+  assert splits["val"] == corpus.list_documents("stdlib", "val")
+  counts = collections.Counter({s: len(v) for s, v in splits.items()})
+  assert sum(counts.values()) == len(everything) == len(set().union(*map(set, splits.values())))
+  n = len(everything)
+  assert n > 500
+  for s in ("val", "test"):
+    assert 0.01 < counts[s] / n < 0.035, counts
