@@ -1,0 +1,64 @@
+"""A small decoder-only LM on the Python standard library's source, byte-level.
+
+Run:
+  python -m experiments.train --config=configs/tiny_lm.py --workdir=/tmp/jaxsys_tiny
+  python -m experiments.train --config=configs/tiny_lm.py:size=small --workdir=/tmp/jaxsys_small
+  python -m experiments.train --config=configs/tiny_lm.py --config.total_steps=30 --workdir=...
+
+Sizes: `tiny` (default, about 8 minutes on a 2-core CPU), `small` (a longer CPU
+or a short GPU run) and `test` (seconds; for the test suite).
+"""
+import ml_collections
+
+SIZES = {
+    #        d_model layers heads kv  d_ff  seq  batch steps
+    "test": (64, 2, 4, 2, 128, 64, 16, 20),
+    "tiny": (256, 4, 4, 2, 768, 256, 32, 300),
+    "small": (512, 8, 8, 4, 1536, 512, 32, 2000),
+}
+
+
+def _parse(arg: str | None) -> dict[str, str]:
+  """'size=small' or 'small' -> {'size': 'small'}."""
+  out = {}
+  for item in filter(None, (arg or "").split(",")):
+    key, _, value = item.rpartition("=")
+    out[key or "size"] = value
+  return out
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  args = _parse(arg)
+  unknown = set(args) - {"size"}
+  if unknown:
+    raise ValueError(f"configs/tiny_lm.py: unknown argument(s) {sorted(unknown)}; valid: size")
+  size = args.get("size", "tiny")
+  if size not in SIZES:
+    raise ValueError(f"configs/tiny_lm.py: size={size!r} is unknown; valid: {sorted(SIZES)}")
+  d_model, n_layers, n_heads, n_kv, d_ff, seq_len, batch, steps = SIZES[size]
+
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+  c.total_steps = steps
+  c.log_every = max(1, steps // 30)
+  c.eval_every = max(1, steps // 3)
+  c.eval_steps = 4
+  c.checkpoint_every = max(1, steps // 3)
+  c.keep_checkpoints = 3
+  c.mesh = "data=-1"  # e.g. "fsdp=8" or "data=2,tensor=4"; see jaxsys/mesh.py
+
+  c.model = ml_collections.ConfigDict(dict(
+      vocab_size=256, d_model=d_model, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv,
+      head_dim=None, d_ff=d_ff, rope_theta=10_000.0, norm_eps=1e-6, tie_embeddings=False,
+      dtype="float32", param_dtype="float32", attention_impl="auto", remat="none"))
+  # head_dim may be set to an int later; a None default would otherwise lock its type.
+  c.model = ml_collections.ConfigDict(c.model.to_dict(), type_safe=False)
+
+  c.data = ml_collections.ConfigDict(dict(
+      source="stdlib", tokenizer="byte", vocab_size=256, seq_len=seq_len, batch_size=batch,
+      num_threads=2))
+
+  c.optimizer = ml_collections.ConfigDict(dict(
+      name="adamw", learning_rate=3e-3, warmup_steps=max(1, steps // 20), final_lr_fraction=0.1,
+      b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, grad_clip=1.0, grad_accum_steps=1))
+  return c

@@ -1,0 +1,66 @@
+r"""Trains a language model from an ml_collections config.
+
+  python -m experiments.train --config=configs/tiny_lm.py --workdir=/tmp/jaxsys_tiny
+  python -m experiments.train --config=configs/tiny_lm.py:size=small --config.total_steps=30 \
+      --config.mesh=fsdp=-1 --workdir=/tmp/jaxsys_small
+
+Re-running with the same --workdir resumes from its latest checkpoint.
+Several processes (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID, or a
+cluster jax detects by itself) join one run through jax.distributed.
+"""
+import os
+import sys
+
+import jax
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from jaxsys.train.loop import train_and_evaluate
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (:arg optional).",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints and metrics.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+_MULTI_PROCESS_ENV = ("JAX_COORDINATOR_ADDRESS", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE",
+                      "TPU_WORKER_HOSTNAMES")
+
+
+def maybe_initialize_distributed() -> None:
+  """Joins a multi-process run when the environment announces one."""
+  if not any(os.environ.get(k) for k in _MULTI_PROCESS_ENV):
+    return
+  kwargs = {}
+  if os.environ.get("JAX_COORDINATOR_ADDRESS"):
+    kwargs = dict(coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
+                  num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
+                  process_id=int(os.environ["JAX_PROCESS_ID"]))
+  jax.distributed.initialize(**kwargs)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  maybe_initialize_distributed()
+  config = _CONFIG.value
+  logging.info("jax %s, backend %s, %d devices (%d local), process %d of %d", jax.__version__,
+               jax.default_backend(), jax.device_count(), jax.local_device_count(),
+               jax.process_index(), jax.process_count())
+  logging.info("config:\n%s", config)
+  try:
+    result = train_and_evaluate(config, _WORKDIR.value)
+  except ValueError as e:  # bad input: one line, no traceback
+    logging.error("%s", e)
+    sys.exit(f"error: {e}")
+  if jax.process_index() == 0:
+    print(f"done at step {result['step']}" +
+          (f", val_bpb={result['val_bpb']:.4f}" if "val_bpb" in result else ""))
+    print(f"metrics:     {result['metrics']}")
+    if result.get("tensorboard"):
+      print(f"tensorboard: {result['tensorboard']}")
+    print(f"checkpoints: {result['checkpoints']}")
+
+
+if __name__ == "__main__":
+  jax.config.config_with_absl()
+  app.run(main)

@@ -1,0 +1,83 @@
+"""Attention with segment ids (packed documents), causal masking and GQA.
+
+One entry point, `attention(q, k, v, ...)`, dispatching on `impl`. This module
+currently provides the obviously-correct `impl="reference"`; the Pallas and
+blockwise-XLA paths are tracked by their own issue and plug in here.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+IMPLS = ("auto", "reference")
+
+
+def _check_inputs(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids) -> tuple:
+  """Validates shapes; returns (q_segment_ids, kv_segment_ids) or (None, None)."""
+  if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+    raise ValueError(
+        f"attention: q, k, v must be rank 4 [B, T, H, D]; got q{q.shape} k{k.shape} v{v.shape}")
+  (b, t, hq, d), (bk, s, hkv, dk) = q.shape, k.shape
+  if k.shape != v.shape or b != bk or d != dk:
+    raise ValueError(
+        f"attention: k and v must be [B={b}, S, Hkv, D={d}] matching q{q.shape}; "
+        f"got k{k.shape} v{v.shape}")
+  if hq % hkv:
+    raise ValueError(
+        f"attention: q heads ({hq}) must be a multiple of k/v heads ({hkv}); got q{q.shape} k{k.shape}")
+  if segment_ids is None:
+    return None, None
+  if isinstance(segment_ids, (tuple, list)):
+    q_seg, kv_seg = segment_ids
+  else:
+    if t != s:
+      raise ValueError(
+          f"attention: a single segment_ids array needs T == S; got T={t}, S={s}; "
+          "pass a pair (q_segment_ids, kv_segment_ids)")
+    q_seg = kv_seg = segment_ids
+  for name, seg, n in (("q_segment_ids", q_seg, t), ("kv_segment_ids", kv_seg, s)):
+    if seg.shape != (b, n) or not jnp.issubdtype(seg.dtype, jnp.integer):
+      raise ValueError(
+          f"attention: {name} must be an integer array of shape {(b, n)}; got {seg.dtype}{seg.shape}")
+  return q_seg, kv_seg
+
+
+def reference_attention(q, k, v, *, segment_ids=None, causal=True, sm_scale=None):
+  """softmax(q k^T * scale + mask) v, materialising the [B, H, T, S] scores."""
+  q_seg, kv_seg = _check_inputs(q, k, v, segment_ids)
+  b, t, hq, d = q.shape
+  s, hkv = k.shape[1], k.shape[2]
+  scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+  q_BTKGD = q.reshape(b, t, hkv, hq // hkv, d)
+  scores = jnp.einsum("btkgd,bskd->bkgts", q_BTKGD, k, preferred_element_type=jnp.float32)
+  scores = scores * scale
+  mask = jnp.ones((b, t, s), dtype=bool)
+  if causal:
+    # Queries are aligned to the end of the keys, so T < S is decoding with a cache.
+    mask &= (jnp.arange(t)[:, None] + (s - t)) >= jnp.arange(s)[None, :]
+  if q_seg is not None:
+    mask &= q_seg[:, :, None] == kv_seg[:, None, :]
+  mask = mask[:, None, None]  # broadcast over kv heads and the group
+  scores = jnp.where(mask, scores, -jnp.inf)
+  row_max = jnp.max(scores, axis=-1, keepdims=True)
+  # A fully masked row (e.g. padding with no partner) must give zeros, not NaN.
+  row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+  p = jnp.where(mask, jnp.exp(scores - row_max), 0.0)
+  denom = jnp.sum(p, axis=-1, keepdims=True)
+  p = p / jnp.where(denom == 0, 1.0, denom)
+  out = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+  return out.reshape(b, t, hq, d).astype(q.dtype)
+
+
+def attention(q, k, v, *, segment_ids=None, causal: bool = True, sm_scale: float | None = None,
+              impl: str = "auto") -> jax.Array:
+  """Multi-head attention; q [B,T,Hq,D], k/v [B,S,Hkv,D] -> [B,T,Hq,D] in q.dtype.
+
+  segment_ids: None, [B, T] int (self-attention) or a pair ([B, T], [B, S]);
+  tokens attend only to keys with an equal id.
+  """
+  if impl not in IMPLS:
+    raise ValueError(f"attention: impl={impl!r} is not available; choose one of {IMPLS}")
+  return reference_attention(q, k, v, segment_ids=segment_ids, causal=causal, sm_scale=sm_scale)

@@ -1,0 +1,127 @@
+"""Metrics: JSON lines + TensorBoard files, a progress display, and measured matmul peak for MFU."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from absl import logging
+
+
+class MetricWriter:
+  """Appends one JSON object per line to `<workdir>/metrics.jsonl` and mirrors scalars to TensorBoard.
+
+  TensorBoard files go to `<workdir>/tensorboard` when tensorboardX is installed
+  (`pip install 'jaxsys[tb]'`). Only process 0 writes.
+  """
+
+  def __init__(self, workdir: str, *, tensorboard: bool = True):
+    self.enabled = jax.process_index() == 0
+    self.path = os.path.join(workdir, "metrics.jsonl")
+    self.tb_dir = None
+    self._tb = None
+    if not self.enabled:
+      return
+    os.makedirs(workdir, exist_ok=True)
+    self._file = open(self.path, "a", encoding="utf-8")
+    if tensorboard:
+      try:
+        from tensorboardX import SummaryWriter
+      except ImportError:
+        logging.warning("tensorboardX is not installed; TensorBoard files are off "
+                        "(pip install 'jaxsys[tb]'). metrics.jsonl is still written.")
+      else:
+        self.tb_dir = os.path.join(workdir, "tensorboard")
+        self._tb = SummaryWriter(self.tb_dir)
+
+  def write(self, step: int, metrics: dict[str, Any]) -> None:
+    if not self.enabled:
+      return
+    row = {"step": int(step), **{k: _to_python(v) for k, v in metrics.items()}}
+    self._file.write(json.dumps(row) + "\n")
+    self._file.flush()
+    if self._tb is not None:
+      for k, v in row.items():
+        if k != "step" and isinstance(v, (int, float)):
+          self._tb.add_scalar(k, v, int(step))
+
+  def close(self) -> None:
+    if not self.enabled:
+      return
+    self._file.close()
+    if self._tb is not None:
+      self._tb.close()
+
+
+def _to_python(v):
+  v = v.item() if hasattr(v, "item") else v
+  if isinstance(v, float) and not math.isfinite(v):
+    return str(v)  # JSON has no NaN/Inf; keep the row parseable
+  return v
+
+
+def read_metrics(workdir: str) -> list[dict[str, Any]]:
+  """All rows of `<workdir>/metrics.jsonl`."""
+  with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+class Progress:
+  """A tqdm bar on a terminal; periodic log lines otherwise (files, CI, notebooks' logs)."""
+
+  def __init__(self, total: int, initial: int = 0, *, log_every_s: float = 10.0, tty: bool | None = None):
+    tty = sys.stderr.isatty() if tty is None else tty
+    self.total, self.step, self._last_log = total, initial, 0.0
+    self.log_every_s = log_every_s
+    self._bar = None
+    if tty and jax.process_index() == 0:
+      from tqdm import tqdm
+      self._bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
+
+  def update(self, step: int, **info: float) -> None:
+    text = ", ".join(f"{k}={_fmt(v)}" for k, v in info.items())
+    if self._bar is not None:
+      self._bar.update(step - self.step)
+      if info:
+        self._bar.set_postfix_str(text, refresh=False)
+    elif info and time.monotonic() - self._last_log >= self.log_every_s:
+      self._last_log = time.monotonic()
+      logging.info("step %d/%d  %s", step, self.total, text)
+    self.step = step
+
+  def close(self) -> None:
+    if self._bar is not None:
+      self._bar.close()
+
+
+def _fmt(v: float) -> str:
+  if isinstance(v, int) or abs(v) >= 1000:
+    return f"{v:,.0f}"
+  return f"{v:.3g}" if abs(v) < 0.1 else f"{v:.3f}"
+
+
+def measure_matmul_flops(dtype: str = "float32", n: int = 2048, repeats: int = 5,
+                         device: jax.Device | None = None) -> float:
+  """Measured FLOP/s of one square matmul on one device: the peak MFU is reported against."""
+  device = device or jax.local_devices()[0]
+  a = jax.device_put(jnp.ones((n, n), dtype), device)
+  f = jax.jit(lambda x, y: x @ y)
+  f(a, a).block_until_ready()
+  best = math.inf
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    f(a, a).block_until_ready()
+    best = min(best, time.perf_counter() - t0)
+  return 2.0 * n ** 3 / best
+
+
+def peak_flops(dtype: str = "float32") -> float:
+  """Peak FLOP/s of all devices, measured. Simulated CPU devices share the host's cores,
+  so on CPU the single measurement is the whole machine's peak."""
+  one = measure_matmul_flops(dtype)
+  return one if jax.default_backend() == "cpu" else one * jax.device_count()

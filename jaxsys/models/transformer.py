@@ -1,0 +1,244 @@
+"""Decoder-only transformer LM (Flax NNX): RMSNorm, RoPE, SwiGLU, grouped-query attention.
+
+The transformer layers are STACKED: every layer parameter has a leading `layers`
+axis and the stack is applied with `jax.lax.scan`, so a parallel strategy is just
+another view of the same arrays (pipeline: [stage, layers/stage, ...]). Every
+parameter carries `logical_axes` metadata, mapped to mesh axes by `jaxsys.mesh`.
+
+Example:
+  cfg = TransformerConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=256)
+  model = Transformer(cfg, rngs=nnx.Rngs(0))
+  logits = model(tokens_BT, positions_BT, segment_ids_BT)   # [B, T, vocab] float32
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxsys.kernels import attention as attention_lib
+
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+  vocab_size: int = 256
+  d_model: int = 256
+  n_layers: int = 4
+  n_heads: int = 4
+  n_kv_heads: int = 4
+  head_dim: int | None = None  # default d_model // n_heads
+  d_ff: int = 1024
+  rope_theta: float = 10_000.0
+  norm_eps: float = 1e-6
+  tie_embeddings: bool = False
+  dtype: str = "float32"  # compute dtype
+  param_dtype: str = "float32"
+  attention_impl: str = "auto"
+  remat: str = "none"  # one of REMAT_POLICIES
+
+  def __post_init__(self):
+    if self.n_heads % self.n_kv_heads:
+      raise ValueError(
+          f"model.n_heads={self.n_heads} must be a multiple of model.n_kv_heads={self.n_kv_heads}")
+    if self.head_dim is None and self.d_model % self.n_heads:
+      raise ValueError(
+          f"model.d_model={self.d_model} must divide by model.n_heads={self.n_heads} "
+          "(or set model.head_dim)")
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"model.remat={self.remat!r}; valid: {sorted(REMAT_POLICIES)}")
+    for field in ("dtype", "param_dtype"):
+      try:
+        jnp.dtype(getattr(self, field))
+      except TypeError:
+        raise ValueError(f"model.{field}={getattr(self, field)!r} is not a dtype name "
+                         "such as 'float32' or 'bfloat16'") from None
+
+  @property
+  def hd(self) -> int:
+    return self.head_dim or self.d_model // self.n_heads
+
+  @classmethod
+  def from_config(cls, cfg) -> "TransformerConfig":
+    """Builds from a mapping or ConfigDict with the same field names."""
+    d = dict(cfg.to_dict() if hasattr(cfg, "to_dict") else cfg)
+    return cls(**d)
+
+
+def _param(rngs: nnx.Rngs, init, shape, axes: tuple[str, ...], dtype) -> nnx.Param:
+  assert len(shape) == len(axes), (shape, axes)
+  return nnx.Param(init(rngs.params(), shape, dtype), logical_axes=axes)
+
+
+def _dense_init(in_axis, out_axis, scale=1.0):
+  # Stacked weights: axis 0 is `layers`, a batch axis for fan computation.
+  return jax.nn.initializers.variance_scaling(
+      scale, "fan_in", "truncated_normal", in_axis=in_axis, out_axis=out_axis, batch_axis=0)
+
+
+def rms_norm(x, scale, eps):
+  x32 = x.astype(jnp.float32)
+  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return (y * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x_BTHD, positions_BT, theta: float):
+  """Rotary embedding (rotate-half form) at arbitrary per-token positions."""
+  d = x_BTHD.shape[-1]
+  freqs = theta ** (-jnp.arange(0, d // 2, dtype=jnp.float32) * 2.0 / d)
+  angles = positions_BT.astype(jnp.float32)[:, :, None, None] * freqs  # [B, T, 1, D/2]
+  sin, cos = jnp.sin(angles), jnp.cos(angles)
+  x1, x2 = jnp.split(x_BTHD.astype(jnp.float32), 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_BTHD.dtype)
+
+
+def block(p: dict[str, jax.Array], x_BTD, positions_BT, segment_ids_BT, cfg: TransformerConfig,
+          attention_fn: Callable):
+  """One pre-norm decoder layer on ONE layer's parameters (no leading `layers` axis)."""
+  dt = jnp.dtype(cfg.dtype)
+  h = rms_norm(x_BTD, p["attn_norm"], cfg.norm_eps)
+  q = jnp.einsum("btd,dhk->bthk", h, p["wq"].astype(dt))
+  k = jnp.einsum("btd,dhk->bthk", h, p["wk"].astype(dt))
+  v = jnp.einsum("btd,dhk->bthk", h, p["wv"].astype(dt))
+  q, k = rope(q, positions_BT, cfg.rope_theta), rope(k, positions_BT, cfg.rope_theta)
+  o = attention_fn(q, k, v, segment_ids=segment_ids_BT, causal=True)
+  x_BTD = x_BTD + jnp.einsum("bthk,hkd->btd", o, p["wo"].astype(dt))
+  h = rms_norm(x_BTD, p["mlp_norm"], cfg.norm_eps)
+  gate = jnp.einsum("btd,df->btf", h, p["w_gate"].astype(dt))
+  up = jnp.einsum("btd,df->btf", h, p["w_up"].astype(dt))
+  return x_BTD + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, p["w_down"].astype(dt))
+
+
+class DecoderLayers(nnx.Module):
+  """All transformer layers, each parameter stacked on a leading `layers` axis."""
+
+  def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs):
+    L, D, F, H, K, hd = (cfg.n_layers, cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.n_kv_heads, cfg.hd)
+    pdt = jnp.dtype(cfg.param_dtype)
+    ones = lambda key, shape, dtype: jnp.ones(shape, dtype)
+    self.attn_norm = _param(rngs, ones, (L, D), ("layers", "embed"), pdt)
+    self.wq = _param(rngs, _dense_init(1, (2, 3)), (L, D, H, hd),
+                     ("layers", "embed", "heads", "head_dim"), pdt)
+    self.wk = _param(rngs, _dense_init(1, (2, 3)), (L, D, K, hd),
+                     ("layers", "embed", "kv_heads", "head_dim"), pdt)
+    self.wv = _param(rngs, _dense_init(1, (2, 3)), (L, D, K, hd),
+                     ("layers", "embed", "kv_heads", "head_dim"), pdt)
+    self.wo = _param(rngs, _dense_init((1, 2), 3), (L, H, hd, D),
+                     ("layers", "heads", "head_dim", "embed"), pdt)
+    self.mlp_norm = _param(rngs, ones, (L, D), ("layers", "embed"), pdt)
+    self.w_gate = _param(rngs, _dense_init(1, 2), (L, D, F), ("layers", "embed", "mlp"), pdt)
+    self.w_up = _param(rngs, _dense_init(1, 2), (L, D, F), ("layers", "embed", "mlp"), pdt)
+    self.w_down = _param(rngs, _dense_init(1, 2), (L, F, D), ("layers", "mlp", "embed"), pdt)
+
+  def stacked(self) -> dict[str, jax.Array]:
+    return {name: v[...] for name, v in vars(self).items() if isinstance(v, nnx.Param)}
+
+  def __call__(self, x_BTD, positions_BT, segment_ids_BT, cfg: TransformerConfig,
+               attention_fn: Callable):
+    layer = functools.partial(block, cfg=cfg, attention_fn=attention_fn)
+    if REMAT_POLICIES[cfg.remat] is not None:
+      layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat])
+
+    def body(x, p):
+      return layer(p, x, positions_BT, segment_ids_BT), None
+
+    x_BTD, _ = jax.lax.scan(body, x_BTD, self.stacked())
+    return x_BTD
+
+
+class Transformer(nnx.Module):
+  """Decoder-only LM: tokens [B, T] -> logits [B, T, vocab] (float32)."""
+
+  def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    pdt = jnp.dtype(cfg.param_dtype)
+    V, D = cfg.vocab_size, cfg.d_model
+    self.embedding = _param(rngs, jax.nn.initializers.normal(1.0), (V, D), ("vocab", "embed"), pdt)
+    self.layers = DecoderLayers(cfg, rngs)
+    self.final_norm = _param(rngs, lambda k, s, d: jnp.ones(s, d), (D,), ("embed",), pdt)
+    if not cfg.tie_embeddings:
+      self.unembedding = _param(rngs, jax.nn.initializers.normal(D ** -0.5), (D, V),
+                                ("embed", "vocab"), pdt)
+
+  def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None,
+               attention_fn: Callable | None = None):
+    cfg = self.cfg
+    dt = jnp.dtype(cfg.dtype)
+    if positions_BT is None:
+      positions_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
+    if attention_fn is None:
+      attention_fn = functools.partial(attention_lib.attention, impl=cfg.attention_impl)
+    embedding = self.embedding[...]
+    x_BTD = jnp.take(embedding, tokens_BT, axis=0).astype(dt)
+    x_BTD = self.layers(x_BTD, positions_BT, segment_ids_BT, cfg, attention_fn)
+    x_BTD = rms_norm(x_BTD, self.final_norm[...], cfg.norm_eps)
+    if cfg.tie_embeddings:
+      # N(0, 1) embeddings: scale so tied logits start at unit variance like untied ones.
+      w_DV = embedding.T * (cfg.d_model ** -0.5)
+    else:
+      w_DV = self.unembedding[...]
+    return jnp.einsum("btd,dv->btv", x_BTD, w_DV.astype(dt), preferred_element_type=jnp.float32)
+
+
+def logical_axes(model: nnx.Module) -> dict[str, Any]:
+  """Pure-dict tree of each parameter's logical axis names, matching `param_dict(model)`."""
+  state = nnx.state(model, nnx.Param)
+  axes = jax.tree.map(lambda v: v.get_metadata()["logical_axes"], state,
+                      is_leaf=lambda x: isinstance(x, nnx.Variable))
+  return nnx.to_pure_dict(axes) if hasattr(nnx, "to_pure_dict") else axes.to_pure_dict()
+
+
+def param_count(cfg: TransformerConfig, *, include_embedding: bool = True) -> int:
+  L, D, F, H, K, hd, V = (cfg.n_layers, cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.n_kv_heads, cfg.hd,
+                          cfg.vocab_size)
+  per_layer = 2 * D + D * H * hd + 2 * D * K * hd + H * hd * D + 3 * D * F
+  n = L * per_layer + D + (0 if cfg.tie_embeddings else D * V)
+  return n + (V * D if include_embedding else 0)
+
+
+def train_flops_per_token(cfg: TransformerConfig, seq_len: int) -> float:
+  """Matmul FLOPs of one training token (forward + backward = 3x forward), PaLM convention.
+
+  Counts every matmul weight once (the embedding lookup is not a matmul, the output
+  projection is) plus attention's QK^T and PV over the full [T, T] square.
+  """
+  L, D, F, H, K, hd, V = (cfg.n_layers, cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.n_kv_heads, cfg.hd,
+                          cfg.vocab_size)
+  matmul_params = L * (D * H * hd + 2 * D * K * hd + H * hd * D + 3 * D * F) + D * V
+  attention = L * 2 * H * hd * seq_len  # QK^T and PV, per token, multiply-adds
+  return 6.0 * matmul_params + 6.0 * attention
+
+
+# Pure-function view of the model, used by the trainer and parallel strategies:
+# parameters are a plain nested dict of arrays, the NNX graph is rebuilt per trace.
+
+@functools.lru_cache(maxsize=None)
+def _abstract_model(cfg: TransformerConfig):
+  return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+
+
+def init_params(cfg: TransformerConfig, key: jax.Array) -> dict[str, Any]:
+  """Fresh parameters as a nested dict of arrays (jit it with out_shardings to init sharded)."""
+  return nnx.state(Transformer(cfg, rngs=nnx.Rngs(params=key)), nnx.Param).to_pure_dict()
+
+
+def param_axes(cfg: TransformerConfig) -> dict[str, Any]:
+  """Logical axis names of every parameter, a dict matching `init_params`."""
+  return logical_axes(_abstract_model(cfg))
+
+
+def apply(cfg: TransformerConfig, params: dict[str, Any], tokens_BT, positions_BT=None,
+          segment_ids_BT=None, attention_fn: Callable | None = None) -> jax.Array:
+  """Logits [B, T, vocab] float32 from a parameter dict; see `Transformer.__call__`."""
+  model = nnx.merge(nnx.graphdef(_abstract_model(cfg)), params)
+  return model(tokens_BT, positions_BT, segment_ids_BT, attention_fn)

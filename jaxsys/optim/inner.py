@@ -1,0 +1,38 @@
+"""Inner (per-worker) optimizer: AdamW with linear warmup, cosine decay and clipping."""
+from __future__ import annotations
+
+import jax
+import optax
+
+OPTIMIZERS = ("adamw",)
+
+
+def make_schedule(cfg, total_steps: int) -> optax.Schedule:
+  """Linear warmup to `learning_rate`, cosine decay to `learning_rate * final_lr_fraction`."""
+  warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
+  return optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=cfg.learning_rate, warmup_steps=warmup,
+      decay_steps=max(total_steps, warmup + 1), end_value=cfg.learning_rate * cfg.final_lr_fraction)
+
+
+def decay_mask(params):
+  """Weight decay on weight matrices only; norm scales (named `*norm*`) are exempt.
+
+  Decided by name, not ndim, because stacked norm scales are [layers, D] matrices.
+  """
+  def decays(path, _):
+    return not any("norm" in str(getattr(k, "key", k)) for k in path)
+  return jax.tree_util.tree_map_with_path(decays, params)
+
+
+def make_optimizer(cfg, total_steps: int) -> optax.GradientTransformation:
+  """The optimizer named by `cfg.name` (fields: see configs/tiny_lm.py `optimizer`)."""
+  if cfg.name not in OPTIMIZERS:
+    raise ValueError(f"optimizer.name={cfg.name!r} is unknown; valid: {OPTIMIZERS}")
+  if cfg.learning_rate <= 0:
+    raise ValueError(f"optimizer.learning_rate={cfg.learning_rate} must be > 0")
+  return optax.chain(
+      optax.clip_by_global_norm(cfg.grad_clip),
+      optax.adamw(make_schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                  weight_decay=cfg.weight_decay, mask=decay_mask),
+  )

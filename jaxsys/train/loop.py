@@ -1,0 +1,200 @@
+"""train_and_evaluate: the training loop around the pure step (data, checkpoints, metrics)."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import signal
+import time
+from typing import Any, Iterator
+
+import jax
+import numpy as np
+from absl import logging
+from jax.sharding import NamedSharding
+
+from jaxsys import mesh as mesh_lib
+from jaxsys import metrics as metrics_lib
+from jaxsys.checkpoint.manager import Checkpointer, check_same_model
+from jaxsys.data.loader import make_loader
+from jaxsys.models import transformer
+from jaxsys.optim.inner import make_optimizer, make_schedule
+from jaxsys.train import state as state_lib
+from jaxsys.train import step as step_lib
+
+# Model fields that change parameter shapes or types; the others (attention_impl,
+# remat, compute dtype) may differ between a run and its resumption.
+SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
+                "tie_embeddings", "param_dtype")
+
+
+class NonFiniteLossError(FloatingPointError):
+  """The loss or gradient norm became NaN or Inf; the run stops without saving."""
+
+
+@contextlib.contextmanager
+def _sigterm_flag() -> Iterator[list[bool]]:
+  """Turns SIGTERM into a flag the loop polls, so it can save and exit cleanly."""
+  flag = [False]
+
+  def handler(signum, frame):
+    logging.warning("SIGTERM received: saving a checkpoint and stopping.")
+    flag[0] = True
+
+  try:
+    previous = signal.signal(signal.SIGTERM, handler)
+  except ValueError:  # not the main thread (e.g. some notebook runners): no handler
+    yield flag
+    return
+  try:
+    yield flag
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+
+
+def _check_batch_layout(config, mesh) -> None:
+  batch, accum = config.data.batch_size, config.optimizer.grad_accum_steps
+  shards = math.prod(mesh.shape[a] for a in ("replica", "data", "fsdp") if a in mesh.shape)
+  if accum < 1 or batch % accum or (batch // accum) % shards:
+    raise ValueError(
+        f"data.batch_size={batch} must split into optimizer.grad_accum_steps={accum} microbatches "
+        f"whose size divides over the {shards} batch shards of mesh {mesh_lib.describe(mesh)}")
+  if batch % jax.process_count():
+    raise ValueError(f"data.batch_size={batch} must divide over {jax.process_count()} processes")
+
+
+def _global_batch(local: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
+  return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items()}
+
+
+def evaluate(eval_fn, params, loader, start_state: dict, steps: int, sharding) -> dict[str, float]:
+  """val_loss and val_bpb over the first `steps` batches of `loader` (rewound to `start_state`)."""
+  loader.set_state(start_state)
+  sums = None
+  for _, batch in zip(range(steps), loader):
+    out = eval_fn(params, _global_batch(batch, sharding))
+    sums = out if sums is None else jax.tree.map(lambda a, b: a + b, sums, out)
+  if sums is None:
+    raise ValueError("the val split gave no batch; lower data.batch_size or data.seq_len")
+  return step_lib.summarize_eval({k: float(v) for k, v in jax.device_get(sums).items()})
+
+
+def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
+  """Trains `config` in `workdir`, resuming from its latest checkpoint; returns final metrics."""
+  workdir = os.path.abspath(workdir)
+  mesh = mesh_lib.make_mesh(config.mesh)
+  _check_batch_layout(config, mesh)
+  model_cfg = transformer.TransformerConfig.from_config(config.model)
+  logging.info("mesh: %s", mesh_lib.describe(mesh))
+
+  loader_kw = dict(process_index=jax.process_index(), process_count=jax.process_count(),
+                   workdir=workdir)
+  train_loader = make_loader(config.data, "train", batch_size=config.data.batch_size,
+                             seed=config.seed, **loader_kw)
+  tokenizer = train_loader.tokenizer
+  if tokenizer.vocab_size > model_cfg.vocab_size:
+    raise ValueError(f"model.vocab_size={model_cfg.vocab_size} is smaller than the "
+                     f"{config.data.tokenizer} tokenizer's {tokenizer.vocab_size} tokens")
+  eval_batch = config.data.batch_size // config.optimizer.grad_accum_steps
+  val_loader = make_loader(config.data, "val", batch_size=eval_batch, seed=config.seed,
+                           shuffle=False, repeat=False, tokenizer=tokenizer, **loader_kw)
+  val_start = val_loader.get_state()
+
+  optimizer = make_optimizer(config.optimizer, config.total_steps)
+  schedule = make_schedule(config.optimizer, config.total_steps)
+  abstract = state_lib.abstract_train_state(model_cfg, optimizer, config.seed)
+  state_sh = state_lib.state_shardings(abstract, model_cfg, optimizer, mesh)
+  batch_sh = mesh_lib.batch_sharding(mesh)
+  train_fn = step_lib.jit_train_step(model_cfg, optimizer, state_sh, batch_sh,
+                                     config.optimizer.grad_accum_steps)
+  eval_fn = step_lib.jit_eval_step(model_cfg, state_sh.params, batch_sh, tokenizer.token_bytes())
+
+  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.keep_checkpoints)
+  model_meta = dataclasses.asdict(model_cfg)
+  latest = ckpt.latest_step()
+  if latest is not None:
+    check_same_model(ckpt.read_meta(latest)["model"], model_meta, ckpt.directory, SHAPE_FIELDS)
+    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          abstract, state_sh)
+    state, data_state = ckpt.restore(latest, target)
+    train_loader.set_state(data_state)
+    logging.info("resumed from %s at step %d", ckpt.directory, latest)
+  else:
+    state = jax.jit(lambda: state_lib.init_train_state(model_cfg, optimizer, config.seed),
+                    out_shardings=state_sh)()
+  meta = {"model": model_meta, "config": config.to_dict()}
+
+  n_params = transformer.param_count(model_cfg)
+  flops_per_token = transformer.train_flops_per_token(model_cfg, config.data.seq_len)
+  peak = metrics_lib.peak_flops(model_cfg.dtype)
+  logging.info("model: %.2fM parameters, %.1f MFLOP per training token; measured matmul peak "
+               "%.1f GFLOP/s", n_params / 1e6, flops_per_token / 1e6, peak / 1e9)
+  tokens_per_step = config.data.batch_size * config.data.seq_len
+
+  writer = metrics_lib.MetricWriter(workdir)
+  step = int(jax.device_get(state.step))
+  progress = metrics_lib.Progress(config.total_steps, step)
+  result: dict[str, Any] = {"workdir": workdir, "checkpoints": ckpt.directory,
+                            "metrics": writer.path, "tensorboard": writer.tb_dir}
+  pending: list[tuple[int, dict]] = []
+  t_last, steps_timed, paused = None, 0, 0.0  # paused: eval and save time, not training
+
+  def flush() -> dict[str, float]:
+    """Fetches pending step metrics; stops the run on a non-finite loss before anything is saved."""
+    nonlocal t_last, steps_timed, paused
+    fetched = jax.device_get(pending)
+    pending.clear()
+    for s, m in fetched:
+      if not (math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])):
+        raise NonFiniteLossError(
+            f"loss={m['loss']} grad_norm={m['grad_norm']} at step {s}: stopping without saving; "
+            f"the last good checkpoint is step {ckpt.latest_step()} in {ckpt.directory}")
+    s, m = fetched[-1]
+    row = {"loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),
+           "lr": float(schedule(s - 1))}
+    now = time.perf_counter()
+    if steps_timed:
+      tps = steps_timed * tokens_per_step / (now - t_last - paused)
+      row.update(tokens_per_s=tps, mfu=tps * flops_per_token / peak)
+    t_last, steps_timed, paused = now, 0, 0.0
+    return row
+
+  try:
+    with _sigterm_flag() as sigterm:
+      for batch in train_loader:
+        if step >= config.total_steps or sigterm[0]:
+          break
+        state, m = train_fn(state, _global_batch(batch, batch_sh))
+        step += 1
+        pending.append((step, m))
+        if t_last is None:  # the first step compiles: time throughput from its end
+          jax.block_until_ready(m)
+          t_last = time.perf_counter()
+        else:
+          steps_timed += 1
+        last = step == config.total_steps
+        save = last or step % config.checkpoint_every == 0 or sigterm[0]
+        if step % config.log_every == 0 or save:
+          row = flush()
+          writer.write(step, row)
+          progress.update(step, **{k: row[k] for k in ("loss", "tokens_per_s", "mfu") if k in row})
+        else:
+          progress.update(step)
+        t_pause = time.perf_counter()
+        if config.eval_every and (step % config.eval_every == 0 or last):
+          ev = evaluate(eval_fn, state.params, val_loader, val_start, config.eval_steps, batch_sh)
+          writer.write(step, ev)
+          result.update(ev)
+          logging.info("step %d: val_loss=%.4f val_bpb=%.4f", step, ev["val_loss"], ev["val_bpb"])
+        if save:
+          ckpt.save(step, state, data=train_loader.get_state(), meta=meta, force=True)
+        paused += time.perf_counter() - t_pause
+      if sigterm[0]:
+        result["preempted"] = True
+  finally:
+    progress.close()
+    writer.close()
+    ckpt.close()
+  result["step"] = step
+  return result

@@ -1,0 +1,48 @@
+"""TrainState: everything a training run carries from step to step, as one pytree."""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxsys import mesh as mesh_lib
+from jaxsys.models import transformer
+
+
+@struct.dataclass
+class TrainState:
+  step: jax.Array  # int32 scalar: optimizer steps taken
+  params: dict[str, Any]
+  opt_state: optax.OptState
+  rng: jax.Array  # raw uint32 key data, so checkpoints hold a plain array
+
+
+def init_train_state(model_cfg: transformer.TransformerConfig, optimizer: optax.GradientTransformation,
+                     seed: int) -> TrainState:
+  """A fresh state; jit it with `state_shardings` as out_shardings to create it sharded."""
+  params_key, rng = jax.random.split(jax.random.key(seed))
+  params = transformer.init_params(model_cfg, params_key)
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params),
+                    rng=jax.random.key_data(rng))
+
+
+def state_shardings(abstract_state: TrainState, model_cfg: transformer.TransformerConfig,
+                    optimizer: optax.GradientTransformation, mesh: Mesh,
+                    rules=mesh_lib.DEFAULT_RULES) -> TrainState:
+  """NamedShardings for every leaf: parameters (and their optimizer moments) by logical axes."""
+  param_sh = mesh_lib.logical_to_sharding(transformer.param_axes(model_cfg), mesh, rules,
+                                          shapes=abstract_state.params)
+  replicated = NamedSharding(mesh, PartitionSpec())
+  # Optimizer moments mirror the parameter tree; counts and other scalars are replicated.
+  opt_sh = optax.tree_map_params(optimizer, lambda _, sh: sh, abstract_state.opt_state, param_sh,
+                                 transform_non_params=lambda _: replicated,
+                                 is_leaf=lambda x: isinstance(x, NamedSharding))
+  return TrainState(step=replicated, params=param_sh, opt_state=opt_sh, rng=replicated)
+
+
+def abstract_train_state(model_cfg, optimizer, seed: int = 0) -> TrainState:
+  return jax.eval_shape(lambda: init_train_state(model_cfg, optimizer, seed))

@@ -1,0 +1,89 @@
+"""Pure training and evaluation steps, and their jitted, sharded forms."""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxsys.models import transformer
+from jaxsys.train.state import TrainState
+
+Batch = dict[str, jax.Array]  # inputs, targets, segment_ids, positions, loss_mask: [B, T]
+
+
+def token_losses(cfg: transformer.TransformerConfig, params, batch: Batch) -> jax.Array:
+  """Per-token cross-entropy [B, T] (float32), zero where loss_mask is 0."""
+  logits = transformer.apply(cfg, params, batch["inputs"], batch["positions"], batch["segment_ids"])
+  logz = jax.nn.logsumexp(logits, axis=-1)
+  target_logit = jnp.take_along_axis(logits, batch["targets"][..., None], axis=-1)[..., 0]
+  return (logz - target_logit) * batch["loss_mask"]
+
+
+def _microbatches(batch: Batch, n: int) -> Batch:
+  """[B, ...] -> [n, B/n, ...], microbatch i taking rows i, i+n, ... so each stays evenly sharded."""
+  return jax.tree.map(lambda x: x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1), batch)
+
+
+def train_step(state: TrainState, batch: Batch, *, model_cfg: transformer.TransformerConfig,
+               optimizer: optax.GradientTransformation, accum_steps: int = 1
+               ) -> tuple[TrainState, dict[str, jax.Array]]:
+  """One optimizer step on `batch`, split into `accum_steps` microbatches.
+
+  Gradients are of the summed token loss and divided by the total token count at
+  the end, so accumulation gives exactly the gradient of the whole batch.
+  """
+  def loss_sum(params, mb):
+    losses = token_losses(model_cfg, params, mb)
+    return jnp.sum(losses), jnp.sum(mb["loss_mask"])
+
+  grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
+  if accum_steps == 1:
+    (total, count), grads = grad_fn(state.params, batch)
+  else:
+    def body(carry, mb):
+      (l, n), g = grad_fn(state.params, mb)
+      return jax.tree.map(jnp.add, carry, (l, n, g)), None
+    zeros = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, state.params))
+    (total, count, grads), _ = jax.lax.scan(body, zeros, _microbatches(batch, accum_steps))
+  denom = jnp.maximum(count, 1.0)
+  grads = jax.tree.map(lambda g: g / denom, grads)
+  updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  metrics = {"loss": total / denom, "grad_norm": optax.global_norm(grads), "tokens": count}
+  return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+
+def eval_step(params, batch: Batch, *, model_cfg: transformer.TransformerConfig,
+              token_bytes: jax.Array) -> dict[str, jax.Array]:
+  """Sums over a batch: loss (nats), scored tokens, and the UTF-8 bytes those tokens stand for."""
+  losses = token_losses(model_cfg, params, batch)
+  mask = batch["loss_mask"]
+  return {"loss_sum": jnp.sum(losses), "tokens": jnp.sum(mask),
+          "bytes": jnp.sum(token_bytes[batch["targets"]] * mask)}
+
+
+def summarize_eval(sums: dict[str, float]) -> dict[str, float]:
+  """Mean loss per token and bits per byte from accumulated `eval_step` sums."""
+  return {"val_loss": sums["loss_sum"] / max(sums["tokens"], 1.0),
+          "val_bpb": sums["loss_sum"] / math.log(2) / max(sums["bytes"], 1.0)}
+
+
+def jit_train_step(model_cfg, optimizer, state_sh: TrainState, batch_sh: NamedSharding,
+                   accum_steps: int = 1) -> Callable:
+  """`train_step` jitted with explicit shardings; the input state's buffers are donated."""
+  replicated = NamedSharding(batch_sh.mesh, PartitionSpec())
+  fn = functools.partial(train_step, model_cfg=model_cfg, optimizer=optimizer, accum_steps=accum_steps)
+  return jax.jit(fn, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated),
+                 donate_argnums=0)
+
+
+def jit_eval_step(model_cfg, param_sh: Any, batch_sh: NamedSharding, token_bytes) -> Callable:
+  replicated = NamedSharding(batch_sh.mesh, PartitionSpec())
+  table = jnp.asarray(token_bytes, jnp.float32)
+  fn = functools.partial(eval_step, model_cfg=model_cfg, token_bytes=table)
+  return jax.jit(fn, in_shardings=(param_sh, batch_sh), out_shardings=replicated)
