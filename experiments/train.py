@@ -8,6 +8,8 @@ Re-running with the same --workdir resumes from its latest checkpoint.
 Several processes (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID, or a
 cluster jax detects by itself) join one run through jax.distributed.
 """
+import importlib.util
+import logging as pylogging
 import os
 import sys
 
@@ -38,9 +40,44 @@ def maybe_initialize_distributed() -> None:
   jax.distributed.initialize(**kwargs)
 
 
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl flag parsing, with a one-line error naming an unknown `--config.` field."""
+  try:
+    return flags.FLAGS(argv)
+  except (AttributeError, KeyError):
+    config = _load_config([a for a in argv if a.startswith("--config=")][-1][len("--config="):])
+    for arg in (a for a in argv[1:] if a.startswith("--config.")):
+      path = arg[len("--config."):].split("=", 1)[0].split(".")
+      node = config
+      for i, key in enumerate(path):
+        if not hasattr(node, "keys") or key not in node:
+          valid = ", ".join(sorted(node.keys())) if hasattr(node, "keys") else "none"
+          sys.exit(f"error: {arg}: unknown config field {'.'.join(path)!r}; "
+                   f"fields of {'.'.join(path[:i]) or 'config'}: {valid}")
+        node = node[key]
+    raise
+
+
+def _load_config(spec: str):
+  """`path/to/config.py[:arg]` -> get_config(arg), as config_flags loads it."""
+  path, _, arg = spec.partition(":")
+  module_spec = importlib.util.spec_from_file_location("_config_module", path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  return module.get_config(arg) if arg else module.get_config()
+
+
+class _QuietLibraries(pylogging.Filter):
+  """Drops orbax's per-save INFO chatter (dozens of lines a checkpoint); keeps its warnings."""
+
+  def filter(self, record: pylogging.LogRecord) -> bool:
+    return record.levelno >= pylogging.WARNING or "/orbax/" not in record.pathname
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  logging.get_absl_handler().addFilter(_QuietLibraries())
   maybe_initialize_distributed()
   config = _CONFIG.value
   logging.info("jax %s, backend %s, %d devices (%d local), process %d of %d", jax.__version__,
@@ -63,4 +100,4 @@ def main(argv):
 
 if __name__ == "__main__":
   jax.config.config_with_absl()
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

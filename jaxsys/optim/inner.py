@@ -8,7 +8,12 @@ OPTIMIZERS = ("adamw",)
 
 
 def make_schedule(cfg, total_steps: int) -> optax.Schedule:
-  """Linear warmup to `learning_rate`, cosine decay to `learning_rate * final_lr_fraction`."""
+  """Linear warmup to `learning_rate`, cosine decay to `learning_rate * final_lr_fraction`.
+
+  The decay spans `cfg.schedule_steps` when set, else `total_steps`: set it to train a
+  run in several legs (or to extend one) without changing its learning-rate curve.
+  """
+  total_steps = getattr(cfg, "schedule_steps", 0) or total_steps
   warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
   return optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=cfg.learning_rate, warmup_steps=warmup,

@@ -10,6 +10,7 @@ import time
 from typing import Any, Iterator
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import logging
 from jax.sharding import NamedSharding
@@ -62,6 +63,19 @@ def _check_batch_layout(config, mesh) -> None:
         f"whose size divides over the {shards} batch shards of mesh {mesh_lib.describe(mesh)}")
   if batch % jax.process_count():
     raise ValueError(f"data.batch_size={batch} must divide over {jax.process_count()} processes")
+
+
+@jax.jit
+def _all_finite(tree) -> jax.Array:
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
+def _check_finite_params(params, step: int, ckpt: Checkpointer) -> None:
+  """A checkpoint must never hold NaN/Inf: the last good one stays the latest."""
+  if not bool(_all_finite(params)):
+    raise NonFiniteLossError(
+        f"parameters are not finite at step {step}: stopping without saving; "
+        f"the last good checkpoint is step {ckpt.latest_step()} in {ckpt.directory}")
 
 
 def _global_batch(local: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
@@ -188,6 +202,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
           result.update(ev)
           logging.info("step %d: val_loss=%.4f val_bpb=%.4f", step, ev["val_loss"], ev["val_bpb"])
         if save:
+          _check_finite_params(state.params, step, ckpt)
           ckpt.save(step, state, data=train_loader.get_state(), meta=meta, force=True)
         paused += time.perf_counter() - t_pause
       if sigterm[0]:

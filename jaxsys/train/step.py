@@ -54,7 +54,7 @@ def train_step(state: TrainState, batch: Batch, *, model_cfg: transformer.Transf
   grads = jax.tree.map(lambda g: g / denom, grads)
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
-  metrics = {"loss": total / denom, "grad_norm": optax.global_norm(grads), "tokens": count}
+  metrics = {"loss": total / denom, "grad_norm": optax.tree.norm(grads), "tokens": count}
   return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 

@@ -1,0 +1,86 @@
+"""train_and_evaluate: metrics, resume exactness, refusing bad checkpoints, NaN handling."""
+import os
+
+import chex
+import jax
+import numpy as np
+import pytest
+
+from jaxsys import metrics as metrics_lib
+from jaxsys.checkpoint.manager import Checkpointer
+from jaxsys.train import loop
+
+
+def _train_rows(workdir):
+  return [r for r in metrics_lib.read_metrics(workdir) if "loss" in r]
+
+
+def _restore_params(workdir, step):
+  import orbax.checkpoint as ocp
+  with ocp.CheckpointManager(os.path.join(workdir, "checkpoints"),
+                             item_names=("state", "data", "meta")) as m:
+    return m.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))["state"]
+
+
+def test_trains_evaluates_and_checkpoints(make_config, tmp_path):
+  config = make_config(total_steps=6, log_every=1, eval_every=3, checkpoint_every=3)
+  result = loop.train_and_evaluate(config, str(tmp_path))
+  assert result["step"] == 6
+  rows = metrics_lib.read_metrics(str(tmp_path))
+  train = [r for r in rows if "loss" in r]
+  evals = [r for r in rows if "val_bpb" in r]
+  assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]
+  assert all(np.isfinite(r["loss"]) for r in train)
+  # Step 1 compiles, so throughput is reported from step 2 on.
+  assert "tokens_per_s" not in train[0] and all(r["tokens_per_s"] > 0 for r in train[1:])
+  assert [r["step"] for r in evals] == [3, 6]
+  # Byte-level: bits per byte is the loss in bits.
+  np.testing.assert_allclose(evals[-1]["val_bpb"], evals[-1]["val_loss"] / np.log(2), rtol=1e-5)
+  assert Checkpointer(result["checkpoints"]).all_steps() == [3, 6]
+  assert os.listdir(result["tensorboard"])
+
+
+@pytest.mark.parametrize("mesh", ["data=-1", "data=-1,fsdp=2,tensor=2"])
+def test_resume_is_exact(make_config, tmp_path, mesh):
+  """2N steps straight == N steps, stop, restore, N more: same losses and parameters."""
+  kw = dict(mesh=mesh, log_every=1, eval_every=0, checkpoint_every=100,
+            optimizer__schedule_steps=8)
+  straight, legs = str(tmp_path / "straight"), str(tmp_path / "legs")
+  loop.train_and_evaluate(make_config(total_steps=8, **kw), straight)
+  loop.train_and_evaluate(make_config(total_steps=4, **kw), legs)
+  assert Checkpointer(os.path.join(legs, "checkpoints")).all_steps() == [4]
+  loop.train_and_evaluate(make_config(total_steps=8, **kw), legs)
+  loss = lambda workdir: {r["step"]: r["loss"] for r in _train_rows(workdir)}
+  a, b = loss(straight), loss(legs)
+  assert sorted(a) == sorted(b) == list(range(1, 9))
+  np.testing.assert_allclose([b[s] for s in range(1, 9)], [a[s] for s in range(1, 9)], rtol=1e-6)
+  chex.assert_trees_all_close(_restore_params(legs, 8)["params"],
+                              _restore_params(straight, 8)["params"], atol=1e-6)
+
+
+def test_refuses_checkpoint_of_another_model(make_config, tmp_path):
+  loop.train_and_evaluate(make_config(total_steps=2), str(tmp_path))
+  before = sorted((p, os.path.getmtime(p)) for p in _files(tmp_path / "checkpoints"))
+  with pytest.raises(ValueError, match=r"model.d_model=64 there but 32 in the config"):
+    loop.train_and_evaluate(make_config(total_steps=4, model__d_model=32), str(tmp_path))
+  assert sorted((p, os.path.getmtime(p)) for p in _files(tmp_path / "checkpoints")) == before
+
+
+def test_nan_stops_without_saving(make_config, tmp_path):
+  """A run that diverges raises, and the last checkpoint before it stays the latest, intact."""
+  loop.train_and_evaluate(make_config(total_steps=2, checkpoint_every=1), str(tmp_path))
+  good = _restore_params(str(tmp_path), 2)["params"]
+  diverging = make_config(total_steps=8, checkpoint_every=1, log_every=1,
+                          optimizer__learning_rate=1e30, optimizer__warmup_steps=0,
+                          optimizer__grad_clip=1e30)
+  with pytest.raises(loop.NonFiniteLossError, match="stopping without saving"):
+    loop.train_and_evaluate(diverging, str(tmp_path))
+  steps = Checkpointer(str(tmp_path / "checkpoints")).all_steps()
+  assert 2 in steps
+  latest = max(steps)
+  assert all(np.isfinite(x).all() for x in jax.tree.leaves(_restore_params(str(tmp_path), latest)))
+  chex.assert_trees_all_equal(_restore_params(str(tmp_path), 2)["params"], good)
+
+
+def _files(root):
+  return [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs]
