@@ -174,12 +174,25 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     t_last, steps_timed, paused = now, 0, 0.0
     return row
 
+  def log() -> None:
+    row = flush()
+    writer.write(step, row)
+    progress.update(step, **{k: row[k] for k in ("loss", "tokens_per_s", "mfu") if k in row})
+
+  def save() -> None:
+    nonlocal saved_step
+    if pending:  # never save without checking the losses that led here
+      log()
+    _check_finite_params(state.params, step, ckpt)
+    ckpt.save(step, state, data=train_loader.get_state(), meta=meta, force=True)
+    saved_step = step
+
+  saved_step = latest
+  batches = iter(train_loader)
   try:
     with _sigterm_flag() as sigterm:
-      for batch in train_loader:
-        if step >= config.total_steps or sigterm[0]:
-          break
-        state, m = train_fn(state, _global_batch(batch, batch_sh))
+      while step < config.total_steps and not sigterm[0]:
+        state, m = train_fn(state, _global_batch(next(batches), batch_sh))
         step += 1
         pending.append((step, m))
         if t_last is None:  # the first step compiles: time throughput from its end
@@ -188,11 +201,8 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
         else:
           steps_timed += 1
         last = step == config.total_steps
-        save = last or step % config.checkpoint_every == 0 or sigterm[0]
-        if step % config.log_every == 0 or save:
-          row = flush()
-          writer.write(step, row)
-          progress.update(step, **{k: row[k] for k in ("loss", "tokens_per_s", "mfu") if k in row})
+        if step % config.log_every == 0 or last:
+          log()
         else:
           progress.update(step)
         t_pause = time.perf_counter()
@@ -201,11 +211,12 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
           writer.write(step, ev)
           result.update(ev)
           logging.info("step %d: val_loss=%.4f val_bpb=%.4f", step, ev["val_loss"], ev["val_bpb"])
-        if save:
-          _check_finite_params(state.params, step, ckpt)
-          ckpt.save(step, state, data=train_loader.get_state(), meta=meta, force=True)
+        if last or step % config.checkpoint_every == 0:
+          save()
         paused += time.perf_counter() - t_pause
       if sigterm[0]:
+        if saved_step != step:
+          save()
         result["preempted"] = True
   finally:
     progress.close()
