@@ -82,6 +82,45 @@ def _global_batch(local: dict[str, np.ndarray], sharding: NamedSharding) -> dict
   return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items()}
 
 
+class _Throughput:
+  """Tokens/s and MFU over training time only: compilation, eval and saving are excluded."""
+
+  def __init__(self, tokens_per_step: int, flops_per_token: float, peak_flops: float):
+    self.tokens_per_step, self.flops_per_token, self.peak = tokens_per_step, flops_per_token, peak_flops
+    self.t0, self.steps, self.paused = None, 0, 0.0
+
+  def step_done(self, metrics) -> None:
+    if self.t0 is None:  # the first step compiles: time from its end
+      jax.block_until_ready(metrics)
+      self.t0 = time.perf_counter()
+    else:
+      self.steps += 1
+
+  @contextlib.contextmanager
+  def paused_timer(self):
+    t = time.perf_counter()
+    yield
+    self.paused += time.perf_counter() - t
+
+  def rates(self) -> dict[str, float]:
+    """Rates since the last call (empty before any timed step)."""
+    now = time.perf_counter()
+    out = {}
+    if self.steps:
+      tps = self.steps * self.tokens_per_step / (now - self.t0 - self.paused)
+      out = {"tokens_per_s": tps, "mfu": tps * self.flops_per_token / self.peak}
+    self.t0, self.steps, self.paused = now, 0, 0.0
+    return out
+
+
+def _check_finite_metrics(fetched: list[tuple[int, dict]], ckpt: Checkpointer) -> None:
+  for s, m in fetched:
+    if not (math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])):
+      raise NonFiniteLossError(
+          f"loss={m['loss']} grad_norm={m['grad_norm']} at step {s}: stopping without saving; "
+          f"the last good checkpoint is step {ckpt.latest_step()} in {ckpt.directory}")
+
+
 def evaluate(eval_fn, params, loader, start_state: dict, steps: int, sharding) -> dict[str, float]:
   """val_loss and val_bpb over the first `steps` batches of `loader` (rewound to `start_state`)."""
   loader.set_state(start_state)
@@ -139,43 +178,28 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
                     out_shardings=state_sh)()
   meta = {"model": model_meta, "config": config.to_dict()}
 
-  n_params = transformer.param_count(model_cfg)
   flops_per_token = transformer.train_flops_per_token(model_cfg, config.data.seq_len)
   peak = metrics_lib.peak_flops(model_cfg.dtype)
   logging.info("model: %.2fM parameters, %.1f MFLOP per training token; measured matmul peak "
-               "%.1f GFLOP/s", n_params / 1e6, flops_per_token / 1e6, peak / 1e9)
-  tokens_per_step = config.data.batch_size * config.data.seq_len
+               "%.1f GFLOP/s", transformer.param_count(model_cfg) / 1e6, flops_per_token / 1e6,
+               peak / 1e9)
+  meter = _Throughput(config.data.batch_size * config.data.seq_len, flops_per_token, peak)
 
   writer = metrics_lib.MetricWriter(workdir)
-  step = int(jax.device_get(state.step))
+  step = saved_step = int(jax.device_get(state.step))
   progress = metrics_lib.Progress(config.total_steps, step)
   result: dict[str, Any] = {"workdir": workdir, "checkpoints": ckpt.directory,
                             "metrics": writer.path, "tensorboard": writer.tb_dir}
-  pending: list[tuple[int, dict]] = []
-  t_last, steps_timed, paused = None, 0, 0.0  # paused: eval and save time, not training
-
-  def flush() -> dict[str, float]:
-    """Fetches pending step metrics; stops the run on a non-finite loss before anything is saved."""
-    nonlocal t_last, steps_timed, paused
-    fetched = jax.device_get(pending)
-    pending.clear()
-    for s, m in fetched:
-      if not (math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])):
-        raise NonFiniteLossError(
-            f"loss={m['loss']} grad_norm={m['grad_norm']} at step {s}: stopping without saving; "
-            f"the last good checkpoint is step {ckpt.latest_step()} in {ckpt.directory}")
-    s, m = fetched[-1]
-    row = {"loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),
-           "lr": float(schedule(s - 1))}
-    now = time.perf_counter()
-    if steps_timed:
-      tps = steps_timed * tokens_per_step / (now - t_last - paused)
-      row.update(tokens_per_s=tps, mfu=tps * flops_per_token / peak)
-    t_last, steps_timed, paused = now, 0, 0.0
-    return row
+  pending: list[tuple[int, dict]] = []  # step metrics still on device
 
   def log() -> None:
-    row = flush()
+    """Fetches pending metrics (a non-finite loss stops the run here) and writes a row."""
+    fetched = jax.device_get(pending)
+    pending.clear()
+    _check_finite_metrics(fetched, ckpt)
+    m = fetched[-1][1]
+    row = {"loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),
+           "lr": float(schedule(step - 1)), **meter.rates()}
     writer.write(step, row)
     progress.update(step, **{k: row[k] for k in ("loss", "tokens_per_s", "mfu") if k in row})
 
@@ -187,7 +211,6 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     ckpt.save(step, state, data=train_loader.get_state(), meta=meta, force=True)
     saved_step = step
 
-  saved_step = latest
   batches = iter(train_loader)
   try:
     with _sigterm_flag() as sigterm:
@@ -195,25 +218,21 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
         state, m = train_fn(state, _global_batch(next(batches), batch_sh))
         step += 1
         pending.append((step, m))
-        if t_last is None:  # the first step compiles: time throughput from its end
-          jax.block_until_ready(m)
-          t_last = time.perf_counter()
-        else:
-          steps_timed += 1
+        meter.step_done(m)
         last = step == config.total_steps
         if step % config.log_every == 0 or last:
           log()
         else:
           progress.update(step)
-        t_pause = time.perf_counter()
-        if config.eval_every and (step % config.eval_every == 0 or last):
-          ev = evaluate(eval_fn, state.params, val_loader, val_start, config.eval_steps, batch_sh)
-          writer.write(step, ev)
-          result.update(ev)
-          logging.info("step %d: val_loss=%.4f val_bpb=%.4f", step, ev["val_loss"], ev["val_bpb"])
-        if last or step % config.checkpoint_every == 0:
-          save()
-        paused += time.perf_counter() - t_pause
+        with meter.paused_timer():
+          if config.eval_every and (step % config.eval_every == 0 or last):
+            ev = evaluate(eval_fn, state.params, val_loader, val_start, config.eval_steps, batch_sh)
+            writer.write(step, ev)
+            result.update(ev)
+            logging.info("step %d: val_loss=%.4f val_bpb=%.4f", step, ev["val_loss"],
+                         ev["val_bpb"])
+          if last or step % config.checkpoint_every == 0:
+            save()
       if sigterm[0]:
         if saved_step != step:
           save()
