@@ -1,0 +1,476 @@
+"""Flash attention in Pallas for GPU (Triton lowering), run in interpret mode on CPU.
+
+`pallas_attention(q, k, v, ...)` has exactly the semantics of
+`jaxsys.kernels.attention.reference_attention`: q [B, T, Hq, D], k/v [B, S, Hkv, D],
+GQA (q head h reads kv head h // (Hq // Hkv)), optional segment ids (attend only within
+equal ids), causal masking with queries aligned to the END of the keys, and a query row
+with nothing to attend to gives exactly zeros (values and gradients).
+
+Structure (FlashAttention-2):
+- forward: grid (q blocks, batch, q heads); each program keeps its q tile resident and
+  runs an online softmax over kv blocks [kv_lo, kv_hi) with `lax.fori_loop`. It saves
+  the per-row logsumexp (base 2) for the backward.
+- backward: delta = rowsum(dO * O) in XLA, then one Pallas kernel for dq (same grid
+  and kv ranges as the forward) and one for dk/dv (grid (kv blocks, batch, kv heads),
+  looping over the G q heads sharing the kv head and over q blocks [q_lo, q_hi)).
+- block skipping: the ranges are computed in XLA from per-block min/max segment ids and
+  the causal diagonal (`block_ranges`), so compute follows the unmasked area.
+
+Example:
+  out = pallas_attention(q, k, v, q_segment_ids=ids, kv_segment_ids=ids, causal=True)
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jaxsys.kernels.attention import _check_inputs
+
+try:  # The Triton compiler params moved names across jax versions.
+  from jax.experimental.pallas import triton as _plgpu
+  _TritonParams = getattr(_plgpu, "CompilerParams", None) or getattr(
+      _plgpu, "TritonCompilerParams")
+except ImportError:  # pragma: no cover - jax without the Triton Pallas backend
+  _TritonParams = None
+
+_LOG2E = math.log2(math.e)
+_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def _next_pow2(n: int) -> int:
+  return 1 << max(0, int(n) - 1).bit_length()
+
+
+def default_blocks(t: int, s: int, d: int) -> tuple[int, int]:
+  """(block_q, block_k) for the GPU kernels: 128x64 up to D=128, 64x32 for larger D.
+
+  Blocks shrink to the (power-of-two rounded) sequence lengths, never below 16, the
+  smallest tile a Triton `dot` accepts.
+  """
+  bq, bk = (128, 64) if d <= 128 else (64, 32)
+  bq = max(16, min(bq, _next_pow2(t)))
+  bk = max(16, min(bk, _next_pow2(s)))
+  return bq, bk
+
+
+def _check_block(name: str, value) -> int:
+  if (not isinstance(value, int) or isinstance(value, bool) or value < 16
+      or value & (value - 1)):
+    raise ValueError(
+        f"pallas_attention: {name} must be a power of two >= 16 (Triton tiles); "
+        f"got {name}={value!r}")
+  return value
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+  """Static kernel parameters (hashable: a nondiff argument of the custom_vjp)."""
+  scale: float
+  causal: bool
+  offset: int          # S - T of the unpadded inputs: query i sees key j iff i + offset >= j
+  kv_len: int          # unpadded S; keys at or past it are padding
+  kv_padded: bool      # whether any key is padding (needs the element mask)
+  has_segments: bool
+  groups: int          # G = Hq // Hkv
+  block_q: int
+  block_k: int
+  block_q_dkv: int     # q tile of the dk/dv kernel (<= block_q, so it divides the padding)
+  interpret: bool
+  num_warps: int
+  num_stages: int
+
+  @property
+  def masked(self) -> bool:
+    return self.causal or self.has_segments or self.kv_padded
+
+
+def block_ranges(q_segment_ids, kv_segment_ids, *, t: int, s: int, block_q: int,
+                 block_k: int, causal: bool, batch: int, padded_t: int | None = None,
+                 padded_s: int | None = None):
+  """Visited-block ranges: (kv_lo, kv_hi) [B, Tp/bq] per q block, (q_lo, q_hi) [B, Sp/bk].
+
+  t, s are the real lengths; padded_t, padded_s (default: rounded up to the blocks) the
+  padded ones, and segment ids (or None) the padded [B, Tp] / [B, Sp] int arrays. Block
+  (i, j) may hold an unmasked pair iff both hold a real token, the id ranges of the two
+  blocks overlap and (when causal) the last real query of block i reaches the first key
+  of block j. Each range spans the first to the last such block: correct for any ids,
+  tight for packed (monotonic) ids. An empty range is (0, 0).
+
+  Example: four packed segments of 16 in T=S=64, blocks 16: each q block's range is
+  exactly its own kv block, one visit instead of four.
+  """
+  nq = (padded_t or -(-t // block_q) * block_q) // block_q
+  nk = (padded_s or -(-s // block_k) * block_k) // block_k
+  real_q = jnp.arange(nq) * block_q < t
+  real_k = jnp.arange(nk) * block_k < s
+  ok = jnp.broadcast_to(real_q[None, :, None] & real_k[None, None, :], (batch, nq, nk))
+  if q_segment_ids is not None:
+    q_ids = q_segment_ids.reshape(batch, nq, block_q)
+    kv_ids = kv_segment_ids.reshape(batch, nk, block_k)
+    q_min, q_max = q_ids.min(-1), q_ids.max(-1)
+    kv_min, kv_max = kv_ids.min(-1), kv_ids.max(-1)
+    ok &= (kv_min[:, None, :] <= q_max[:, :, None]) & (kv_max[:, None, :] >= q_min[:, :, None])
+  if causal:
+    last_q = jnp.minimum(jnp.arange(nq) * block_q + block_q - 1, t - 1)
+    first_k = jnp.arange(nk) * block_k
+    ok &= ((last_q[:, None] + (s - t)) >= first_k[None, :])[None]
+
+  def span(m):  # m [B, rows, cols]: first and one-past-last True col per row
+    any_ = m.any(-1)
+    lo = jnp.argmax(m, axis=-1)
+    hi = m.shape[-1] - jnp.argmax(m[..., ::-1], axis=-1)
+    return (jnp.where(any_, lo, 0).astype(jnp.int32), jnp.where(any_, hi, 0).astype(jnp.int32))
+
+  kv_lo, kv_hi = span(ok)
+  q_lo, q_hi = span(jnp.swapaxes(ok, 1, 2))
+  return kv_lo, kv_hi, q_lo, q_hi
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+def _dot(a, b, contract_a: int, contract_b: int):
+  """2-D matmul with f32 accumulation; contraction dims select the transposes."""
+  return lax.dot_general(a, b, (((contract_a,), (contract_b,)), ((), ())),
+                         preferred_element_type=jnp.float32)
+
+
+def _element_mask(cfg: _Config, q_start, k_start, bq: int, bk: int, q_ids, k_ids):
+  """Boolean [bq, bk] (True = attend) for one tile; only called when cfg.masked."""
+  q_pos = q_start + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
+  k_pos = k_start + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
+  mask = None
+
+  def both(a, b):
+    return b if a is None else jnp.logical_and(a, b)
+
+  if cfg.causal:
+    mask = both(mask, q_pos + cfg.offset >= k_pos)
+  if cfg.kv_padded:
+    mask = both(mask, k_pos < cfg.kv_len)
+  if cfg.has_segments:
+    mask = both(mask, q_ids[:, None] == k_ids[None, :])
+  return mask
+
+
+def _fwd_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, *rest, cfg: _Config):
+  if cfg.has_segments:
+    q_ids_ref, kv_ids_ref, o_ref, lse_ref = rest
+  else:
+    (o_ref, lse_ref), q_ids_ref, kv_ids_ref = rest, None, None
+  bq, bk = cfg.block_q, cfg.block_k
+  q_start = pl.program_id(0) * bq
+  q = q_ref[...]
+  q_ids = q_ids_ref[...] if cfg.has_segments else None
+  # exp2 is the cheaper instruction on GPU; fold log2(e) into the logit scale.
+  qk_scale = cfg.scale * _LOG2E
+
+  def body(j, carry):
+    acc, m_prev, l_prev = carry
+    k_start = pl.multiple_of(j * bk, bk)
+    k = k_ref[pl.ds(k_start, bk), :]
+    v = v_ref[pl.ds(k_start, bk), :]
+    s = _dot(q, k, 1, 1) * qk_scale
+    if cfg.masked:
+      k_ids = kv_ids_ref[pl.ds(k_start, bk)] if cfg.has_segments else None
+      s = jnp.where(_element_mask(cfg, q_start, k_start, bq, bk, q_ids, k_ids), s, -jnp.inf)
+    m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+    # A row masked so far has max -inf; use 0 there so exp2 gives exact zeros, not NaN.
+    m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
+    alpha = jnp.exp2(m_prev - m_safe)
+    p = jnp.exp2(s - m_safe[:, None])
+    l_next = alpha * l_prev + jnp.sum(p, axis=1)
+    acc = alpha[:, None] * acc + _dot(p.astype(v.dtype), v, 1, 0)
+    return acc, m_next, l_next
+
+  acc = jnp.zeros((bq, q.shape[-1]), jnp.float32)
+  m = jnp.full((bq,), -jnp.inf, jnp.float32)
+  l = jnp.zeros((bq,), jnp.float32)
+  acc, m, l = lax.fori_loop(lo_ref[()], hi_ref[()], body, (acc, m, l))
+  empty = l == 0.0  # nothing to attend to: output zeros
+  o_ref[...] = (acc / jnp.where(empty, 1.0, l)[:, None]).astype(o_ref.dtype)
+  # +inf for empty rows makes every backward probability exp2(s - lse) exactly 0.
+  lse_ref[...] = jnp.where(empty, jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
+
+
+def _dq_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest,
+               cfg: _Config):
+  if cfg.has_segments:
+    q_ids_ref, kv_ids_ref, dq_ref = rest
+  else:
+    (dq_ref,), q_ids_ref, kv_ids_ref = rest, None, None
+  bq, bk = cfg.block_q, cfg.block_k
+  q_start = pl.program_id(0) * bq
+  q = q_ref[...]
+  do = do_ref[...]
+  lse = lse_ref[...]
+  delta = delta_ref[...]
+  q_ids = q_ids_ref[...] if cfg.has_segments else None
+  qk_scale = cfg.scale * _LOG2E
+
+  def body(j, dq):
+    k_start = pl.multiple_of(j * bk, bk)
+    k = k_ref[pl.ds(k_start, bk), :]
+    v = v_ref[pl.ds(k_start, bk), :]
+    s = _dot(q, k, 1, 1) * qk_scale
+    if cfg.masked:
+      k_ids = kv_ids_ref[pl.ds(k_start, bk)] if cfg.has_segments else None
+      s = jnp.where(_element_mask(cfg, q_start, k_start, bq, bk, q_ids, k_ids), s, -jnp.inf)
+    p = jnp.exp2(s - lse[:, None])
+    ds = p * (_dot(do, v, 1, 1) - delta[:, None])
+    return dq + _dot(ds.astype(k.dtype), k, 1, 0)
+
+  dq = jnp.zeros((bq, q.shape[-1]), jnp.float32)
+  dq = lax.fori_loop(lo_ref[()], hi_ref[()], body, dq)
+  # The softmax scale multiplies every logit; apply it once to the sum.
+  dq_ref[...] = (dq * cfg.scale).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest,
+                cfg: _Config):
+  if cfg.has_segments:
+    q_ids_ref, kv_ids_ref, dk_ref, dv_ref = rest
+  else:
+    (dk_ref, dv_ref), q_ids_ref, kv_ids_ref = rest, None, None
+  bq, bk = cfg.block_q_dkv, cfg.block_k
+  k_start = pl.program_id(0) * bk
+  k = k_ref[...]
+  v = v_ref[...]
+  k_ids = kv_ids_ref[...] if cfg.has_segments else None
+  qk_scale = cfg.scale * _LOG2E
+  lo, hi = lo_ref[()], hi_ref[()]
+
+  def q_body(i, carry, g):
+    dk, dv = carry
+    q_start = pl.multiple_of(i * bq, bq)
+    rows = pl.ds(q_start, bq)
+    q = q_ref[rows, g, :]
+    do = do_ref[rows, g, :]
+    lse = lse_ref[g, rows]
+    delta = delta_ref[g, rows]
+    s = _dot(q, k, 1, 1) * qk_scale
+    if cfg.masked:
+      q_ids = q_ids_ref[rows] if cfg.has_segments else None
+      s = jnp.where(_element_mask(cfg, q_start, k_start, bq, bk, q_ids, k_ids), s, -jnp.inf)
+    p = jnp.exp2(s - lse[:, None])  # [bq, bk]
+    dv = dv + _dot(p.astype(do.dtype), do, 0, 0)
+    ds = p * (_dot(do, v, 1, 1) - delta[:, None])
+    dk = dk + _dot(ds.astype(q.dtype), q, 0, 0)
+    return dk, dv
+
+  def group_body(g, carry):
+    # The G q heads sharing this kv head all contribute to its dk/dv.
+    return lax.fori_loop(lo, hi, functools.partial(q_body, g=g), carry)
+
+  zeros = jnp.zeros((bk, k.shape[-1]), jnp.float32)
+  if cfg.groups == 1:
+    dk, dv = group_body(0, (zeros, zeros))
+  else:
+    dk, dv = lax.fori_loop(0, cfg.groups, group_body, (zeros, zeros))
+  dk_ref[...] = (dk * cfg.scale).astype(dk_ref.dtype)
+  dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+# ----------------------------------------------------------------------------- calls
+
+
+def _compiler_params(cfg: _Config):
+  if cfg.interpret or _TritonParams is None:
+    return None
+  return _TritonParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def _fwd_call(cfg: _Config, q, k, v, q_ids, kv_ids, kv_lo, kv_hi):
+  b, tp, hq, dp = q.shape
+  sp = k.shape[1]
+  bq, g = cfg.block_q, cfg.groups
+  q_spec = pl.BlockSpec((None, bq, None, dp), lambda i, b_, h: (b_, i, h, 0))
+  kv_spec = pl.BlockSpec((None, sp, None, dp), lambda i, b_, h: (b_, 0, lax.div(h, g), 0))
+  range_spec = pl.BlockSpec((None, None), lambda i, b_, h: (b_, i))
+  in_specs = [range_spec, range_spec, q_spec, kv_spec, kv_spec]
+  args = [kv_lo, kv_hi, q, k, v]
+  if cfg.has_segments:
+    in_specs += [pl.BlockSpec((None, bq), lambda i, b_, h: (b_, i)),
+                 pl.BlockSpec((None, sp), lambda i, b_, h: (b_, 0))]
+    args += [q_ids, kv_ids]
+  return pl.pallas_call(
+      functools.partial(_fwd_kernel, cfg=cfg),
+      grid=(tp // bq, b, hq),
+      in_specs=in_specs,
+      out_specs=[q_spec, pl.BlockSpec((None, None, bq), lambda i, b_, h: (b_, h, i))],
+      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
+                 jax.ShapeDtypeStruct((b, hq, tp), jnp.float32)],
+      compiler_params=_compiler_params(cfg),
+      interpret=cfg.interpret,
+      name="jaxsys_flash_fwd",
+  )(*args)
+
+
+def _dq_call(cfg: _Config, q, k, v, do, lse, delta, q_ids, kv_ids, kv_lo, kv_hi):
+  b, tp, hq, dp = q.shape
+  sp = k.shape[1]
+  bq, g = cfg.block_q, cfg.groups
+  q_spec = pl.BlockSpec((None, bq, None, dp), lambda i, b_, h: (b_, i, h, 0))
+  kv_spec = pl.BlockSpec((None, sp, None, dp), lambda i, b_, h: (b_, 0, lax.div(h, g), 0))
+  row_spec = pl.BlockSpec((None, None, bq), lambda i, b_, h: (b_, h, i))
+  range_spec = pl.BlockSpec((None, None), lambda i, b_, h: (b_, i))
+  in_specs = [range_spec, range_spec, q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
+  args = [kv_lo, kv_hi, q, k, v, do, lse, delta]
+  if cfg.has_segments:
+    in_specs += [pl.BlockSpec((None, bq), lambda i, b_, h: (b_, i)),
+                 pl.BlockSpec((None, sp), lambda i, b_, h: (b_, 0))]
+    args += [q_ids, kv_ids]
+  return pl.pallas_call(
+      functools.partial(_dq_kernel, cfg=cfg),
+      grid=(tp // bq, b, hq),
+      in_specs=in_specs,
+      out_specs=q_spec,
+      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      compiler_params=_compiler_params(cfg),
+      interpret=cfg.interpret,
+      name="jaxsys_flash_dq",
+  )(*args)
+
+
+def _dkv_call(cfg: _Config, q, k, v, do, lse, delta, q_ids, kv_ids, q_lo, q_hi):
+  b, tp, hq, dp = q.shape
+  sp, hkv = k.shape[1], k.shape[2]
+  bk, g = cfg.block_k, cfg.groups
+  # All G q heads of kv head h are the contiguous slice [h*G, (h+1)*G) of the head axis.
+  q_spec = pl.BlockSpec((None, tp, g, dp), lambda j, b_, h: (b_, 0, h, 0))
+  kv_spec = pl.BlockSpec((None, bk, None, dp), lambda j, b_, h: (b_, j, h, 0))
+  row_spec = pl.BlockSpec((None, g, tp), lambda j, b_, h: (b_, h, 0))
+  range_spec = pl.BlockSpec((None, None), lambda j, b_, h: (b_, j))
+  in_specs = [range_spec, range_spec, q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
+  args = [q_lo, q_hi, q, k, v, do, lse, delta]
+  if cfg.has_segments:
+    in_specs += [pl.BlockSpec((None, tp), lambda j, b_, h: (b_, 0)),
+                 pl.BlockSpec((None, bk), lambda j, b_, h: (b_, j))]
+    args += [q_ids, kv_ids]
+  return pl.pallas_call(
+      functools.partial(_dkv_kernel, cfg=cfg),
+      grid=(sp // bk, b, hkv),
+      in_specs=in_specs,
+      out_specs=[kv_spec, kv_spec],
+      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
+                 jax.ShapeDtypeStruct(v.shape, v.dtype)],
+      compiler_params=_compiler_params(cfg),
+      interpret=cfg.interpret,
+      name="jaxsys_flash_dkv",
+  )(*args)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash(cfg, q, k, v, q_ids, kv_ids, ranges):
+  return _fwd_call(cfg, q, k, v, q_ids, kv_ids, ranges[0], ranges[1])[0]
+
+
+def _flash_fwd(cfg, q, k, v, q_ids, kv_ids, ranges):
+  o, lse = _fwd_call(cfg, q, k, v, q_ids, kv_ids, ranges[0], ranges[1])
+  return o, (q, k, v, q_ids, kv_ids, ranges, o, lse)
+
+
+def _flash_bwd(cfg, res, do):
+  q, k, v, q_ids, kv_ids, ranges, o, lse = res
+  kv_lo, kv_hi, q_lo, q_hi = ranges
+  # delta_i = sum_j p_ij dp_ij = <dO_i, O_i>: one cheap fused XLA reduction.
+  delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
+  dq = _dq_call(cfg, q, k, v, do, lse, delta, q_ids, kv_ids, kv_lo, kv_hi)
+  dk, dv = _dkv_call(cfg, q, k, v, do, lse, delta, q_ids, kv_ids, q_lo, q_hi)
+  return dq, dk, dv, None, None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+# ----------------------------------------------------------------------------- entry
+
+
+def _resolve_interpret(interpret) -> bool:
+  backend = jax.default_backend()
+  if interpret is None:
+    interpret = backend == "cpu"
+  if not interpret and backend == "tpu":
+    raise NotImplementedError(
+        "pallas_attention is the GPU (Triton) kernel; a TPU (Mosaic) kernel is separate. "
+        "Use interpret=True to run it in interpret mode on TPU.")
+  if not interpret and backend == "cpu":
+    raise ValueError("pallas_attention: interpret=False needs a GPU backend; got backend 'cpu'")
+  return bool(interpret)
+
+
+def pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
+                     q_segment_ids: jax.Array | None = None,
+                     kv_segment_ids: jax.Array | None = None,
+                     causal: bool = True, sm_scale: float | None = None,
+                     block_q: int | None = None, block_k: int | None = None,
+                     interpret: bool | None = None) -> jax.Array:
+  """Flash attention, same values as `reference_attention`; [B,T,Hq,D] in q.dtype.
+
+  Differentiable in q, k, v (Pallas backward). Any T and S (padded inside to the
+  blocks), any D (padded to a power of two >= 16 only when needed). `interpret=None`
+  runs interpret mode on a CPU backend and the compiled Triton kernel otherwise.
+  """
+  if (q_segment_ids is None) != (kv_segment_ids is None):
+    raise ValueError(
+        "pallas_attention: pass both q_segment_ids and kv_segment_ids or neither; got "
+        f"q_segment_ids={'None' if q_segment_ids is None else 'array'}, "
+        f"kv_segment_ids={'None' if kv_segment_ids is None else 'array'}")
+  segment_ids = None if q_segment_ids is None else (q_segment_ids, kv_segment_ids)
+  q_seg, kv_seg = _check_inputs(q, k, v, segment_ids)
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    if x.dtype != q.dtype or x.dtype not in _DTYPES:
+      raise ValueError(
+          f"pallas_attention: q, k, v must share one dtype of float32/bfloat16/float16; "
+          f"got {name}.dtype={x.dtype} (q.dtype={q.dtype})")
+  interpret = _resolve_interpret(interpret)
+  b, t, hq, d = q.shape
+  s, hkv = k.shape[1], k.shape[2]
+  default_q, default_k = default_blocks(t, s, d)
+  block_q = _check_block("block_q", default_q if block_q is None else block_q)
+  block_k = _check_block("block_k", default_k if block_k is None else block_k)
+  if sm_scale is None:
+    scale = 1.0 / math.sqrt(d)
+  else:
+    try:
+      scale = float(sm_scale)
+    except (TypeError, jax.errors.ConcretizationTypeError) as e:
+      raise ValueError(
+          f"pallas_attention: sm_scale must be a Python number (it is compiled into the "
+          f"kernel); got {type(sm_scale).__name__}") from e
+
+  if t == 0 or s == 0:  # no query or no key: every row is empty
+    return jnp.zeros(q.shape, q.dtype)
+  tp, sp = -(-t // block_q) * block_q, -(-s // block_k) * block_k
+  # Triton tiles need power-of-two sizes and dots need K >= 16; zero columns of q and k
+  # add nothing to the logits and zero columns of v are sliced off.
+  dp = max(16, _next_pow2(d))
+  q_p = jnp.pad(q, ((0, 0), (0, tp - t), (0, 0), (0, dp - d)))
+  k_p = jnp.pad(k, ((0, 0), (0, sp - s), (0, 0), (0, dp - d)))
+  v_p = jnp.pad(v, ((0, 0), (0, sp - s), (0, 0), (0, dp - d)))
+  q_ids = kv_ids = None
+  if q_seg is not None:
+    # Edge padding keeps the per-block id ranges tight; padded keys are masked by
+    # position (key index >= S) inside the kernel, which cannot collide with any id.
+    q_ids = jnp.pad(q_seg.astype(jnp.int32), ((0, 0), (0, tp - t)), mode="edge")
+    kv_ids = jnp.pad(kv_seg.astype(jnp.int32), ((0, 0), (0, sp - s)), mode="edge")
+  ranges = functools.partial(block_ranges, q_ids, kv_ids, t=t, s=s, block_k=block_k,
+                             causal=causal, batch=b, padded_t=tp, padded_s=sp)
+  kv_lo, kv_hi, _, _ = ranges(block_q=block_q)
+  # The dk/dv kernel holds dk, dv accumulators for its kv tile; a q tile no larger than
+  # the kv tile keeps register pressure down (as the Triton FA2 tutorial does).
+  block_q_dkv = min(block_q, block_k)
+  _, _, q_lo, q_hi = ranges(block_q=block_q_dkv)
+  cfg = _Config(
+      scale=scale, causal=bool(causal), offset=s - t, kv_len=s, kv_padded=sp != s,
+      has_segments=q_seg is not None, groups=hq // hkv, block_q=block_q, block_k=block_k,
+      block_q_dkv=block_q_dkv, interpret=interpret,
+      num_warps=4 if dp <= 64 else 8, num_stages=2)
+  out = _flash(cfg, q_p, k_p, v_p, q_ids, kv_ids, (kv_lo, kv_hi, q_lo, q_hi))
+  return out[:, :t, :, :d]
