@@ -101,8 +101,8 @@ class PallasTpuAttentionTest(parameterized.TestCase):
       # uses its own 128-row q blocks.
       dict(testcase_name="causal_S_gt_T_gqa4_bq64", t=72, s=300, hq=4, hkv=1, d=64,
            causal=True, block_q=64),
-      # T > S causal: the first T - S queries see no key and must give zeros.
-      dict(testcase_name="causal_T_gt_S", t=200, s=72, hq=2, hkv=2, d=64, causal=True),
+      # T > S causal: the first T - S queries see no key and must give zeros. D=256.
+      dict(testcase_name="causal_T_gt_S_d256", t=200, s=72, hq=2, hkv=2, d=256, causal=True),
   )
   def test_shapes_f32(self, t, s, hq, hkv, d, causal, block_q=128, interpret=GENERIC):
     q, k, v, ct = _inputs(1, t, s, hq, hkv, d, jnp.float32, seed=t + s)
