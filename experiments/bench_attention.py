@@ -1,0 +1,355 @@
+r"""Benchmarks attention impls: time, TFLOP/s of unmasked work, compiled temp memory.
+
+  python -m experiments.bench_attention --seq_lens=1024,2048,4096,8192 --heads=4 \
+      --kv_heads=4 --packed --repeats=3 --out=/tmp/bench_attention.json
+
+For every T, mode (causal: one document of T tokens; packed: causal documents of random
+lengths averaging T/8 in each row, passed as segment ids) and pass (fwd; fwd+bwd, the
+vjp with a random cotangent), the impls are timed in interleaved rounds, so load from
+other processes on a shared machine falls on all of them alike; the median is reported.
+
+Impls (`--impls`; the default is what exists on the backend):
+  xla               jaxsys blockwise attention, `attention(..., impl="xla")`
+  pallas            jaxsys Pallas kernels (`impl="pallas"`; on CPU interpret mode only,
+                    so not in the CPU default)
+  cudnn_or_xla_dpa  the baseline: `jax.nn.dot_product_attention`, implementation="cudnn"
+                    on GPU and "xla" elsewhere; packed mode passes a [B, 1, T, T] mask
+                    built from the segment ids inside the jitted function
+  jax_pallas        jax's own `pallas.ops.gpu.attention.mha` (GPU only; k/v heads repeated
+                    for GQA, since it has none)
+A jaxsys impl is reached through `jaxsys.kernels.attention.attention`; if that dispatcher
+does not list it yet, through its module function directly (the JSON records which). An
+impl that fails is recorded as "n/a" with its error and the run goes on.
+
+FLOP convention (only unmasked work counts): a forward pass does 4*D flops per unmasked
+(query, key) pair per query head (2*D for q.k, 2*D for p.v); the backward counts 2.5x the
+forward (five matmuls of the same size, the recomputation of p not counted), so fwd+bwd
+counts 3.5x the forward. Unmasked pairs: T(T+1)/2 per row for causal, sum over documents
+of T_i(T_i+1)/2 for packed. Memory is `memory_analysis().temp_size_in_bytes` of the
+compiled function (inputs and outputs excluded), i.e. the peak of XLA's temporaries.
+
+`--max_seconds_per_case` bounds a slow impl: once one call takes longer than that over
+(repeats + 1), it is timed once at that T and skipped at longer T.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+_SEQ_LENS = flags.DEFINE_list("seq_lens", ["1024", "2048", "4096", "8192", "16384"],
+                              "Sequence lengths T (= S).")
+_HEAD_DIM = flags.DEFINE_integer("head_dim", 128, "Head dim D.")
+_BATCH = flags.DEFINE_integer("batch", 1, "Batch size B.")
+_HEADS = flags.DEFINE_integer("heads", 4, "Query heads Hq.")
+_KV_HEADS = flags.DEFINE_integer("kv_heads", 4, "Key/value heads Hkv (divides Hq).")
+_DTYPE = flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"],
+                           "Default: bfloat16 on GPU/TPU, float32 on CPU.")
+_IMPLS = flags.DEFINE_list("impls", None, "Subset of xla,pallas,cudnn_or_xla_dpa,jax_pallas; "
+                           "default: those that run natively on the backend.")
+_PACKED = flags.DEFINE_bool("packed", False, "Also run packed documents (segment ids).")
+_PASSES = flags.DEFINE_list("passes", ["fwd", "fwd_bwd"], "Passes to time.")
+_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed calls per case (after one warm-up).")
+_MAX_SECONDS = flags.DEFINE_float("max_seconds_per_case", 300.0,
+                                  "Time budget of one (impl, T, mode, pass); see the docstring.")
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of inputs and document lengths.")
+_OUT = flags.DEFINE_string("out", None, "Optional JSON path with every number.")
+
+ALL_IMPLS = ("xla", "pallas", "cudnn_or_xla_dpa", "jax_pallas")
+
+
+# ----------------------------------------------------------------------------- inputs, flops
+
+
+def packed_segment_ids(batch: int, t: int, rng: np.random.Generator) -> np.ndarray:
+  """[B, T] int32 increasing ids; document lengths uniform in [1, T/4], mean ~T/8."""
+  seg = np.empty((batch, t), np.int32)
+  for b in range(batch):
+    pos, doc = 0, 0
+    while pos < t:
+      n = int(rng.integers(1, max(2, t // 4) + 1))
+      seg[b, pos:pos + n] = doc
+      pos, doc = pos + n, doc + 1
+  return seg
+
+
+def unmasked_pairs(t: int, batch: int, seg: np.ndarray | None) -> int:
+  """Causal (query, key) pairs that attend, summed over the batch (per head)."""
+  if seg is None:
+    return batch * t * (t + 1) // 2
+  lengths = np.concatenate([np.bincount(row) for row in seg])
+  return int(np.sum(lengths * (lengths + 1) // 2))
+
+
+def flops(pairs: int, heads: int, d: int, pass_: str) -> float:
+  """4*D per pair per query head forward; fwd+bwd is 3.5x that (backward = 2.5x)."""
+  fwd = 4.0 * d * pairs * heads
+  return fwd if pass_ == "fwd" else 3.5 * fwd
+
+
+# ----------------------------------------------------------------------------- impls
+
+
+def _jaxsys_fn(impl: str) -> tuple[Callable, str]:
+  """fn(q, k, v, seg) for a jaxsys impl, and how it was reached."""
+  from jaxsys.kernels import attention as attention_lib  # lazy: impls land independently
+
+  if impl in getattr(attention_lib, "IMPLS", ()):
+    return (lambda q, k, v, seg: attention_lib.attention(
+        q, k, v, segment_ids=seg, causal=True, impl=impl)), f"attention(impl={impl!r})"
+  if impl == "xla":
+    from jaxsys.kernels.attention_xla import xla_attention
+    return (lambda q, k, v, seg: xla_attention(q, k, v, q_segment_ids=seg, causal=True),
+            "attention_xla.xla_attention")
+  if impl == "pallas":
+    from jaxsys.kernels.attention_pallas import pallas_attention
+    return (lambda q, k, v, seg: pallas_attention(
+        q, k, v, q_segment_ids=seg, kv_segment_ids=seg, causal=True),
+            "attention_pallas.pallas_attention")
+  raise ValueError(f"unknown jaxsys impl {impl!r}")
+
+
+def _dpa_fn() -> tuple[Callable, str]:
+  implementation = "cudnn" if jax.default_backend() == "gpu" else "xla"
+
+  def fn(q, k, v, seg):
+    mask = None if seg is None else (seg[:, :, None] == seg[:, None, :])[:, None]
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
+                                        implementation=implementation)
+
+  return fn, f"jax.nn.dot_product_attention(implementation={implementation!r})"
+
+
+def _jax_pallas_fn() -> tuple[Callable, str]:
+  if jax.default_backend() != "gpu":
+    raise NotImplementedError("jax's pallas.ops.gpu.attention runs on GPU only")
+  from jax.experimental.pallas.ops.gpu import attention as jax_attention
+
+  def fn(q, k, v, seg):
+    group = q.shape[2] // k.shape[2]
+    k, v = (jnp.repeat(x, group, axis=2) for x in (k, v))
+    return jax_attention.mha(q, k, v, seg, sm_scale=1.0 / np.sqrt(q.shape[-1]), causal=True)
+
+  return fn, "jax.experimental.pallas.ops.gpu.attention.mha"
+
+
+def make_impl(name: str) -> tuple[Callable, str]:
+  if name in ("xla", "pallas"):
+    return _jaxsys_fn(name)
+  if name == "cudnn_or_xla_dpa":
+    return _dpa_fn()
+  if name == "jax_pallas":
+    return _jax_pallas_fn()
+  raise ValueError(f"--impls: unknown impl {name!r}; choose from {ALL_IMPLS}")
+
+
+def default_impls() -> list[str]:
+  if jax.default_backend() == "gpu":
+    return list(ALL_IMPLS)
+  if jax.default_backend() == "tpu":
+    return ["xla", "pallas", "cudnn_or_xla_dpa"]
+  return ["xla", "cudnn_or_xla_dpa"]  # Pallas on CPU is interpret mode: a test path
+
+
+def _with_pass(fn: Callable, pass_: str) -> Callable:
+  if pass_ == "fwd":
+    return lambda q, k, v, seg, ct: fn(q, k, v, seg)
+
+  def fwd_bwd(q, k, v, seg, ct):
+    out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, seg), q, k, v)
+    return out, vjp(ct)
+
+  return fwd_bwd
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+def machine() -> dict[str, Any]:
+  dev = jax.devices()[0]
+  cpu = platform.processor() or platform.machine()
+  try:
+    out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+    cpu = next((l.split(":", 1)[1].strip() for l in out.splitlines()
+                if l.startswith("Model name")), cpu)
+  except OSError:
+    pass
+  return {"backend": jax.default_backend(), "device": dev.device_kind, "cpu": cpu,
+          "cores": len(os.sched_getaffinity(0)), "jax": jax.__version__}
+
+
+def run_case(impls: dict[str, tuple[Callable, str]], args: tuple, pass_: str, repeats: int,
+             max_seconds: float, skip: set) -> dict[str, dict[str, Any]]:
+  """Compiles each impl, then times them in interleaved rounds; returns per-impl results."""
+  results, compiled = {}, {}
+  for name, (fn, _) in impls.items():
+    if name in skip:
+      results[name] = {"status": "skipped (slower than --max_seconds_per_case at a shorter T)"}
+      continue
+    try:
+      c = jax.jit(_with_pass(fn, pass_)).lower(*args).compile()
+      t0 = time.perf_counter()
+      jax.block_until_ready(c(*args))  # warm-up
+      first = time.perf_counter() - t0
+    except Exception as e:  # pylint: disable=broad-except
+      results[name] = {"status": f"n/a: {type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+      continue
+    results[name] = {"status": "ok", "temp_bytes": c.memory_analysis().temp_size_in_bytes,
+                     "times_s": []}
+    if first * (repeats + 1) > max_seconds:
+      results[name].update(times_s=[first], status="ok (timed once: slow)")
+      skip.add(name)
+    else:
+      compiled[name] = c
+  for _ in range(repeats):
+    for name, c in compiled.items():
+      t0 = time.perf_counter()
+      jax.block_until_ready(c(*args))
+      results[name]["times_s"].append(time.perf_counter() - t0)
+  for r in results.values():
+    if r.get("times_s"):
+      r["time_s"] = statistics.median(r["times_s"])
+  return results
+
+
+def run(seq_lens, batch, heads, kv_heads, d, dtype, impl_names, packed, passes, repeats,
+        max_seconds, seed) -> dict[str, Any]:
+  """Every (T, mode, pass, impl): rows with time, TFLOP/s of unmasked work and temp bytes."""
+  if heads % kv_heads:
+    raise ValueError(f"--heads={heads} must be a multiple of --kv_heads={kv_heads}")
+  for p in passes:
+    if p not in ("fwd", "fwd_bwd"):
+      raise ValueError(f"--passes: unknown pass {p!r}; choose from fwd, fwd_bwd")
+  impls = {}
+  rows = []
+  for name in impl_names:
+    try:
+      impls[name] = make_impl(name)
+    except (ImportError, NotImplementedError, ValueError) as e:
+      if isinstance(e, ValueError) and name not in ALL_IMPLS:
+        raise
+      rows.append({"impl": name, "status": f"n/a: {e}"})
+  rng = np.random.default_rng(seed)
+  skip = {(m, p): set() for m in ("causal", "packed") for p in passes}
+  for t in seq_lens:
+    keys = jax.random.split(jax.random.key(seed + t), 4)
+    q = jax.random.normal(keys[0], (batch, t, heads, d), dtype)
+    k = jax.random.normal(keys[1], (batch, t, kv_heads, d), dtype)
+    v = jax.random.normal(keys[2], (batch, t, kv_heads, d), dtype)
+    ct = jax.random.normal(keys[3], (batch, t, heads, d), dtype)
+    for mode in ("causal", "packed") if packed else ("causal",):
+      seg = packed_segment_ids(batch, t, rng) if mode == "packed" else None
+      pairs = unmasked_pairs(t, batch, seg)
+      seg_arg = None if seg is None else jnp.asarray(seg)
+      for pass_ in passes:
+        res = run_case(impls, (q, k, v, seg_arg, ct), pass_, repeats, max_seconds,
+                       skip[(mode, pass_)])
+        for name, r in res.items():
+          row = {"impl": name, "via": impls[name][1], "T": t, "mode": mode, "pass": pass_,
+                 "unmasked_pairs": pairs, **{k: v for k, v in r.items() if k != "times_s"},
+                 "times_s": r.get("times_s")}
+          if "time_s" in r:
+            row["tflops"] = flops(pairs, heads, d, pass_) / r["time_s"] / 1e12
+          rows.append(row)
+          print(_row_line(row), flush=True)
+  return {"machine": machine(), "rows": rows, "load_avg_end": os.getloadavg(),
+          "config": {"batch": batch, "heads": heads, "kv_heads": kv_heads, "head_dim": d,
+                     "dtype": jnp.dtype(dtype).name, "seq_lens": list(seq_lens),
+                     "repeats": repeats, "packed": packed, "seed": seed}}
+
+
+def _row_line(row) -> str:
+  if "time_s" not in row:
+    return f"T={row.get('T')} {row.get('mode')} {row.get('pass')} {row['impl']}: {row['status']}"
+  return (f"T={row['T']} {row['mode']} {row['pass']} {row['impl']}: "
+          f"{row['time_s'] * 1e3:.1f} ms, {row['tflops']:.4f} TFLOP/s, "
+          f"temp {row['temp_bytes'] / 2**20:.1f} MiB")
+
+
+BASELINE = "cudnn_or_xla_dpa"
+
+
+def markdown(result: dict[str, Any]) -> str:
+  """The table: one line per (T, mode, pass, impl), with time and memory vs the baseline."""
+  m, c = result["machine"], result["config"]
+  lines = [f"machine: {m['device']} ({m['cpu']}, {m['cores']} cores), backend {m['backend']}, "
+           f"jax {m['jax']}; B={c['batch']} Hq={c['heads']} Hkv={c['kv_heads']} "
+           f"D={c['head_dim']} {c['dtype']}, median of {c['repeats']}",
+           "",
+           "| T | mode | pass | impl | time ms | TFLOP/s (unmasked) | temp MiB "
+           "| time / dpa | temp / dpa |",
+           "|---|---|---|---|---|---|---|---|---|"]
+  by_case: dict[tuple, dict[str, dict]] = {}
+  for row in result["rows"]:
+    if "T" in row:
+      by_case.setdefault((row["T"], row["mode"], row["pass"]), {})[row["impl"]] = row
+  for (t, mode, pass_), impls in by_case.items():
+    base = impls.get(BASELINE, {})
+    for name, row in impls.items():
+      if "time_s" not in row:
+        lines.append(f"| {t} | {mode} | {pass_} | {name} | {row['status']} | | | | |")
+        continue
+      ratio_t = ratio_m = ""
+      if "time_s" in base and name != BASELINE:
+        ratio_t = f"{row['time_s'] / base['time_s']:.2f}"
+        ratio_m = f"1/{base['temp_bytes'] / max(row['temp_bytes'], 1):.1f}"
+      lines.append(f"| {t} | {mode} | {pass_} | {name} | {row['time_s'] * 1e3:.1f} "
+                   f"| {row['tflops']:.4f} | {row['temp_bytes'] / 2**20:.1f} "
+                   f"| {ratio_t} | {ratio_m} |")
+  for row in result["rows"]:
+    if "T" not in row:
+      lines.append(f"\n{row['impl']}: {row['status']}")
+  return "\n".join(lines)
+
+
+def cpu_target(result: dict[str, Any], t: int = 8192) -> list[str]:
+  """The issue's CPU target: impl="xla" at T has <= 1/8 of dpa's temp and <= 1.5x its time."""
+  out = []
+  for row in result["rows"]:
+    if row.get("impl") != "xla" or row.get("T") != t or row.get("mode") != "causal":
+      continue
+    base = next((r for r in result["rows"] if r.get("impl") == BASELINE and r.get("T") == t
+                 and r.get("mode") == "causal" and r.get("pass") == row["pass"]), None)
+    if not base or "time_s" not in base or "time_s" not in row:
+      out.append(f"T={t} {row['pass']}: not measured")
+      continue
+    mem = base["temp_bytes"] / max(row["temp_bytes"], 1)
+    speed = row["time_s"] / base["time_s"]
+    met = mem >= 8 and speed <= 1.5
+    out.append(f"T={t} {row['pass']}: temp 1/{mem:.1f} of dpa (need <= 1/8), time "
+               f"{speed:.2f}x dpa (need <= 1.5x): {'MET' if met else 'NOT MET'}")
+  return out
+
+
+def main(argv):
+  del argv
+  backend = jax.default_backend()
+  dtype = _DTYPE.value or ("float32" if backend == "cpu" else "bfloat16")
+  impl_names = _IMPLS.value or default_impls()
+  for name in impl_names:
+    if name not in ALL_IMPLS:
+      raise app.UsageError(f"--impls: unknown impl {name!r}; choose from {ALL_IMPLS}")
+  result = run([int(t) for t in _SEQ_LENS.value], _BATCH.value, _HEADS.value, _KV_HEADS.value,
+               _HEAD_DIM.value, jnp.dtype(dtype), impl_names, _PACKED.value, _PASSES.value,
+               _REPEATS.value, _MAX_SECONDS.value, _SEED.value)
+  print()
+  print(markdown(result))
+  if backend == "cpu":
+    print()
+    print("\n".join(cpu_target(result)))
+  if _OUT.value:
+    with open(_OUT.value, "w") as f:
+      json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+  app.run(main)
