@@ -23,7 +23,12 @@ with the block's rows, M = G*block_q, so GQA never repeats k/v. k and q are also
 transposed (once, outside the loops) and the backward works on transposed tiles
 [block_k, M], so all five backward matmuls and both forward ones are canonical.
 
-When T <= block_q and S <= block_k the problem is one tile and no loop is emitted.
+Blocks default to `default_blocks(B * Hq)`, sized by measurement so one score tile is
+about 2 MiB; sequences are split into near-equal blocks, so padding stays under one
+block (padded keys are masked, padded rows dropped). When T <= block_q and S <= block_k
+the problem is one tile: no loop is emitted and the backward reuses the saved
+probabilities instead of recomputing them (a dense custom vjp: the short-sequence path,
+as fast as `attention.dense_attention` there).
 
 Example:
   out = xla_attention(q, k, v, q_segment_ids=seg, kv_segment_ids=seg, causal=True)
@@ -100,9 +105,8 @@ def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
     except (TypeError, jax.errors.ConcretizationTypeError) as e:
       raise TypeError(
           f"xla_attention: sm_scale must be a Python number (it is static); got {sm_scale!r}") from e
-  # A block never exceeds its (unpadded) length, so short sequences are one exact tile.
-  bq, bk = min(block_q, t), min(block_k, s)
-  nq, nk = -(-t // bq), -(-s // bk)
+  bq, nq = _balanced_block(t, block_q)
+  bk, nk = _balanced_block(s, block_k)
   cfg = _Config(b, hkv, g, t, s, bq, bk, nq, nk, bool(causal), scale, q_seg is not None)
 
   q_INMD = (_pad(q, 1, nq * bq).reshape(b, nq, bq, hkv, g, d).transpose(1, 0, 3, 4, 2, 5)
@@ -128,6 +132,17 @@ def default_blocks(rows: int) -> tuple[int, int]:
   while bq < 512 and rows * 2 * (2 * bq) ** 2 <= TILE_ELEMENTS:
     bq *= 2
   return bq, 2 * bq
+
+
+def _balanced_block(n: int, block: int) -> tuple[int, int]:
+  """(size, count) of blocks covering n: never more than `block` (rounded up to a multiple
+  of 8), as even as possible, so padding is under one block; n <= block is one exact block."""
+  count = -(-n // block)
+  if count == 1:
+    return n, 1
+  size = -(-n // count)
+  size = -(-size // 8) * 8 if block >= 8 else size
+  return size, -(-n // size)
 
 
 def _pad(x: jax.Array, axis: int, size: int, mode: str = "constant") -> jax.Array:
