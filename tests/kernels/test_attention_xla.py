@@ -79,7 +79,7 @@ class XlaAttentionTest(parameterized.TestCase):
   @parameterized.product(
       causal=(True, False),
       # (T, S, G): T, S not block multiples, T < S (decoding), T > S (rows with no key).
-      shape=((37, 37, 1), (20, 50, 4), (50, 20, 2), (64, 64, 4)))
+      shape=((37, 37, 1), (20, 50, 4), (50, 20, 2)))
   def test_f32_matches_reference(self, causal, shape):
     t, s, group = shape
     q, k, v, ct = _inputs(2, t, s, 2 * group, 2, 8)
@@ -92,12 +92,11 @@ class XlaAttentionTest(parameterized.TestCase):
     seg = _packed_ids(rng, 2, 45)
     self._check(q, k, v, ct, segs=(seg, seg), block_q=8, block_k=16)
 
-  @parameterized.parameters(True, False)
-  def test_bf16(self, causal):
+  def test_bf16(self):
     rng = np.random.default_rng(3)
     q, k, v, ct = _inputs(2, 40, 40, 4, 2, 16, dtype=jnp.bfloat16, seed=3)
     seg = _packed_ids(rng, 2, 40)
-    self._check(q, k, v, ct, segs=(seg, seg), causal=causal, block_q=16, block_k=32)
+    self._check(q, k, v, ct, segs=(seg, seg), causal=True, block_q=16, block_k=32)
 
   def test_fully_masked_rows_give_zeros_and_finite_grads(self):
     q, k, v, ct = _inputs(2, 40, 24, 4, 2, 8, seed=4)
@@ -143,7 +142,7 @@ class XlaAttentionTest(parameterized.TestCase):
     q, k, v, ct = _inputs(2, 1, 77, 8, 2, 16, seed=8)
     self._check(q, k, v, ct, block_q=16, block_k=16)
 
-  @hypothesis.settings(max_examples=20, deadline=None, derandomize=True)
+  @hypothesis.settings(max_examples=15, deadline=None, derandomize=True)
   @hypothesis.given(
       t=st.integers(1, 40), s=st.integers(1, 40), hkv=st.sampled_from([1, 2]),
       group=st.sampled_from([1, 2, 4]), d=st.sampled_from([4, 8]), causal=st.booleans(),
@@ -159,9 +158,10 @@ class XlaAttentionTest(parameterized.TestCase):
 
   def test_forward_and_backward_memory_is_linear_in_t(self):
     def temp_bytes(fn, t):
-      q, k, v, _ = (jax.ShapeDtypeStruct(x.shape, x.dtype) for x in _inputs(1, t, t, 2, 2, 64))
+      q = k = v = jax.ShapeDtypeStruct((1, t, 2, 64), jnp.float32)
       loss = lambda q, k, v: jnp.sum(fn(q, k, v))
-      compiled = jax.jit(jax.grad(loss, (0, 1, 2))).lower(q, k, v).compile()
+      # Buffer assignment, hence temp size, does not depend on the LLVM optimisation level.
+      compiled = jax.jit(jax.grad(loss, (0, 1, 2))).lower(q, k, v).compile(_FAST_COMPILE)
       return compiled.memory_analysis().temp_size_in_bytes
 
     flash = _xla(None, block_q=128, block_k=256)
