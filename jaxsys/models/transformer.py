@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Callable
 
 import jax
@@ -21,6 +22,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxsys.kernels import attention as attention_lib
+
+# Stacks of at most this many layers are unrolled: the scan's stacked residuals cost a
+# zero-fill plus a dynamic-slice copy per layer and step (about 8% of a CPU step of the
+# tiny config); deeper stacks keep the loop so compile time stays flat in depth.
+UNROLL_MAX_LAYERS = 8
 
 REMAT_POLICIES = {
     "none": None,
@@ -102,21 +108,34 @@ def rope(x_BTHD, positions_BT, theta: float):
   return out.astype(x_BTHD.dtype)
 
 
+def _dense(x, w, n_in: int = 1):
+  """x [..., *in] @ w [*in, *out] as ONE 2-D matmul [M, K] x [K, N].
+
+  Flattening the token dims keeps the weight gradient a single-contraction dot
+  ([K, M] x [M, N]); contracting over (batch, length) as two dims makes XLA:CPU
+  materialise a transposed copy of the [M, N] activation gradient first.
+  """
+  lead, k_shape, n_shape = x.shape[:x.ndim - n_in], w.shape[:n_in], w.shape[n_in:]
+  k, n = math.prod(k_shape), math.prod(n_shape)
+  y = jnp.dot(x.reshape(-1, k), w.reshape(k, n))
+  return y.reshape(*lead, *n_shape)
+
+
 def block(p: dict[str, jax.Array], x_BTD, positions_BT, segment_ids_BT, cfg: TransformerConfig,
           attention_fn: Callable):
   """One pre-norm decoder layer on ONE layer's parameters (no leading `layers` axis)."""
   dt = jnp.dtype(cfg.dtype)
   h = rms_norm(x_BTD, p["attn_norm"], cfg.norm_eps)
-  q = jnp.einsum("btd,dhk->bthk", h, p["wq"].astype(dt))
-  k = jnp.einsum("btd,dhk->bthk", h, p["wk"].astype(dt))
-  v = jnp.einsum("btd,dhk->bthk", h, p["wv"].astype(dt))
+  q = _dense(h, p["wq"].astype(dt))  # [B, T, H, hd]
+  k = _dense(h, p["wk"].astype(dt))
+  v = _dense(h, p["wv"].astype(dt))
   q, k = rope(q, positions_BT, cfg.rope_theta), rope(k, positions_BT, cfg.rope_theta)
   o = attention_fn(q, k, v, segment_ids=segment_ids_BT, causal=True)
-  x_BTD = x_BTD + jnp.einsum("bthk,hkd->btd", o, p["wo"].astype(dt))
+  x_BTD = x_BTD + _dense(o, p["wo"].astype(dt), n_in=2)
   h = rms_norm(x_BTD, p["mlp_norm"], cfg.norm_eps)
-  gate = jnp.einsum("btd,df->btf", h, p["w_gate"].astype(dt))
-  up = jnp.einsum("btd,df->btf", h, p["w_up"].astype(dt))
-  return x_BTD + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, p["w_down"].astype(dt))
+  gate = _dense(h, p["w_gate"].astype(dt))
+  up = _dense(h, p["w_up"].astype(dt))
+  return x_BTD + _dense(jax.nn.silu(gate) * up, p["w_down"].astype(dt))
 
 
 class DecoderLayers(nnx.Module):
@@ -152,7 +171,8 @@ class DecoderLayers(nnx.Module):
     def body(x, p):
       return layer(p, x, positions_BT, segment_ids_BT), None
 
-    x_BTD, _ = jax.lax.scan(body, x_BTD, self.stacked())
+    unroll = cfg.n_layers <= UNROLL_MAX_LAYERS
+    x_BTD, _ = jax.lax.scan(body, x_BTD, self.stacked(), unroll=unroll)
     return x_BTD
 
 
@@ -187,7 +207,9 @@ class Transformer(nnx.Module):
       w_DV = embedding.T * (cfg.d_model ** -0.5)
     else:
       w_DV = self.unembedding[...]
-    return jnp.einsum("btd,dv->btv", x_BTD, w_DV.astype(dt), preferred_element_type=jnp.float32)
+    b, t, d = x_BTD.shape  # one 2-D matmul, as in `_dense`
+    logits = jnp.dot(x_BTD.reshape(b * t, d), w_DV.astype(dt), preferred_element_type=jnp.float32)
+    return logits.reshape(b, t, -1)
 
 
 def logical_axes(model: nnx.Module) -> dict[str, Any]:

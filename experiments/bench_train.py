@@ -1,0 +1,296 @@
+r"""Benchmarks the training step against the measured matmul peak and a dot-only baseline.
+
+  python -m experiments.bench_train --config=configs/tiny_lm.py
+  python -m experiments.bench_train --config=configs/tiny_lm.py --config.model.d_model=512 \
+      --steps=20 --out=/tmp/bench.json
+
+In one process it measures (a) the matmul FLOP/s peak for the compute dtype (square
+n=1024 and n=2048 matmuls; MFU uses the larger), (b) the train step built exactly as
+`jaxsys.train.loop` builds it (same jit, shardings, donation) on random packed tokens
+of the config's batch shape, and (c) a baseline of plain dots with the model's own
+matmul shapes (forward, input-gradient and weight-gradient of every weight, plus
+attention's QK^T and PV) and the same FLOP count, in one jitted function with the
+step's XLA options. (c) against (a) is how much MFU the matmul shapes alone allow;
+(b) against (c) is what everything else (softmax, norms, RoPE, cross-entropy,
+optimizer, copies) costs. The three are timed in `--rounds` interleaved rounds, and
+the table says how much of the host's CPU other processes took meanwhile: on a shared
+machine, compare runs only at similar load.
+
+On CPU, XLA allocates the step's temporaries with
+glibc malloc, which maps fresh 4 KiB pages every step; the table's page-fault count
+shows it. `GLIBC_TUNABLES=glibc.malloc.hugetlb=1` (glibc >= 2.35) backs them with
+transparent huge pages instead:
+
+  GLIBC_TUNABLES=glibc.malloc.hugetlb=1 python -m experiments.bench_train
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+from ml_collections import config_flags
+
+from jaxsys import mesh as mesh_lib
+from jaxsys import metrics as metrics_lib
+from jaxsys.models import transformer
+from jaxsys.optim.inner import make_optimizer
+from jaxsys.train import state as state_lib
+from jaxsys.train import step as step_lib
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny_lm.py",
+                                          "Path to a config file (:arg optional).", lock_config=True)
+_STEPS = flags.DEFINE_integer("steps", 10, "Timed steps (the median is reported).")
+_WARMUP = flags.DEFINE_integer("warmup", 2, "Untimed steps after compilation.")
+_ROUNDS = flags.DEFINE_integer("rounds", 2, "Interleaved rounds of peak, step and dot timing.")
+_SEGMENTS = flags.DEFINE_integer("segments", 4, "Packed documents per row of the random batch.")
+_OUT = flags.DEFINE_string("out", None, "Optional path of a JSON file with every number.")
+
+
+def random_packed_batch(batch: int, seq_len: int, vocab: int, segments: int,
+                        seed: int = 0) -> dict[str, np.ndarray]:
+  """A batch in the packing layout (see `jaxsys.data.packing`) with `segments` documents a row."""
+  if not 1 <= segments <= seq_len:
+    raise ValueError(f"--segments={segments} must be in [1, seq_len={seq_len}]")
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(0, vocab, (batch, seq_len + 1), dtype=np.int32)
+  seg = np.empty((batch, seq_len), np.int32)
+  pos = np.empty((batch, seq_len), np.int32)
+  for b in range(batch):
+    cuts = np.sort(rng.choice(np.arange(1, seq_len), segments - 1, replace=False))
+    starts = np.concatenate([[0], cuts])
+    ids = np.searchsorted(starts, np.arange(seq_len), side="right")
+    seg[b] = ids
+    pos[b] = np.arange(seq_len) - starts[ids - 1]
+  # A target that is the next document's first token is not scored.
+  loss_mask = np.ones((batch, seq_len), np.float32)
+  loss_mask[:, :-1] = seg[:, :-1] == seg[:, 1:]
+  return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": seg,
+          "positions": pos, "loss_mask": loss_mask}
+
+
+def _host_busy() -> tuple[float, float] | None:
+  """(busy, total) CPU seconds of the whole host so far, from /proc/stat (Linux), else None."""
+  try:
+    with open("/proc/stat", encoding="ascii") as f:
+      ticks = [int(x) for x in f.readline().split()[1:]]
+  except (OSError, ValueError):
+    return None
+  hz = os.sysconf("SC_CLK_TCK")
+  return (sum(ticks) - ticks[3] - ticks[4]) / hz, sum(ticks) / hz
+
+
+class Timer:
+  """Times blocking calls; also counts this process's CPU time and page faults, and how much
+  of the host's CPU other processes used meanwhile (the machine may be shared)."""
+
+  def __init__(self):
+    self.seconds: list[float] = []
+    self.cpu_s = self.faults = self.other_cpu_s = self.host_s = 0.0
+
+  def __call__(self, fn: Callable[[], Any], n: int) -> None:
+    for _ in range(n):
+      r0, h0, t0 = resource.getrusage(resource.RUSAGE_SELF), _host_busy(), time.perf_counter()
+      fn()
+      dt = time.perf_counter() - t0
+      r1, h1 = resource.getrusage(resource.RUSAGE_SELF), _host_busy()
+      self.seconds.append(dt)
+      cpu = (r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime)
+      self.cpu_s += cpu
+      self.faults += r1.ru_minflt + r1.ru_majflt - r0.ru_minflt - r0.ru_majflt
+      if h0 and h1:
+        self.other_cpu_s += max(0.0, h1[0] - h0[0] - cpu)
+        self.host_s += h1[1] - h0[1]
+
+  def summary(self) -> dict[str, float]:
+    n = max(len(self.seconds), 1)
+    return {"median_s": statistics.median(self.seconds), "min_s": min(self.seconds),
+            "cpu_s_per_call": self.cpu_s / n, "page_faults_per_call": self.faults / n,
+            "other_processes_cpu_share": self.other_cpu_s / self.host_s if self.host_s else None}
+
+
+def train_matmul_shapes(cfg: transformer.TransformerConfig, batch: int, seq_len: int
+                        ) -> list[tuple[str, tuple[int, ...], tuple[int, ...], int]]:
+  """(name, lhs, rhs, count) of every matmul of one training step, as dots on 2-D/3-D arrays.
+
+  A weight matmul [M, K] x [K, N] has a forward, an input gradient [M, N] x [N, K] and a
+  weight gradient [K, M] x [M, N]; attention's QK^T and PV are batched over B * Hq.
+  """
+  L, D, F, H, K, hd, V = (cfg.n_layers, cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.n_kv_heads,
+                          cfg.hd, cfg.vocab_size)
+  M, T, BH = batch * seq_len, seq_len, batch * H
+  weights = [("wq", D, H * hd, L), ("wk", D, K * hd, L), ("wv", D, K * hd, L),
+             ("wo", H * hd, D, L), ("w_gate", D, F, L), ("w_up", D, F, L), ("w_down", F, D, L),
+             ("unembedding", D, V, 1)]
+  shapes = []
+  for name, k, n, count in weights:
+    shapes += [(f"{name} fwd", (M, k), (k, n), count), (f"{name} dx", (M, n), (n, k), count),
+               (f"{name} dw", (k, M), (M, n), count)]
+  shapes += [("qk fwd", (BH, T, hd), (BH, hd, T), L), ("pv fwd", (BH, T, T), (BH, T, hd), L),
+             ("qk dq", (BH, T, T), (BH, T, hd), L), ("qk dk", (BH, T, T), (BH, T, hd), L),
+             ("pv dp", (BH, T, hd), (BH, hd, T), L), ("pv dv", (BH, T, T), (BH, T, hd), L)]
+  return shapes
+
+
+def _dot_flops(lhs: tuple[int, ...], rhs: tuple[int, ...]) -> int:
+  return 2 * int(np.prod(lhs)) * rhs[-1]
+
+
+def dot_baseline(shapes, dtype: str, compiler_options: dict[str, Any] | None = None
+                 ) -> tuple[Callable[[], Any], float]:
+  """A blocking call running every dot of `shapes` in one jit, and its FLOP count."""
+  dt = jnp.dtype(dtype)
+  flops = sum(_dot_flops(l, r) * c for _, l, r, c in shapes)
+  key = jax.random.key(0)
+  operands = []  # one pair per repeat (layer), so XLA cannot merge repeats of a dot
+  for _, l, r, c in shapes:
+    for _ in range(c):
+      ka, kb = jax.random.split(jax.random.fold_in(key, len(operands)))
+      operands.append((jax.random.normal(ka, l, dt), jax.random.normal(kb, r, dt)))
+  run = jax.jit(lambda ops: [jnp.matmul(a, b) for a, b in ops], compiler_options=compiler_options)
+  run(operands)  # compile
+  return lambda: jax.block_until_ready(run(operands)), float(flops)
+
+
+def machine() -> dict[str, Any]:
+  model = platform.processor() or ""
+  try:
+    out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+    model = next((l.split(":", 1)[1].strip() for l in out.splitlines()
+                  if l.startswith("Model name")), model)
+  except OSError:
+    pass
+  return {"cpu": model or platform.machine(), "cores": os.cpu_count(), "jax": jax.__version__,
+          "backend": jax.default_backend(), "devices": jax.device_count(),
+          "xla_flags": os.environ.get("XLA_FLAGS", ""),
+          "glibc_tunables": os.environ.get("GLIBC_TUNABLES", "")}
+
+
+def bench(config, steps: int, warmup: int, segments: int, rounds: int) -> dict[str, Any]:
+  """All measurements of this binary for `config`, as a dict of numbers.
+
+  The peak, the train step and the dot baseline are measured in `rounds` interleaved
+  rounds, so load from other processes hits all three alike.
+  """
+  model_cfg = transformer.TransformerConfig.from_config(config.model)
+  B, T = config.data.batch_size, config.data.seq_len
+  mesh = mesh_lib.make_mesh(config.mesh)
+  optimizer = make_optimizer(config.optimizer, config.total_steps)
+  abstract = state_lib.abstract_train_state(model_cfg, optimizer, config.seed)
+  state_sh = state_lib.state_shardings(abstract, model_cfg, optimizer, mesh)
+  batch_sh = mesh_lib.batch_sharding(mesh)
+  train_fn = step_lib.jit_train_step(model_cfg, optimizer, state_sh, batch_sh,
+                                     config.optimizer.grad_accum_steps)
+  state = jax.jit(lambda: state_lib.init_train_state(model_cfg, optimizer, config.seed),
+                  out_shardings=state_sh)()
+  batch = jax.device_put(random_packed_batch(B, T, model_cfg.vocab_size, segments, config.seed),
+                         batch_sh)
+
+  t0 = time.perf_counter()
+  state, m = train_fn(state, batch)
+  jax.block_until_ready(m)
+  compile_s = time.perf_counter() - t0
+  memory = train_fn.lower(state, batch).compile().memory_analysis()
+  temp_bytes = getattr(memory, "temp_size_in_bytes", None)
+
+  def one_step():
+    nonlocal state, m
+    state, m = train_fn(state, batch)
+    jax.block_until_ready(m)
+
+  flops_per_token = transformer.train_flops_per_token(model_cfg, T)
+  step_flops = flops_per_token * B * T
+  # The same XLA options as the step, so the baseline differs from it in nothing but the non-dots.
+  dots_fn, dots_flops = dot_baseline(train_matmul_shapes(model_cfg, B, T), model_cfg.dtype,
+                                     step_lib.compiler_options(model_cfg, mesh))
+  if abs(dots_flops - step_flops) > 1e-6 * step_flops:
+    raise AssertionError(f"dot baseline has {dots_flops:.4g} FLOPs, the model {step_flops:.4g}")
+
+  for _ in range(warmup):
+    one_step()
+    dots_fn()
+  rounds = max(1, min(rounds, steps))
+  peaks: dict[int, list[float]] = {1024: [], 2048: []}
+  step_timer, dots_timer = Timer(), Timer()
+  for r in range(rounds):
+    for n in peaks:
+      peaks[n].append(metrics_lib.measure_matmul_flops(model_cfg.dtype, n))
+    per_round = steps // rounds + (r < steps % rounds)
+    step_timer(one_step, per_round)
+    dots_timer(dots_fn, per_round)
+  peak_by_n = {n: max(v) for n, v in peaks.items()}
+  peak = max(peak_by_n.values())
+  st, dt = step_timer.summary(), dots_timer.summary()
+  step_s, dots_s = st["median_s"], dt["median_s"]
+  return {
+      "machine": machine(), "config": {"model": model_cfg.__dict__, "batch": B, "seq_len": T,
+                                       "mesh": config.mesh, "segments": segments},
+      "params_m": transformer.param_count(model_cfg) / 1e6,
+      "flops_per_token": flops_per_token, "rounds": rounds,
+      "peak_flops": peak, "peak_flops_by_n": {str(n): v for n, v in peak_by_n.items()},
+      "compile_s": compile_s, "temp_bytes": temp_bytes, "step": st, "step_s_all": step_timer.seconds,
+      "loss": float(m["loss"]),
+      "tokens_per_s": B * T / step_s, "model_flops_per_s": step_flops / step_s,
+      "mfu": step_flops / step_s / peak,
+      "dots": dt, "dots_flops_per_s": dots_flops / dots_s, "dots_mfu": dots_flops / dots_s / peak,
+  }
+
+
+def table(r: dict[str, Any]) -> str:
+  m, c = r["machine"], r["config"]
+  mc = c["model"]
+  lines = [
+      f"machine: {m['cpu']}, {m['cores']} cores, jax {m['jax']}, backend {m['backend']} "
+      f"({m['devices']} devices)" + "".join(f", {k.upper()}={m[k]}" for k in ("xla_flags", "glibc_tunables")
+                                             if m[k]),
+      f"model: d_model={mc['d_model']} layers={mc['n_layers']} heads={mc['n_heads']}/"
+      f"{mc['n_kv_heads']} d_ff={mc['d_ff']} dtype={mc['dtype']}; batch={c['batch']} x "
+      f"seq_len={c['seq_len']} ({c['segments']} docs/row); {r['params_m']:.2f}M params, "
+      f"{r['flops_per_token'] / 1e6:.1f} MFLOP/token; compile {r['compile_s']:.1f} s"
+      + (f"; XLA temporaries {r['temp_bytes'] / 2**20:,.0f} MiB per step" if r["temp_bytes"] else ""),
+      "",
+      "| measurement | time/step | tokens/s | GFLOP/s | MFU |",
+      "|---|---:|---:|---:|---:|",
+  ]
+  for n, v in r["peak_flops_by_n"].items():
+    lines.append(f"| matmul peak {mc['dtype']} n={n} | | | {v / 1e9:.1f} | {v / r['peak_flops']:.0%} |")
+  tokens = c["batch"] * c["seq_len"]
+  for name, key, gflops in (("dots only (model's matmul shapes, same FLOPs)", "dots",
+                             r["dots_flops_per_s"]), ("train step", "step", r["model_flops_per_s"])):
+    x = r[key]
+    lines.append(f"| {name} | {x['median_s'] * 1e3:.0f} ms | {tokens / x['median_s']:,.0f} | "
+                 f"{gflops / 1e9:.1f} | {gflops / r['peak_flops']:.1%} |")
+  lines.append("")
+  for name, key in (("train step", "step"), ("dots only", "dots")):
+    x = r[key]
+    other = x["other_processes_cpu_share"]
+    lines.append(f"{name}: min {x['min_s'] * 1e3:.0f} ms, {x['cpu_s_per_call']:.2f} CPU-s and "
+                 f"{x['page_faults_per_call']:,.0f} page faults per call"
+                 + (f"; other processes used {other:.0%} of the host's CPU meanwhile"
+                    if other is not None else ""))
+  return "\n".join(lines)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  result = bench(_CONFIG.value, _STEPS.value, _WARMUP.value, _SEGMENTS.value, _ROUNDS.value)
+  print(table(result))
+  if _OUT.value:
+    with open(_OUT.value, "w", encoding="utf-8") as f:
+      json.dump(result, f, indent=1)
+    print(f"wrote {_OUT.value}")
+
+
+if __name__ == "__main__":
+  jax.config.config_with_absl()
+  app.run(main)
