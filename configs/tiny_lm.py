@@ -13,7 +13,7 @@ import ml_collections
 SIZES = {
     #        d_model layers heads kv  d_ff  seq  batch steps
     "test": (64, 2, 4, 2, 128, 64, 16, 20),
-    "tiny": (256, 4, 4, 2, 768, 256, 32, 300),
+    "tiny": (256, 4, 4, 2, 768, 256, 16, 300),
     "small": (512, 8, 8, 4, 1536, 512, 32, 2000),
 }
 
@@ -42,7 +42,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.total_steps = steps
   c.log_every = max(1, steps // 30)
   c.eval_every = max(1, steps // 3)
-  c.eval_steps = 4
+  c.eval_steps = 8
   c.checkpoint_every = max(1, steps // 3)
   c.keep_checkpoints = 3
   c.mesh = "data=-1"  # e.g. "fsdp=8" or "data=2,tensor=4"; see jaxsys/mesh.py
