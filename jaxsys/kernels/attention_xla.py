@@ -17,11 +17,12 @@ recomputing one tile of probabilities at a time (FlashAttention-2: delta = rowsu
 dS = P * (dP - delta)), so forward + backward temporaries are linear in T as well.
 
 Layout is chosen for XLA:CPU, whose dot emitter wants [M, K] x [K, N] row-major
-operands and otherwise copies a transposed tile before every matmul: the kv heads and
-batch form one batch dim N = B*Hkv, and the G query heads sharing a kv head are stacked
-with the block's rows, M = G*block_q, so GQA never repeats k/v. k and q are also kept
-transposed (once, outside the loops) and the backward works on transposed tiles
-[block_k, M], so all five backward matmuls and both forward ones are canonical.
+operands and otherwise copies a transposed tile before every matmul: batch and kv heads
+stay two leading batch dims (so a mesh may shard either), and the G query heads sharing
+a kv head are stacked with the block's rows, M = G*block_q, so GQA never repeats k/v.
+k and q are also kept transposed (once, outside the loops) and the backward works on
+transposed tiles [block_k, M], so all five backward matmuls and both forward ones are
+canonical.
 
 Blocks default to `default_blocks(B * Hq)`, sized by measurement so one score tile is
 about 2 MiB; sequences are split into near-equal blocks, so padding stays under one
@@ -109,18 +110,18 @@ def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
   bk, nk = _balanced_block(s, block_k)
   cfg = _Config(b, hkv, g, t, s, bq, bk, nq, nk, bool(causal), scale, q_seg is not None)
 
-  q_INMD = (_pad(q, 1, nq * bq).reshape(b, nq, bq, hkv, g, d).transpose(1, 0, 3, 4, 2, 5)
-            .reshape(nq, b * hkv, g * bq, d))
-  k_JNSD, v_JNSD = ((_pad(x, 1, nk * bk).reshape(b, nk, bk, hkv, d).transpose(1, 0, 3, 2, 4)
-                     .reshape(nk, b * hkv, bk, d)) for x in (k, v))
+  q_IBKMD = (_pad(q, 1, nq * bq).reshape(b, nq, bq, hkv, g, d).transpose(1, 0, 3, 4, 2, 5)
+             .reshape(nq, b, hkv, g * bq, d))
+  k_JBKSD, v_JBKSD = ((_pad(x, 1, nk * bk).reshape(b, nk, bk, hkv, d).transpose(1, 0, 3, 2, 4)
+                       .reshape(nk, b, hkv, bk, d)) for x in (k, v))
   if q_seg is None:
     qseg_IBQ = kvseg_JBS = None
   else:
     # Edge padding keeps the per-block id ranges tight; padded keys are masked by position.
     qseg_IBQ = _pad(q_seg.astype(jnp.int32), 1, nq * bq, "edge").reshape(b, nq, bq).swapaxes(0, 1)
     kvseg_JBS = _pad(kv_seg.astype(jnp.int32), 1, nk * bk, "edge").reshape(b, nk, bk).swapaxes(0, 1)
-  out_INMD = _flash(cfg, q_INMD, k_JNSD, v_JNSD, qseg_IBQ, kvseg_JBS)
-  out = (out_INMD.reshape(nq, b, hkv, g, bq, d).transpose(1, 0, 4, 2, 3, 5)
+  out_IBKMD = _flash(cfg, q_IBKMD, k_JBKSD, v_JBKSD, qseg_IBQ, kvseg_JBS)
+  out = (out_IBKMD.reshape(nq, b, hkv, g, bq, d).transpose(1, 0, 4, 2, 3, 5)
          .reshape(b, nq * bq, hq, d))
   return out[:, :t]
 
@@ -178,22 +179,22 @@ def _tile_mask(cfg: _Config, i, j, qseg_BQ, kvseg_BS) -> jax.Array | None:
   return mask
 
 
-def _masked(cfg: _Config, s_NMS, mask_BQS):
-  """-inf where masked, for a [N, M, bk] tile (N = B*Hkv, M = G*bq)."""
+def _masked(cfg: _Config, s_BKMS, mask_BQS):
+  """-inf where masked, for a [B, Hkv, M, bk] tile (M = G*bq)."""
   if mask_BQS is None:
-    return s_NMS
-  s = s_NMS.reshape(cfg.b, cfg.hkv, cfg.g, cfg.bq, cfg.bk)
+    return s_BKMS
+  s = s_BKMS.reshape(cfg.b, cfg.hkv, cfg.g, cfg.bq, cfg.bk)
   s = jnp.where(mask_BQS[:, None, None], s, -jnp.inf)
-  return s.reshape(s_NMS.shape)
+  return s.reshape(s_BKMS.shape)
 
 
-def _masked_t(cfg: _Config, s_NSM, mask_BQS):
-  """-inf where masked, for a transposed [N, bk, M] tile."""
+def _masked_t(cfg: _Config, s_BKSM, mask_BQS):
+  """-inf where masked, for a transposed [B, Hkv, bk, M] tile."""
   if mask_BQS is None:
-    return s_NSM
-  s = s_NSM.reshape(cfg.b, cfg.hkv, cfg.bk, cfg.g, cfg.bq)
+    return s_BKSM
+  s = s_BKSM.reshape(cfg.b, cfg.hkv, cfg.bk, cfg.g, cfg.bq)
   s = jnp.where(mask_BQS.swapaxes(1, 2)[:, None, :, None, :], s, -jnp.inf)
-  return s.reshape(s_NSM.shape)
+  return s.reshape(s_BKSM.shape)
 
 
 def _static_allowed(cfg: _Config) -> np.ndarray:
@@ -246,31 +247,31 @@ def _finite_or_zero(x):
   return jnp.where(x == -jnp.inf, 0.0, x)
 
 
-def _forward(cfg: _Config, q_INMD, k_JNSD, v_JNSD, qseg_IBQ, kvseg_JBS):
-  """(out [nq, N, M, D] f32, lse [nq, N, M] f32)."""
+def _forward(cfg: _Config, q_IBKMD, k_JBKSD, v_JBKSD, qseg_IBQ, kvseg_JBS):
+  """(out [nq, B, Hkv, M, D] f32, lse [nq, B, Hkv, M] f32)."""
   (lo_I, hi_I), _ = _block_ranges(cfg, qseg_IBQ, kvseg_JBS)
-  kT_JNDS = k_JNSD.swapaxes(-1, -2)
-  n, m_rows, d = q_INMD.shape[1:]
+  kT_JBKDS = k_JBKSD.swapaxes(-1, -2)
+  b, kh, m_rows, d = q_IBKMD.shape[1:]
 
   def q_block(_, xs):
-    i, q_NMD, qseg_BQ, lo, hi = xs
+    i, q_BKMD, qseg_BQ, lo, hi = xs
 
     def kv_block(j, carry):
       m, l, acc = carry
-      s = jnp.einsum("nmd,nds->nms", q_NMD, _index(kT_JNDS, j),
+      s = jnp.einsum("bkmd,bkds->bkms", q_BKMD, _index(kT_JBKDS, j),
                      preferred_element_type=jnp.float32) * cfg.scale
       s = _masked(cfg, s, _tile_mask(cfg, i, j, qseg_BQ, _index(kvseg_JBS, j)))
       m_new = jnp.maximum(m, s.max(-1))
       m_safe = _finite_or_zero(m_new)
       p = jnp.exp(s - m_safe[..., None])
       alpha = jnp.exp(m - m_safe)  # 0 while m is -inf
-      v_j = _index(v_JNSD, j)
-      pv = jnp.einsum("nms,nsd->nmd", p.astype(v_j.dtype), v_j,
+      v_j = _index(v_JBKSD, j)
+      pv = jnp.einsum("bkms,bksd->bkmd", p.astype(v_j.dtype), v_j,
                       preferred_element_type=jnp.float32)
       return m_new, alpha * l + p.sum(-1), alpha[..., None] * acc + pv
 
-    init = (jnp.full((n, m_rows), -jnp.inf, jnp.float32), jnp.zeros((n, m_rows), jnp.float32),
-            jnp.zeros((n, m_rows, d), jnp.float32))
+    init = (jnp.full((b, kh, m_rows), -jnp.inf, jnp.float32),
+            jnp.zeros((b, kh, m_rows), jnp.float32), jnp.zeros((b, kh, m_rows, d), jnp.float32))
     m, l, acc = _loop(lo, hi, cfg.nk, kv_block, init)
     empty = l == 0  # nothing to attend to: output 0, lse 0 (its scores are all -inf)
     safe_l = jnp.where(empty, 1.0, l)
@@ -278,7 +279,7 @@ def _forward(cfg: _Config, q_INMD, k_JNSD, v_JNSD, qseg_IBQ, kvseg_JBS):
     lse = jnp.where(empty, 0.0, _finite_or_zero(m) + jnp.log(safe_l))
     return None, (out, lse)
 
-  xs = (jnp.arange(cfg.nq, dtype=jnp.int32), q_INMD, qseg_IBQ, lo_I, hi_I)
+  xs = (jnp.arange(cfg.nq, dtype=jnp.int32), q_IBKMD, qseg_IBQ, lo_I, hi_I)
   if cfg.nq == 1:
     out, lse = q_block(None, jax.tree.map(lambda x: x[0], xs))[1]
     return out[None], lse[None]
@@ -288,47 +289,47 @@ def _forward(cfg: _Config, q_INMD, k_JNSD, v_JNSD, qseg_IBQ, kvseg_JBS):
 # ----------------------------------------------------------------------------- backward
 
 
-def _backward(cfg: _Config, q_INMD, k_JNSD, v_JNSD, qseg_IBQ, kvseg_JBS, lse_INM, do_INMD,
-              delta_INM):
+def _backward(cfg: _Config, q_IBKMD, k_JBKSD, v_JBKSD, qseg_IBQ, kvseg_JBS, lse_IBKM, do_IBKMD,
+              delta_IBKM):
   """kv blocks outer (dk, dv accumulate locally), the q blocks that see them inner.
 
-  Works on transposed tiles [N, bk, M] so every matmul is canonical; dq is carried
-  transposed, [nq, N, D, M], and updated in place one q block at a time.
+  Works on transposed tiles [B, Hkv, bk, M] so every matmul is canonical; dq is carried
+  transposed, [nq, B, Hkv, D, M], and updated in place one q block at a time.
   """
   _, (lo_J, hi_J) = _block_ranges(cfg, qseg_IBQ, kvseg_JBS)
-  qT_INDM = q_INMD.swapaxes(-1, -2)
-  doT_INDM = do_INMD.swapaxes(-1, -2)
-  kT_JNDS = k_JNSD.swapaxes(-1, -2)
+  qT_IBKDM = q_IBKMD.swapaxes(-1, -2)
+  doT_IBKDM = do_IBKMD.swapaxes(-1, -2)
+  kT_JBKDS = k_JBKSD.swapaxes(-1, -2)
 
   def kv_block(dqT, xs):
-    j, k_NSD, kT_NDS, v_NSD, kvseg_BS, lo, hi = xs
+    j, k_BKSD, kT_BKDS, v_BKSD, kvseg_BS, lo, hi = xs
 
     def q_block(i, carry):
       dqT, dk, dv = carry
-      q_NMD, do_NMD = _index(q_INMD, i), _index(do_INMD, i)
-      sT = jnp.einsum("nsd,ndm->nsm", k_NSD, _index(qT_INDM, i),
+      q_BKMD, do_BKMD = _index(q_IBKMD, i), _index(do_IBKMD, i)
+      sT = jnp.einsum("bksd,bkdm->bksm", k_BKSD, _index(qT_IBKDM, i),
                       preferred_element_type=jnp.float32) * cfg.scale
       sT = _masked_t(cfg, sT, _tile_mask(cfg, i, j, _index(qseg_IBQ, i), kvseg_BS))
       # Masked scores are -inf and lse is finite, so masked p are exact zeros.
-      pT = jnp.exp(sT - _index(lse_INM, i)[:, None, :])
-      dv = dv + jnp.einsum("nsm,nmd->nsd", pT.astype(do_NMD.dtype), do_NMD,
+      pT = jnp.exp(sT - _index(lse_IBKM, i)[..., None, :])
+      dv = dv + jnp.einsum("bksm,bkmd->bksd", pT.astype(do_BKMD.dtype), do_BKMD,
                            preferred_element_type=jnp.float32)
-      dpT = jnp.einsum("nsd,ndm->nsm", v_NSD, _index(doT_INDM, i),
+      dpT = jnp.einsum("bksd,bkdm->bksm", v_BKSD, _index(doT_IBKDM, i),
                        preferred_element_type=jnp.float32)
-      dsT = pT * (dpT - _index(delta_INM, i)[:, None, :]) * cfg.scale
-      dk = dk + jnp.einsum("nsm,nmd->nsd", dsT.astype(q_NMD.dtype), q_NMD,
+      dsT = pT * (dpT - _index(delta_IBKM, i)[..., None, :]) * cfg.scale
+      dk = dk + jnp.einsum("bksm,bkmd->bksd", dsT.astype(q_BKMD.dtype), q_BKMD,
                            preferred_element_type=jnp.float32)
-      dqT_i = jnp.einsum("nds,nsm->ndm", kT_NDS, dsT.astype(kT_NDS.dtype),
+      dqT_i = jnp.einsum("bkds,bksm->bkdm", kT_BKDS, dsT.astype(kT_BKDS.dtype),
                          preferred_element_type=jnp.float32)
       dqT = jax.lax.dynamic_update_index_in_dim(dqT, _index(dqT, i) + dqT_i, i, axis=0)
       return dqT, dk, dv
 
-    init = (dqT, jnp.zeros(k_NSD.shape, jnp.float32), jnp.zeros(v_NSD.shape, jnp.float32))
+    init = (dqT, jnp.zeros(k_BKSD.shape, jnp.float32), jnp.zeros(v_BKSD.shape, jnp.float32))
     dqT, dk, dv = _loop(lo, hi, cfg.nq, q_block, init)
     return dqT, (dk, dv)
 
-  dqT0 = jnp.zeros(qT_INDM.shape, jnp.float32)
-  xs = (jnp.arange(cfg.nk, dtype=jnp.int32), k_JNSD, kT_JNDS, v_JNSD, kvseg_JBS, lo_J, hi_J)
+  dqT0 = jnp.zeros(qT_IBKDM.shape, jnp.float32)
+  xs = (jnp.arange(cfg.nk, dtype=jnp.int32), k_JBKSD, kT_JBKDS, v_JBKSD, kvseg_JBS, lo_J, hi_J)
   if cfg.nk == 1:
     dqT, (dk, dv) = kv_block(dqT0, jax.tree.map(lambda x: x[0], xs))
     dk, dv = dk[None], dv[None]
@@ -340,24 +341,24 @@ def _backward(cfg: _Config, q_INMD, k_JNSD, v_JNSD, qseg_IBQ, kvseg_JBS, lse_INM
 # ----------------------------------------------------------------------------- custom vjp
 
 
-def _single_tile(cfg: _Config, q_NMD, k_NSD, v_NSD, qseg_BQ, kvseg_BS):
-  """The whole problem as one tile, no loop: (out f32 [N, M, D], normalised p f32 [N, M, S])."""
-  s = jnp.einsum("nmd,nsd->nms", q_NMD, k_NSD, preferred_element_type=jnp.float32) * cfg.scale
+def _single_tile(cfg: _Config, q_BKMD, k_BKSD, v_BKSD, qseg_BQ, kvseg_BS):
+  """The whole problem as one tile, no loop: out f32 [B,Hkv,M,D], normalised p f32 [B,Hkv,M,S]."""
+  s = jnp.einsum("bkmd,bksd->bkms", q_BKMD, k_BKSD, preferred_element_type=jnp.float32) * cfg.scale
   s = _masked(cfg, s, _tile_mask(cfg, 0, 0, qseg_BQ, kvseg_BS))
   p = jnp.exp(s - _finite_or_zero(s.max(-1))[..., None])
   l = p.sum(-1)
   p = p * jnp.where(l == 0, 0.0, 1.0 / jnp.where(l == 0, 1.0, l))[..., None]
-  out = jnp.einsum("nms,nsd->nmd", p.astype(v_NSD.dtype), v_NSD, preferred_element_type=jnp.float32)
+  out = jnp.einsum("bkms,bksd->bkmd", p.astype(v_BKSD.dtype), v_BKSD, preferred_element_type=jnp.float32)
   return out, p
 
 
-def _single_tile_bwd(cfg: _Config, q_NMD, k_NSD, v_NSD, p, do_NMD, delta_NM):
+def _single_tile_bwd(cfg: _Config, q_BKMD, k_BKSD, v_BKSD, p, do_BKMD, delta_BKM):
   """One tile from the saved probabilities: the dense backward, nothing recomputed."""
-  dv = jnp.einsum("nms,nmd->nsd", p.astype(do_NMD.dtype), do_NMD, preferred_element_type=jnp.float32)
-  dp = jnp.einsum("nmd,nsd->nms", do_NMD, v_NSD, preferred_element_type=jnp.float32)
-  ds = p * (dp - delta_NM[..., None]) * cfg.scale
-  dq = jnp.einsum("nms,nsd->nmd", ds.astype(k_NSD.dtype), k_NSD, preferred_element_type=jnp.float32)
-  dk = jnp.einsum("nms,nmd->nsd", ds.astype(q_NMD.dtype), q_NMD, preferred_element_type=jnp.float32)
+  dv = jnp.einsum("bkms,bkmd->bksd", p.astype(do_BKMD.dtype), do_BKMD, preferred_element_type=jnp.float32)
+  dp = jnp.einsum("bkmd,bksd->bkms", do_BKMD, v_BKSD, preferred_element_type=jnp.float32)
+  ds = p * (dp - delta_BKM[..., None]) * cfg.scale
+  dq = jnp.einsum("bkms,bksd->bkmd", ds.astype(k_BKSD.dtype), k_BKSD, preferred_element_type=jnp.float32)
+  dk = jnp.einsum("bkms,bkmd->bksd", ds.astype(q_BKMD.dtype), q_BKMD, preferred_element_type=jnp.float32)
   return dq, dk, dv
 
 
