@@ -1,6 +1,8 @@
 """Attention with segment ids (packed documents), causal masking and GQA.
 
-One entry point, `attention(q, k, v, ...)`, dispatching on `impl`:
+One entry point, `attention(q, k, v, ...)`, dispatching on `impl`: "pallas"
+(attention_pallas.py for GPU and CPU interpret mode, attention_pallas_tpu.py for TPU),
+"xla" (attention_xla.py, blockwise with linear memory), and here:
 `impl="reference"` is the obviously-correct autodiff of a masked softmax;
 `impl="dense"` computes the same values with a hand-written backward that keeps one
 [B, H, T, S] residual (the probabilities) instead of autodiff's several, lays the
@@ -18,7 +20,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-IMPLS = ("auto", "dense", "reference")
+IMPLS = ("auto", "pallas", "xla", "dense", "reference")
 
 
 def _check_inputs(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids) -> tuple:
@@ -184,15 +186,47 @@ def dense_attention(q, k, v, *, segment_ids=None, causal=True, sm_scale=None):
   return _dense_attention(q, k, v, mask, scale, bool(causal))
 
 
+def _pair(segment_ids):
+  """segment_ids argument -> (q_segment_ids, kv_segment_ids) or (None, None)."""
+  if segment_ids is None:
+    return None, None
+  if isinstance(segment_ids, (tuple, list)):
+    return tuple(segment_ids)
+  return segment_ids, segment_ids
+
+
+def resolve_impl(impl: str, backend: str | None = None) -> str:
+  """"auto" -> the fastest path for the backend: Pallas on GPU and TPU, blockwise XLA on CPU."""
+  if impl not in IMPLS:
+    raise ValueError(f"attention: impl={impl!r} is not available; choose one of {IMPLS}")
+  if impl != "auto":
+    return impl
+  return "xla" if (backend or jax.default_backend()) == "cpu" else "pallas"
+
+
 def attention(q, k, v, *, segment_ids=None, causal: bool = True, sm_scale: float | None = None,
               impl: str = "auto") -> jax.Array:
   """Multi-head attention; q [B,T,Hq,D], k/v [B,S,Hkv,D] -> [B,T,Hq,D] in q.dtype.
 
   segment_ids: None, [B, T] int (self-attention) or a pair ([B, T], [B, S]);
-  tokens attend only to keys with an equal id.
+  tokens attend only to keys with an equal id. impl: "auto", "pallas" (Triton on
+  GPU, Mosaic on TPU, interpret mode on CPU), "xla" (blockwise, linear memory),
+  "dense" (short sequences: materialises [T, S] scores), "reference".
   """
-  if impl not in IMPLS:
-    raise ValueError(f"attention: impl={impl!r} is not available; choose one of {IMPLS}")
+  impl = resolve_impl(impl)
+  _check_inputs(q, k, v, segment_ids)
   if impl == "reference":
     return reference_attention(q, k, v, segment_ids=segment_ids, causal=causal, sm_scale=sm_scale)
-  return dense_attention(q, k, v, segment_ids=segment_ids, causal=causal, sm_scale=sm_scale)
+  if impl == "dense":
+    return dense_attention(q, k, v, segment_ids=segment_ids, causal=causal, sm_scale=sm_scale)
+  q_seg, kv_seg = _pair(segment_ids)
+  kw = dict(q_segment_ids=q_seg, kv_segment_ids=kv_seg, causal=causal, sm_scale=sm_scale)
+  # Imported here: the kernel modules import this one for its checks and reference.
+  if impl == "xla":
+    from jaxsys.kernels.attention_xla import xla_attention
+    return xla_attention(q, k, v, **kw)
+  if jax.default_backend() == "tpu":
+    from jaxsys.kernels.attention_pallas_tpu import pallas_tpu_attention
+    return pallas_tpu_attention(q, k, v, **kw)
+  from jaxsys.kernels.attention_pallas import pallas_attention
+  return pallas_attention(q, k, v, **kw)
