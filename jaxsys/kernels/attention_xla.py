@@ -28,8 +28,7 @@ Blocks default to `default_blocks(B * Hq)`, sized by measurement so one score ti
 about 2 MiB; sequences are split into near-equal blocks, so padding stays under one
 block (padded keys are masked, padded rows dropped). When T <= block_q and S <= block_k
 the problem is one tile: no loop is emitted and the backward reuses the saved
-probabilities instead of recomputing them (a dense custom vjp: the short-sequence path,
-as fast as `attention.dense_attention` there).
+probabilities instead of recomputing them (a dense custom vjp: the short-sequence path).
 
 Example:
   out = xla_attention(q, k, v, q_segment_ids=seg, kv_segment_ids=seg, causal=True)
