@@ -4,7 +4,6 @@ import io
 import math
 import struct
 
-import pytest
 from tensorboardX.proto import event_pb2
 
 from jaxsys import metrics

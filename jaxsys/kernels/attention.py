@@ -45,6 +45,17 @@ def _check_inputs(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids) -> tupl
   return q_seg, kv_seg
 
 
+def static_scale(sm_scale, head_dim: int, who: str) -> float:
+  """The softmax scale as a Python float (kernels compile it in); default 1/sqrt(D)."""
+  if sm_scale is None:
+    return 1.0 / math.sqrt(head_dim)
+  try:
+    return float(sm_scale)
+  except (TypeError, jax.errors.ConcretizationTypeError) as e:
+    raise ValueError(f"{who}: sm_scale must be a Python number (it is static); "
+                    f"got {type(sm_scale).__name__}") from e
+
+
 def reference_attention(q, k, v, *, segment_ids=None, causal=True, sm_scale=None):
   """softmax(q k^T * scale + mask) v, materialising the [B, H, T, S] scores."""
   q_seg, kv_seg = _check_inputs(q, k, v, segment_ids)

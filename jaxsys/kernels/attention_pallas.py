@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxsys.kernels.attention import _check_inputs
+from jaxsys.kernels.attention import _check_inputs, static_scale
 
 try:  # The Triton compiler params moved names across jax versions.
   from jax.experimental.pallas import triton as _plgpu
@@ -435,15 +435,7 @@ def pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
   default_q, default_k = default_blocks(t, s, d)
   block_q = _check_block("block_q", default_q if block_q is None else block_q)
   block_k = _check_block("block_k", default_k if block_k is None else block_k)
-  if sm_scale is None:
-    scale = 1.0 / math.sqrt(d)
-  else:
-    try:
-      scale = float(sm_scale)
-    except (TypeError, jax.errors.ConcretizationTypeError) as e:
-      raise ValueError(
-          f"pallas_attention: sm_scale must be a Python number (it is compiled into the "
-          f"kernel); got {type(sm_scale).__name__}") from e
+  scale = static_scale(sm_scale, d, "pallas_attention")
 
   if t == 0 or s == 0:  # no query or no key: every row is empty
     return jnp.zeros(q.shape, q.dtype)

@@ -42,7 +42,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxsys.kernels.attention import _check_inputs
+from jaxsys.kernels.attention import _check_inputs, static_scale
 from jaxsys.kernels.attention_pallas import block_ranges
 
 NUM_LANES = 128
@@ -548,15 +548,7 @@ def pallas_tpu_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
                          NUM_SUBLANES, "TPU sublanes")
   block_k = _check_block("block_k", default_k if block_k is None else block_k,
                          NUM_LANES, "TPU lanes: keys lie on the lanes of the score tile")
-  if sm_scale is None:
-    scale = 1.0 / math.sqrt(d)
-  else:
-    try:
-      scale = float(sm_scale)
-    except (TypeError, jax.errors.ConcretizationTypeError) as e:
-      raise ValueError(
-          "pallas_tpu_attention: sm_scale must be a Python number (it is compiled into the "
-          f"kernel); got {type(sm_scale).__name__}") from e
+  scale = static_scale(sm_scale, d, "pallas_tpu_attention")
 
   if t == 0 or s == 0:  # no query or no key: every row is empty
     return jnp.zeros(q.shape, q.dtype)

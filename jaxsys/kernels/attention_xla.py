@@ -36,14 +36,13 @@ Example:
 from __future__ import annotations
 
 import functools
-import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsys.kernels.attention import _check_inputs
+from jaxsys.kernels.attention import _check_inputs, static_scale
 
 # Default block sizes: one [B*Hq, block_q, block_k] f32 score tile is the unit of work,
 # and on CPU it runs fastest at about 2 MiB (in cache, yet big enough to amortise the
@@ -97,14 +96,7 @@ def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
       raise ValueError(f"xla_attention: {name} must be a positive int or None; got {block!r}")
   s, hkv = k.shape[1], k.shape[2]
   g = hq // hkv
-  if sm_scale is None:
-    scale = 1.0 / math.sqrt(d)
-  else:
-    try:
-      scale = float(sm_scale)
-    except (TypeError, jax.errors.ConcretizationTypeError) as e:
-      raise TypeError(
-          f"xla_attention: sm_scale must be a Python number (it is static); got {sm_scale!r}") from e
+  scale = static_scale(sm_scale, d, "xla_attention")
   bq, nq = _balanced_block(t, block_q)
   bk, nk = _balanced_block(s, block_k)
   cfg = _Config(b, hkv, g, t, s, bq, bk, nq, nk, bool(causal), scale, q_seg is not None)

@@ -181,7 +181,7 @@ class XlaAttentionTest(parameterized.TestCase):
       xla_attention(q[:, :, :3], k, v)
     with self.assertRaisesRegex(ValueError, "q_segment_ids must be an integer array"):
       xla_attention(q, k, v, q_segment_ids=seg[:, :5], kv_segment_ids=seg)
-    with self.assertRaisesRegex(TypeError, "sm_scale must be a Python number"):
+    with self.assertRaisesRegex(ValueError, "sm_scale must be a Python number"):
       jax.jit(lambda s: xla_attention(q, k, v, sm_scale=s))(0.5)
 
 

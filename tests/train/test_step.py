@@ -1,7 +1,6 @@
 """Train step: golden loss, sharded == single-device, accumulation == full batch."""
 import chex
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
 from ml_collections import ConfigDict
