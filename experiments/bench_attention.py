@@ -35,9 +35,7 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import statistics
-import subprocess
 import time
 from typing import Any, Callable
 
@@ -45,6 +43,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
+
+from jaxsys import metrics as metrics_lib
 
 _SEQ_LENS = flags.DEFINE_list("seq_lens", ["1024", "2048", "4096", "8192", "16384"],
                               "Sequence lengths T (= S).")
@@ -174,19 +174,6 @@ def _with_pass(fn: Callable, pass_: str) -> Callable:
 # ----------------------------------------------------------------------------- measuring
 
 
-def machine() -> dict[str, Any]:
-  dev = jax.devices()[0]
-  cpu = platform.processor() or platform.machine()
-  try:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-    cpu = next((l.split(":", 1)[1].strip() for l in out.splitlines()
-                if l.startswith("Model name")), cpu)
-  except OSError:
-    pass
-  return {"backend": jax.default_backend(), "device": dev.device_kind, "cpu": cpu,
-          "cores": len(os.sched_getaffinity(0)), "jax": jax.__version__}
-
-
 def run_case(impls: dict[str, tuple[Callable, str]], args: tuple, pass_: str, repeats: int,
              max_seconds: float, skip: set) -> dict[str, dict[str, Any]]:
   """Compiles each impl, then times them in interleaved rounds; returns per-impl results."""
@@ -261,7 +248,7 @@ def run(seq_lens, batch, heads, kv_heads, d, dtype, impl_names, packed, passes, 
             row["tflops"] = flops(pairs, heads, d, pass_) / r["time_s"] / 1e12
           rows.append(row)
           print(_row_line(row), flush=True)
-  return {"machine": machine(), "rows": rows, "load_avg_end": os.getloadavg(),
+  return {"machine": metrics_lib.machine_info(), "rows": rows, "load_avg_end": os.getloadavg(),
           "config": {"batch": batch, "heads": heads, "kv_heads": kv_heads, "head_dim": d,
                      "dtype": jnp.dtype(dtype).name, "seq_lens": list(seq_lens),
                      "repeats": repeats, "packed": packed, "seed": seed}}

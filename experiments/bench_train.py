@@ -27,10 +27,8 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import resource
 import statistics
-import subprocess
 import time
 from typing import Any, Callable
 
@@ -43,8 +41,6 @@ from ml_collections import config_flags
 from jaxsys import mesh as mesh_lib
 from jaxsys import metrics as metrics_lib
 from jaxsys.models import transformer
-from jaxsys.optim.inner import make_optimizer
-from jaxsys.train import state as state_lib
 from jaxsys.train import step as step_lib
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny_lm.py",
@@ -176,20 +172,6 @@ def dot_baseline(shapes, dtype: str, compiler_options: dict[str, Any] | None = N
   return lambda: jax.block_until_ready(run(operands)), float(flops)
 
 
-def machine() -> dict[str, Any]:
-  model = platform.processor() or ""
-  try:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-    model = next((l.split(":", 1)[1].strip() for l in out.splitlines()
-                  if l.startswith("Model name")), model)
-  except OSError:
-    pass
-  return {"cpu": model or platform.machine(), "cores": os.cpu_count(), "jax": jax.__version__,
-          "backend": jax.default_backend(), "devices": jax.device_count(),
-          "xla_flags": os.environ.get("XLA_FLAGS", ""),
-          "glibc_tunables": os.environ.get("GLIBC_TUNABLES", "")}
-
-
 def bench(config, steps: int, warmup: int, segments: int, rounds: int, wait_idle: float = 0.0
           ) -> dict[str, Any]:
   """All measurements of this binary for `config`, as a dict of numbers.
@@ -200,14 +182,9 @@ def bench(config, steps: int, warmup: int, segments: int, rounds: int, wait_idle
   model_cfg = transformer.TransformerConfig.from_config(config.model)
   B, T = config.data.batch_size, config.data.seq_len
   mesh = mesh_lib.make_mesh(config.mesh)
-  optimizer = make_optimizer(config.optimizer, config.total_steps)
-  abstract = state_lib.abstract_train_state(model_cfg, optimizer, config.seed)
-  state_sh = state_lib.state_shardings(abstract, model_cfg, optimizer, mesh)
-  batch_sh = mesh_lib.batch_sharding(mesh)
-  train_fn = step_lib.jit_train_step(model_cfg, optimizer, state_sh, batch_sh,
-                                     config.optimizer.grad_accum_steps)
-  state = jax.jit(lambda: state_lib.init_train_state(model_cfg, optimizer, config.seed),
-                  out_shardings=state_sh)()
+  setup = step_lib.make_train_setup(config, model_cfg, mesh)
+  train_fn, batch_sh = setup.train_fn, setup.batch_sh
+  state = setup.init_state(config.seed)
   batch = jax.device_put(random_packed_batch(B, T, model_cfg.vocab_size, segments, config.seed),
                          batch_sh)
 
@@ -253,7 +230,7 @@ def bench(config, steps: int, warmup: int, segments: int, rounds: int, wait_idle
   st, dt = step_timer.summary(), dots_timer.summary()
   step_s, dots_s = st["median_s"], dt["median_s"]
   return {
-      "machine": machine(), "config": {"model": model_cfg.__dict__, "batch": B, "seq_len": T,
+      "machine": metrics_lib.machine_info(), "config": {"model": model_cfg.__dict__, "batch": B, "seq_len": T,
                                        "mesh": config.mesh, "segments": segments},
       "params_m": transformer.param_count(model_cfg) / 1e6,
       "flops_per_token": flops_per_token, "rounds": rounds,

@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import platform
+import subprocess
 import sys
 import time
 from typing import Any
@@ -126,3 +128,19 @@ def peak_flops(dtype: str = "float32") -> float:
   # Best of two sizes: which one a CPU runs fastest varies (cache sizes, thread split).
   one = max(measure_matmul_flops(dtype, n) for n in (1024, 2048))
   return one if jax.default_backend() == "cpu" else one * jax.device_count()
+
+
+def machine_info() -> dict[str, Any]:
+  """What a benchmark ran on: CPU model, cores, jax, backend, devices and the env knobs."""
+  model = platform.processor() or ""
+  try:
+    out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+    model = next((l.split(":", 1)[1].strip() for l in out.splitlines()
+                  if l.startswith("Model name")), model)
+  except OSError:
+    pass
+  return {"cpu": model or platform.machine(), "cores": len(os.sched_getaffinity(0)),
+          "jax": jax.__version__, "backend": jax.default_backend(),
+          "device": jax.devices()[0].device_kind, "devices": jax.device_count(),
+          "xla_flags": os.environ.get("XLA_FLAGS", ""),
+          "glibc_tunables": os.environ.get("GLIBC_TUNABLES", "")}

@@ -20,8 +20,7 @@ from jaxsys import metrics as metrics_lib
 from jaxsys.checkpoint.manager import Checkpointer, check_same_model
 from jaxsys.data.loader import make_loader
 from jaxsys.models import transformer
-from jaxsys.optim.inner import make_optimizer, make_schedule
-from jaxsys.train import state as state_lib
+from jaxsys.optim.inner import make_schedule
 from jaxsys.train import step as step_lib
 
 # Model fields that change parameter shapes or types; the others (attention_impl,
@@ -154,13 +153,10 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
                            shuffle=False, repeat=False, tokenizer=tokenizer, **loader_kw)
   val_start = val_loader.get_state()
 
-  optimizer = make_optimizer(config.optimizer, config.total_steps)
   schedule = make_schedule(config.optimizer, config.total_steps)
-  abstract = state_lib.abstract_train_state(model_cfg, optimizer, config.seed)
-  state_sh = state_lib.state_shardings(abstract, model_cfg, optimizer, mesh)
-  batch_sh = mesh_lib.batch_sharding(mesh)
-  train_fn = step_lib.jit_train_step(model_cfg, optimizer, state_sh, batch_sh,
-                                     config.optimizer.grad_accum_steps)
+  setup = step_lib.make_train_setup(config, model_cfg, mesh)
+  abstract, state_sh, batch_sh, train_fn = (setup.abstract, setup.state_sh, setup.batch_sh,
+                                            setup.train_fn)
   eval_fn = step_lib.jit_eval_step(model_cfg, state_sh.params, batch_sh, tokenizer.token_bytes())
 
   ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.keep_checkpoints)
@@ -174,8 +170,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     train_loader.set_state(data_state)
     logging.info("resumed from %s at step %d", ckpt.directory, latest)
   else:
-    state = jax.jit(lambda: state_lib.init_train_state(model_cfg, optimizer, config.seed),
-                    out_shardings=state_sh)()
+    state = setup.init_state(config.seed)
   meta = {"model": model_meta, "config": config.to_dict()}
 
   flops_per_token = transformer.train_flops_per_token(model_cfg, config.data.seq_len)

@@ -1,6 +1,7 @@
 """Pure training and evaluation steps, and their jitted, sharded forms."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any, Callable
@@ -10,7 +11,10 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxsys import mesh as mesh_lib
 from jaxsys.models import transformer
+from jaxsys.optim.inner import make_optimizer
+from jaxsys.train import state as state_lib
 from jaxsys.train.state import TrainState
 
 Batch = dict[str, jax.Array]  # inputs, targets, segment_ids, positions, loss_mask: [B, T]
@@ -102,3 +106,30 @@ def jit_eval_step(model_cfg, param_sh: Any, batch_sh: NamedSharding, token_bytes
   fn = functools.partial(eval_step, model_cfg=model_cfg, token_bytes=table)
   return jax.jit(fn, in_shardings=(param_sh, batch_sh), out_shardings=replicated,
                  compiler_options=compiler_options(model_cfg, batch_sh.mesh))
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSetup:
+  """Everything a run needs to step: optimizer, state layout and the jitted step."""
+  model_cfg: transformer.TransformerConfig
+  optimizer: optax.GradientTransformation
+  abstract: TrainState
+  state_sh: TrainState
+  batch_sh: NamedSharding
+  train_fn: Callable
+
+  def init_state(self, seed: int) -> TrainState:
+    """A fresh state created directly in its shardings."""
+    return jax.jit(lambda: state_lib.init_train_state(self.model_cfg, self.optimizer, seed),
+                   out_shardings=self.state_sh)()
+
+
+def make_train_setup(config, model_cfg: transformer.TransformerConfig, mesh) -> TrainSetup:
+  """The train step of `config` on `mesh`, built as the loop and the benchmarks use it."""
+  optimizer = make_optimizer(config.optimizer, config.total_steps)
+  abstract = state_lib.abstract_train_state(model_cfg, optimizer, config.seed)
+  state_sh = state_lib.state_shardings(abstract, model_cfg, optimizer, mesh)
+  batch_sh = mesh_lib.batch_sharding(mesh)
+  train_fn = jit_train_step(model_cfg, optimizer, state_sh, batch_sh,
+                            config.optimizer.grad_accum_steps)
+  return TrainSetup(model_cfg, optimizer, abstract, state_sh, batch_sh, train_fn)
