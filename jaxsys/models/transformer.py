@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxsys.kernels import attention as attention_lib
@@ -108,34 +109,64 @@ def rope(x_BTHD, positions_BT, theta: float):
   return out.astype(x_BTHD.dtype)
 
 
-def _dense(x, w, n_in: int = 1):
+def _dense(x, w, n_in: int = 1, *, out_shape: tuple[int, ...] | None = None, dtype=None):
   """x [..., *in] @ w [*in, *out] as ONE 2-D matmul [M, K] x [K, N].
 
   Flattening the token dims keeps the weight gradient a single-contraction dot
   ([K, M] x [M, N]); contracting over (batch, length) as two dims makes XLA:CPU
   materialise a transposed copy of the [M, N] activation gradient first.
+
+  `w` is a float array (cast to `dtype`), a `QWeight` holding the 2-D [K, N] view
+  (run by `qmatmul`), or any callable [M, K] -> [M, N] (a calibration tap, a qwix
+  layer). The last two do not know the output dims, so `out_shape` gives them.
   """
-  lead, k_shape, n_shape = x.shape[:x.ndim - n_in], w.shape[:n_in], w.shape[n_in:]
-  k, n = math.prod(k_shape), math.prod(n_shape)
-  y = jnp.dot(x.reshape(-1, k), w.reshape(k, n))
-  return y.reshape(*lead, *n_shape)
+  lead, k_shape = x.shape[:x.ndim - n_in], x.shape[x.ndim - n_in:]
+  k = math.prod(k_shape)
+  x_MK = x.reshape(-1, k)
+  if isinstance(w, (jax.Array, np.ndarray)):
+    n_shape = w.shape[n_in:]
+    if dtype is not None:
+      w = w.astype(dtype)
+    y = jnp.dot(x_MK, w.reshape(k, math.prod(n_shape)))
+    out_shape = n_shape if out_shape is None else out_shape
+  elif _is_qweight(w):
+    y = _quant_matmul().qmatmul(x_MK, w)
+  elif callable(w):
+    y = w(x_MK)
+  else:
+    raise TypeError(f"_dense: weight of type {type(w).__name__}; valid: a jax array, a QWeight "
+                    "or a callable [M, K] -> [M, N]")
+  if out_shape is None:
+    raise ValueError(f"_dense: out_shape is required for a weight of type {type(w).__name__}")
+  return y.reshape(*lead, *out_shape)
+
+
+def _quant_matmul():
+  # Imported on first use: float models never load the quantized-matmul kernels.
+  from jaxsys.kernels import quant_matmul
+  return quant_matmul
+
+
+def _is_qweight(w) -> bool:
+  return not isinstance(w, (jax.Array, np.ndarray)) and isinstance(w, _quant_matmul().QWeight)
 
 
 def block(p: dict[str, jax.Array], x_BTD, positions_BT, segment_ids_BT, cfg: TransformerConfig,
           attention_fn: Callable):
   """One pre-norm decoder layer on ONE layer's parameters (no leading `layers` axis)."""
   dt = jnp.dtype(cfg.dtype)
+  H, K, hd, D, F = cfg.n_heads, cfg.n_kv_heads, cfg.hd, cfg.d_model, cfg.d_ff
   h = rms_norm(x_BTD, p["attn_norm"], cfg.norm_eps)
-  q = _dense(h, p["wq"].astype(dt))  # [B, T, H, hd]
-  k = _dense(h, p["wk"].astype(dt))
-  v = _dense(h, p["wv"].astype(dt))
+  q = _dense(h, p["wq"], out_shape=(H, hd), dtype=dt)  # [B, T, H, hd]
+  k = _dense(h, p["wk"], out_shape=(K, hd), dtype=dt)
+  v = _dense(h, p["wv"], out_shape=(K, hd), dtype=dt)
   q, k = rope(q, positions_BT, cfg.rope_theta), rope(k, positions_BT, cfg.rope_theta)
   o = attention_fn(q, k, v, segment_ids=segment_ids_BT, causal=True)
-  x_BTD = x_BTD + _dense(o, p["wo"].astype(dt), n_in=2)
+  x_BTD = x_BTD + _dense(o, p["wo"], n_in=2, out_shape=(D,), dtype=dt)
   h = rms_norm(x_BTD, p["mlp_norm"], cfg.norm_eps)
-  gate = _dense(h, p["w_gate"].astype(dt))
-  up = _dense(h, p["w_up"].astype(dt))
-  return x_BTD + _dense(jax.nn.silu(gate) * up, p["w_down"].astype(dt))
+  gate = _dense(h, p["w_gate"], out_shape=(F,), dtype=dt)
+  up = _dense(h, p["w_up"], out_shape=(F,), dtype=dt)
+  return x_BTD + _dense(jax.nn.silu(gate) * up, p["w_down"], out_shape=(D,), dtype=dt)
 
 
 class DecoderLayers(nnx.Module):
@@ -160,7 +191,8 @@ class DecoderLayers(nnx.Module):
     self.w_down = _param(rngs, _dense_init(1, 2), (L, F, D), ("layers", "mlp", "embed"), pdt)
 
   def stacked(self) -> dict[str, jax.Array]:
-    return {name: v[...] for name, v in vars(self).items() if isinstance(v, nnx.Param)}
+    # get_value, not v[...]: a quantized weight is a QWeight pytree, not an array.
+    return {name: v.get_value() for name, v in vars(self).items() if isinstance(v, nnx.Param)}
 
   def __call__(self, x_BTD, positions_BT, segment_ids_BT, cfg: TransformerConfig,
                attention_fn: Callable):
@@ -193,23 +225,47 @@ class Transformer(nnx.Module):
   def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None,
                attention_fn: Callable | None = None):
     cfg = self.cfg
-    dt = jnp.dtype(cfg.dtype)
-    if positions_BT is None:
-      positions_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
-    if attention_fn is None:
-      attention_fn = functools.partial(attention_lib.attention, impl=cfg.attention_impl)
+    positions_BT, attention_fn = default_inputs(cfg, tokens_BT, positions_BT, attention_fn)
     embedding = self.embedding[...]
-    x_BTD = jnp.take(embedding, tokens_BT, axis=0).astype(dt)
+    x_BTD = embed(cfg, embedding, tokens_BT)
     x_BTD = self.layers(x_BTD, positions_BT, segment_ids_BT, cfg, attention_fn)
-    x_BTD = rms_norm(x_BTD, self.final_norm[...], cfg.norm_eps)
-    if cfg.tie_embeddings:
-      # N(0, 1) embeddings: scale so tied logits start at unit variance like untied ones.
-      w_DV = embedding.T * (cfg.d_model ** -0.5)
-    else:
-      w_DV = self.unembedding[...]
-    b, t, d = x_BTD.shape  # one 2-D matmul, as in `_dense`
-    logits = jnp.dot(x_BTD.reshape(b * t, d), w_DV.astype(dt), preferred_element_type=jnp.float32)
-    return logits.reshape(b, t, -1)
+    unembedding = None if cfg.tie_embeddings else self.unembedding[...]
+    return unembed(cfg, x_BTD, self.final_norm[...], embedding, unembedding)
+
+
+def default_inputs(cfg: TransformerConfig, tokens_BT, positions_BT, attention_fn):
+  """Positions 0..T-1 and the configured attention kernel where the caller gives none."""
+  if positions_BT is None:
+    positions_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
+  if attention_fn is None:
+    attention_fn = functools.partial(attention_lib.attention, impl=cfg.attention_impl)
+  return positions_BT, attention_fn
+
+
+def embed(cfg: TransformerConfig, embedding_VD, tokens_BT) -> jax.Array:
+  """Token embeddings [B, T, D] in the compute dtype."""
+  if _is_qweight(embedding_VD):  # weight-only storage: rows are gathered, not multiplied
+    embedding_VD = _quant_matmul().dequantize(embedding_VD)
+  return jnp.take(embedding_VD, tokens_BT, axis=0).astype(jnp.dtype(cfg.dtype))
+
+
+def unembed(cfg: TransformerConfig, x_BTD, final_norm_D, embedding_VD, unembedding_DV) -> jax.Array:
+  """Final RMSNorm and output projection: logits [B, T, vocab] float32."""
+  dt = jnp.dtype(cfg.dtype)
+  x_BTD = rms_norm(x_BTD, final_norm_D, cfg.norm_eps)
+  b, t, d = x_BTD.shape  # one 2-D matmul, as in `_dense`
+  if cfg.tie_embeddings and _is_qweight(embedding_VD):
+    embedding_VD = _quant_matmul().dequantize(embedding_VD)
+  elif not cfg.tie_embeddings and _is_qweight(unembedding_DV):
+    logits = _quant_matmul().qmatmul(x_BTD.reshape(b * t, d), unembedding_DV)
+    return logits.astype(jnp.float32).reshape(b, t, -1)
+  if cfg.tie_embeddings:
+    # N(0, 1) embeddings: scale so tied logits start at unit variance like untied ones.
+    w_DV = embedding_VD.T * (cfg.d_model ** -0.5)
+  else:
+    w_DV = unembedding_DV
+  logits = jnp.dot(x_BTD.reshape(b * t, d), w_DV.astype(dt), preferred_element_type=jnp.float32)
+  return logits.reshape(b, t, -1)
 
 
 def logical_axes(model: nnx.Module) -> dict[str, Any]:
