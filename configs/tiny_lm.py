@@ -62,4 +62,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       name="adamw", learning_rate=3e-3, warmup_steps=max(1, steps // 20), final_lr_fraction=0.1,
       b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, grad_clip=1.0, grad_accum_steps=1,
       schedule_steps=0))  # 0: decay over total_steps
+  # Outer (low-communication) optimizer over the mesh's `replica` axis: none (plain data
+  # parallel), diloco, noloco or co2; e.g. --config.optimizer.outer=diloco
+  # --config.mesh=replica=4,data=-1. Unset (None) fields take the algorithm's published
+  # default (jaxsys/optim/diloco.py, noloco.py, co2.py).
+  placeholder = ml_collections.config_dict.placeholder
+  c.optimizer.update(dict(
+      outer="none", outer_sync_every=50, outer_lr=placeholder(float),
+      outer_momentum=placeholder(float), outer_nesterov=True,  # diloco
+      outer_compression="none", outer_error_feedback=False,  # diloco: none|bf16|int8|fp8
+      outer_gamma=placeholder(float), outer_group_size=2, outer_seed=0,  # noloco
+      outer_staleness_penalty=1.0, outer_momentum_clip=placeholder(float)))  # co2
   return c

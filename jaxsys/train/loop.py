@@ -21,6 +21,7 @@ from jaxsys.checkpoint.manager import Checkpointer, check_same_model
 from jaxsys.data.loader import make_loader
 from jaxsys.models import transformer
 from jaxsys.optim.inner import make_schedule
+from jaxsys.train import replicas as replicas_lib
 from jaxsys.train import step as step_lib
 
 # Model fields that change parameter shapes or types; the others (attention_impl,
@@ -154,16 +155,34 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   val_start = val_loader.get_state()
 
   schedule = make_schedule(config.optimizer, config.total_steps)
-  setup = step_lib.make_train_setup(config, model_cfg, mesh)
+  outer = replicas_lib.make_outer_optimizer(config.optimizer)
+  if outer is None:  # plain data parallel
+    setup = step_lib.make_train_setup(config, model_cfg, mesh)
+    param_sh, eval_params, sync_every = setup.state_sh.params, (lambda p: p), 0
+    comm_bytes = lambda s: s * replicas_lib.dp_bytes_per_step(setup.abstract.params, mesh)
+  else:
+    setup = replicas_lib.make_replica_setup(config, model_cfg, mesh, outer)
+    param_sh, eval_params, sync_every = setup.param_sh, setup.eval_params, outer.sync_every
+    comm_bytes = lambda s: (s // sync_every) * setup.bytes_per_sync
+    logging.info("outer optimizer %s over %d replicas, sync every %d steps, %d bytes sent per "
+                 "replica per sync", outer.name, setup.replicas, sync_every, setup.bytes_per_sync)
   abstract, state_sh, batch_sh, train_fn = (setup.abstract, setup.state_sh, setup.batch_sh,
                                             setup.train_fn)
-  eval_fn = step_lib.jit_eval_step(model_cfg, state_sh.params, batch_sh, tokenizer.token_bytes())
+  eval_fn = step_lib.jit_eval_step(model_cfg, param_sh, batch_sh, tokenizer.token_bytes())
 
   ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.keep_checkpoints)
   model_meta = dataclasses.asdict(model_cfg)
+  outer_meta = None if outer is None else {"view": "replica", "name": outer.name,
+                                             "replicas": setup.replicas,
+                                             "sync_every": outer.sync_every}
   latest = ckpt.latest_step()
   if latest is not None:
-    check_same_model(ckpt.read_meta(latest)["model"], model_meta, ckpt.directory, SHAPE_FIELDS)
+    saved_meta = ckpt.read_meta(latest)
+    check_same_model(saved_meta["model"], model_meta, ckpt.directory, SHAPE_FIELDS)
+    if saved_meta.get("outer") != outer_meta:
+      raise ValueError(f"checkpoint in {ckpt.directory} was written with outer optimizer "
+                       f"{saved_meta.get('outer')} but the config asks for {outer_meta}; "
+                       "use another --workdir or a matching --config")
     target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           abstract, state_sh)
     state, data_state = ckpt.restore(latest, target)
@@ -172,6 +191,8 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   else:
     state = setup.init_state(config.seed)
   meta = {"model": model_meta, "config": config.to_dict()}
+  if outer_meta is not None:
+    meta["outer"] = outer_meta
 
   flops_per_token = transformer.train_flops_per_token(model_cfg, config.data.seq_len)
   peak = metrics_lib.peak_flops(model_cfg.dtype)
@@ -194,7 +215,8 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     _check_finite_metrics(fetched, ckpt)
     m = fetched[-1][1]
     row = {"loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),
-           "lr": float(schedule(step - 1)), **meter.rates()}
+           "lr": float(schedule(step - 1)), "comm_bytes": float(comm_bytes(step)),
+           **meter.rates()}
     writer.write(step, row)
     progress.update(step, **{k: row[k] for k in ("loss", "tokens_per_s", "mfu") if k in row})
 
@@ -212,6 +234,8 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
       while step < config.total_steps and not sigterm[0]:
         state, m = train_fn(state, _global_batch(next(batches), batch_sh))
         step += 1
+        if sync_every and step % sync_every == 0:
+          state = setup.sync_fn(state)
         pending.append((step, m))
         meter.step_done(m)
         last = step == config.total_steps
@@ -221,7 +245,9 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
           progress.update(step)
         with meter.paused_timer():
           if config.eval_every and (step % config.eval_every == 0 or last):
-            ev = evaluate(eval_fn, state.params, val_loader, val_start, config.eval_steps, batch_sh)
+            ev = evaluate(eval_fn, eval_params(state.params), val_loader, val_start,
+                          config.eval_steps, batch_sh)
+            ev["comm_bytes"] = float(comm_bytes(step))
             writer.write(step, ev)
             result.update(ev)
             logging.info("step %d: val_loss=%.4f val_bpb=%.4f", step, ev["val_loss"],

@@ -1,0 +1,70 @@
+"""CO2 (Sun et al., arXiv 2401.16265): one-step-delayed outer update, staleness penalty, clipping.
+
+Local updating as in DiLoCo, but the all-reduce of round t's local parameters is
+only *consumed* at the end of round t+1, so it can run while round t+1 computes
+(Sec. 3, Fig. 1: "full overlap of communication with computation"). At the end of
+round t (local parameters x_{t,tau}^(i), outer parameters x_{t,0}):
+
+  g_{t-1}   = (x_{t-1,0} - mean_i x_{t-1,tau}^(i)) / lambda    # last round's average, stale by one
+  m_t       = clip(beta m_{t-1} + g_{t-1}, c)                   # outer momentum clipping
+  x_{t+1,0} = x_{t,0} - alpha m_t
+  launch mean_i x_{t,tau}^(i)                                   # consumed at the next sync
+
+lambda is the staleness gap penalty and clip is element-wise to [-c, c], as in the
+authors' code (fairscale-CO2 `CO2DistributedDataParallel`: `co2_gap_penalty`,
+`co2_clip_threshold`); the defaults are that code's (alpha = outer_lr 1.0,
+beta = outer_momentum 0.5, lambda 1.0, clipping off). The first sync has no average
+yet, so round 1 starts where round 0 did; round 0's progress arrives one sync later.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxsys.optim import outer as outer_lib
+
+
+class CO2State(NamedTuple):
+  rounds: jax.Array  # int32: syncs done
+  anchor: Any  # x_{t,0}
+  prev_anchor: Any  # x_{t-1,0}
+  pending: Any  # mean_i x_{t-1,tau}^(i): the average launched at the previous sync
+  momentum: Any
+
+
+def co2(*, sync_every: int, outer_lr: float = 1.0, outer_momentum: float = 0.5,
+        staleness_penalty: float = 1.0, momentum_clip: float | None = None
+        ) -> outer_lib.OuterOptimizer:
+  """CO2's outer step; `momentum_clip=None` turns clipping off (the authors' default)."""
+  sync_every = outer_lib.check_sync_every(sync_every)
+  alpha = outer_lib.check_range("outer_lr", outer_lr, 0.0, lo_open=True)
+  beta = outer_lib.check_range("outer_momentum", outer_momentum, 0.0, 1.0)
+  lam = outer_lib.check_range("staleness_penalty", staleness_penalty, 0.0, lo_open=True)
+  clip = None if momentum_clip is None else outer_lib.check_range(
+      "momentum_clip", momentum_clip, 0.0, lo_open=True)
+
+  def init(params) -> CO2State:
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    return CO2State(rounds=jnp.zeros((), jnp.int32), anchor=params, prev_anchor=params,
+                    pending=params, momentum=zeros)
+
+  def sync(params, state: CO2State, *, axis_name: str):
+    # Independent of this round's collective below: the update never waits for it.
+    have = (state.rounds > 0).astype(jnp.float32)
+    grad = jax.tree.map(lambda a, p: have * (a - p) / lam, state.prev_anchor, state.pending)
+    momentum = jax.tree.map(lambda m, g: beta * m + g, state.momentum, grad)
+    if clip is not None:
+      momentum = jax.tree.map(lambda m: jnp.clip(m, -clip, clip), momentum)
+    anchor = jax.tree.map(lambda a, m: (a - alpha * m).astype(a.dtype), state.anchor, momentum)
+    pending = lax.pmean(params, axis_name)
+    return anchor, CO2State(state.rounds + 1, anchor, state.anchor, pending, momentum)
+
+  def bytes_per_sync(params, num_replicas: int) -> int:
+    return outer_lib.mean_bytes(params, num_replicas, None)
+
+  return outer_lib.OuterOptimizer(
+      "co2", sync_every, init, sync, bytes_per_sync,
+      dict(outer_lr=alpha, outer_momentum=beta, staleness_penalty=lam, momentum_clip=clip))

@@ -1,0 +1,227 @@
+"""Shared pieces of the outer (low-communication) optimizers: the interface, compression, bytes.
+
+An outer optimizer runs every `sync_every` inner steps, once per replica, inside
+`jax.vmap(..., axis_name=...)` or `jax.shard_map` over the replica mesh axis, and
+does its own collectives over `axis_name`:
+
+  outer = jaxsys.optim.diloco(sync_every=50)
+  state = outer.init(params)                                 # per replica
+  params, state = outer.sync(params, state, axis_name="replica")
+  outer.bytes_per_sync(params, num_replicas=4)               # bytes ONE replica sends
+
+Byte counts assume bandwidth-optimal ring algorithms, per replica: all-reduce of n
+bytes sends 2(R-1)/R * n, all-gather of a c-byte chunk sends (R-1) * c, all-to-all
+of n bytes sends (R-1)/R * n, a collective-permute sends its whole buffer.
+`collective_bytes_from_hlo` applies the same rules to a compiled program's collectives.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+COMPRESSIONS = (None, "bf16", "int8", "fp8")
+_QMAX = {"int8": 127.0, "fp8": 448.0}  # largest magnitude of int8 / float8_e4m3fn
+_QDTYPE = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+
+
+@dataclasses.dataclass(frozen=True)
+class OuterOptimizer:
+  """An outer optimizer: `init(params) -> state`, `sync(params, state, *, axis_name)`."""
+  name: str
+  sync_every: int
+  init: Callable[[Any], Any]
+  sync: Callable[..., tuple[Any, Any]]
+  bytes_per_sync: Callable[[Any, int], int]
+  hparams: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def check_sync_every(sync_every: Any, where: str = "sync_every") -> int:
+  """sync_every must be an int >= 1 (bools and floats are refused so 2.5 never truncates)."""
+  if isinstance(sync_every, (bool, np.bool_)) or not isinstance(sync_every, (int, np.integer)) \
+      or sync_every < 1:
+    raise ValueError(f"{where}={sync_every!r} is invalid; it must be an int >= 1 "
+                     "(inner steps between outer syncs)")
+  return int(sync_every)
+
+
+def check_compression(compression: Any, where: str = "compression") -> str | None:
+  if compression in ("none", ""):
+    compression = None
+  if compression not in COMPRESSIONS:
+    raise ValueError(f"{where}={compression!r} is unknown; valid: none, bf16, int8, fp8")
+  return compression
+
+
+def check_range(name: str, value: Any, lo: float, hi: float | None = None, *,
+                lo_open: bool = False) -> float:
+  """One-line error unless lo <= value (< or <=) hi."""
+  ok = isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, bool) \
+      and math.isfinite(value) and (value > lo if lo_open else value >= lo) \
+      and (hi is None or value <= hi)
+  if not ok:
+    bound = f"{'>' if lo_open else '>='} {lo}" + ("" if hi is None else f" and <= {hi}")
+    raise ValueError(f"{name}={value!r} is invalid; it must be a number {bound}")
+  return float(value)
+
+
+def axis_size(axis_name: str) -> int:
+  """Size of a named axis inside vmap or shard_map (a static int)."""
+  return int(lax.axis_size(axis_name))
+
+
+def tree_bytes(params, dtype=None) -> int:
+  """Bytes of the leaves of `params` (in `dtype` if given)."""
+  return sum(int(np.prod(x.shape)) * (jnp.dtype(dtype or x.dtype).itemsize)
+             for x in jax.tree.leaves(params))
+
+
+def ring_allreduce_bytes(payload: int, num_replicas: int) -> int:
+  """Bytes one participant sends in a ring all-reduce of `payload` bytes: 2(R-1)/R * payload."""
+  return 2 * (num_replicas - 1) * payload // num_replicas
+
+
+def nesterov_step(anchor, momentum, grad, lr: float, mu: float, nesterov: bool):
+  """SGD with (Nesterov) momentum as optax.sgd: m = mu m + g; anchor -= lr (g + mu m) or lr m."""
+  momentum = jax.tree.map(lambda m, g: mu * m + g, momentum, grad)
+  step = jax.tree.map(lambda m, g: g + mu * m, momentum, grad) if nesterov else momentum
+  anchor = jax.tree.map(lambda p, s: (p - lr * s).astype(p.dtype), anchor, step)
+  return anchor, momentum
+
+
+# ---------------------------------------------------------------------------
+# Compressed mean over the replica axis
+# ---------------------------------------------------------------------------
+
+
+def _quantize(x_RM, kind: str):
+  """Rows of x [R, M] -> (q [R, M], scale [R]): one absmax scale per row."""
+  scale = jnp.max(jnp.abs(x_RM), axis=-1) / _QMAX[kind]
+  scale = jnp.where(scale > 0, scale, 1.0).astype(jnp.float32)
+  y = x_RM / scale[:, None]
+  if kind == "int8":
+    y = jnp.clip(jnp.round(y), -127, 127)
+  return y.astype(_QDTYPE[kind]), scale
+
+
+def _dequantize(q, scale):
+  return q.astype(jnp.float32) * scale[..., None]
+
+
+def _chunks(x, num: int):
+  """x -> [num, ceil(size/num)] float32, zero-padded."""
+  m = -(-x.size // num)
+  return jnp.pad(x.reshape(-1).astype(jnp.float32), (0, num * m - x.size)).reshape(num, m)
+
+
+def quantize_roundtrip(x, kind: str | None, chunks: int = 1):
+  """x -> dequantize(quantize(x)), one scale per chunk as `compressed_mean` sends it."""
+  if kind is None:
+    return x
+  if kind == "bf16":
+    return x.astype(jnp.bfloat16).astype(x.dtype)
+  q, s = _quantize(_chunks(x, chunks), kind)
+  return _dequantize(q, s).reshape(-1)[:x.size].reshape(x.shape).astype(x.dtype)
+
+
+def _quantized_mean(x, axis_name: str, kind: str, num: int):
+  """Mean over `axis_name` of x, sent as int8/fp8: quantized reduce-scatter + all-gather.
+
+  An int8 all-reduce would overflow (and XLA sums in the wire type), so: split x into
+  R chunks, quantize each with its own scale, all-to-all them so replica r holds every
+  replica's chunk r, dequantize and average in float32, re-quantize the averaged chunk
+  and all-gather it. Wire bytes per replica: 2(R-1)/R * n * 1 byte plus the scales,
+  a quarter of a float32 ring all-reduce.
+  """
+  n = x.size
+  q, s = _quantize(_chunks(x, num), kind)
+  q = lax.all_to_all(q, axis_name, 0, 0, tiled=True)  # row j <- replica j's chunk (mine)
+  s = lax.all_to_all(s, axis_name, 0, 0, tiled=True)
+  mean_chunk = jnp.mean(_dequantize(q, s), axis=0)
+  q2, s2 = _quantize(mean_chunk[None], kind)
+  q_all = lax.all_gather(q2[0], axis_name, tiled=False)  # [R, M]
+  s_all = lax.all_gather(s2[0], axis_name, tiled=False)  # [R]
+  return _dequantize(q_all, s_all).reshape(-1)[:n].reshape(x.shape).astype(x.dtype)
+
+
+def compressed_mean(tree, axis_name: str, compression: str | None):
+  """Mean of `tree` over `axis_name`, sent as float32 / bf16 (all-reduce) or int8 / fp8."""
+  if compression is None:
+    return lax.pmean(tree, axis_name)
+  if compression == "bf16":
+    # Summed in bf16 on the wire (as a bf16 all-reduce does), averaged back in float32.
+    return jax.tree.map(
+        lambda x: lax.pmean(x.astype(jnp.bfloat16), axis_name).astype(x.dtype), tree)
+  num = axis_size(axis_name)
+  return jax.tree.map(lambda x: _quantized_mean(x, axis_name, compression, num), tree)
+
+
+def mean_bytes(params, num_replicas: int, compression: str | None) -> int:
+  """Bytes one replica sends for `compressed_mean(params)` over `num_replicas` replicas."""
+  r = num_replicas
+  if r <= 1:
+    return 0
+  if compression is None:
+    return ring_allreduce_bytes(tree_bytes(params, jnp.float32), r)
+  if compression == "bf16":
+    return ring_allreduce_bytes(tree_bytes(params, jnp.bfloat16), r)
+  total = 0
+  for x in jax.tree.leaves(params):
+    m = -(-int(np.prod(x.shape)) // r)
+    # all-to-all of [R, m] 1-byte values and [R] f32 scales, then all-gather of m bytes + a scale
+    total += (r - 1) * m + (r - 1) * 4 + (r - 1) * m + (r - 1) * 4
+  return total
+
+
+# ---------------------------------------------------------------------------
+# Bytes on the wire, read from a compiled program
+# ---------------------------------------------------------------------------
+
+_COLLECTIVE = re.compile(
+    r"=\s*(\([^=]*?\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+"
+    r"(all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)(?:-start)?\(")
+_SHAPE = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\]")
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2,
+             "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+
+
+def _shape_bytes(text: str) -> int:
+  total = 0
+  for dtype, dims in _SHAPE.findall(text):
+    if dtype not in _ITEMSIZE:
+      continue
+    total += _ITEMSIZE[dtype] * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+  return total
+
+
+def collective_ops_from_hlo(hlo_text: str) -> list[tuple[str, int]]:
+  """(op, result bytes) of every collective in an HLO module's text (async -start forms too)."""
+  return [(op, _shape_bytes(shape)) for shape, op in _COLLECTIVE.findall(hlo_text)]
+
+
+def collective_bytes_from_hlo(hlo_text: str, num_replicas: int) -> int:
+  """Bytes one participant sends for the collectives of a compiled program (ring rules above).
+
+  `-start` ops of async collectives return (operand, result, ...) tuples, so their
+  result bytes count twice; the sync-form ops XLA:CPU emits are exact.
+  """
+  r = num_replicas
+  total = 0
+  for op, nbytes in collective_ops_from_hlo(hlo_text):
+    if op == "all-reduce":
+      total += 2 * (r - 1) * nbytes // r
+    elif op == "all-gather":  # result = R chunks
+      total += (r - 1) * nbytes // r
+    elif op == "all-to-all":
+      total += (r - 1) * nbytes // r
+    elif op == "reduce-scatter":  # result = one chunk of R
+      total += (r - 1) * nbytes
+    else:  # collective-permute
+      total += nbytes
+  return total
