@@ -14,7 +14,7 @@ Structure (FlashAttention-2):
   and kv ranges as the forward) and one for dk/dv (grid (kv blocks, batch, kv heads),
   looping over the G q heads sharing the kv head and over q blocks [q_lo, q_hi)).
 - block skipping: the ranges are computed in XLA from per-block min/max segment ids and
-  the causal diagonal (`block_ranges`), so compute follows the unmasked area.
+  the causal diagonal (`attention_blocks.block_ranges`), so compute follows the unmasked area.
 
 Example:
   out = pallas_attention(q, k, v, q_segment_ids=ids, kv_segment_ids=ids, causal=True)
@@ -30,7 +30,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxsys.kernels.attention import _check_inputs, static_scale
+from jaxsys.kernels.attention import static_scale
+from jaxsys.kernels.attention_blocks import check_pallas_inputs, flash_vjp, padded_ids_and_ranges
 
 try:  # The Triton compiler params moved names across jax versions.
   from jax.experimental.pallas import triton as _plgpu
@@ -88,48 +89,6 @@ class _Config:
   @property
   def masked(self) -> bool:
     return self.causal or self.has_segments or self.kv_padded
-
-
-def block_ranges(q_segment_ids, kv_segment_ids, *, t: int, s: int, block_q: int,
-                 block_k: int, causal: bool, batch: int, padded_t: int | None = None,
-                 padded_s: int | None = None):
-  """Visited-block ranges: (kv_lo, kv_hi) [B, Tp/bq] per q block, (q_lo, q_hi) [B, Sp/bk].
-
-  t, s are the real lengths; padded_t, padded_s (default: rounded up to the blocks) the
-  padded ones, and segment ids (or None) the padded [B, Tp] / [B, Sp] int arrays. Block
-  (i, j) may hold an unmasked pair iff both hold a real token, the id ranges of the two
-  blocks overlap and (when causal) the last real query of block i reaches the first key
-  of block j. Each range spans the first to the last such block: correct for any ids,
-  tight for packed (monotonic) ids. An empty range is (0, 0).
-
-  Example: four packed segments of 16 in T=S=64, blocks 16: each q block's range is
-  exactly its own kv block, one visit instead of four.
-  """
-  nq = (padded_t or -(-t // block_q) * block_q) // block_q
-  nk = (padded_s or -(-s // block_k) * block_k) // block_k
-  real_q = jnp.arange(nq) * block_q < t
-  real_k = jnp.arange(nk) * block_k < s
-  ok = jnp.broadcast_to(real_q[None, :, None] & real_k[None, None, :], (batch, nq, nk))
-  if q_segment_ids is not None:
-    q_ids = q_segment_ids.reshape(batch, nq, block_q)
-    kv_ids = kv_segment_ids.reshape(batch, nk, block_k)
-    q_min, q_max = q_ids.min(-1), q_ids.max(-1)
-    kv_min, kv_max = kv_ids.min(-1), kv_ids.max(-1)
-    ok &= (kv_min[:, None, :] <= q_max[:, :, None]) & (kv_max[:, None, :] >= q_min[:, :, None])
-  if causal:
-    last_q = jnp.minimum(jnp.arange(nq) * block_q + block_q - 1, t - 1)
-    first_k = jnp.arange(nk) * block_k
-    ok &= ((last_q[:, None] + (s - t)) >= first_k[None, :])[None]
-
-  def span(m):  # m [B, rows, cols]: first and one-past-last True col per row
-    any_ = m.any(-1)
-    lo = jnp.argmax(m, axis=-1)
-    hi = m.shape[-1] - jnp.argmax(m[..., ::-1], axis=-1)
-    return (jnp.where(any_, lo, 0).astype(jnp.int32), jnp.where(any_, hi, 0).astype(jnp.int32))
-
-  kv_lo, kv_hi = span(ok)
-  q_lo, q_hi = span(jnp.swapaxes(ok, 1, 2))
-  return kv_lo, kv_hi, q_lo, q_hi
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -286,56 +245,49 @@ def _compiler_params(cfg: _Config):
   return _TritonParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def _fwd_call(cfg: _Config, q, k, v, q_ids, kv_ids, kv_lo, kv_hi):
-  b, tp, hq, dp = q.shape
-  sp = k.shape[1]
-  bq, g = cfg.block_q, cfg.groups
-  q_spec = pl.BlockSpec((None, bq, None, dp), lambda i, b_, h: (b_, i, h, 0))
-  kv_spec = pl.BlockSpec((None, sp, None, dp), lambda i, b_, h: (b_, 0, lax.div(h, g), 0))
-  range_spec = pl.BlockSpec((None, None), lambda i, b_, h: (b_, i))
-  in_specs = [range_spec, range_spec, q_spec, kv_spec, kv_spec]
-  args = [kv_lo, kv_hi, q, k, v]
-  if cfg.has_segments:
-    in_specs += [pl.BlockSpec((None, bq), lambda i, b_, h: (b_, i)),
-                 pl.BlockSpec((None, sp), lambda i, b_, h: (b_, 0))]
-    args += [q_ids, kv_ids]
+def _pallas(kernel, cfg: _Config, name: str, grid, in_specs, args, out_specs, out_shape):
   return pl.pallas_call(
-      functools.partial(_fwd_kernel, cfg=cfg),
-      grid=(tp // bq, b, hq),
-      in_specs=in_specs,
-      out_specs=[q_spec, pl.BlockSpec((None, None, bq), lambda i, b_, h: (b_, h, i))],
-      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
-                 jax.ShapeDtypeStruct((b, hq, tp), jnp.float32)],
-      compiler_params=_compiler_params(cfg),
-      interpret=cfg.interpret,
-      name="jaxsys_flash_fwd",
-  )(*args)
+      functools.partial(kernel, cfg=cfg), grid=grid, in_specs=in_specs, out_specs=out_specs,
+      out_shape=out_shape, compiler_params=_compiler_params(cfg), interpret=cfg.interpret,
+      name=name)(*args)
 
 
-def _dq_call(cfg: _Config, q, k, v, do, lse, delta, q_ids, kv_ids, kv_lo, kv_hi):
-  b, tp, hq, dp = q.shape
-  sp = k.shape[1]
+def _q_major_specs(cfg: _Config, q, k, extra: int = 0):
+  """(in_specs, q_spec, row_spec) of the forward and dq kernels: grid (q blocks, batch, q heads).
+
+  Inputs: kv_lo, kv_hi, q, k, v, then `extra` of (dO, lse, delta), then segment ids
+  when the config has them.
+  """
+  dp, sp = q.shape[3], k.shape[1]
   bq, g = cfg.block_q, cfg.groups
   q_spec = pl.BlockSpec((None, bq, None, dp), lambda i, b_, h: (b_, i, h, 0))
   kv_spec = pl.BlockSpec((None, sp, None, dp), lambda i, b_, h: (b_, 0, lax.div(h, g), 0))
   row_spec = pl.BlockSpec((None, None, bq), lambda i, b_, h: (b_, h, i))
   range_spec = pl.BlockSpec((None, None), lambda i, b_, h: (b_, i))
-  in_specs = [range_spec, range_spec, q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
-  args = [kv_lo, kv_hi, q, k, v, do, lse, delta]
+  extras = [q_spec, row_spec, row_spec][:extra]
+  in_specs = [range_spec, range_spec, q_spec, kv_spec, kv_spec, *extras]
   if cfg.has_segments:
     in_specs += [pl.BlockSpec((None, bq), lambda i, b_, h: (b_, i)),
                  pl.BlockSpec((None, sp), lambda i, b_, h: (b_, 0))]
-    args += [q_ids, kv_ids]
-  return pl.pallas_call(
-      functools.partial(_dq_kernel, cfg=cfg),
-      grid=(tp // bq, b, hq),
-      in_specs=in_specs,
-      out_specs=q_spec,
-      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-      compiler_params=_compiler_params(cfg),
-      interpret=cfg.interpret,
-      name="jaxsys_flash_dq",
-  )(*args)
+  return in_specs, q_spec, row_spec
+
+
+def _fwd_call(cfg: _Config, q, k, v, q_ids, kv_ids, kv_lo, kv_hi):
+  b, tp, hq, _ = q.shape
+  args = [kv_lo, kv_hi, q, k, v] + ([q_ids, kv_ids] if cfg.has_segments else [])
+  in_specs, q_spec, row_spec = _q_major_specs(cfg, q, k)
+  return _pallas(_fwd_kernel, cfg, "jaxsys_flash_fwd", (tp // cfg.block_q, b, hq), in_specs,
+                 args, [q_spec, row_spec],
+                 [jax.ShapeDtypeStruct(q.shape, q.dtype),
+                  jax.ShapeDtypeStruct((b, hq, tp), jnp.float32)])
+
+
+def _dq_call(cfg: _Config, q, k, v, do, lse, delta, q_ids, kv_ids, kv_lo, kv_hi):
+  b, tp, hq, _ = q.shape
+  args = [kv_lo, kv_hi, q, k, v, do, lse, delta] + ([q_ids, kv_ids] if cfg.has_segments else [])
+  in_specs, q_spec, _ = _q_major_specs(cfg, q, k, extra=3)
+  return _pallas(_dq_kernel, cfg, "jaxsys_flash_dq", (tp // cfg.block_q, b, hq), in_specs,
+                 args, q_spec, jax.ShapeDtypeStruct(q.shape, q.dtype))
 
 
 def _dkv_call(cfg: _Config, q, k, v, do, lse, delta, q_ids, kv_ids, q_lo, q_hi):
@@ -353,40 +305,12 @@ def _dkv_call(cfg: _Config, q, k, v, do, lse, delta, q_ids, kv_ids, q_lo, q_hi):
     in_specs += [pl.BlockSpec((None, tp), lambda j, b_, h: (b_, 0)),
                  pl.BlockSpec((None, bk), lambda j, b_, h: (b_, j))]
     args += [q_ids, kv_ids]
-  return pl.pallas_call(
-      functools.partial(_dkv_kernel, cfg=cfg),
-      grid=(sp // bk, b, hkv),
-      in_specs=in_specs,
-      out_specs=[kv_spec, kv_spec],
-      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
-                 jax.ShapeDtypeStruct(v.shape, v.dtype)],
-      compiler_params=_compiler_params(cfg),
-      interpret=cfg.interpret,
-      name="jaxsys_flash_dkv",
-  )(*args)
+  return _pallas(_dkv_kernel, cfg, "jaxsys_flash_dkv", (sp // bk, b, hkv), in_specs, args,
+                 [kv_spec, kv_spec], [jax.ShapeDtypeStruct(k.shape, k.dtype),
+                                      jax.ShapeDtypeStruct(v.shape, v.dtype)])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(cfg, q, k, v, q_ids, kv_ids, ranges):
-  return _fwd_call(cfg, q, k, v, q_ids, kv_ids, ranges[0], ranges[1])[0]
-
-
-def _flash_fwd(cfg, q, k, v, q_ids, kv_ids, ranges):
-  o, lse = _fwd_call(cfg, q, k, v, q_ids, kv_ids, ranges[0], ranges[1])
-  return o, (q, k, v, q_ids, kv_ids, ranges, o, lse)
-
-
-def _flash_bwd(cfg, res, do):
-  q, k, v, q_ids, kv_ids, ranges, o, lse = res
-  kv_lo, kv_hi, q_lo, q_hi = ranges
-  # delta_i = sum_j p_ij dp_ij = <dO_i, O_i>: one cheap fused XLA reduction.
-  delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
-  dq = _dq_call(cfg, q, k, v, do, lse, delta, q_ids, kv_ids, kv_lo, kv_hi)
-  dk, dv = _dkv_call(cfg, q, k, v, do, lse, delta, q_ids, kv_ids, q_lo, q_hi)
-  return dq, dk, dv, None, None, None
-
-
-_flash.defvjp(_flash_fwd, _flash_bwd)
+_flash = flash_vjp(_fwd_call, _dq_call, _dkv_call, layout="bthd")
 
 
 # ----------------------------------------------------------------------------- entry
@@ -417,18 +341,8 @@ def pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
   blocks), any D (padded to a power of two >= 16 only when needed). `interpret=None`
   runs interpret mode on a CPU backend and the compiled Triton kernel otherwise.
   """
-  if (q_segment_ids is None) != (kv_segment_ids is None):
-    raise ValueError(
-        "pallas_attention: pass both q_segment_ids and kv_segment_ids or neither; got "
-        f"q_segment_ids={'None' if q_segment_ids is None else 'array'}, "
-        f"kv_segment_ids={'None' if kv_segment_ids is None else 'array'}")
-  segment_ids = None if q_segment_ids is None else (q_segment_ids, kv_segment_ids)
-  q_seg, kv_seg = _check_inputs(q, k, v, segment_ids)
-  for name, x in (("q", q), ("k", k), ("v", v)):
-    if x.dtype != q.dtype or x.dtype not in _DTYPES:
-      raise ValueError(
-          f"pallas_attention: q, k, v must share one dtype of float32/bfloat16/float16; "
-          f"got {name}.dtype={x.dtype} (q.dtype={q.dtype})")
+  q_seg, kv_seg = check_pallas_inputs("pallas_attention", q, k, v, q_segment_ids,
+                                       kv_segment_ids, _DTYPES)
   interpret = _resolve_interpret(interpret)
   b, t, hq, d = q.shape
   s, hkv = k.shape[1], k.shape[2]
@@ -446,23 +360,16 @@ def pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
   q_p = jnp.pad(q, ((0, 0), (0, tp - t), (0, 0), (0, dp - d)))
   k_p = jnp.pad(k, ((0, 0), (0, sp - s), (0, 0), (0, dp - d)))
   v_p = jnp.pad(v, ((0, 0), (0, sp - s), (0, 0), (0, dp - d)))
-  q_ids = kv_ids = None
-  if q_seg is not None:
-    # Edge padding keeps the per-block id ranges tight; padded keys are masked by
-    # position (key index >= S) inside the kernel, which cannot collide with any id.
-    q_ids = jnp.pad(q_seg.astype(jnp.int32), ((0, 0), (0, tp - t)), mode="edge")
-    kv_ids = jnp.pad(kv_seg.astype(jnp.int32), ((0, 0), (0, sp - s)), mode="edge")
-  ranges = functools.partial(block_ranges, q_ids, kv_ids, t=t, s=s, block_k=block_k,
-                             causal=causal, batch=b, padded_t=tp, padded_s=sp)
-  kv_lo, kv_hi, _, _ = ranges(block_q=block_q)
   # The dk/dv kernel holds dk, dv accumulators for its kv tile; a q tile no larger than
   # the kv tile keeps register pressure down (as the Triton FA2 tutorial does).
   block_q_dkv = min(block_q, block_k)
-  _, _, q_lo, q_hi = ranges(block_q=block_q_dkv)
+  q_ids, kv_ids, ranges = padded_ids_and_ranges(
+      q_seg, kv_seg, t=t, s=s, padded_t=tp, padded_s=sp, block_q=block_q,
+      block_q_dkv=block_q_dkv, block_k=block_k, causal=causal, batch=b)
   cfg = _Config(
       scale=scale, causal=bool(causal), offset=s - t, kv_len=s, kv_padded=sp != s,
       has_segments=q_seg is not None, groups=hq // hkv, block_q=block_q, block_k=block_k,
       block_q_dkv=block_q_dkv, interpret=interpret,
       num_warps=4 if dp <= 64 else 8, num_stages=2)
-  out = _flash(cfg, q_p, k_p, v_p, q_ids, kv_ids, (kv_lo, kv_hi, q_lo, q_hi))
+  out = _flash(cfg, q_p, k_p, v_p, q_ids, kv_ids, ranges)
   return out[:, :t, :, :d]

@@ -20,7 +20,7 @@ Structure (the Mosaic style of jax's `ops/tpu/flash_attention.py` and splash att
   over the G q heads sharing a kv head and over q blocks. It computes the transposed
   scores [block_k, block_q] (as splash attention does), so every matmul is NN or NT and
   no [block_q, block_k] tile is transposed; its q block is therefore a multiple of 128.
-- block skipping: the per-block ranges from `attention_pallas.block_ranges` (kv range
+- block skipping: the per-block ranges from `attention_blocks.block_ranges` (kv range
   per q block, q range per kv block) arrive by scalar prefetch in SMEM. A grid step
   outside the range does no compute (`pl.when`), and the index maps clamp the block
   index into the range, so the skipped steps ask for the block already resident (the
@@ -42,8 +42,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxsys.kernels.attention import _check_inputs, static_scale
-from jaxsys.kernels.attention_pallas import block_ranges
+from jaxsys.kernels.attention import static_scale
+from jaxsys.kernels.attention_blocks import check_pallas_inputs, flash_vjp, padded_ids_and_ranges
 
 NUM_LANES = 128
 NUM_SUBLANES = 8
@@ -374,17 +374,32 @@ def _rows(x):
   return jnp.broadcast_to(x[..., None, :], (*x.shape[:-1], NUM_SUBLANES, x.shape[-1]))
 
 
-def _compiler_params(semantics):
-  # Interpret mode reads the semantics too: it visits "parallel" axes in a random order.
-  return _CompilerParams(dimension_semantics=semantics)
-
-
 def _cost(flops_per_pair: int, q, k, *arrays):
   # A dense upper bound: the skipped fraction is data-dependent.
   b, hq, tp, dp = q.shape
   pairs = b * hq * tp * k.shape[2]
   return pl.CostEstimate(flops=flops_per_pair * pairs * dp, transcendentals=pairs,
                          bytes_accessed=sum(x.size * x.dtype.itemsize for x in arrays))
+
+
+def _call(kernel, cfg: _Config, name: str, *, grid, semantics, ranges, in_specs, args,
+          out_specs, out_shape, scratch, cost):
+  """One Mosaic kernel: the two block-range arrays are scalar-prefetched into SMEM."""
+  return pl.pallas_call(
+      functools.partial(kernel, cfg=cfg),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=2, grid=grid, in_specs=in_specs, out_specs=out_specs,
+          scratch_shapes=[pltpu.VMEM(shape, jnp.float32) for shape in scratch]),
+      out_shape=out_shape,
+      # Interpret mode reads the semantics too: it visits "parallel" axes in a random order.
+      compiler_params=_CompilerParams(dimension_semantics=semantics),
+      cost_estimate=cost,
+      interpret=cfg.interpret,
+      name=name,
+  )(*ranges, *args)
+
+
+_Q_MAJOR = (_PARALLEL, _PARALLEL, _PARALLEL, _ARBITRARY)  # grid (b, h, i, j): j accumulates
 
 
 def _fwd_call(cfg: _Config, q, k, v, q_ids, kv_ids, kv_lo, kv_hi):
@@ -394,24 +409,14 @@ def _fwd_call(cfg: _Config, q, k, v, q_ids, kv_ids, kv_lo, kv_hi):
   if cfg.has_segments:
     in_specs += [q_ids_spec, kv_ids_spec]
     args += [_columns(q_ids, NUM_LANES), _rows(kv_ids)]
-  out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype),
-               jax.ShapeDtypeStruct((b, hq, tp, NUM_LANES), jnp.float32)]
-  o, lse = pl.pallas_call(
-      functools.partial(_fwd_kernel, cfg=cfg),
-      grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=2,
-          grid=(b, hq, cfg.num_q_blocks, cfg.num_kv_blocks),
-          in_specs=in_specs,
-          out_specs=[q_spec, row_spec],
-          scratch_shapes=[pltpu.VMEM((cfg.block_q, NUM_LANES), jnp.float32),
-                          pltpu.VMEM((cfg.block_q, NUM_LANES), jnp.float32),
-                          pltpu.VMEM((cfg.block_q, dp), jnp.float32)]),
-      out_shape=out_shape,
-      compiler_params=_compiler_params((_PARALLEL, _PARALLEL, _PARALLEL, _ARBITRARY)),
-      cost_estimate=_cost(4, q, k, q, k, v, q),
-      interpret=cfg.interpret,
-      name="jaxsys_tpu_flash_fwd",
-  )(kv_lo, kv_hi, *args)
+  o, lse = _call(
+      _fwd_kernel, cfg, "jaxsys_tpu_flash_fwd",
+      grid=(b, hq, cfg.num_q_blocks, cfg.num_kv_blocks), semantics=_Q_MAJOR,
+      ranges=(kv_lo, kv_hi), in_specs=in_specs, args=args, out_specs=[q_spec, row_spec],
+      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
+                 jax.ShapeDtypeStruct((b, hq, tp, NUM_LANES), jnp.float32)],
+      scratch=[(cfg.block_q, NUM_LANES), (cfg.block_q, NUM_LANES), (cfg.block_q, dp)],
+      cost=_cost(4, q, k, q, k, v, q))
   return o, lse[..., 0]
 
 
@@ -423,20 +428,12 @@ def _dq_call(cfg: _Config, q, k, v, do, lse, delta, q_ids, kv_ids, kv_lo, kv_hi)
   if cfg.has_segments:
     in_specs += [q_ids_spec, kv_ids_spec]
     args += [_columns(q_ids, NUM_LANES), _rows(kv_ids)]
-  return pl.pallas_call(
-      functools.partial(_dq_kernel, cfg=cfg),
-      grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=2,
-          grid=(b, hq, cfg.num_q_blocks, cfg.num_kv_blocks),
-          in_specs=in_specs,
-          out_specs=q_spec,
-          scratch_shapes=[pltpu.VMEM((cfg.block_q, dp), jnp.float32)]),
-      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-      compiler_params=_compiler_params((_PARALLEL, _PARALLEL, _PARALLEL, _ARBITRARY)),
-      cost_estimate=_cost(6, q, k, q, k, v, do, q),
-      interpret=cfg.interpret,
-      name="jaxsys_tpu_flash_dq",
-  )(kv_lo, kv_hi, *args)
+  return _call(
+      _dq_kernel, cfg, "jaxsys_tpu_flash_dq",
+      grid=(b, hq, cfg.num_q_blocks, cfg.num_kv_blocks), semantics=_Q_MAJOR,
+      ranges=(kv_lo, kv_hi), in_specs=in_specs, args=args, out_specs=q_spec,
+      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), scratch=[(cfg.block_q, dp)],
+      cost=_cost(6, q, k, q, k, v, do, q))
 
 
 def _dkv_call(cfg: _Config, q, k, v, do, lse, delta, q_ids, kv_ids, q_lo, q_hi):
@@ -447,47 +444,17 @@ def _dkv_call(cfg: _Config, q, k, v, do, lse, delta, q_ids, kv_ids, q_lo, q_hi):
   if cfg.has_segments:
     in_specs += [q_ids_spec, kv_ids_spec]
     args += [_rows(q_ids), _columns(kv_ids, NUM_LANES)]
-  return pl.pallas_call(
-      functools.partial(_dkv_kernel, cfg=cfg),
-      grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=2,
-          grid=(b, hkv, cfg.num_kv_blocks, cfg.groups, cfg.num_q_blocks_dkv),
-          in_specs=in_specs,
-          out_specs=[kv_spec, kv_spec],
-          scratch_shapes=[pltpu.VMEM((cfg.block_k, dp), jnp.float32),
-                          pltpu.VMEM((cfg.block_k, dp), jnp.float32)]),
-      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
-                 jax.ShapeDtypeStruct(v.shape, v.dtype)],
+  return _call(
+      _dkv_kernel, cfg, "jaxsys_tpu_flash_dkv",
+      grid=(b, hkv, cfg.num_kv_blocks, cfg.groups, cfg.num_q_blocks_dkv),
       # The group and q-block axes both accumulate into the same dk/dv block.
-      compiler_params=_compiler_params(
-          (_PARALLEL, _PARALLEL, _PARALLEL, _ARBITRARY, _ARBITRARY)),
-      cost_estimate=_cost(8, q, k, q, k, v, do, k, v),
-      interpret=cfg.interpret,
-      name="jaxsys_tpu_flash_dkv",
-  )(q_lo, q_hi, *args)
+      semantics=(_PARALLEL, _PARALLEL, _PARALLEL, _ARBITRARY, _ARBITRARY),
+      ranges=(q_lo, q_hi), in_specs=in_specs, args=args, out_specs=[kv_spec, kv_spec],
+      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+      scratch=[(cfg.block_k, dp), (cfg.block_k, dp)], cost=_cost(8, q, k, q, k, v, do, k, v))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(cfg, q, k, v, q_ids, kv_ids, ranges):
-  return _fwd_call(cfg, q, k, v, q_ids, kv_ids, ranges[0], ranges[1])[0]
-
-
-def _flash_fwd(cfg, q, k, v, q_ids, kv_ids, ranges):
-  o, lse = _fwd_call(cfg, q, k, v, q_ids, kv_ids, ranges[0], ranges[1])
-  return o, (q, k, v, q_ids, kv_ids, ranges, o, lse)
-
-
-def _flash_bwd(cfg, res, do):
-  q, k, v, q_ids, kv_ids, ranges, o, lse = res
-  kv_lo, kv_hi, q_lo, q_hi = ranges
-  # delta_i = sum_j p_ij dp_ij = <dO_i, O_i>: one cheap fused XLA reduction.
-  delta = jnp.einsum("bhtd,bhtd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
-  dq = _dq_call(cfg, q, k, v, do, lse, delta, q_ids, kv_ids, kv_lo, kv_hi)
-  dk, dv = _dkv_call(cfg, q, k, v, do, lse, delta, q_ids, kv_ids, q_lo, q_hi)
-  return dq, dk, dv, None, None, None
-
-
-_flash.defvjp(_flash_fwd, _flash_bwd)
+_flash = flash_vjp(_fwd_call, _dq_call, _dkv_call, layout="bhtd")
 
 
 # ----------------------------------------------------------------------------- entry
@@ -528,18 +495,8 @@ def pallas_tpu_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
   `interpret=False` always emits the Mosaic kernels (e.g. to `jax.export` for TPU from a
   CPU host); `True` or a `pltpu.InterpretParams` go to `pl.pallas_call` as given.
   """
-  if (q_segment_ids is None) != (kv_segment_ids is None):
-    raise ValueError(
-        "pallas_tpu_attention: pass both q_segment_ids and kv_segment_ids or neither; got "
-        f"q_segment_ids={'None' if q_segment_ids is None else 'array'}, "
-        f"kv_segment_ids={'None' if kv_segment_ids is None else 'array'}")
-  segment_ids = None if q_segment_ids is None else (q_segment_ids, kv_segment_ids)
-  q_seg, kv_seg = _check_inputs(q, k, v, segment_ids)
-  for name, x in (("q", q), ("k", k), ("v", v)):
-    if x.dtype != q.dtype or x.dtype not in _DTYPES:
-      raise ValueError(
-          "pallas_tpu_attention: q, k, v must share one dtype of float32/bfloat16; "
-          f"got {name}.dtype={x.dtype} (q.dtype={q.dtype})")
+  q_seg, kv_seg = check_pallas_inputs("pallas_tpu_attention", q, k, v, q_segment_ids,
+                                       kv_segment_ids, _DTYPES)
   interpret = _resolve_interpret(interpret)
   b, t, hq, d = q.shape
   s, hkv = k.shape[1], k.shape[2]
@@ -561,20 +518,12 @@ def pallas_tpu_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
   def layout(x, n, n_pad):
     return jnp.pad(x, ((0, 0), (0, n_pad - n), (0, 0), (0, dp - d))).transpose(0, 2, 1, 3)
   q_p, k_p, v_p = layout(q, t, tp), layout(k, s, sp), layout(v, s, sp)
-  q_ids = kv_ids = None
-  if q_seg is not None:
-    # Edge padding keeps the per-block id ranges tight; padded rows and keys are masked
-    # by position inside the kernels, which cannot collide with any id.
-    q_ids = jnp.pad(q_seg.astype(jnp.int32), ((0, 0), (0, tp - t)), mode="edge")
-    kv_ids = jnp.pad(kv_seg.astype(jnp.int32), ((0, 0), (0, sp - s)), mode="edge")
-  ranges = functools.partial(block_ranges, q_ids, kv_ids, t=t, s=s, block_k=block_k,
-                             causal=cfg.causal, batch=b, padded_t=tp, padded_s=sp)
-  kv_lo, kv_hi, _, _ = ranges(block_q=block_q)
-  _, _, q_lo, q_hi = ranges(block_q=cfg.block_q_dkv)
+  q_ids, kv_ids, ranges = padded_ids_and_ranges(
+      q_seg, kv_seg, t=t, s=s, padded_t=tp, padded_s=sp, block_q=block_q,
+      block_q_dkv=cfg.block_q_dkv, block_k=block_k, causal=cfg.causal, batch=b)
   # 1-D int32 in SMEM (2-D SMEM arrays pad their minor dimension).
   flat = lambda x: x.reshape(-1).astype(jnp.int32)
-  out = _flash(cfg, q_p, k_p, v_p, q_ids, kv_ids,
-               (flat(kv_lo), flat(kv_hi), flat(q_lo), flat(q_hi)))
+  out = _flash(cfg, q_p, k_p, v_p, q_ids, kv_ids, tuple(map(flat, ranges)))
   return out.transpose(0, 2, 1, 3)[:, :t, :, :d]
 
 

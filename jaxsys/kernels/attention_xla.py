@@ -40,9 +40,9 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxsys.kernels.attention import _check_inputs, static_scale
+from jaxsys.kernels.attention_blocks import spans, visitable_blocks
 
 # Default block sizes: one [B*Hq, block_q, block_k] f32 score tile is the unit of work,
 # and on CPU it runs fastest at about 2 MiB (in cache, yet big enough to amortise the
@@ -188,38 +188,17 @@ def _masked_t(cfg: _Config, s_BKSM, mask_BQS):
   return s.reshape(s_BKSM.shape)
 
 
-def _static_allowed(cfg: _Config) -> np.ndarray:
-  """[nq, nk] bool: tiles with at least one pair allowed by causality."""
-  q_last = np.minimum((np.arange(cfg.nq) + 1) * cfg.bq, cfg.t) - 1  # last real row per block
-  kv_first = np.arange(cfg.nk) * cfg.bk
-  allowed = np.ones((cfg.nq, cfg.nk), bool)
-  if cfg.causal:
-    allowed &= (q_last[:, None] + (cfg.s - cfg.t)) >= kv_first[None, :]
-  return allowed
-
-
 def _block_ranges(cfg: _Config, qseg_IBQ, kvseg_JBS):
   """Loop bounds: per q block [lo, hi) over kv blocks; per kv block [lo, hi) over q blocks.
 
-  A tile is visited if causality allows some pair and, with segment ids, some batch row
-  has overlapping [min, max] ids in the two blocks. A bound is the hull of the allowed
-  tiles: exact for ids that increase along the sequence (packing), a safe superset
-  otherwise; visited tiles are masked exactly.
+  The batch rows share one loop, so a tile is visited if it is visitable
+  (`attention_blocks.visitable_blocks`) for some batch row.
   """
-  allowed = jnp.asarray(_static_allowed(cfg))
-  if cfg.has_segments:
-    q_lo, q_hi = qseg_IBQ.min(-1), qseg_IBQ.max(-1)  # [nq, B]
-    kv_lo, kv_hi = kvseg_JBS.min(-1), kvseg_JBS.max(-1)  # [nk, B]
-    overlap = (q_lo[:, None] <= kv_hi[None, :]) & (kv_lo[None, :] <= q_hi[:, None])
-    allowed = allowed & overlap.any(-1)
-
-  def hull(a):  # [n, m] -> (first, last + 1) True column per row; (0, 0) for an empty row
-    any_ = a.any(1)
-    lo = jnp.argmax(a, axis=1)
-    hi = a.shape[1] - jnp.argmax(a[:, ::-1], axis=1)
-    return jnp.where(any_, lo, 0).astype(jnp.int32), jnp.where(any_, hi, 0).astype(jnp.int32)
-
-  return hull(allowed), hull(allowed.T)
+  swap = lambda x: None if x is None else x.swapaxes(0, 1)
+  allowed = visitable_blocks(
+      swap(qseg_IBQ), swap(kvseg_JBS), t=cfg.t, s=cfg.s, num_q_blocks=cfg.nq,
+      num_kv_blocks=cfg.nk, block_q=cfg.bq, block_k=cfg.bk, causal=cfg.causal).any(0)
+  return spans(allowed), spans(allowed.T)
 
 
 def _loop(lo, hi, n: int, body, init):

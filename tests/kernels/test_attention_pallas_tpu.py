@@ -5,87 +5,37 @@ the blocks; packed segments; fully masked rows; block skipping (compute and DMA)
 Mosaic lowering of forward and backward (what can be checked without a TPU).
 """
 import numpy as np
-import chex
 import jax
 import jax.numpy as jnp
 from absl.testing import absltest, parameterized
 from jax.experimental.pallas import tpu as pltpu
 
+from attention_testing import (assert_matches_reference, inputs, packed_ids,
+                               reference_value_and_grads, segment_kwargs, value_and_grads)
 from jaxsys.kernels import attention_pallas_tpu as tpu_attn
-from jaxsys.kernels.attention import reference_attention
-from jaxsys.kernels.attention_pallas import block_ranges
+from jaxsys.kernels.attention_blocks import block_ranges
 from jaxsys.kernels.attention_pallas_tpu import default_blocks, pallas_tpu_attention
 
-TOL = {np.dtype(np.float32): 1e-5, np.dtype(jnp.bfloat16): 2e-2}
 # interpret=None (the default off TPU) is TPU interpret mode: it simulates the block
 # pipeline, NaN-filled scratch and a random order of the "parallel" grid axes, at ~30 ms
 # a grid step. interpret=True runs the same kernels in Pallas' generic interpreter, ~20x
 # faster: the shape sweeps use it, the tests of the TPU mechanics use the default.
 GENERIC = True
-# Compile-time bound: optimising the interpret-mode loops costs more than running them.
-_FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
-def _inputs(b, t, s, hq, hkv, d, dtype, seed=0):
-  """Random q, k, v (in dtype) and an f32 cotangent; numpy, so no per-shape compiles."""
-  rng = np.random.default_rng(seed)
-  normal = lambda *shape: rng.standard_normal(shape, dtype=np.float32)
-  q, k, v = normal(b, t, hq, d), normal(b, s, hkv, d), normal(b, s, hkv, d)
-  return q.astype(dtype), k.astype(dtype), v.astype(dtype), normal(b, t, hq, d)
+def _tpu(segs=None, **kw):
+  return lambda q, k, v: pallas_tpu_attention(q, k, v, **segment_kwargs(segs), **kw)
 
 
 def _packed_ids(rng, n, b=1):
-  """[b, n] int32 monotonic segment ids: random lengths, many of them 1-token segments."""
-  rows = []
-  for _ in range(b):
-    ids, seg = [], 0
-    while len(ids) < n:
-      ids += [seg] * int(rng.choice([1, 1, 3, 9, 40, 90]))
-      seg += 1
-    rows.append(ids[:n])
-  return np.asarray(rows, np.int32)
-
-
-def _value_and_grads(fn, kwargs, q, k, v, cotangent):
-  """Output and grads of <out, cotangent> wrt q, k, v, in one compilation."""
-  def value_and_grads(q, k, v, cotangent):
-    def loss(q, k, v):
-      out = fn(q, k, v, **kwargs)
-      return jnp.sum(out.astype(jnp.float32) * cotangent), out
-
-    (_, out), grads = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(q, k, v)
-    return out, grads
-
-  compiled = jax.jit(value_and_grads).lower(q, k, v, cotangent).compile(_FAST_COMPILE)
-  return compiled(q, k, v, cotangent)
-
-
-def _pallas_kwargs(segs, **kwargs):
-  if segs is not None:
-    kwargs.update(q_segment_ids=segs[0], kv_segment_ids=segs[1])
-  return kwargs
+  """Longer segments than the GPU tests use: TPU blocks are 128 rows and more."""
+  return packed_ids(rng, b, n, lengths=(1, 1, 3, 9, 40, 90))
 
 
 def _compare(q, k, v, cotangent, segs=None, causal=True, block_q=128, block_k=128, **kw):
-  out, grads = _value_and_grads(
-      pallas_tpu_attention,
-      _pallas_kwargs(segs, causal=causal, block_q=block_q, block_k=block_k, **kw),
-      q, k, v, cotangent)
-  # The reference runs in f32 from the same (possibly bf16) inputs: the truth to approach.
-  f32 = lambda x: np.asarray(x, np.float32)
-  ref_out, ref_grads = _value_and_grads(
-      reference_attention, dict(causal=causal, segment_ids=segs), f32(q), f32(k), f32(v),
-      cotangent)
-  chex.assert_type(out, q.dtype)
-  chex.assert_shape(out, q.shape)
-  tol = TOL[np.dtype(q.dtype)]
-  for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref_out, *ref_grads)):
-    chex.assert_type(got, q.dtype)
-    chex.assert_tree_all_finite(got)
-    want = np.asarray(want)
-    scale = max(1.0, float(np.max(np.abs(want))))
-    np.testing.assert_allclose(f32(got), want, rtol=tol, atol=tol * scale, err_msg=name)
-  return out, grads
+  return assert_matches_reference(
+      _tpu(segs, causal=causal, block_q=block_q, block_k=block_k, **kw), q, k, v, cotangent,
+      segs=segs, causal=causal)
 
 
 class PallasTpuAttentionTest(parameterized.TestCase):
@@ -105,7 +55,7 @@ class PallasTpuAttentionTest(parameterized.TestCase):
       dict(testcase_name="causal_T_gt_S_d256", t=200, s=72, hq=2, hkv=2, d=256, causal=True),
   )
   def test_shapes_f32(self, t, s, hq, hkv, d, causal, block_q=128, interpret=GENERIC):
-    q, k, v, ct = _inputs(1, t, s, hq, hkv, d, jnp.float32, seed=t + s)
+    q, k, v, ct = inputs(1, t, s, hq, hkv, d, jnp.float32, seed=t + s)
     out, _ = _compare(q, k, v, ct, causal=causal, block_q=block_q, interpret=interpret)
     if t > s and causal:
       np.testing.assert_array_equal(np.asarray(out[:, :t - s]), 0.0)
@@ -121,12 +71,12 @@ class PallasTpuAttentionTest(parameterized.TestCase):
     # Random packed layouts with 1-token segments, spanning block boundaries.
     rng = np.random.default_rng(groups)
     ids = _packed_ids(rng, 300, b)
-    q, k, v, ct = _inputs(b, 300, 300, groups, 1, d, jnp.float32, seed=groups)
+    q, k, v, ct = inputs(b, 300, 300, groups, 1, d, jnp.float32, seed=groups)
     _compare(q, k, v, ct, segs=(ids, ids), causal=causal, interpret=interpret)
 
   def test_bfloat16_causal_packed(self):
     ids = _packed_ids(np.random.default_rng(3), 256)
-    q, k, v, ct = _inputs(1, 256, 256, 4, 2, 128, jnp.bfloat16)
+    q, k, v, ct = inputs(1, 256, 256, 4, 2, 128, jnp.bfloat16)
     _compare(q, k, v, ct, segs=(ids, ids), causal=True, interpret=GENERIC)
 
   def test_fully_masked_rows_are_zero_with_finite_grads(self):
@@ -135,7 +85,7 @@ class PallasTpuAttentionTest(parameterized.TestCase):
     t, s = 40, 150
     q_ids = np.asarray([[0] * 10 + [7] * 6 + [9] * 16 + [1] * 8], np.int32)
     kv_ids = np.asarray([[0] * 70 + [1] * 80], np.int32)
-    q, k, v, ct = _inputs(1, t, s, 2, 1, 64, jnp.float32)
+    q, k, v, ct = inputs(1, t, s, 2, 1, 64, jnp.float32)
     empty = np.asarray((q_ids[0] == 7) | (q_ids[0] == 9))
     out, (dq, _, _) = _compare(q, k, v, ct, segs=(q_ids, kv_ids), causal=False, block_q=16)
     np.testing.assert_array_equal(np.asarray(out[0, empty]), 0.0)
@@ -145,7 +95,7 @@ class PallasTpuAttentionTest(parameterized.TestCase):
     # block_q / block_k None pick default_blocks; D=48 is padded inside to 128. A random
     # seed makes TPU interpret mode visit the "parallel" grid axes in a random order, and
     # its scratch starts as NaN, so the init/finalize logic must not depend on either.
-    q, k, v, ct = _inputs(1, 20, 20, 2, 1, 48, jnp.float32)
+    q, k, v, ct = inputs(1, 20, 20, 2, 1, 48, jnp.float32)
     _compare(q, k, v, ct, causal=True, block_q=None, block_k=None,
              interpret=pltpu.InterpretParams(random_seed=7))
 
@@ -186,14 +136,13 @@ class PallasTpuAttentionTest(parameterized.TestCase):
 
     # No compute for skipped blocks: NaN in the last segment's q, k and v cannot reach
     # the other segments' outputs or grads unless their tiles were computed (0 * NaN).
-    q, k, v, ct = _inputs(1, 384, 384, 2, 1, 64, jnp.float32)
+    q, k, v, ct = inputs(1, 384, 384, 2, 1, 64, jnp.float32)
     poison = np.where(ids[0, :, None, None] == 2, np.nan, 0.0).astype(np.float32)
-    out, (dq, dk, dv) = _value_and_grads(
-        pallas_tpu_attention,
-        _pallas_kwargs((ids, ids), causal=False, block_q=128, block_k=128),
+    out, (dq, dk, dv) = value_and_grads(
+        _tpu((ids, ids), causal=False, block_q=128, block_k=128),
         q + poison, k + poison, v + poison, ct)
-    ref_out, (ref_dq, ref_dk, ref_dv) = _value_and_grads(
-        reference_attention, dict(causal=False, segment_ids=(ids, ids)), q, k, v, ct)
+    ref_out, (ref_dq, ref_dk, ref_dv) = reference_value_and_grads(q, k, v, ct, (ids, ids),
+                                                                  causal=False)
     for name, got, want in (("out", out, ref_out), ("dq", dq, ref_dq), ("dk", dk, ref_dk),
                             ("dv", dv, ref_dv)):
       np.testing.assert_allclose(got[:, :256], want[:, :256], rtol=1e-5, atol=1e-5,
@@ -233,7 +182,7 @@ class PallasTpuAttentionTest(parameterized.TestCase):
     self.assertEqual(text.count("stablehlo.custom_call @tpu_custom_call"), 3)
 
   def test_bad_input(self):
-    q, k, v, _ = _inputs(1, 16, 16, 2, 1, 64, jnp.float32)
+    q, k, v, _ = inputs(1, 16, 16, 2, 1, 64, jnp.float32)
     for bad in (100, 0, -8, True, 8.0):
       with self.assertRaisesRegex(ValueError, "block_q"):
         pallas_tpu_attention(q, k, v, block_q=bad)

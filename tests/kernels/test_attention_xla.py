@@ -1,5 +1,4 @@
 """Blockwise XLA attention against reference_attention: values, grads, masks, GQA, memory."""
-import chex
 import hypothesis
 import hypothesis.strategies as st
 import jax
@@ -7,46 +6,11 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
 
+from attention_testing import (FAST_COMPILE, assert_matches_reference, inputs, packed_ids,
+                               segment_kwargs)
 from jaxsys.kernels.attention import reference_attention
 from jaxsys.kernels.attention_xla import default_blocks, xla_attention
 
-TOL = {np.dtype(np.float32): 1e-5, np.dtype(jnp.bfloat16): 2e-2}
-# Compile time dominates these tests: skip the expensive backend passes (same HLO).
-_FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-
-
-def _inputs(b, t, s, hq, hkv, d, dtype=np.float32, seed=0):
-  """Random q, k, v (in dtype) and an f32 cotangent for the output."""
-  rng = np.random.default_rng(seed)
-  normal = lambda *shape: rng.standard_normal(shape, dtype=np.float32)
-  q, k, v = normal(b, t, hq, d), normal(b, s, hkv, d), normal(b, s, hkv, d)
-  return (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype),
-          jnp.asarray(normal(b, t, hq, d)))
-
-
-def _packed_ids(rng, b, n):
-  """[B, n] int32 increasing segment ids with random lengths, many of them 1."""
-  rows = []
-  for _ in range(b):
-    ids, seg = [], 0
-    while len(ids) < n:
-      ids += [seg] * int(rng.choice([1, 1, 2, 3, 7, 13, 24]))
-      seg += 1
-    rows.append(ids[:n])
-  return jnp.asarray(np.asarray(rows, np.int32))
-
-
-def _values_and_grads(fns, q, k, v, cotangent):
-  """[(fn(q, k, v), grads of <fn(q, k, v), cotangent> wrt q, k, v) for fn in fns]: one compile."""
-
-  def run(q, k, v, cotangent):
-    results = []
-    for fn in fns:
-      out, vjp = jax.vjp(fn, q, k, v)
-      results.append((out, vjp(cotangent.astype(out.dtype))))
-    return results
-
-  return jax.jit(run).lower(q, k, v, cotangent).compile(_FAST_COMPILE)(q, k, v, cotangent)
 
 
 def _ref(segs, **kw):
@@ -54,8 +18,11 @@ def _ref(segs, **kw):
 
 
 def _xla(segs, **kw):
-  q_seg, kv_seg = (None, None) if segs is None else segs
-  return lambda q, k, v: xla_attention(q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg, **kw)
+  return lambda q, k, v: xla_attention(q, k, v, **segment_kwargs(segs), **kw)
+
+
+def _packed_ids(rng, b, n):
+  return packed_ids(rng, b, n, lengths=(1, 1, 2, 3, 7, 13, 24))
 
 
 class XlaAttentionTest(parameterized.TestCase):
@@ -63,18 +30,9 @@ class XlaAttentionTest(parameterized.TestCase):
   def _check(self, q, k, v, cotangent, segs=None, causal=True, tol=None, sm_scale=None,
              **blocks):
     """Asserts xla_attention == reference_attention, values and grads; returns the output."""
-    tol = TOL[np.dtype(q.dtype)] if tol is None else tol
-    (want, want_grads), (got, got_grads) = _values_and_grads(
-        [_ref(segs, causal=causal, sm_scale=sm_scale),
-         _xla(segs, causal=causal, sm_scale=sm_scale, **blocks)], q, k, v, cotangent)
-    chex.assert_equal_shape([got, want])
-    chex.assert_trees_all_equal_dtypes(got, want)
-    chex.assert_tree_all_finite((got, got_grads))
-    for name, a, b in zip(("out", "dq", "dk", "dv"), (got, *got_grads), (want, *want_grads)):
-      a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-      # Scale-aware: grads of a long sum can be O(10), values are O(1).
-      np.testing.assert_allclose(a, b, atol=tol * max(1.0, np.abs(b).max()), rtol=tol, err_msg=name)
-    return got
+    return assert_matches_reference(
+        _xla(segs, causal=causal, sm_scale=sm_scale, **blocks), q, k, v, cotangent, segs=segs,
+        causal=causal, tol=tol, sm_scale=sm_scale)[0]
 
   @parameterized.product(
       causal=(True, False),
@@ -82,24 +40,24 @@ class XlaAttentionTest(parameterized.TestCase):
       shape=((37, 37, 1), (20, 50, 4), (50, 20, 2)))
   def test_f32_matches_reference(self, causal, shape):
     t, s, group = shape
-    q, k, v, ct = _inputs(2, t, s, 2 * group, 2, 8)
+    q, k, v, ct = inputs(2, t, s, 2 * group, 2, 8)
     self._check(q, k, v, ct, causal=causal, block_q=16, block_k=16)
 
   @parameterized.parameters(1, 2, 4, 8)
   def test_gqa_ratios_with_packed_segments(self, group):
     rng = np.random.default_rng(group)
-    q, k, v, ct = _inputs(2, 45, 45, 8, 8 // group, 16, seed=group)
+    q, k, v, ct = inputs(2, 45, 45, 8, 8 // group, 16, seed=group)
     seg = _packed_ids(rng, 2, 45)
     self._check(q, k, v, ct, segs=(seg, seg), block_q=8, block_k=16)
 
   def test_bf16(self):
     rng = np.random.default_rng(3)
-    q, k, v, ct = _inputs(2, 40, 40, 4, 2, 16, dtype=jnp.bfloat16, seed=3)
+    q, k, v, ct = inputs(2, 40, 40, 4, 2, 16, dtype=jnp.bfloat16, seed=3)
     seg = _packed_ids(rng, 2, 40)
     self._check(q, k, v, ct, segs=(seg, seg), causal=True, block_q=16, block_k=32)
 
   def test_fully_masked_rows_give_zeros_and_finite_grads(self):
-    q, k, v, ct = _inputs(2, 40, 24, 4, 2, 8, seed=4)
+    q, k, v, ct = inputs(2, 40, 24, 4, 2, 8, seed=4)
     rng = np.random.default_rng(4)
     # Query ids 7 and 9 have no key with that id; with causal T > S the first 16 rows see
     # no key at all either. Keys padded to the block size must never be attended.
@@ -112,7 +70,7 @@ class XlaAttentionTest(parameterized.TestCase):
   def test_unsorted_segment_ids(self):
     """Ids that do not increase along the sequence: block ranges are hulls, still exact."""
     rng = np.random.default_rng(5)
-    q, k, v, ct = _inputs(2, 50, 50, 4, 4, 8, seed=5)
+    q, k, v, ct = inputs(2, 50, 50, 4, 4, 8, seed=5)
     seg = jnp.asarray(rng.integers(0, 3, size=(2, 50)).astype(np.int32))
     self._check(q, k, v, ct, segs=(seg, seg), causal=False, block_q=16, block_k=8)
     self._check(q, k, v, ct, segs=(seg, seg), causal=True, block_q=16, block_k=8)
@@ -122,24 +80,24 @@ class XlaAttentionTest(parameterized.TestCase):
     self.assertEqual(default_blocks(4), (256, 512))
     rng = np.random.default_rng(6)
     for t in (33, 300):  # 300 > 256 rows: two q blocks, the last one padded
-      q, k, v, ct = _inputs(1, t, t, 4, 2, 8, seed=t)
+      q, k, v, ct = inputs(1, t, t, 4, 2, 8, seed=t)
       seg = _packed_ids(rng, 1, t)
       self._check(q, k, v, ct, segs=(seg, seg))
 
   def test_sm_scale(self):
-    q, k, v, ct = _inputs(1, 24, 24, 2, 1, 8, seed=7)
+    q, k, v, ct = inputs(1, 24, 24, 2, 1, 8, seed=7)
     seg = _packed_ids(np.random.default_rng(7), 1, 24)
     self._check(q, k, v, ct, segs=(seg, seg), sm_scale=0.3, block_q=8, block_k=8)
 
   def test_single_segment_array_means_self_attention(self):
-    q, k, v, _ = _inputs(1, 24, 24, 2, 1, 8, seed=7)
+    q, k, v, _ = inputs(1, 24, 24, 2, 1, 8, seed=7)
     seg = _packed_ids(np.random.default_rng(7), 1, 24)
     both = jax.jit(lambda q, k, v: xla_attention(q, k, v, q_segment_ids=seg, kv_segment_ids=seg))
     one = jax.jit(lambda q, k, v: xla_attention(q, k, v, q_segment_ids=seg))
     np.testing.assert_array_equal(one(q, k, v), both(q, k, v))
 
   def test_decode_one_query(self):
-    q, k, v, ct = _inputs(2, 1, 77, 8, 2, 16, seed=8)
+    q, k, v, ct = inputs(2, 1, 77, 8, 2, 16, seed=8)
     self._check(q, k, v, ct, block_q=16, block_k=16)
 
   @hypothesis.settings(max_examples=15, deadline=None, derandomize=True)
@@ -149,7 +107,7 @@ class XlaAttentionTest(parameterized.TestCase):
       packed=st.booleans(), block_q=st.sampled_from([8, 16]), block_k=st.sampled_from([8, 16]),
       seed=st.integers(0, 2**16))
   def test_random_shapes(self, t, s, hkv, group, d, causal, packed, block_q, block_k, seed):
-    q, k, v, ct = _inputs(2, t, s, hkv * group, hkv, d, seed=seed)
+    q, k, v, ct = inputs(2, t, s, hkv * group, hkv, d, seed=seed)
     segs = None
     if packed:
       rng = np.random.default_rng(seed)
@@ -161,7 +119,7 @@ class XlaAttentionTest(parameterized.TestCase):
       q = k = v = jax.ShapeDtypeStruct((1, t, 2, 64), jnp.float32)
       loss = lambda q, k, v: jnp.sum(fn(q, k, v))
       # Buffer assignment, hence temp size, does not depend on the LLVM optimisation level.
-      compiled = jax.jit(jax.grad(loss, (0, 1, 2))).lower(q, k, v).compile(_FAST_COMPILE)
+      compiled = jax.jit(jax.grad(loss, (0, 1, 2))).lower(q, k, v).compile(FAST_COMPILE)
       return compiled.memory_analysis().temp_size_in_bytes
 
     flash = _xla(None, block_q=128, block_k=256)
@@ -171,7 +129,7 @@ class XlaAttentionTest(parameterized.TestCase):
     self.assertLess(big, reference / 8, (big, reference))
 
   def test_bad_input(self):
-    q, k, v, _ = _inputs(1, 8, 8, 4, 2, 8)
+    q, k, v, _ = inputs(1, 8, 8, 4, 2, 8)
     seg = jnp.zeros((1, 8), jnp.int32)
     with self.assertRaisesRegex(ValueError, "kv_segment_ids given without q_segment_ids"):
       xla_attention(q, k, v, kv_segment_ids=seg)
