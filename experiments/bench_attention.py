@@ -17,9 +17,13 @@ Impls (`--impls`; the default is what exists on the backend):
                     built from the segment ids inside the jitted function
   jax_pallas        jax's own `pallas.ops.gpu.attention.mha` (GPU only; k/v heads repeated
                     for GQA, since it has none)
-A jaxsys impl is reached through `jaxsys.kernels.attention.attention`; if that dispatcher
-does not list it yet, through its module function directly (the JSON records which). An
-impl that fails is recorded as "n/a" with its error and the run goes on.
+A jaxsys impl is reached through `jaxsys.kernels.attention.attention`. An impl that fails
+is recorded as "n/a" with its error and the run goes on.
+
+`--doc_lens=512,1024,...` adds one mode per length L: every row packed with documents of
+exactly L tokens, so the unmasked work is T*(L+1)/2 per row. With block skipping the time
+should follow L (the sum of the documents' T_i^2), not T^2: the "ms per M pairs" column
+of those rows stays flat.
 
 FLOP convention (only unmasked work counts): a forward pass does 4*D flops per unmasked
 (query, key) pair per query head (2*D for q.k, 2*D for p.v); the backward counts 2.5x the
@@ -57,6 +61,8 @@ _DTYPE = flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"],
 _IMPLS = flags.DEFINE_list("impls", None, "Subset of xla,pallas,cudnn_or_xla_dpa,jax_pallas; "
                            "default: those that run natively on the backend.")
 _PACKED = flags.DEFINE_bool("packed", False, "Also run packed documents (segment ids).")
+_DOC_LENS = flags.DEFINE_list("doc_lens", [], "Also run rows packed with documents of exactly "
+                              "these lengths (time should follow sum T_i^2).")
 _PASSES = flags.DEFINE_list("passes", ["fwd", "fwd_bwd"], "Passes to time.")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed calls per case (after one warm-up).")
 _MAX_SECONDS = flags.DEFINE_float("max_seconds_per_case", 300.0,
@@ -70,13 +76,14 @@ ALL_IMPLS = ("xla", "pallas", "cudnn_or_xla_dpa", "jax_pallas")
 # ----------------------------------------------------------------------------- inputs, flops
 
 
-def packed_segment_ids(batch: int, t: int, rng: np.random.Generator) -> np.ndarray:
-  """[B, T] int32 increasing ids; document lengths uniform in [1, T/4], mean ~T/8."""
+def packed_segment_ids(batch: int, t: int, rng: np.random.Generator,
+                       doc_len: int | None = None) -> np.ndarray:
+  """[B, T] int32 increasing ids; document lengths `doc_len`, or uniform in [1, T/4] (mean ~T/8)."""
   seg = np.empty((batch, t), np.int32)
   for b in range(batch):
     pos, doc = 0, 0
     while pos < t:
-      n = int(rng.integers(1, max(2, t // 4) + 1))
+      n = doc_len or int(rng.integers(1, max(2, t // 4) + 1))
       seg[b, pos:pos + n] = doc
       pos, doc = pos + n, doc + 1
   return seg
@@ -100,22 +107,11 @@ def flops(pairs: int, heads: int, d: int, pass_: str) -> float:
 
 
 def _jaxsys_fn(impl: str) -> tuple[Callable, str]:
-  """fn(q, k, v, seg) for a jaxsys impl, and how it was reached."""
-  from jaxsys.kernels import attention as attention_lib  # lazy: impls land independently
+  """fn(q, k, v, seg) for a jaxsys impl, through the public dispatcher."""
+  from jaxsys.kernels import attention as attention_lib
 
-  if impl in getattr(attention_lib, "IMPLS", ()):
-    return (lambda q, k, v, seg: attention_lib.attention(
-        q, k, v, segment_ids=seg, causal=True, impl=impl)), f"attention(impl={impl!r})"
-  if impl == "xla":
-    from jaxsys.kernels.attention_xla import xla_attention
-    return (lambda q, k, v, seg: xla_attention(q, k, v, q_segment_ids=seg, causal=True),
-            "attention_xla.xla_attention")
-  if impl == "pallas":
-    from jaxsys.kernels.attention_pallas import pallas_attention
-    return (lambda q, k, v, seg: pallas_attention(
-        q, k, v, q_segment_ids=seg, kv_segment_ids=seg, causal=True),
-            "attention_pallas.pallas_attention")
-  raise ValueError(f"unknown jaxsys impl {impl!r}")
+  return (lambda q, k, v, seg: attention_lib.attention(
+      q, k, v, segment_ids=seg, causal=True, impl=impl)), f"attention(impl={impl!r})"
 
 
 def _dpa_fn() -> tuple[Callable, str]:
@@ -209,7 +205,7 @@ def run_case(impls: dict[str, tuple[Callable, str]], args: tuple, pass_: str, re
 
 
 def run(seq_lens, batch, heads, kv_heads, d, dtype, impl_names, packed, passes, repeats,
-        max_seconds, seed) -> dict[str, Any]:
+        max_seconds, seed, doc_lens=()) -> dict[str, Any]:
   """Every (T, mode, pass, impl): rows with time, TFLOP/s of unmasked work and temp bytes."""
   if heads % kv_heads:
     raise ValueError(f"--heads={heads} must be a multiple of --kv_heads={kv_heads}")
@@ -226,15 +222,17 @@ def run(seq_lens, batch, heads, kv_heads, d, dtype, impl_names, packed, passes, 
         raise
       rows.append({"impl": name, "status": f"n/a: {e}"})
   rng = np.random.default_rng(seed)
-  skip = {(m, p): set() for m in ("causal", "packed") for p in passes}
+  modes = {"causal": None, **({"packed": None} if packed else {}),
+           **{f"docs={n}": n for n in doc_lens}}
+  skip = {(m, p): set() for m in modes for p in passes}
   for t in seq_lens:
     keys = jax.random.split(jax.random.key(seed + t), 4)
     q = jax.random.normal(keys[0], (batch, t, heads, d), dtype)
     k = jax.random.normal(keys[1], (batch, t, kv_heads, d), dtype)
     v = jax.random.normal(keys[2], (batch, t, kv_heads, d), dtype)
     ct = jax.random.normal(keys[3], (batch, t, heads, d), dtype)
-    for mode in ("causal", "packed") if packed else ("causal",):
-      seg = packed_segment_ids(batch, t, rng) if mode == "packed" else None
+    for mode, doc_len in modes.items():
+      seg = None if mode == "causal" else packed_segment_ids(batch, t, rng, doc_len)
       pairs = unmasked_pairs(t, batch, seg)
       seg_arg = None if seg is None else jnp.asarray(seg)
       for pass_ in passes:
@@ -251,7 +249,8 @@ def run(seq_lens, batch, heads, kv_heads, d, dtype, impl_names, packed, passes, 
   return {"machine": metrics_lib.machine_info(), "rows": rows, "load_avg_end": os.getloadavg(),
           "config": {"batch": batch, "heads": heads, "kv_heads": kv_heads, "head_dim": d,
                      "dtype": jnp.dtype(dtype).name, "seq_lens": list(seq_lens),
-                     "repeats": repeats, "packed": packed, "seed": seed}}
+                     "repeats": repeats, "packed": packed, "doc_lens": list(doc_lens),
+                     "seed": seed}}
 
 
 def _row_line(row) -> str:
@@ -272,9 +271,9 @@ def markdown(result: dict[str, Any]) -> str:
            f"jax {m['jax']}; B={c['batch']} Hq={c['heads']} Hkv={c['kv_heads']} "
            f"D={c['head_dim']} {c['dtype']}, median of {c['repeats']}",
            "",
-           "| T | mode | pass | impl | time ms | TFLOP/s (unmasked) | temp MiB "
+           "| T | mode | pass | impl | time ms | ms per M pairs | TFLOP/s (unmasked) | temp MiB "
            "| time / dpa | temp / dpa |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|---|---|"]
   by_case: dict[tuple, dict[str, dict]] = {}
   for row in result["rows"]:
     if "T" in row:
@@ -283,14 +282,15 @@ def markdown(result: dict[str, Any]) -> str:
     base = impls.get(BASELINE, {})
     for name, row in impls.items():
       if "time_s" not in row:
-        lines.append(f"| {t} | {mode} | {pass_} | {name} | {row['status']} | | | | |")
+        lines.append(f"| {t} | {mode} | {pass_} | {name} | {row['status']} | | | | | |")
         continue
       ratio_t = ratio_m = ""
       if "time_s" in base and name != BASELINE:
         ratio_t = f"{row['time_s'] / base['time_s']:.2f}"
         ratio_m = f"1/{base['temp_bytes'] / max(row['temp_bytes'], 1):.1f}"
+      per_pairs = row["time_s"] * 1e3 / (row["unmasked_pairs"] / 1e6)
       lines.append(f"| {t} | {mode} | {pass_} | {name} | {row['time_s'] * 1e3:.1f} "
-                   f"| {row['tflops']:.4f} | {row['temp_bytes'] / 2**20:.1f} "
+                   f"| {per_pairs:.2f} | {row['tflops']:.4f} | {row['temp_bytes'] / 2**20:.1f} "
                    f"| {ratio_t} | {ratio_m} |")
   for row in result["rows"]:
     if "T" not in row:
@@ -327,7 +327,7 @@ def main(argv):
       raise app.UsageError(f"--impls: unknown impl {name!r}; choose from {ALL_IMPLS}")
   result = run([int(t) for t in _SEQ_LENS.value], _BATCH.value, _HEADS.value, _KV_HEADS.value,
                _HEAD_DIM.value, jnp.dtype(dtype), impl_names, _PACKED.value, _PASSES.value,
-               _REPEATS.value, _MAX_SECONDS.value, _SEED.value)
+               _REPEATS.value, _MAX_SECONDS.value, _SEED.value, [int(n) for n in _DOC_LENS.value])
   print()
   print(markdown(result))
   if backend == "cpu":
