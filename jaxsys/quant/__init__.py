@@ -1,0 +1,1 @@
+"""Post-training quantization: rules (path regex -> scheme), calibration, GPTQ, SmoothQuant."""
