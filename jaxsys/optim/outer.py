@@ -101,7 +101,9 @@ def nesterov_step(anchor, momentum, grad, lr: float, mu: float, nesterov: bool):
 
 
 def _quantize(x_RM, kind: str):
-  """Rows of x [R, M] -> (q [R, M], scale [R]): one absmax scale per row."""
+  """Rows of x [R, M] -> (q [R, M], scale [R]): one absmax scale per row (bf16: no scale)."""
+  if kind == "bf16":
+    return x_RM.astype(jnp.bfloat16), jnp.ones(x_RM.shape[:1], jnp.float32)
   scale = jnp.max(jnp.abs(x_RM), axis=-1) / _QMAX[kind]
   scale = jnp.where(scale > 0, scale, 1.0).astype(jnp.float32)
   y = x_RM / scale[:, None]
@@ -124,40 +126,48 @@ def quantize_roundtrip(x, kind: str | None, chunks: int = 1):
   """x -> dequantize(quantize(x)), one scale per chunk as `compressed_mean` sends it."""
   if kind is None:
     return x
-  if kind == "bf16":
-    return x.astype(jnp.bfloat16).astype(x.dtype)
   q, s = _quantize(_chunks(x, chunks), kind)
   return _dequantize(q, s).reshape(-1)[:x.size].reshape(x.shape).astype(x.dtype)
 
 
-def _quantized_mean(x, axis_name: str, kind: str, num: int):
-  """Mean over `axis_name` of x, sent as int8/fp8: quantized reduce-scatter + all-gather.
+_WIRE = {"bf16": (jnp.bfloat16, jnp.uint16), "fp8": (jnp.float8_e4m3fn, jnp.uint8)}
 
-  An int8 all-reduce would overflow (and XLA sums in the wire type), so: split x into
-  R chunks, quantize each with its own scale, all-to-all them so replica r holds every
-  replica's chunk r, dequantize and average in float32, re-quantize the averaged chunk
-  and all-gather it. Wire bytes per replica: 2(R-1)/R * n * 1 byte plus the scales,
-  a quarter of a float32 ring all-reduce.
+
+def _on_wire(q, kind: str):
+  """bf16/fp8 travel as their bits: XLA:CPU widens bf16/f8 collectives to f32/f16."""
+  return lax.bitcast_convert_type(q, _WIRE[kind][1]) if kind in _WIRE else q
+
+
+def _off_wire(q, kind: str):
+  return lax.bitcast_convert_type(q, _WIRE[kind][0]) if kind in _WIRE else q
+
+
+def _quantized_mean(x, axis_name: str, kind: str, num: int):
+  """Mean over `axis_name` of x, sent as bf16/int8/fp8: reduce-scatter by all-to-all + all-gather.
+
+  A low-precision all-reduce would overflow (int8) or sum in the wire type (and
+  XLA:CPU widens bf16/f8 all-reduces to f32/f16), so: split x into R chunks, quantize
+  each with its own scale, all-to-all them so replica r holds every replica's chunk r,
+  dequantize and average in float32, re-quantize the averaged chunk and all-gather it.
+  Wire bytes per replica: 2(R-1)/R * n * itemsize plus the scales (int8/fp8), i.e.
+  the ring all-reduce volume at 1 or 2 bytes per value.
   """
   n = x.size
   q, s = _quantize(_chunks(x, num), kind)
-  q = lax.all_to_all(q, axis_name, 0, 0, tiled=True)  # row j <- replica j's chunk (mine)
-  s = lax.all_to_all(s, axis_name, 0, 0, tiled=True)
-  mean_chunk = jnp.mean(_dequantize(q, s), axis=0)
+  q = _off_wire(lax.all_to_all(_on_wire(q, kind), axis_name, 0, 0, tiled=True), kind)
+  if kind != "bf16":
+    s = lax.all_to_all(s, axis_name, 0, 0, tiled=True)
+  mean_chunk = jnp.mean(_dequantize(q, s), axis=0)  # row j came from replica j
   q2, s2 = _quantize(mean_chunk[None], kind)
-  q_all = lax.all_gather(q2[0], axis_name, tiled=False)  # [R, M]
-  s_all = lax.all_gather(s2[0], axis_name, tiled=False)  # [R]
+  q_all = _off_wire(lax.all_gather(_on_wire(q2[0], kind), axis_name, tiled=False), kind)  # [R, M]
+  s_all = lax.all_gather(s2[0], axis_name, tiled=False) if kind != "bf16" else jnp.ones(num)
   return _dequantize(q_all, s_all).reshape(-1)[:n].reshape(x.shape).astype(x.dtype)
 
 
 def compressed_mean(tree, axis_name: str, compression: str | None):
-  """Mean of `tree` over `axis_name`, sent as float32 / bf16 (all-reduce) or int8 / fp8."""
+  """Mean of `tree` over `axis_name`, sent as float32 (all-reduce) or bf16 / int8 / fp8."""
   if compression is None:
     return lax.pmean(tree, axis_name)
-  if compression == "bf16":
-    # Summed in bf16 on the wire (as a bf16 all-reduce does), averaged back in float32.
-    return jax.tree.map(
-        lambda x: lax.pmean(x.astype(jnp.bfloat16), axis_name).astype(x.dtype), tree)
   num = axis_size(axis_name)
   return jax.tree.map(lambda x: _quantized_mean(x, axis_name, compression, num), tree)
 
@@ -169,13 +179,12 @@ def mean_bytes(params, num_replicas: int, compression: str | None) -> int:
     return 0
   if compression is None:
     return ring_allreduce_bytes(tree_bytes(params, jnp.float32), r)
-  if compression == "bf16":
-    return ring_allreduce_bytes(tree_bytes(params, jnp.bfloat16), r)
+  itemsize, scale = (2, 0) if compression == "bf16" else (1, 4)
   total = 0
   for x in jax.tree.leaves(params):
     m = -(-int(np.prod(x.shape)) // r)
-    # all-to-all of [R, m] 1-byte values and [R] f32 scales, then all-gather of m bytes + a scale
-    total += (r - 1) * m + (r - 1) * 4 + (r - 1) * m + (r - 1) * 4
+    # all-to-all of [R, m] values (+ [R] f32 scales), then all-gather of m values (+ a scale)
+    total += 2 * (r - 1) * (m * itemsize + scale)
   return total
 
 
@@ -208,6 +217,7 @@ def collective_ops_from_hlo(hlo_text: str) -> list[tuple[str, int]]:
 def collective_bytes_from_hlo(hlo_text: str, num_replicas: int) -> int:
   """Bytes one participant sends for the collectives of a compiled program (ring rules above).
 
+  Every collective in the text counts once, so a conditional's branches all count.
   `-start` ops of async collectives return (operand, result, ...) tuples, so their
   result bytes count twice; the sync-form ops XLA:CPU emits are exact.
   """

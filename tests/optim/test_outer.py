@@ -1,0 +1,282 @@
+"""Outer optimizers: DiLoCo == DP SGD in its limit, NoLoCo's groups and HLO, CO2's delay, bytes."""
+import re
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl.testing import absltest, parameterized
+from jax.sharding import Mesh, PartitionSpec as P
+
+from jaxsys import optim
+from jaxsys.optim.noloco import group_index, peer_groups
+from jaxsys.optim import outer as outer_lib
+
+R = 4
+AX = "replica"
+
+
+def _params():
+  k1, k2 = jax.random.split(jax.random.key(0))
+  return {"w": jax.random.normal(k1, (6, 5)), "b": jax.random.normal(k2, (5,))}
+
+
+def _data(step, r=R):
+  """Per-replica regression data [R, 8, 6] -> [R, 8, 5] for a linear model."""
+  k = jax.random.fold_in(jax.random.key(1), step)
+  kx, ky = jax.random.split(k)
+  return jax.random.normal(kx, (r, 8, 6)), jax.random.normal(ky, (r, 8, 5))
+
+
+def _loss(p, x, y):
+  return jnp.mean((x @ p["w"] + p["b"] - y) ** 2)
+
+
+def _stack(tree, r=R):
+  return jax.tree.map(lambda x: jnp.broadcast_to(x, (r, *x.shape)), tree)
+
+
+def _mesh(r=R):
+  return Mesh(np.array(jax.devices()[:r]), (AX,))
+
+
+def _shard_sync(outer, r=R):
+  """outer.sync under shard_map over a replica-only mesh, as the training loop runs it."""
+  def per(p, s):
+    p, s = outer.sync(jax.tree.map(lambda x: x[0], p), jax.tree.map(lambda x: x[0], s),
+                      axis_name=AX)
+    return jax.tree.map(lambda x: x[None], (p, s))
+  return jax.jit(jax.shard_map(per, mesh=_mesh(r), in_specs=(P(AX), P(AX)),
+                               out_specs=(P(AX), P(AX))))
+
+
+def _vmap_sync(outer):
+  return jax.jit(jax.vmap(lambda p, s: outer.sync(p, s, axis_name=AX), axis_name=AX))
+
+
+class DiLoCoTest(parameterized.TestCase):
+
+  @parameterized.parameters("vmap", "shard_map")
+  def test_h1_lr1_no_momentum_is_data_parallel_sgd(self, how):
+    """Inner SGD, H=1, outer_lr=1, momentum 0: each sync is one synchronous DP SGD step."""
+    lr = 0.1
+    outer = optim.diloco(sync_every=1, outer_lr=1.0, outer_momentum=0.0)
+    sync = _vmap_sync(outer) if how == "vmap" else _shard_sync(outer)
+    grads = jax.jit(jax.vmap(jax.grad(_loss)))
+    dp = _params()
+    theta = _stack(dp)
+    state = jax.vmap(outer.init)(theta)
+    for step in range(5):
+      x, y = _data(step)
+      g = grads(theta, x, y)
+      theta = jax.tree.map(lambda p, g: p - lr * g, theta, g)
+      theta, state = sync(theta, state)
+      dp_g = jax.tree.map(lambda g: jnp.mean(g, 0), jax.vmap(jax.grad(_loss), (None, 0, 0))(dp, x, y))
+      dp = jax.tree.map(lambda p, g: p - lr * g, dp, dp_g)
+    for r in range(R):
+      chex.assert_trees_all_close(jax.tree.map(lambda x: x[r], theta), dp, atol=1e-6, rtol=1e-6)
+
+  def test_one_replica_lr1_is_the_inner_optimizer(self):
+    """R=1, outer_lr=1, no momentum: syncing every 2 steps changes nothing (inner AdamW alone)."""
+    inner = optax.adamw(1e-2)
+    outer = optim.diloco(sync_every=2, outer_lr=1.0, outer_momentum=0.0)
+    sync = jax.jit(jax.vmap(lambda p, s: outer.sync(p, s, axis_name=AX), axis_name=AX))
+    ref = _params()
+    ref_state = inner.init(ref)
+    theta = _stack(ref, 1)
+    inner_state = jax.vmap(inner.init)(theta)
+    state = jax.vmap(outer.init)(theta)
+
+    def inner_step(p, s, x, y):
+      u, s = inner.update(jax.grad(_loss)(p, x, y), s, p)
+      return optax.apply_updates(p, u), s
+    for step in range(6):
+      x, y = _data(step, 1)
+      theta, inner_state = jax.vmap(inner_step)(theta, inner_state, x, y)
+      ref, ref_state = inner_step(ref, ref_state, x[0], y[0])
+      if (step + 1) % outer.sync_every == 0:
+        theta, state = sync(theta, state)
+    chex.assert_trees_all_close(jax.tree.map(lambda x: x[0], theta), ref, atol=1e-6)
+
+  def test_nesterov_outer_step_matches_optax_sgd(self):
+    """The outer step is optax.sgd(outer_lr, momentum, nesterov=True) on the averaged delta."""
+    outer = optim.diloco(sync_every=1)
+    sync = _vmap_sync(outer)
+    phi = _params()
+    sgd = optax.sgd(0.7, momentum=0.9, nesterov=True)
+    sgd_state = sgd.init(phi)
+    theta0 = _stack(phi)
+    state = jax.vmap(outer.init)(theta0)
+    ref = phi
+    for step in range(3):
+      x, _ = _data(step)
+      theta = jax.tree.map(lambda p: p + 0.01 * jnp.mean(x) * jnp.arange(1, R + 1).reshape(
+          (R,) + (1,) * (p.ndim - 1)), state.anchor)
+      delta = jax.tree.map(lambda a, t: jnp.mean(a - t, 0), state.anchor, theta)
+      u, sgd_state = sgd.update(jax.tree.map(lambda d: d, delta), sgd_state)
+      ref = optax.apply_updates(ref, u)
+      theta, state = sync(theta, state)
+      chex.assert_trees_all_close(jax.tree.map(lambda x: x[0], theta), ref, atol=1e-6)
+
+
+class NoLoCoTest(parameterized.TestCase):
+
+  def test_groups_are_permutations_that_change(self):
+    pool = peer_groups(8, 2, seed=3)
+    for groups in pool:
+      self.assertEqual(sorted(groups.reshape(-1).tolist()), list(range(8)))
+    self.assertGreater(len({tuple(map(tuple, np.sort(g, 1))) for g in pool}), 4)
+    picks = [int(group_index(3, jnp.int32(t))) for t in range(10)]
+    self.assertGreater(len(set(picks)), 3)
+
+  def test_sync_averages_within_the_drawn_pairs(self):
+    """beta = gamma = 1, alpha = 0: phi_i <- mean of theta over i's pair, a different pair each sync."""
+    outer = optim.noloco(sync_every=1, outer_lr=1.0, outer_momentum=0.0, gamma=1.0, seed=5)
+    sync = _shard_sync(outer)
+    state = jax.vmap(outer.init)(jnp.zeros((R, 1)))
+    seen = set()
+    for t in range(6):
+      theta = (jnp.arange(R, dtype=jnp.float32) * 10.0 ** np.arange(R)).reshape(R, 1)
+      out, state = sync(theta, state)
+      groups = peer_groups(R, 2, 5)[int(group_index(5, jnp.int32(t)))]
+      want = np.zeros(R)
+      for g in groups:
+        want[g] = np.asarray(theta)[g, 0].mean()
+      np.testing.assert_allclose(np.asarray(out)[:, 0], want, rtol=1e-6)
+      seen.add(tuple(sorted(tuple(sorted(g)) for g in groups.tolist())))
+      state = state._replace(anchor=jnp.zeros((R, 1)), momentum=jnp.zeros((R, 1)))
+    self.assertGreater(len(seen), 1)
+
+  @parameterized.parameters(0.7, 0.3)
+  def test_modified_nesterov_step(self, gamma):
+    """The update of Sec. 3 (both the beta == gamma shortcut and the general form)."""
+    a, b = 0.5, 0.7
+    outer = optim.noloco(sync_every=1, outer_lr=b, outer_momentum=a, gamma=gamma, group_size=R)
+    sync = _vmap_sync(outer)
+    phi = jnp.arange(R, dtype=jnp.float32).reshape(R, 1)
+    state = jax.vmap(outer.init)(phi)._replace(momentum=jnp.ones((R, 1)))
+    theta = phi + jnp.array([[1.0], [-2.0], [0.5], [3.0]])
+    out, _ = sync(theta, state)
+    want = phi + a * 1.0 - b * jnp.mean(phi - theta) - gamma * (phi - jnp.mean(phi))
+    np.testing.assert_allclose(out, want, rtol=1e-6)
+
+  def test_compiled_sync_has_no_all_reduce(self):
+    outer = optim.noloco(sync_every=1)
+    p = _stack(_params())
+    hlo = _shard_sync(outer).lower(p, jax.vmap(outer.init)(p)).compile().as_text()
+    ops = {op for op, _ in outer_lib.collective_ops_from_hlo(hlo)}
+    self.assertEqual(ops, {"collective-permute"})
+    self.assertNotIn("all-reduce", hlo)
+    self.assertIn("conditional", hlo)
+
+
+class CO2Test(absltest.TestCase):
+
+  def test_applies_the_previous_rounds_average(self):
+    outer = optim.co2(sync_every=1, outer_lr=1.0, outer_momentum=0.0)
+    sync = _shard_sync(outer)
+    x0 = jnp.zeros((R, 2))
+    state = jax.vmap(outer.init)(x0)
+    a = jnp.arange(R * 2, dtype=jnp.float32).reshape(R, 2)
+    out, state = sync(a, state)  # round 0: no average yet
+    np.testing.assert_allclose(out, x0)
+    b = 100.0 + a
+    out, state = sync(b, state)  # round 1 applies round 0's average, not round 1's
+    np.testing.assert_allclose(out, jnp.broadcast_to(a.mean(0), (R, 2)), rtol=1e-6)
+    out, state = sync(out, state)
+    np.testing.assert_allclose(out, jnp.broadcast_to(a.mean(0) + b.mean(0), (R, 2)), rtol=1e-6)
+
+  def test_staleness_penalty_momentum_and_clip(self):
+    outer = optim.co2(sync_every=1, outer_lr=0.5, outer_momentum=0.5, staleness_penalty=2.0,
+                      momentum_clip=0.3)
+    sync = _vmap_sync(outer)
+    state = jax.vmap(outer.init)(jnp.zeros((R, 3)))
+    theta = jnp.array([[-1.0, 0.2, 0.0]] * R)
+    out, state = sync(theta, state)
+    out, state = sync(out, state)
+    # g = (0 - theta)/2 = [0.5, -0.1, 0]; m = clip(g, 0.3) = [0.3, -0.1, 0]; x = 0 - 0.5 m
+    np.testing.assert_allclose(state.momentum[0], [0.3, -0.1, 0.0], rtol=1e-6)
+    np.testing.assert_allclose(out[0], [-0.15, 0.05, 0.0], rtol=1e-6)
+
+
+class CompressionTest(parameterized.TestCase):
+
+  @parameterized.parameters(("bf16", 2.0 ** -8), ("fp8", 2.0 ** -4))
+  def test_float_roundtrip_relative_error(self, kind, rel):
+    x = jax.random.normal(jax.random.key(2), (1000,)) * 3.0
+    y = outer_lib.quantize_roundtrip(x, kind)
+    big = jnp.abs(x) > 1e-2 * jnp.max(jnp.abs(x))  # fp8: small values are subnormal
+    np.testing.assert_array_less(jnp.abs(y - x)[big], rel * jnp.abs(x)[big] + 1e-7)
+
+  def test_int8_roundtrip_error_is_half_a_step(self):
+    x = jax.random.normal(jax.random.key(2), (1001,))
+    for chunks in (1, 4):
+      y = outer_lib.quantize_roundtrip(x, "int8", chunks)
+      step = jnp.max(jnp.abs(x)) / 127
+      self.assertLessEqual(float(jnp.max(jnp.abs(y - x))), float(step) / 2 * 1.0001)
+
+  @parameterized.parameters("bf16", "int8", "fp8")
+  def test_compressed_mean_is_close_to_the_mean(self, kind):
+    x = jax.random.normal(jax.random.key(3), (R, 37, 3))
+    got = jax.jit(jax.vmap(lambda v: outer_lib.compressed_mean(v, AX, kind), axis_name=AX))(x)
+    want = jnp.mean(x, 0)
+    # two quantizations (chunks, then the averaged chunk), each within half a step / rel. error
+    tol = {"bf16": 4 * 2.0 ** -8 * 3, "int8": 2 * float(jnp.max(jnp.abs(x))) / 127,
+           "fp8": 2 * 2.0 ** -4 * float(jnp.max(jnp.abs(x)))}[kind]
+    for r in range(R):
+      self.assertLess(float(jnp.max(jnp.abs(got[r] - want))), tol)
+
+
+class BytesTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      ("diloco", lambda: optim.diloco(sync_every=5)),
+      ("diloco_bf16", lambda: optim.diloco(sync_every=5, compression="bf16")),
+      ("diloco_int8", lambda: optim.diloco(sync_every=5, compression="int8")),
+      ("diloco_fp8_ef", lambda: optim.diloco(sync_every=5, compression="fp8",
+                                             error_feedback=True)),
+      # pool_size=1: the HLO text holds every switch branch's permutes, one branch runs
+      ("noloco", lambda: optim.noloco(sync_every=5, pool_size=1)),
+      ("noloco_general", lambda: optim.noloco(sync_every=5, gamma=0.2, group_size=4,
+                                              pool_size=1)),
+      ("co2", lambda: optim.co2(sync_every=5)))
+  def test_reported_bytes_match_the_compiled_collectives(self, make):
+    outer = make()
+    params = _params()
+    p = _stack(params)
+    hlo = _shard_sync(outer).lower(p, jax.vmap(outer.init)(p)).compile().as_text()
+    self.assertEqual(outer_lib.collective_bytes_from_hlo(hlo, R), outer.bytes_per_sync(params, R))
+
+  def test_int8_sends_a_quarter_of_float32(self):
+    params = {"w": jnp.zeros((1024, 256))}
+    f32 = optim.diloco(sync_every=1).bytes_per_sync(params, 4)
+    i8 = optim.diloco(sync_every=1, compression="int8").bytes_per_sync(params, 4)
+    self.assertEqual(f32, 2 * 3 * 1024 * 256 * 4 // 4)
+    self.assertAlmostEqual(f32 / i8, 4.0, delta=0.01)
+
+
+class BadInputTest(parameterized.TestCase):
+
+  @parameterized.parameters(
+      (lambda: optim.diloco(sync_every=0), r"^sync_every=0 is invalid; it must be an int >= 1"),
+      (lambda: optim.diloco(sync_every=2.5), r"^sync_every=2.5 is invalid"),
+      (lambda: optim.diloco(sync_every=1, compression="int4"),
+       r"^compression='int4' is unknown; valid: none, bf16, int8, fp8$"),
+      (lambda: optim.diloco(sync_every=1, outer_lr=-1), r"^outer_lr=-1 is invalid"),
+      (lambda: optim.noloco(sync_every=1, group_size=1), r"^group_size=1 is invalid"),
+      (lambda: optim.co2(sync_every=1, staleness_penalty=0), r"^staleness_penalty=0 is invalid"),
+      (lambda: optim.co2(sync_every=1, outer_momentum=1.5), r"^outer_momentum=1.5 is invalid"))
+  def test_one_line_errors(self, make, pattern):
+    with self.assertRaisesRegex(ValueError, pattern) as ctx:
+      make()
+    self.assertNotIn("\n", str(ctx.exception))
+
+  def test_noloco_group_must_divide_replicas(self):
+    outer = optim.noloco(sync_every=1, group_size=3)
+    with self.assertRaisesRegex(ValueError, r"group_size=3 must divide the 4 replicas"):
+      _vmap_sync(outer)(jnp.zeros((R, 2)), jax.vmap(outer.init)(jnp.zeros((R, 2))))
+
+
+if __name__ == "__main__":
+  absltest.main()
