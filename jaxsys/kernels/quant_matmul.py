@@ -98,11 +98,15 @@ def pack_int4(codes_KN: jax.Array) -> jax.Array:
 
 
 def unpack_nibbles(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """uint8 [..., R, N] -> (low, high) int8 codes in [-8, 7], each [..., R, N] (sign-extended)."""
-  s = lax.bitcast_convert_type(packed, jnp.int8)
-  # Arithmetic shifts on int8 sign-extend the nibble.
-  return lax.shift_right_arithmetic(lax.shift_left(s, jnp.int8(4)), jnp.int8(4)), \
-      lax.shift_right_arithmetic(s, jnp.int8(4))
+  """uint8 or int8 bytes [..., R, N] -> (low, high) int32 codes in [-8, 7], each [..., R, N].
+
+  Works in int32 (sign-extended bytes, arithmetic shifts): the same code runs inside the
+  Pallas kernels, where int32 vector ops lower on every backend.
+  """
+  s = packed if packed.dtype == jnp.int8 else lax.bitcast_convert_type(packed, jnp.int8)
+  s = s.astype(jnp.int32)
+  return (lax.shift_right_arithmetic(lax.shift_left(s, 28), 28),
+          lax.shift_right_arithmetic(s, 4))
 
 
 def unpack_int4(packed: jax.Array) -> jax.Array:
@@ -111,7 +115,7 @@ def unpack_int4(packed: jax.Array) -> jax.Array:
     raise ValueError(
         f"unpack_int4: packed must be uint8 [..., K // 2, N]; got {packed.dtype}{tuple(packed.shape)}")
   lo, hi = unpack_nibbles(packed)
-  return jnp.concatenate([lo, hi], axis=-2)
+  return jnp.concatenate([lo, hi], axis=-2).astype(jnp.int8)
 
 
 # ----------------------------------------------------------------------------- weights
