@@ -12,13 +12,29 @@ wires forward, dq and dk/dv kernels together (`flash_vjp`).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 
 from jaxsys.kernels.attention import _check_inputs
+
+
+@dataclasses.dataclass(frozen=True)
+class FlashConfig:
+  """Static parameters of a Pallas flash kernel (hashable: the custom_vjp's nondiff arg)."""
+  scale: float
+  causal: bool
+  offset: int          # S - T of the unpadded inputs: query i sees key j iff i + offset >= j
+  kv_len: int          # unpadded S; keys at or past it are padding
+  has_segments: bool
+  groups: int          # G = Hq // Hkv
+  block_q: int         # rows of the forward and dq tiles
+  block_k: int         # keys of every tile
+  block_q_dkv: int     # rows of the dk/dv kernel's q tiles
+  interpret: Any       # interpret mode (bool, or the backend's interpret parameters)
 
 
 def visitable_blocks(q_ids_BIQ, kv_ids_BJK, *, t: int, s: int, num_q_blocks: int,
@@ -98,6 +114,13 @@ def check_pallas_inputs(who: str, q, k, v, q_segment_ids, kv_segment_ids, dtypes
       raise ValueError(f"{who}: q, k, v must share one dtype of {names}; "
                        f"got {name}.dtype={x.dtype} (q.dtype={q.dtype})")
   return q_seg, kv_seg
+
+
+def check_block(who: str, name: str, value, valid: Callable[[int], bool], rule: str) -> int:
+  """A block size (a plain positive int satisfying `valid`), or a one-line error."""
+  if not isinstance(value, int) or isinstance(value, bool) or value <= 0 or not valid(value):
+    raise ValueError(f"{who}: {name} must be {rule}; got {name}={value!r}")
+  return value
 
 
 def padded_ids_and_ranges(q_seg, kv_seg, *, t: int, s: int, padded_t: int, padded_s: int,

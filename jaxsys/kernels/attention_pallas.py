@@ -31,7 +31,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxsys.kernels.attention import static_scale
-from jaxsys.kernels.attention_blocks import check_pallas_inputs, flash_vjp, padded_ids_and_ranges
+from jaxsys.kernels.attention_blocks import (FlashConfig, check_block, check_pallas_inputs,
+                                           flash_vjp, padded_ids_and_ranges)
 
 try:  # The Triton compiler params moved names across jax versions.
   from jax.experimental.pallas import triton as _plgpu
@@ -61,28 +62,14 @@ def default_blocks(t: int, s: int, d: int) -> tuple[int, int]:
 
 
 def _check_block(name: str, value) -> int:
-  if (not isinstance(value, int) or isinstance(value, bool) or value < 16
-      or value & (value - 1)):
-    raise ValueError(
-        f"pallas_attention: {name} must be a power of two >= 16 (Triton tiles); "
-        f"got {name}={value!r}")
-  return value
+  return check_block("pallas_attention", name, value, lambda n: n >= 16 and not n & (n - 1),
+                     "a power of two >= 16 (Triton tiles)")
 
 
 @dataclasses.dataclass(frozen=True)
-class _Config:
-  """Static kernel parameters (hashable: a nondiff argument of the custom_vjp)."""
-  scale: float
-  causal: bool
-  offset: int          # S - T of the unpadded inputs: query i sees key j iff i + offset >= j
-  kv_len: int          # unpadded S; keys at or past it are padding
+class _Config(FlashConfig):
+  """The GPU kernels' static parameters; block_q_dkv <= block_q, so it divides the padding."""
   kv_padded: bool      # whether any key is padding (needs the element mask)
-  has_segments: bool
-  groups: int          # G = Hq // Hkv
-  block_q: int
-  block_k: int
-  block_q_dkv: int     # q tile of the dk/dv kernel (<= block_q, so it divides the padding)
-  interpret: bool
   num_warps: int
   num_stages: int
 
@@ -118,27 +105,34 @@ def _element_mask(cfg: _Config, q_start, k_start, bq: int, bk: int, q_ids, k_ids
   return mask
 
 
+def _kv_tile_scores(cfg: _Config, j, q, q_start, q_ids, k_ref, v_ref, kv_ids_ref):
+  """(k, v, scores) of kv block j for a resident q tile: base-2 logits, -inf masked."""
+  bk = cfg.block_k
+  k_start = pl.multiple_of(j * bk, bk)
+  k = k_ref[pl.ds(k_start, bk), :]
+  v = v_ref[pl.ds(k_start, bk), :]
+  # exp2 is the cheaper instruction on GPU; fold log2(e) into the logit scale.
+  s = _dot(q, k, 1, 1) * (cfg.scale * _LOG2E)
+  if cfg.masked:
+    k_ids = kv_ids_ref[pl.ds(k_start, bk)] if cfg.has_segments else None
+    mask = _element_mask(cfg, q_start, k_start, cfg.block_q, bk, q_ids, k_ids)
+    s = jnp.where(mask, s, -jnp.inf)
+  return k, v, s
+
+
 def _fwd_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, *rest, cfg: _Config):
   if cfg.has_segments:
     q_ids_ref, kv_ids_ref, o_ref, lse_ref = rest
   else:
     (o_ref, lse_ref), q_ids_ref, kv_ids_ref = rest, None, None
-  bq, bk = cfg.block_q, cfg.block_k
+  bq = cfg.block_q
   q_start = pl.program_id(0) * bq
   q = q_ref[...]
   q_ids = q_ids_ref[...] if cfg.has_segments else None
-  # exp2 is the cheaper instruction on GPU; fold log2(e) into the logit scale.
-  qk_scale = cfg.scale * _LOG2E
 
   def body(j, carry):
     acc, m_prev, l_prev = carry
-    k_start = pl.multiple_of(j * bk, bk)
-    k = k_ref[pl.ds(k_start, bk), :]
-    v = v_ref[pl.ds(k_start, bk), :]
-    s = _dot(q, k, 1, 1) * qk_scale
-    if cfg.masked:
-      k_ids = kv_ids_ref[pl.ds(k_start, bk)] if cfg.has_segments else None
-      s = jnp.where(_element_mask(cfg, q_start, k_start, bq, bk, q_ids, k_ids), s, -jnp.inf)
+    _, v, s = _kv_tile_scores(cfg, j, q, q_start, q_ids, k_ref, v_ref, kv_ids_ref)
     m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
     # A row masked so far has max -inf; use 0 there so exp2 gives exact zeros, not NaN.
     m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
@@ -164,23 +158,16 @@ def _dq_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, 
     q_ids_ref, kv_ids_ref, dq_ref = rest
   else:
     (dq_ref,), q_ids_ref, kv_ids_ref = rest, None, None
-  bq, bk = cfg.block_q, cfg.block_k
+  bq = cfg.block_q
   q_start = pl.program_id(0) * bq
   q = q_ref[...]
   do = do_ref[...]
   lse = lse_ref[...]
   delta = delta_ref[...]
   q_ids = q_ids_ref[...] if cfg.has_segments else None
-  qk_scale = cfg.scale * _LOG2E
 
   def body(j, dq):
-    k_start = pl.multiple_of(j * bk, bk)
-    k = k_ref[pl.ds(k_start, bk), :]
-    v = v_ref[pl.ds(k_start, bk), :]
-    s = _dot(q, k, 1, 1) * qk_scale
-    if cfg.masked:
-      k_ids = kv_ids_ref[pl.ds(k_start, bk)] if cfg.has_segments else None
-      s = jnp.where(_element_mask(cfg, q_start, k_start, bq, bk, q_ids, k_ids), s, -jnp.inf)
+    k, v, s = _kv_tile_scores(cfg, j, q, q_start, q_ids, k_ref, v_ref, kv_ids_ref)
     p = jnp.exp2(s - lse[:, None])
     ds = p * (_dot(do, v, 1, 1) - delta[:, None])
     return dq + _dot(ds.astype(k.dtype), k, 1, 0)

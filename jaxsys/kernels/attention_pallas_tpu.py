@@ -43,7 +43,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from jaxsys.kernels.attention import static_scale
-from jaxsys.kernels.attention_blocks import check_pallas_inputs, flash_vjp, padded_ids_and_ranges
+from jaxsys.kernels.attention_blocks import (FlashConfig, check_block, check_pallas_inputs,
+                                           flash_vjp, padded_ids_and_ranges)
 
 NUM_LANES = 128
 NUM_SUBLANES = 8
@@ -74,30 +75,18 @@ def default_blocks(t: int, s: int, d: int) -> tuple[int, int]:
 
 
 def _check_block(name: str, value, multiple: int, why: str) -> int:
-  if not isinstance(value, int) or isinstance(value, bool) or value <= 0 or value % multiple:
-    raise ValueError(
-        f"pallas_tpu_attention: {name} must be a positive multiple of {multiple} ({why}); "
-        f"got {name}={value!r}")
-  return value
+  return check_block("pallas_tpu_attention", name, value, lambda n: n % multiple == 0,
+                     f"a positive multiple of {multiple} ({why})")
 
 
 @dataclasses.dataclass(frozen=True)
-class _Config:
-  """Static kernel parameters (hashable: a nondiff argument of the custom_vjp)."""
-  scale: float
-  causal: bool
-  offset: int          # S - T of the unpadded inputs: query i sees key j iff i + offset >= j
+class _Config(FlashConfig):
+  """The TPU kernels' static parameters. block_q_dkv: queries lie on the lanes of the
+  dk/dv kernel, so a multiple of 128. interpret: False (Mosaic), True or InterpretParams."""
   q_len: int           # unpadded T; rows at or past it are padding
-  kv_len: int          # unpadded S; keys at or past it are padding
-  has_segments: bool
-  groups: int          # G = Hq // Hkv
-  block_q: int
-  block_k: int
-  block_q_dkv: int     # q block of the dk/dv kernel: on the lanes there, so a multiple of 128
   num_q_blocks: int
   num_kv_blocks: int
   num_q_blocks_dkv: int
-  interpret: Any       # False (Mosaic), True (generic interpreter) or InterpretParams
 
   @property
   def q_padded(self) -> bool:
@@ -170,6 +159,20 @@ def _element_mask(cfg: _Config, q_pos, k_pos, same_segment):
   return mask
 
 
+def _scores(cfg: _Config, q_ref, k_ref, q_ids_ref, kv_ids_ref, q_start, k_start, masked: bool):
+  """Scaled scores [block_q, block_k] f32 of a forward/dq tile, -inf where masked."""
+  bq, bk = cfg.block_q, cfg.block_k
+  s = _dot(q_ref[...], k_ref[...], _NT) * cfg.scale
+  if not masked:
+    return s
+  same = None
+  if cfg.has_segments:
+    same = _lanes(q_ids_ref[...], bk) == kv_ids_ref[:1, :]
+  q_pos = q_start + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
+  k_pos = k_start + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
+  return jnp.where(_element_mask(cfg, q_pos, k_pos, same), s, -jnp.inf)
+
+
 def _when_tile(run, needs_mask, body):
   """Runs body(masked) under pl.when: a masked and an unmasked variant when it can vary."""
   if isinstance(needs_mask, bool):
@@ -186,7 +189,7 @@ def _fwd_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, *rest, cfg: _Config):
   if cfg.has_segments:
     q_ids_ref, kv_ids_ref, o_ref, lse_ref, m_scr, l_scr, acc_scr = rest
   else:
-    o_ref, lse_ref, m_scr, l_scr, acc_scr = rest
+    (o_ref, lse_ref, m_scr, l_scr, acc_scr), q_ids_ref, kv_ids_ref = rest, None, None
   bq, bk = cfg.block_q, cfg.block_k
   b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
   row = b * cfg.num_q_blocks + i
@@ -201,14 +204,7 @@ def _fwd_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, *rest, cfg: _Config):
     acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
 
   def body(masked: bool):
-    s = _dot(q_ref[...], k_ref[...], _NT) * cfg.scale  # [bq, bk] f32
-    if masked:
-      same = None
-      if cfg.has_segments:
-        same = _lanes(q_ids_ref[...], bk) == kv_ids_ref[:1, :]
-      q_pos = q_start + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
-      k_pos = k_start + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
-      s = jnp.where(_element_mask(cfg, q_pos, k_pos, same), s, -jnp.inf)
+    s = _scores(cfg, q_ref, k_ref, q_ids_ref, kv_ids_ref, q_start, k_start, masked)
     m_prev, l_prev = m_scr[...], l_scr[...]  # [bq, 128]
     m_next = jnp.maximum(m_prev, jnp.max(s, axis=1)[:, None])
     # A row masked so far has max -inf: subtract 0 there, so exp gives exact zeros.
@@ -239,7 +235,7 @@ def _dq_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, 
   if cfg.has_segments:
     q_ids_ref, kv_ids_ref, dq_ref, dq_scr = rest
   else:
-    dq_ref, dq_scr = rest
+    (dq_ref, dq_scr), q_ids_ref, kv_ids_ref = rest, None, None
   bq, bk = cfg.block_q, cfg.block_k
   b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
   row = b * cfg.num_q_blocks + i
@@ -251,14 +247,7 @@ def _dq_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, 
     dq_scr[...] = jnp.zeros(dq_scr.shape, jnp.float32)
 
   def body(masked: bool):
-    s = _dot(q_ref[...], k_ref[...], _NT) * cfg.scale
-    if masked:
-      same = None
-      if cfg.has_segments:
-        same = _lanes(q_ids_ref[...], bk) == kv_ids_ref[:1, :]
-      q_pos = q_start + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
-      k_pos = k_start + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
-      s = jnp.where(_element_mask(cfg, q_pos, k_pos, same), s, -jnp.inf)
+    s = _scores(cfg, q_ref, k_ref, q_ids_ref, kv_ids_ref, q_start, k_start, masked)
     p = jnp.exp(s - _lanes(lse_ref[...], bk))  # [bq, bk]
     dp = _dot(do_ref[...], v_ref[...], _NT)
     ds = p * (dp - _lanes(delta_ref[...], bk))
