@@ -1,0 +1,122 @@
+"""Training with an outer optimizer: exact resume, replica layout, comm bytes, one-line config errors."""
+import os
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxsys import mesh as mesh_lib
+from jaxsys import metrics as metrics_lib
+from jaxsys.checkpoint.manager import Checkpointer
+from jaxsys.models import transformer
+from jaxsys.train import loop
+from jaxsys.train import replicas
+
+
+def _restore_state(workdir, step):
+  import orbax.checkpoint as ocp
+  with ocp.CheckpointManager(os.path.join(workdir, "checkpoints"),
+                             item_names=("state", "data", "meta")) as m:
+    return m.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))["state"]
+
+
+def _rows(workdir):
+  return [r for r in metrics_lib.read_metrics(workdir) if "loss" in r]
+
+
+def test_resume_is_exact_with_outer_state(make_config, tmp_path):
+  """CO2 (the most outer state: anchor, previous anchor, pending average, momentum):
+  8 steps straight == 4 steps, stop, restore, 4 more; syncs every 3 steps cross the stop."""
+  kw = dict(mesh="replica=4,data=2", log_every=1, eval_every=0, checkpoint_every=100,
+            optimizer__schedule_steps=8, optimizer__outer="co2", optimizer__outer_sync_every=3)
+  straight, legs = str(tmp_path / "straight"), str(tmp_path / "legs")
+  loop.train_and_evaluate(make_config(total_steps=8, **kw), straight)
+  loop.train_and_evaluate(make_config(total_steps=4, **kw), legs)
+  loop.train_and_evaluate(make_config(total_steps=8, **kw), legs)
+  a = {r["step"]: (r["loss"], r["comm_bytes"]) for r in _rows(straight)}
+  b = {r["step"]: (r["loss"], r["comm_bytes"]) for r in _rows(legs)}
+  assert sorted(a) == sorted(b) == list(range(1, 9))
+  np.testing.assert_allclose([b[s] for s in a], [a[s] for s in a], rtol=1e-6)
+  sa, sb = _restore_state(straight, 8), _restore_state(legs, 8)
+  chex.assert_trees_all_close(sb["params"], sa["params"], atol=1e-6)
+  chex.assert_trees_all_close(sb["outer"], sa["outer"], atol=1e-6)
+  chex.assert_trees_all_close(sb["opt_state"], sa["opt_state"], atol=1e-6)
+  # Two syncs (steps 3 and 6) were counted, each the ring all-reduce of one replica's params.
+  n = sum(x.size for x in jax.tree.leaves(sa["params"])) // 4
+  assert a[8][1] == 2 * (2 * 3 * n * 4 // 4)
+  # Replicas really diverge between syncs: after step 8 (2 inner steps since the sync).
+  w = sa["params"]["layers"]["wq"]
+  assert w.shape[0] == 4 and not np.allclose(w[0], w[1])
+
+
+def test_layout_and_sync(make_config):
+  """Params/opt_state/outer have a leading [R] dim sharded on `replica`; a sync makes DiLoCo's
+  replicas equal again, while the inner (AdamW) moments stay per replica."""
+  config = make_config(mesh="replica=2,fsdp=2,data=2", optimizer__outer="diloco",
+                       optimizer__outer_sync_every=2)
+  mesh = mesh_lib.make_mesh(config.mesh)
+  model_cfg = transformer.TransformerConfig.from_config(config.model)
+  outer = replicas.make_outer_optimizer(config.optimizer)
+  setup = replicas.make_replica_setup(config, model_cfg, mesh, outer)
+  state = setup.init_state(0)
+  wq = state.params["layers"]["wq"]
+  assert wq.sharding.spec[0] == "replica" and "fsdp" in str(wq.sharding.spec)
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, 256, size=(16, 65))
+  batch = {"inputs": tokens[:, :-1].astype(np.int32), "targets": tokens[:, 1:].astype(np.int32),
+           "segment_ids": np.ones((16, 64), np.int32),
+           "positions": np.tile(np.arange(64, dtype=np.int32), (16, 1)),
+           "loss_mask": np.ones((16, 64), np.float32)}
+  batch = jax.device_put(batch, setup.batch_sh)
+  for _ in range(2):  # the first step's learning rate is 0 (warmup)
+    state, _ = setup.train_fn(state, batch)
+  p = jax.device_get(state.params)
+  assert not np.allclose(p["unembedding"][0], p["unembedding"][1])  # different rows -> different replicas
+  state = setup.sync_fn(state)
+  p = jax.device_get(state.params)
+  np.testing.assert_array_equal(p["unembedding"][0], p["unembedding"][1])
+  mu = jax.device_get(state.opt_state)[1][0].mu["unembedding"]
+  assert not np.allclose(mu[0], mu[1])
+  one = setup.eval_params(state.params)
+  np.testing.assert_array_equal(jax.device_get(one["unembedding"]), p["unembedding"][0])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(optimizer__outer="dilcoo"),
+     r"^optimizer.outer='dilcoo' is unknown; valid: none, diloco, noloco, co2$"),
+    (dict(optimizer__outer="diloco", optimizer__outer_sync_every=0),
+     r"^optimizer.outer_sync_every=0 is invalid; it must be an int >= 1"),
+    (dict(optimizer__outer="diloco", optimizer__outer_compression="int4"),
+     r"^optimizer.outer_compression='int4' is unknown; valid: none, bf16, int8, fp8$"),
+    (dict(optimizer__outer="noloco", optimizer__outer_lr=-0.5),
+     r"^optimizer.outer_lr=-0.5 is invalid"),
+    (dict(optimizer__outer="diloco", mesh="data=-1"),
+     r"^optimizer.outer='diloco' needs a mesh with a 'replica' axis of size >= 2, but the mesh "
+     r"is data=8 \(8 cpu devices\); e.g. mesh='replica=4,data=-1'$"),
+    (dict(optimizer__outer="co2", mesh="replica=1,data=-1"),
+     r"^optimizer.outer='co2' needs a mesh with a 'replica' axis of size >= 2"),
+])
+def test_bad_config_one_line_error(make_config, tmp_path, overrides, message):
+  with pytest.raises(ValueError, match=message) as err:
+    loop.train_and_evaluate(make_config(total_steps=2, **overrides), str(tmp_path))
+  assert "\n" not in str(err.value)
+  assert not os.path.exists(tmp_path / "checkpoints")
+
+
+def test_refuses_checkpoint_of_another_outer(make_config, tmp_path):
+  loop.train_and_evaluate(make_config(total_steps=2, eval_every=0), str(tmp_path))
+  with pytest.raises(ValueError, match=r"written with outer optimizer None but the config asks"):
+    loop.train_and_evaluate(make_config(total_steps=4, eval_every=0, mesh="replica=2,data=-1",
+                                        optimizer__outer="diloco"), str(tmp_path))
+  assert Checkpointer(str(tmp_path / "checkpoints")).all_steps() == [2]
+
+
+def test_data_parallel_logs_gradient_bytes(make_config, tmp_path):
+  loop.train_and_evaluate(make_config(total_steps=2, eval_every=0, log_every=1), str(tmp_path))
+  rows = _rows(str(tmp_path))
+  params = jax.eval_shape(lambda: transformer.init_params(
+      transformer.TransformerConfig.from_config(make_config().model), jax.random.key(0)))
+  n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+  assert [r["comm_bytes"] for r in rows] == [2 * 7 * n * 4 // 8, 2 * (2 * 7 * n * 4 // 8)]
