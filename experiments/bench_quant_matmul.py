@@ -108,6 +108,7 @@ def run(ms, kns, schemes, impls, baselines, group_size, repeats, max_seconds,
         seed) -> dict[str, Any]:
   """Every (K=N, M, case): rows with time, TFLOP/s, weight bytes and speed-up vs dot_bf16."""
   rows = []
+  load_start = os.getloadavg()
   for kn in kns:
     cases = make_cases(kn, kn, schemes, impls, baselines, group_size, seed)
     skip: set = set()
@@ -125,8 +126,8 @@ def run(ms, kns, schemes, impls, baselines, group_size, repeats, max_seconds,
             row["speedup_vs_bf16"] = base / r["time_s"]
         rows.append(row)
         print(_row_line(row), flush=True)
-  return {"machine": metrics_lib.machine_info(), "rows": rows, "load_avg_end": os.getloadavg(),
-          "config": {"ms": list(ms), "kns": list(kns), "schemes": list(schemes),
+  return {"machine": metrics_lib.machine_info(), "rows": rows, "load_avg_start": load_start,
+          "load_avg_end": os.getloadavg(), "config": {"ms": list(ms), "kns": list(kns), "schemes": list(schemes),
                      "impls": list(impls), "group_size": group_size, "repeats": repeats,
                      "seed": seed}}
 
@@ -143,7 +144,9 @@ def markdown(result: dict[str, Any]) -> str:
   """One line per (K=N, M, case): time, TFLOP/s, speed-up vs dot_bf16, weight MiB."""
   m, c = result["machine"], result["config"]
   lines = [f"machine: {m['device']} ({m['cpu']}, {m['cores']} cores), backend {m['backend']}, "
-           f"jax {m['jax']}; w4a16 group {c['group_size']}, median of {c['repeats']}",
+           f"jax {m['jax']}; w4a16 group {c['group_size']}, median of {c['repeats']}; "
+           f"load average {result['load_avg_start'][0]:.1f} at start, "
+           f"{result['load_avg_end'][0]:.1f} at end",
            "",
            "| K=N | M | case | time ms | TFLOP/s | vs dot_bf16 | weight MiB |",
            "|---|---|---|---|---|---|---|"]

@@ -139,15 +139,17 @@ def _check_weight(w, who: str) -> None:
 
 
 def quantize_weight(w: jax.Array, scheme: str, *, group_size: int = 128) -> QWeight:
-  """Round-to-nearest symmetric quantization of w [..., K, N] (in x out) for `scheme`."""
+  """Round-to-nearest symmetric quantization of w [..., K, N] (in x out) for `scheme`.
+
+  group_size applies to w4a16 only (an even divisor of K, so K is even too); the w8a8
+  schemes scale per output channel and record group_size = K.
+  """
   _check_scheme(scheme, "quantize_weight")
   _check_weight(w, "quantize_weight")
   if not jnp.issubdtype(w.dtype, jnp.floating):
     raise ValueError(f"quantize_weight: w must be floating point; got dtype {w.dtype}")
   k, n = w.shape[-2:]
   g = _check_group(k, scheme, group_size, "quantize_weight")
-  if scheme == "w4a16" and k % 2:
-    raise ValueError(f"quantize_weight: w4a16 packs two rows a byte, so K must be even; got K={k}")
   w_GgN = w.astype(jnp.float32).reshape(*w.shape[:-2], k // g, g, n)
   absmax = jnp.max(jnp.abs(w_GgN), axis=-2)  # [..., K // g, N]
   qmax = {"w8a8_int8": INT8_MAX, "w8a8_fp8": FP8_MAX, "w4a16": INT4_MAX}[scheme]

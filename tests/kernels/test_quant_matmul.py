@@ -106,7 +106,7 @@ class QuantizeTest(parameterized.TestCase):
 
 class PackingTest(parameterized.TestCase):
 
-  @settings(max_examples=25, deadline=None)
+  @settings(max_examples=12, deadline=None)
   @given(k2=st.integers(1, 12), n=st.integers(1, 9), lead=st.integers(0, 2),
          seed=st.integers(0, 2**16))
   def test_round_trip(self, k2, n, lead, seed):
@@ -180,6 +180,14 @@ class QMatmulXlaTest(parameterized.TestCase):
       np.testing.assert_allclose(np.asarray(codes, np.float32) * scale, x,
                                  rtol=2**-4, atol=float(np.max(scale)) * 0.5)
 
+  def test_w4a16_gradient(self):
+    # w4a16 is differentiable in x (w8a8 rounds x: zero gradient almost everywhere).
+    qw = qm.quantize_weight(_weight(128, 32), "w4a16", group_size=64)
+    x, ct = _x((3, 128), jnp.float32), _x((3, 32), jnp.float32, seed=5)
+    grad = lambda impl: jax.grad(lambda x: jnp.sum(qm.qmatmul(x, qw, impl=impl) * ct))(x)
+    np.testing.assert_allclose(grad("xla"), grad("reference"), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(grad("reference"), ct @ qm.dequantize(qw).T, rtol=1e-5, atol=1e-5)
+
   def test_zero_rows(self):
     qw = qm.quantize_weight(_weight(64, 8), "w8a8_int8")
     out = qm.qmatmul(jnp.zeros((2, 64)), qw)
@@ -190,19 +198,19 @@ class PytreeTest(parameterized.TestCase):
 
   def test_vmap_stack_and_scan(self):
     # PTQ: vmap quantize over stacked layers, then scan slices one layer at a time.
-    ws = jnp.stack([_weight(128, 32, seed=s) for s in range(3)])
+    ws = jnp.stack([_weight(128, 32, seed=s) for s in range(2)])
     x = _x((4, 128), jnp.float32)
     for scheme in SCHEMES:
       qws = jax.jit(jax.vmap(lambda w: qm.quantize_weight(w, scheme, group_size=64)))(ws)
       self.assertEqual(qws.shape, (128, 32))
-      chex.assert_shape(qws.scale, (3, 1 if scheme != "w4a16" else 2, 32))
+      chex.assert_shape(qws.scale, (2, 1 if scheme != "w4a16" else 2, 32))
 
       def body(h, qw):
         return h, qm.qmatmul(h, qw, impl="xla")
 
       _, ys = jax.lax.scan(body, x, qws)
       want = jnp.stack([qm.qmatmul(x, qm.quantize_weight(ws[i], scheme, group_size=64),
-                                   impl="reference") for i in range(3)])
+                                   impl="reference") for i in range(2)])
       np.testing.assert_allclose(ys, want, rtol=1e-5, atol=1e-5)
       # vmap of qmatmul over the stacked weights gives the same.
       yv = jax.vmap(lambda qw: qm.qmatmul(x, qw, impl="xla"))(qws)
