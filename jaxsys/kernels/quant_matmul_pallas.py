@@ -3,7 +3,7 @@
 `pallas_qmatmul(x, qw)` has the semantics of `quant_matmul.xla_qmatmul`: x [..., K] times
 a QWeight [K, N] -> [..., N] in x.dtype. The two flavors share the per-tile math below
 (`_w8a8_step`, `_w4a16_step`, `_finish`) and differ only in how K is walked:
-- GPU (Triton): grid (M blocks, N blocks, K splits); each program keeps its f32/int32
+- GPU (Triton): grid (output tiles in grouped order, K splits); each program keeps its f32/int32
   accumulator in registers and loops over its K range with `lax.fori_loop`, reading
   [block_m, block_k] x and [block_k, block_n] weight tiles by `pl.ds`. Small M (decode)
   splits K so that enough programs stream the weight; the splits are summed in XLA.
@@ -86,6 +86,7 @@ class Config:
   interpret: Any
   num_warps: int = 4
   num_stages: int = 3
+  group_m: int = 8   # GPU: M blocks per group of the grouped tile order
 
   @property
   def k_steps(self) -> int:
@@ -134,7 +135,7 @@ def _group_rows(cfg: Config, step, half: int):
 def _gpu_kernel(*refs, cfg: Config):
   o_ref = refs[-1]
   steps = cfg.k_steps // cfg.split_k
-  k0 = pl.program_id(2) * steps
+  k0 = pl.program_id(1) * steps
   bk, bm, bn = cfg.block_k, cfg.block_m, cfg.block_n
   if cfg.scheme == "w4a16":
     x_ref, w_ref, s_ref = refs[:3]
@@ -164,24 +165,41 @@ def _gpu_kernel(*refs, cfg: Config):
   o_ref[...] = out.astype(o_ref.dtype)
 
 
+def grouped_tile(p, mb: int, nb: int, group_m: int):
+  """Program p of a 1-D grid -> output tile (i, j), walking group_m M blocks per N sweep.
+
+  Consecutive programs share an x row panel (group_m blocks) and sweep N, so the tiles
+  in flight at once reuse both operands from L2 (Triton's grouped ordering); the last
+  group may be shorter.
+  """
+  width = group_m * nb
+  first = lax.div(p, width) * group_m
+  size = lax.min(mb - first, group_m)
+  q = lax.rem(p, width)
+  return first + lax.rem(q, size), lax.div(q, size)
+
+
 def _gpu_call(cfg: Config, out_dtype, x, w, *scales):
   mp, kx = x.shape
   bm, bn = cfg.block_m, cfg.block_n
-  grid = (mp // bm, cfg.n_pad // bn, cfg.split_k)
-  x_spec = pl.BlockSpec((bm, kx), lambda i, j, s: (i, 0))
-  w_spec = pl.BlockSpec((w.shape[0], bn), lambda i, j, s: (0, j))
+  mb, nb = mp // bm, cfg.n_pad // bn
+  grid = (mb * nb, cfg.split_k)
+  tile = lambda p: grouped_tile(p, mb, nb, cfg.group_m)
+  row = lambda p, s: (tile(p)[0], 0)
+  col = lambda p, s: (0, tile(p)[1])
+  x_spec = pl.BlockSpec((bm, kx), row)
+  w_spec = pl.BlockSpec((w.shape[0], bn), col)
   if cfg.scheme == "w4a16":
     (scale,) = scales
-    in_specs = [x_spec, w_spec, pl.BlockSpec((scale.shape[0], bn), lambda i, j, s: (0, j))]
+    in_specs = [x_spec, w_spec, pl.BlockSpec((scale.shape[0], bn), col)]
   else:
-    in_specs = [x_spec, w_spec, pl.BlockSpec((bm, 1), lambda i, j, s: (i, 0)),
-                pl.BlockSpec((1, bn), lambda i, j, s: (0, j))]
+    in_specs = [x_spec, w_spec, pl.BlockSpec((bm, 1), row), pl.BlockSpec((1, bn), col)]
   if cfg.split_k == 1:
     out_shape = jax.ShapeDtypeStruct((mp, cfg.n_pad), out_dtype)
-    out_spec = pl.BlockSpec((bm, bn), lambda i, j, s: (i, j))
+    out_spec = pl.BlockSpec((bm, bn), lambda p, s: tile(p))
   else:  # f32 partial sums, one per K split
     out_shape = jax.ShapeDtypeStruct((cfg.split_k, mp, cfg.n_pad), jnp.float32)
-    out_spec = pl.BlockSpec((None, bm, bn), lambda i, j, s: (s, i, j))
+    out_spec = pl.BlockSpec((None, bm, bn), lambda p, s: (s, *tile(p)))
   params = None
   if not cfg.interpret and _TritonParams is not None:
     params = _TritonParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -195,10 +213,21 @@ def _gpu_call(cfg: Config, out_dtype, x, w, *scales):
 
 
 def gpu_config(scheme: str, m: int, k: int, n: int, group_size: int, *, interpret,
-               block_m=None, block_n=None, block_k=None, split_k=None) -> Config:
-  """Triton blocks: powers of two >= 16 (tl.dot's minimum); K split for small grids."""
+               block_m=None, block_n=None, block_k=None, split_k=None,
+               group_m: int = 8) -> Config:
+  """Triton blocks: powers of two >= 16 (tl.dot's minimum); K split for small grids.
+
+  Large M: 128 x 256 tiles (x 128 K) for the 8-bit dots, Hopper-sized MMA tiles with a
+  3-stage pipeline; decode M: block_m 16 and block_n 64, so more programs stream the
+  weight, and K split until about two programs per SM.
+  """
   bm = block_m or max(16, min(128, 1 << max(0, m - 1).bit_length()))
-  bn = block_n or (_pow2_divisor(n, 128) if n % 16 == 0 else 64)
+  if block_n:
+    bn = block_n
+  elif n % 16:
+    bn = 64
+  else:
+    bn = _pow2_divisor(n, 256 if (m >= 1024 and scheme != "w4a16") else 64 if m <= 16 else 128)
   n_pad = _round_up(n, bn)
   if scheme == "w4a16":
     # A step's byte rows must sit in one group in both halves: divide gcd(G, K/2).
@@ -218,6 +247,8 @@ def gpu_config(scheme: str, m: int, k: int, n: int, group_size: int, *, interpre
     if v < 16 or v & (v - 1):
       raise ValueError(f"pallas_qmatmul: {name} must be a power of two >= 16 (Triton tiles); "
                        f"got {name}={v}")
+  if not isinstance(group_m, int) or group_m < 1:
+    raise ValueError(f"pallas_qmatmul: group_m must be a positive int; got group_m={group_m!r}")
   steps = rows // bk
   if split_k is None:
     tiles = _round_up(m, bm) // bm * (n_pad // bn)
@@ -231,7 +262,7 @@ def gpu_config(scheme: str, m: int, k: int, n: int, group_size: int, *, interpre
   return Config(scheme=scheme, flavor="gpu", block_m=bm, block_n=bn, block_k=bk,
                 split_k=split_k, m_pad=_round_up(m, bm), n_pad=n_pad, k_pad=k_pad,
                 group_size=group_size, interpret=interpret, num_warps=8 if big else 4,
-                num_stages=3 if big else 4)
+                num_stages=3 if big else 4, group_m=group_m)
 
 
 # ----------------------------------------------------------------------------- TPU (Mosaic)
@@ -344,13 +375,14 @@ def _resolve(flavor, interpret):
 def pallas_qmatmul(x: jax.Array, qw: QWeight, *, flavor: str | None = None,
                    interpret: Any = None, block_m: int | None = None,
                    block_n: int | None = None, block_k: int | None = None,
-                   split_k: int | None = None) -> jax.Array:
+                   split_k: int | None = None, group_m: int = 8) -> jax.Array:
   """x [..., K] @ qw -> [..., N] in x.dtype with the Pallas kernels.
 
   flavor: "gpu" (Triton) or "tpu" (Mosaic); default by backend ("tpu" on TPU, else
   "gpu"). interpret: default True off the flavor's own backend (CPU: interpret mode);
   True (generic interpreter) or, for "tpu", a `pltpu.InterpretParams`. Blocks default
-  per shape (`gpu_config`, `tpu_config`); split_k (GPU only) splits K for small grids.
+  per shape (`gpu_config`, `tpu_config`); split_k (GPU only) splits K for small grids;
+  group_m (GPU only) is the M-block group of the grouped (L2-friendly) tile order.
   """
   _check_matmul(x, qw)
   flavor, interpret = _resolve(flavor, interpret)
@@ -360,7 +392,7 @@ def pallas_qmatmul(x: jax.Array, qw: QWeight, *, flavor: str | None = None,
   m = x2.shape[0]
   if flavor == "gpu":
     cfg = gpu_config(qw.scheme, m, k, n, qw.group_size, interpret=interpret, block_m=block_m,
-                     block_n=block_n, block_k=block_k, split_k=split_k)
+                     block_n=block_n, block_k=block_k, split_k=split_k, group_m=group_m)
     call = _gpu_call
   else:
     if split_k not in (None, 1):

@@ -16,7 +16,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxsys import mesh as mesh_lib
 from jaxsys.kernels import quant_matmul as qm
-from jaxsys.kernels.quant_matmul_pallas import gpu_config, pallas_qmatmul, tpu_config
+from jaxsys.kernels.quant_matmul_pallas import (gpu_config, grouped_tile, pallas_qmatmul,
+                                                tpu_config)
 
 # Same directory (pytest puts it on sys.path): the shared inputs and tolerances.
 from test_quant_matmul import _weight, _x, assert_close_to_ref
@@ -54,10 +55,12 @@ class PallasValuesTest(parameterized.TestCase):
   @parameterized.parameters(*qm.SCHEMES)
   def test_split_k_and_explicit_blocks(self, scheme):
     qw = qm.quantize_weight(_weight(512, 128), scheme, group_size=64)
-    x = _x((20, 512), jnp.float32)
-    # Four K splits of two steps each vs one program walking all K.
+    x = _x((100, 512), jnp.float32)
+    # Four K splits of two steps each vs one program walking all K; 7 x 4 tiles in groups
+    # of 3 M blocks (the last group shorter).
     for split_k in (1, 4):
-      _check(self, x, qw, flavor="gpu", block_m=16, block_n=32, block_k=32, split_k=split_k)
+      _check(self, x, qw, flavor="gpu", block_m=16, block_n=32, block_k=32, split_k=split_k,
+             group_m=3)
 
   def test_split_k_default_for_decode(self):
     cfg = gpu_config("w4a16", 1, 4096, 4096, 128, interpret=False)
@@ -65,7 +68,15 @@ class PallasValuesTest(parameterized.TestCase):
     # 32 output tiles alone would leave most of an H100's 132 SMs idle.
     self.assertGreater(cfg.split_k, 1)
     big = gpu_config("w8a8_int8", 8192, 8192, 8192, 8192, interpret=False)
-    self.assertEqual((big.block_m, big.block_n, big.split_k), (128, 128, 1))
+    self.assertEqual((big.block_m, big.block_n, big.block_k, big.split_k), (128, 256, 128, 1))
+
+  @parameterized.parameters((7, 4, 3), (8, 5, 8), (13, 1, 4), (2, 9, 8))
+  def test_grouped_tile_order(self, mb, nb, group_m):
+    # A bijection from programs to tiles; a group sweeps N over group_m row blocks.
+    tiles = [tuple(int(v) for v in grouped_tile(p, mb, nb, group_m)) for p in range(mb * nb)]
+    self.assertCountEqual(tiles, [(i, j) for i in range(mb) for j in range(nb)])
+    first = tiles[:min(group_m, mb) * nb]
+    self.assertEqual({i for i, _ in first}, set(range(min(group_m, mb))))
 
   @parameterized.parameters(("w8a8_int8", "gpu"), ("w8a8_fp8", "tpu"), ("w4a16", "gpu"))
   def test_padded_n_and_k(self, scheme, flavor):
@@ -142,11 +153,11 @@ def _triton_ir(fn, *args):
 class LoweringTest(parameterized.TestCase):
 
   @parameterized.parameters(
-      ("w8a8_int8", 16, r"tensor<16x128xi8> \* tensor<128x128xi8> -> tensor<16x128xi32>"),
-      ("w8a8_int8", 8192, r"tensor<128x128xi8> \* tensor<128x128xi8> -> tensor<128x128xi32>"),
+      ("w8a8_int8", 16, r"tensor<16x128xi8> \* tensor<128x64xi8> -> tensor<16x64xi32>"),
+      ("w8a8_int8", 8192, r"tensor<128x128xi8> \* tensor<128x256xi8> -> tensor<128x256xi32>"),
       ("w8a8_fp8", 16,
-       r"tensor<16x128xf8E4M3FN> \* tensor<128x128xf8E4M3FN> -> tensor<16x128xf32>"),
-      ("w4a16", 1, r"tensor<16x64xbf16> \* tensor<64x128xbf16> -> tensor<16x128xf32>"),
+       r"tensor<16x128xf8E4M3FN> \* tensor<128x64xf8E4M3FN> -> tensor<16x64xf32>"),
+      ("w4a16", 1, r"tensor<16x64xbf16> \* tensor<64x64xbf16> -> tensor<16x64xf32>"),
   )
   def test_lowers_to_triton(self, scheme, m, dot_pattern):
     # The whole Pallas -> Triton IR lowering runs; Triton's own compiler (TTIR -> PTX)
@@ -161,8 +172,8 @@ class LoweringTest(parameterized.TestCase):
     self.assertLen(dots, 2 if scheme == "w4a16" else 1)
     self.assertRegex(dots[0], dot_pattern)
     if scheme == "w4a16":  # bytes in, never a bf16 weight from HBM
-      self.assertRegex(texts[0], r"tt\.load .*tensor<64x128x!tt\.ptr<i8>>")
-      self.assertNotRegex(texts[0], r"tt\.load .*tensor<64x128x!tt\.ptr<bf16>>")
+      self.assertRegex(texts[0], r"tt\.load .*tensor<64x64x!tt\.ptr<i8>>")
+      self.assertNotRegex(texts[0], r"tt\.load .*tensor<64x64x!tt\.ptr<bf16>>")
 
   @parameterized.product(scheme=qm.SCHEMES, m=(1, 1024))
   def test_lowers_to_mosaic(self, scheme, m):
@@ -196,6 +207,7 @@ class PallasErrorTest(parameterized.TestCase):
         (lambda: pallas_qmatmul(x, qw, block_n=24), r"block_n must be a power of two.*got block_n=24"),
         (lambda: pallas_qmatmul(x, qw, flavor="tpu", block_k=64), r"block_k must be a positive multiple of 128.*got block_k=64"),
         (lambda: pallas_qmatmul(x, qw, split_k=3), r"split_k=3 must divide"),
+        (lambda: pallas_qmatmul(x, qw, group_m=0), r"group_m must be a positive int.*0"),
         (lambda: pallas_qmatmul(x, qw, flavor="tpu", split_k=2), r"split_k=2 is GPU-only"),
         # gcd(group 24, K/2 = 48) = 24 has no power-of-two factor >= 16.
         (lambda: pallas_qmatmul(_x((2, 96), jnp.float32), q4),
