@@ -119,7 +119,15 @@ class PallasTransformsTest(parameterized.TestCase):
     sharded = jax.device_put(qw, NamedSharding(mesh, P(None, "tensor")))
     x = _x((16, K), jnp.float32)
     out = jax.jit(lambda x, qw: qm.qmatmul(x, qw, impl="pallas"))(x, sharded)
-    np.testing.assert_allclose(out, qm.qmatmul(x, qw, impl="reference"), rtol=1e-5, atol=1e-5)
+    ref = qm.qmatmul(x, qw, impl="reference")
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+    # Per-device kernels on the local N slice (what a GPU mesh wants: a custom call is not
+    # partitioned by XLA): one QWeight spec covers codes and per-channel scales.
+    # check_vma=False: pallas_call's out_shape carries no varying-axes annotation.
+    local = jax.jit(jax.shard_map(lambda x, qw: qm.qmatmul(x, qw, impl="pallas"), mesh=mesh,
+                                  in_specs=(P(), P(None, "tensor")), out_specs=P(None, "tensor"),
+                                  check_vma=False))
+    np.testing.assert_allclose(local(x, sharded), ref, rtol=1e-5, atol=1e-5)
 
 
 def _triton_ir(fn, *args):
