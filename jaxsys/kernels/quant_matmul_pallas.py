@@ -124,9 +124,7 @@ def _finish(cfg: Config, acc, sx=None, sw=None):
 
 def _group_rows(cfg: Config, step, half: int):
   """Scale row of the group holding byte-row block `step` of the low (0) or high (1) half."""
-  first_row = half * (cfg.k_pad // 2) + step * cfg.block_k
-  return lax.div(first_row, cfg.group_size) if not isinstance(first_row, int) else \
-      first_row // cfg.group_size
+  return lax.div(half * (cfg.k_pad // 2) + step * cfg.block_k, cfg.group_size)
 
 
 # ----------------------------------------------------------------------------- GPU (Triton)
