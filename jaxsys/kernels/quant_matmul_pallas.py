@@ -230,7 +230,7 @@ def gpu_config(scheme: str, m: int, k: int, n: int, group_size: int, *, interpre
   if scheme == "w4a16":
     # A step's byte rows must sit in one group in both halves: divide gcd(G, K/2).
     common = math.gcd(group_size, k // 2)
-    bk = block_k or _pow2_divisor(common, 64 if m <= 64 else 32)
+    bk = block_k or _pow2_divisor(common, 64)
     if bk < 16 or common % bk:
       raise ValueError(
           f"pallas_qmatmul: w4a16 needs a block_k (power of two >= 16) dividing both "
