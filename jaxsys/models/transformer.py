@@ -226,10 +226,10 @@ class Transformer(nnx.Module):
                attention_fn: Callable | None = None):
     cfg = self.cfg
     positions_BT, attention_fn = default_inputs(cfg, tokens_BT, positions_BT, attention_fn)
-    embedding = self.embedding[...]
+    embedding = self.embedding.get_value()  # an array, or a QWeight if quantized
     x_BTD = embed(cfg, embedding, tokens_BT)
     x_BTD = self.layers(x_BTD, positions_BT, segment_ids_BT, cfg, attention_fn)
-    unembedding = None if cfg.tie_embeddings else self.unembedding[...]
+    unembedding = None if cfg.tie_embeddings else self.unembedding.get_value()
     return unembed(cfg, x_BTD, self.final_norm[...], embedding, unembedding)
 
 

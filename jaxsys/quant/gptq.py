@@ -13,6 +13,7 @@ groups", so groups stay contiguous rows of K as `QWeight` stores them).
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -47,9 +48,8 @@ def _check(w_KN, h_KK, scheme, group_size, block_size, damp) -> int:
   g = group_size if scheme == "w4a16" else k
   if k % g:
     raise ValueError(f"gptq: group_size={group_size} must divide K={k}")
-  if block_size <= 0 or (scheme == "w4a16" and g % min(block_size, g)):
-    raise ValueError(f"gptq: block_size={block_size} must be positive and, for w4a16, a "
-                     f"multiple or divisor of group_size={g}")
+  if not isinstance(block_size, int) or block_size <= 0:
+    raise ValueError(f"gptq: block_size={block_size!r} must be a positive int")
   if not damp > 0:
     raise ValueError(f"gptq: damp={damp} must be > 0")
   return g
@@ -60,7 +60,7 @@ def gptq_quantize(w_KN: jax.Array, hessian_KK: jax.Array, scheme: str, *, group_
   """GPTQ-quantized QWeight of w [K, N] given the input Gram matrix X^T X [K, K]."""
   g = _check(w_KN, hessian_KK, scheme, group_size, block_size, damp)
   codes, scale = _gptq(w_KN.astype(jnp.float32), hessian_KK.astype(jnp.float32), scheme, g,
-                       min(block_size, w_KN.shape[0]), float(damp), bool(act_order))
+                       block_size, float(damp), bool(act_order))
   codes = codes.astype(qm.FP8) if scheme == "w8a8_fp8" else codes.astype(jnp.int8)
   return qm.from_codes(codes, scale, scheme, group_size=g)
 
@@ -74,36 +74,36 @@ def _gptq(w, h, scheme, g, block, damp, act_order):
   w = jnp.where(dead[:, None], 0.0, w)
   h = h + damp * jnp.mean(jnp.diagonal(h)) * jnp.eye(k)
 
-  groups = k // g
-  per_row = lambda s_GN: jnp.repeat(s_GN, g, axis=0)  # [K // g, N] -> [K, N]
-  static = act_order or g == k  # per-channel scales, or act-order: fixed from the original w
-  if not static:
-    block = min(block, g)  # blocks never straddle a group, so a group's scale is set at its start
-  scale_GN = jax.vmap(lambda x: _scale(x, scheme))(w.reshape(groups, g, n))
-  if act_order:
-    perm = jnp.argsort(-jnp.diagonal(h), stable=True)
-  else:
-    perm = jnp.arange(k)
+  # Per-channel scales, or act-order's static groups: fixed from the original w.
+  static = act_order or g == k
+  # Equal blocks (one loop body, compiled once); with dynamic groups a block never
+  # straddles a group, so a group's scale is set when its first block starts.
+  block = math.gcd(k if static else g, block)
+  scale_GN = jax.vmap(lambda x: _scale(x, scheme))(w.reshape(k // g, g, n))
+  perm = jnp.argsort(-jnp.diagonal(h), stable=True) if act_order else jnp.arange(k)
   wp, hp = w[perm], h[perm][:, perm]
-  row_scale = per_row(scale_GN)[perm]  # used when static
+  row_scale = jnp.repeat(scale_GN, g, axis=0)[perm]  # [K, N], used when static
 
   # U upper with H^-1 = U^T U: row i of U holds the update weights of row i's error.
   hinv = jax.scipy.linalg.cho_solve(jax.scipy.linalg.cho_factor(hp, lower=True), jnp.eye(k))
   u = jnp.linalg.cholesky(hinv).T
+  rows_K = jnp.arange(k)
 
-  codes = jnp.zeros((k, n), jnp.float32)
-  scales_dyn = []
-  for i1 in range(0, k, block):
-    i2 = min(i1 + block, k)
-    w1, u1 = wp[i1:i2], u[i1:i2, i1:i2]
+  def one_block(b, carry):
+    wp, codes, scales = carry
+    i1 = b * block
+    w1 = jax.lax.dynamic_slice_in_dim(wp, i1, block)
+    u_rows = jax.lax.dynamic_slice_in_dim(u, i1, block)          # [block, K]
+    u1 = jax.lax.dynamic_slice_in_dim(u_rows, i1, block, axis=1)  # [block, block]
     if static:
-      s1 = row_scale[i1:i2]
+      s1 = jax.lax.dynamic_slice_in_dim(row_scale, i1, block)
     else:  # dynamic groups: a group's scale comes from its rows as updated so far
-      if i1 % g == 0:
-        scales_dyn.append(_scale(wp[i1:i1 + g], scheme))
-      s1 = jnp.broadcast_to(scales_dyn[-1], (i2 - i1, n))
+      group = i1 // g
+      fresh = _scale(jax.lax.dynamic_slice_in_dim(wp, group * g, g), scheme)
+      scales = jnp.where(i1 % g == 0, scales.at[group].set(fresh), scales)
+      s1 = jnp.broadcast_to(scales[group], (block, n))
 
-    def row(i, carry, u1=u1, s1=s1):
+    def row(i, carry):
       w1, c1, e1 = carry
       wi, si = w1[i], s1[i]
       ci = _codes(wi, si, scheme)
@@ -112,10 +112,13 @@ def _gptq(w, h, scheme, g, block, damp, act_order):
       return w1, c1.at[i].set(ci), e1.at[i].set(err)
 
     zeros = jnp.zeros_like(w1)
-    _, c1, e1 = jax.lax.fori_loop(0, i2 - i1, row, (w1, zeros, zeros))
-    codes = codes.at[i1:i2].set(c1)
-    wp = wp.at[i2:].add(-jnp.dot(u[i1:i2, i2:].T, e1, precision=jax.lax.Precision.HIGHEST))
+    _, c1, e1 = jax.lax.fori_loop(0, block, row, (w1, zeros, zeros))
+    codes = jax.lax.dynamic_update_slice_in_dim(codes, c1, i1, 0)
+    # Lazy batch update: the rows after this block take its errors at once.
+    later = (rows_K >= i1 + block)[:, None]
+    wp = wp - jnp.where(later, jnp.dot(u_rows.T, e1, precision=jax.lax.Precision.HIGHEST), 0.0)
+    return wp, codes, scales
 
-  inv = jnp.argsort(perm)
-  scale = scale_GN if static else jnp.stack(scales_dyn)
-  return codes[inv], scale
+  init = (wp, jnp.zeros((k, n), jnp.float32), jnp.ones((k // g, n), jnp.float32))
+  _, codes, scales = jax.lax.fori_loop(0, k // block, one_block, init)
+  return codes[jnp.argsort(perm)], scale_GN if static else scales

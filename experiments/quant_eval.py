@@ -1,0 +1,48 @@
+r"""Post-training quantization of a trained run: one accuracy table, beside qwix's PTQ.
+
+  python -m experiments.quant_eval --workdir=/tmp/jaxsys_tiny
+
+Loads the latest checkpoint of --workdir (its config comes from the checkpoint's meta),
+quantizes the layer matmuls with every scheme x method (RTN; SmoothQuant for
+w8a8_int8; GPTQ with calibration batches of the TRAIN split) and with qwix, scores
+validation bits per byte on the run's own eval batches, prints the table and writes
+quant_eval.json and quant_eval.md into --workdir.
+"""
+import json
+import os
+import sys
+
+from absl import app, flags
+
+from jaxsys.quant import evaluate
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "Workdir of a training run (experiments.train).")
+_STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
+_CALIB = flags.DEFINE_integer("calib_batches", 8, "Training batches for GPTQ / SmoothQuant.")
+_GROUP = flags.DEFINE_integer("group_size", 128, "w4a16 group size (rows of K per scale).")
+_ALPHA = flags.DEFINE_float("alpha", 0.5, "SmoothQuant migration strength.")
+flags.mark_flags_as_required(["workdir"])
+
+
+def main(argv):
+  del argv
+  try:
+    run = evaluate.load_run(_WORKDIR.value, _STEP.value)
+  except ValueError as e:
+    sys.exit(f"error: {e}")
+  rows = evaluate.evaluate_table(run, _WORKDIR.value, calib_batches=_CALIB.value,
+                                 group_size=_GROUP.value, alpha=_ALPHA.value)
+  table = evaluate.markdown(rows)
+  header = (f"{_WORKDIR.value} step {run.step}: val bits/byte over {run.config.eval_steps} "
+            f"batches; calibration {_CALIB.value} train batches; w4a16 group {_GROUP.value}")
+  print(header + "\n\n" + table)
+  with open(os.path.join(_WORKDIR.value, "quant_eval.json"), "w") as f:
+    json.dump({"step": run.step, "eval_steps": run.config.eval_steps,
+               "calib_batches": _CALIB.value, "group_size": _GROUP.value, "alpha": _ALPHA.value,
+               "rows": rows}, f, indent=1)
+  with open(os.path.join(_WORKDIR.value, "quant_eval.md"), "w") as f:
+    f.write(header + "\n\n" + table + "\n")
+
+
+if __name__ == "__main__":
+  app.run(main)

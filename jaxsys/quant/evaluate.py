@@ -1,0 +1,176 @@
+"""The PTQ accuracy table: a run's checkpoint, quantized every way, scored on held-out data.
+
+`load_run(workdir)` restores the latest checkpoint's parameters (config from its meta,
+as `train.loop` saves it); `evaluate_table(...)` quantizes them with each (scheme,
+method) and with qwix, and measures validation bits per byte on the same val batches
+as `train.loop.evaluate` (same loader, same `train.step` eval step, same count).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from absl import logging
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxsys import mesh as mesh_lib
+from jaxsys.checkpoint.manager import Checkpointer
+from jaxsys.data.loader import make_loader
+from jaxsys.models import transformer
+from jaxsys.quant import ptq, qwix_baseline
+from jaxsys.quant import rules as rules_lib
+from jaxsys.train import loop
+from jaxsys.train import step as step_lib
+
+# (scheme, method, options) rows after the float baseline; "qwix" rows use qwix's PTQ.
+DEFAULT_ROWS = (
+    ("w8a8_fp8", "rtn", {}), ("w8a8_fp8", "gptq", {}), ("w8a8_fp8", "qwix", {}),
+    ("w8a8_int8", "rtn", {}), ("w8a8_int8", "smoothquant", {}), ("w8a8_int8", "gptq", {}),
+    ("w8a8_int8", "qwix", {}),
+    ("w4a16", "rtn", {}), ("w4a16", "gptq", {}), ("w4a16", "gptq", {"act_order": True}),
+    ("w4a16", "qwix", {}),
+)
+
+
+@dataclasses.dataclass
+class Run:
+  """What a checkpoint holds: its config, model config, float parameters and step."""
+  config: ml_collections.ConfigDict
+  model_cfg: transformer.TransformerConfig
+  params: dict[str, Any]
+  step: int
+  mesh: Any
+
+
+def load_run(workdir: str, step: int | None = None) -> Run:
+  """Parameters of the latest (or `step`) checkpoint in `workdir`/checkpoints."""
+  directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+  if not os.path.isdir(directory):
+    raise ValueError(f"--workdir={workdir}: no checkpoints directory {directory}; "
+                     "pass the --workdir of a training run")
+  ckpt = Checkpointer(directory)
+  try:
+    step = ckpt.latest_step() if step is None else step
+    if step is None or step not in ckpt.all_steps():
+      raise ValueError(f"{directory}: no checkpoint at step {step}; steps there: {ckpt.all_steps()}")
+    meta = ckpt.read_meta(step)
+    config = ml_collections.ConfigDict(meta["config"])
+    model_cfg = transformer.TransformerConfig(**meta["model"])
+    mesh = mesh_lib.make_mesh(config.mesh)
+    setup = step_lib.make_train_setup(config, model_cfg, mesh)
+    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          setup.abstract, setup.state_sh)
+    try:
+      state, _ = ckpt.restore(step, target)
+    except Exception as e:  # orbax's own message spans many lines: keep its first
+      first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+      raise ValueError(f"checkpoint step {step} in {directory} does not match the model in its "
+                       f"meta ({meta['model']}): {first}") from None
+  finally:
+    ckpt.close()
+  return Run(config, model_cfg, state.params, int(step), mesh)
+
+
+def _loaders(run: Run, workdir: str):
+  config = run.config
+  kw = dict(process_index=jax.process_index(), process_count=jax.process_count(), workdir=workdir)
+  train = make_loader(config.data, "train", batch_size=config.data.batch_size, seed=config.seed, **kw)
+  eval_batch = config.data.batch_size // config.optimizer.grad_accum_steps
+  val = make_loader(config.data, "val", batch_size=eval_batch, seed=config.seed, shuffle=False,
+                    repeat=False, tokenizer=train.tokenizer, **kw)
+  return train, val
+
+
+def qwix_eval_step(graphdef, state, batch, *, token_bytes) -> dict[str, jax.Array]:
+  """`train.step.eval_step`'s sums for a qwix model (its logits come from the NNX module)."""
+  logits = nnx.merge(graphdef, state)(batch["inputs"], batch["positions"], batch["segment_ids"])
+  logz = jax.nn.logsumexp(logits, axis=-1)
+  target_logit = jnp.take_along_axis(logits, batch["targets"][..., None], axis=-1)[..., 0]
+  losses = (logz - target_logit) * batch["loss_mask"]
+  mask = batch["loss_mask"]
+  return {"loss_sum": jnp.sum(losses), "tokens": jnp.sum(mask),
+          "bytes": jnp.sum(token_bytes[batch["targets"]] * mask)}
+
+
+def _bf16_bytes(params) -> int:
+  return sum(2 * math.prod(params["layers"][n].shape) for n in rules_lib.LAYER_WEIGHTS)
+
+
+def evaluate_table(run: Run, workdir: str, *, rows=DEFAULT_ROWS, calib_batches: int = 8,
+                   group_size: int = 128, alpha: float = 0.5) -> list[dict[str, Any]]:
+  """The float row, then one row per (scheme, method, options); see the module docstring."""
+  config, cfg = run.config, run.model_cfg
+  train, val = _loaders(run, workdir)
+  val_start = val.get_state()
+  steps = config.eval_steps
+  batch_sh = mesh_lib.batch_sharding(run.mesh)
+  replicated = NamedSharding(run.mesh, PartitionSpec())
+  token_bytes = train.tokenizer.token_bytes()
+  calib = [next(train) for _ in range(calib_batches)]  # the TRAIN split, never val
+  bf16 = _bf16_bytes(run.params)
+
+  def score(params):
+    sh = jax.tree.map(lambda _: replicated, params)
+    eval_fn = step_lib.jit_eval_step(cfg, sh, batch_sh, token_bytes)
+    return loop.evaluate(eval_fn, params, val, val_start, steps, batch_sh)["val_bpb"]
+
+  def row(scheme, method, options, bpb, nbytes, seconds, error=None):
+    return {"scheme": scheme, "method": method, "options": options,
+            "weight_bytes": nbytes, "x_bf16": None if nbytes is None else nbytes / bf16,
+            "val_bpb": bpb, "recovery_pct": None, "quantize_s": seconds, "error": error}
+
+  out = [row("float", "-", {}, score(run.params), ptq.weight_bytes(run.params), 0.0)]
+  tokens_1T = jnp.asarray(calib[0]["inputs"][:1])
+  for scheme, method, options in rows:
+    rule_set = rules_lib.default_rules(scheme, group_size=group_size)
+    t0 = time.perf_counter()
+    try:
+      if method == "qwix":
+        model = qwix_baseline.quantize(cfg, run.params, scheme, tokens_1T, group_size=group_size)
+        seconds = time.perf_counter() - t0
+        graphdef, state = nnx.split(model)
+        table = jnp.asarray(token_bytes, jnp.float32)
+        eval_fn = jax.jit(lambda s, b: qwix_eval_step(graphdef, s, b, token_bytes=table))
+        bpb = loop.evaluate(eval_fn, state, val, val_start, steps, batch_sh)["val_bpb"]
+        nbytes = qwix_baseline.weight_bytes(model)
+      else:
+        q = ptq.quantize_params(cfg, run.params, rule_set, method, calib, alpha=alpha, **options)
+        q = jax.block_until_ready(q)
+        seconds = time.perf_counter() - t0
+        bpb, nbytes = score(q), ptq.weight_bytes(q)
+      out.append(row(scheme, method, options, bpb, nbytes, seconds))
+    except Exception as e:  # a baseline that cannot run shows its reason, not nothing
+      logging.exception("%s %s failed", scheme, method)
+      msg = (str(e).strip().splitlines() or [type(e).__name__])[0]
+      out.append(row(scheme, method, options, None, None, time.perf_counter() - t0,
+                     f"{type(e).__name__}: {msg}"))
+    logging.info("quant row: %s", out[-1])
+  for r in out:
+    if r["val_bpb"] is not None:
+      r["recovery_pct"] = 100.0 * out[0]["val_bpb"] / r["val_bpb"]
+  return out
+
+
+def _label(r) -> str:
+  opts = ", ".join(f"{k}={v}" for k, v in r["options"].items())
+  return r["method"] + (f" ({opts})" if opts else "")
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+  """The table in markdown: scheme, method, bytes, ratio to bf16, val bpb, recovery."""
+  lines = ["| scheme | method | weight bytes (layer matmuls) | x bf16 | val bpb | recovery |",
+           "|---|---|---:|---:|---:|---:|"]
+  for r in rows:
+    if r["error"]:
+      lines.append(f"| {r['scheme']} | {_label(r)} | | | error: {r['error']} | |")
+      continue
+    lines.append(f"| {r['scheme']} | {_label(r)} | {r['weight_bytes']:,} | {r['x_bf16']:.3f} | "
+                 f"{r['val_bpb']:.4f} | {r['recovery_pct']:.2f}% |")
+  return "\n".join(lines)
