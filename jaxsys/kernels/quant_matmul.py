@@ -241,6 +241,10 @@ def _check_matmul(x, qw) -> None:
     raise ValueError(
         f"qmatmul: qw must hold one [K, N] weight; got data shape {tuple(qw.data.shape)} "
         "(slice stacked layers first, e.g. under lax.scan, or vmap qmatmul)")
+  want = jnp.dtype(_DATA_DTYPES[qw.scheme])
+  if qw.data.dtype != want:
+    raise ValueError(f"qmatmul: a {qw.scheme} QWeight stores {want} data; got {qw.data.dtype} "
+                     "(build it with quantize_weight or from_codes)")
   k, n = qw.shape
   if x.ndim < 1 or x.shape[-1] != k:
     raise ValueError(

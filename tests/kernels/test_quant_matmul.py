@@ -264,6 +264,9 @@ class ErrorTest(parameterized.TestCase):
          r"codes must be int8.*float32"),
         (lambda: qm.qmatmul(jnp.ones((2, 95)), qm.quantize_weight(w, "w8a8_int8")),
          r"K=96.*\(2, 95\)"),
+        (lambda: qm.qmatmul(jnp.ones((2, 96)), qm.QWeight(
+            jnp.zeros((48, 8), jnp.int8), jnp.ones((1, 8)), "w4a16", 96)),
+         r"w4a16 QWeight stores uint8 data; got int8"),
         (lambda: qm.qmatmul(jnp.ones((2, 96)), qm.quantize_weight(w, "w8a8_int8"), impl="cuda"),
          r"impl='cuda'.*'auto', 'pallas', 'xla', 'reference'"),
     ]
