@@ -129,11 +129,23 @@ def replica_state_shardings(abstract: ReplicaTrainState, model_cfg, optimizer,
                            outer=add(outer_sh), rng=replicated)
 
 
+def _single_process_order(x, processes: int):
+  """Rows as one process loads them: process p holds global rows p, p+P, ... (data/loader.py)
+  and puts them in block p of the assembled batch, so undo that interleave."""
+  if processes == 1:
+    return x
+  return x.reshape(processes, x.shape[0] // processes, *x.shape[1:]).swapaxes(0, 1).reshape(
+      x.shape)
+
+
 def replica_train_step(state: ReplicaTrainState, batch, *, model_cfg, optimizer, replicas: int,
-                       accum_steps: int = 1) -> tuple[ReplicaTrainState, dict[str, jax.Array]]:
-  """One inner step on every replica; replica r takes rows [r*B/R, (r+1)*B/R) of the batch."""
-  batch_R = jax.tree.map(lambda x: x.reshape(replicas, x.shape[0] // replicas, *x.shape[1:]),
-                         batch)
+                       accum_steps: int = 1, processes: int = 1
+                       ) -> tuple[ReplicaTrainState, dict[str, jax.Array]]:
+  """One inner step on every replica; replica r takes rows [r*B/R, (r+1)*B/R) of the batch
+  in single-process order, so a run's replicas see the same rows on any number of processes."""
+  batch_R = jax.tree.map(
+      lambda x: _single_process_order(x, processes).reshape(replicas, x.shape[0] // replicas,
+                                                            *x.shape[1:]), batch)
 
   def one(params, opt_state, b):
     inner = TrainState(step=state.step, params=params, opt_state=opt_state, rng=state.rng)
@@ -207,7 +219,8 @@ def make_replica_setup(config, model_cfg: transformer.TransformerConfig, mesh: M
   train_fn = jax.jit(
       lambda s, b: replica_train_step(s, b, model_cfg=model_cfg, optimizer=optimizer,
                                       replicas=replicas,
-                                      accum_steps=config.optimizer.grad_accum_steps),
+                                      accum_steps=config.optimizer.grad_accum_steps,
+                                      processes=jax.process_count()),
       in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated), donate_argnums=0,
       compiler_options=opts)
   sync = make_sync(outer, mesh)

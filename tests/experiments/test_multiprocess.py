@@ -24,15 +24,22 @@ def _losses(workdir):
   return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
-def test_two_processes_match_one(small_corpus, tmp_path):
-  flags = ["--config=configs/tiny_lm.py:size=test", f"--config.data.source={small_corpus}",
-           "--config.data.num_threads=0", "--config.total_steps=4", "--config.log_every=1",
-           "--config.eval_every=4", "--config.mesh=data=2,fsdp=4"]
-  single = subprocess.run([sys.executable, "-m", "experiments.train", *flags,
-                           f"--workdir={tmp_path / 'single'}"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-  assert single.returncode == 0, single.stderr[-3000:]
+def _base_flags(small_corpus, *extra):
+  return ["--config=configs/tiny_lm.py:size=test", f"--config.data.source={small_corpus}",
+          "--config.data.num_threads=0", "--config.total_steps=4", "--config.log_every=1",
+          "--config.eval_every=4", *extra]
 
+
+def run_single(flags, workdir):
+  """experiments.train in one process with 8 CPU devices (the conftest's)."""
+  proc = subprocess.run([sys.executable, "-m", "experiments.train", *flags, f"--workdir={workdir}"],
+                        cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return proc
+
+
+def run_two_processes(flags, workdir):
+  """experiments.train as 2 processes x 4 CPU devices joined by jax.distributed on loopback."""
   port = _free_port()
   procs = []
   for pid in range(2):
@@ -40,12 +47,19 @@ def test_two_processes_match_one(small_corpus, tmp_path):
                JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
                JAX_PROCESS_ID=str(pid))
     procs.append(subprocess.Popen(
-        [sys.executable, "-m", "experiments.train", *flags, f"--workdir={tmp_path / 'multi'}"],
+        [sys.executable, "-m", "experiments.train", *flags, f"--workdir={workdir}"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
   outputs = [p.communicate(timeout=300) for p in procs]
   for p, (_, err) in zip(procs, outputs):
     assert p.returncode == 0, err[-3000:]
   assert "8 devices (4 local), process 1 of 2" in outputs[1][1]
+  return outputs
+
+
+def test_two_processes_match_one(small_corpus, tmp_path):
+  flags = _base_flags(small_corpus, "--config.mesh=data=2,fsdp=4")
+  run_single(flags, tmp_path / "single")
+  run_two_processes(flags, tmp_path / "multi")
 
   a, b = _losses(tmp_path / "single"), _losses(tmp_path / "multi")
   assert sorted(a) == sorted(b) == [1, 2, 3, 4]

@@ -1,0 +1,158 @@
+r"""Compares data parallel with DiLoCo, NoLoCo and CO2: final val bpb and bytes communicated.
+
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m experiments.compare_outer \
+      --config=configs/compare_outer.py --workdir=/tmp/jaxsys_outer [--runs=dp,noloco_k4_h50]
+
+Writes results.md, results.json and outer_comparison.png (val loss against step and
+against bytes sent per worker) to --workdir; each run trains in --workdir/<run>
+(a finished run is read back, not retrained). Bytes are compared with data parallel
+at the same number of workers k: a ring all-reduce of the gradients every step.
+"""
+import copy
+import json
+import os
+import time
+
+import jax
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from jaxsys import metrics as metrics_lib
+from jaxsys.models import transformer
+from jaxsys.optim import outer as outer_lib
+from jaxsys.train.loop import train_and_evaluate
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/compare_outer.py", "Comparison config.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.")
+_RUNS = flags.DEFINE_list("runs", None, "Subset of config.runs to train (default: all).")
+flags.mark_flags_as_required(["workdir"])
+
+
+def _merge(node, overrides) -> None:
+  for key, value in overrides.items():
+    if hasattr(value, "items"):
+      _merge(node[key], value)
+    else:
+      node[key] = value
+
+
+def run_config(base, overrides):
+  """`base` without the comparison fields, with one run's nested overrides applied."""
+  config = copy.deepcopy(base)
+  with config.unlocked():
+    del config["runs"], config["run_specs"]
+  _merge(config, overrides)
+  return config
+
+
+def _workers(config) -> int:
+  sizes = dict(item.split("=") for item in config.mesh.split(","))
+  if "replica" in sizes:
+    return int(sizes["replica"])
+  return jax.device_count() if sizes.get("data") == "-1" else int(sizes.get("data", 1))
+
+
+def summarize(name: str, config, workdir: str, wall_s: float | None) -> dict:
+  """One table row (and the curves for the plot) from a finished run's metrics."""
+  rows = metrics_lib.read_metrics(workdir)
+  evals = [r for r in rows if "val_bpb" in r]
+  if not evals:
+    raise ValueError(f"run {name} in {workdir} has no eval rows; set eval_every > 0")
+  model_cfg = transformer.TransformerConfig.from_config(config.model)
+  params = jax.eval_shape(lambda: transformer.init_params(model_cfg, jax.random.key(0)))
+  k = _workers(config)
+  dp_bytes = config.total_steps * outer_lib.ring_allreduce_bytes(outer_lib.tree_bytes(params), k)
+  o = config.optimizer
+  final = evals[-1]
+  return {"run": name, "method": o.outer if o.outer != "none" else "data parallel",
+          "workers": k, "sync_every": o.outer_sync_every if o.outer != "none" else 1,
+          "compression": o.outer_compression if o.outer == "diloco" else "none",
+          "steps": final["step"], "val_bpb": final["val_bpb"], "val_loss": final["val_loss"],
+          "comm_bytes": final["comm_bytes"], "dp_bytes_same_k": dp_bytes,
+          "bytes_reduction": dp_bytes / final["comm_bytes"] if final["comm_bytes"] else None,
+          "wall_s": wall_s,
+          "curve": [(r["step"], r["val_loss"], r["comm_bytes"]) for r in evals]}
+
+
+def _fmt_bytes(n: float) -> str:
+  for unit in ("B", "KB", "MB", "GB", "TB"):
+    if abs(n) < 1000:
+      return f"{n:.1f} {unit}"
+    n /= 1000
+  return f"{n:.1f} PB"
+
+
+def write_table(results: list[dict], workdir: str) -> str:
+  dp = next((r for r in results if r["method"] == "data parallel"), None)
+  lines = ["| run | method | k | H | compression | val bpb | vs DP | bytes sent / worker | "
+           "x fewer than DP (same k) | wall s |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+  for r in results:
+    rel = f"{100 * (r['val_bpb'] / dp['val_bpb'] - 1):+.2f}%" if dp else "-"
+    red = f"{r['bytes_reduction']:.0f}x" if r["bytes_reduction"] else "-"
+    wall = f"{r['wall_s']:.0f}" if r["wall_s"] else "-"
+    lines.append(f"| {r['run']} | {r['method']} | {r['workers']} | {r['sync_every']} | "
+                 f"{r['compression']} | {r['val_bpb']:.4f} | {rel} | {_fmt_bytes(r['comm_bytes'])} | "
+                 f"{red} | {wall} |")
+  table = "\n".join(lines) + "\n"
+  with open(os.path.join(workdir, "results.md"), "w") as f:
+    f.write(table)
+  with open(os.path.join(workdir, "results.json"), "w") as f:
+    json.dump(results, f, indent=1)
+  return table
+
+
+def plot(results: list[dict], path: str) -> None:
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  fig, (a, b) = plt.subplots(1, 2, figsize=(13, 5))
+  for r in results:
+    steps, loss, comm = zip(*r["curve"])
+    style = "-" if r["method"] == "data parallel" else "--" if r["workers"] == 8 else "-."
+    a.plot(steps, loss, style, label=r["run"])
+    pts = [(c, l) for c, l in zip(comm, loss) if c > 0]
+    if pts:
+      b.plot(*zip(*pts), style, marker=".", label=r["run"])
+  a.set(xlabel="inner step", ylabel="val loss (nats/token)", title="val loss vs step")
+  b.set(xlabel="bytes sent per worker", ylabel="val loss (nats/token)", xscale="log",
+        title="val loss vs communication")
+  b.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  base = _CONFIG.value
+  names = base.runs.split(",")
+  unknown = sorted(set(_RUNS.value or []) - set(names))
+  if unknown:
+    raise app.UsageError(f"--runs: unknown run(s) {unknown}; valid: {', '.join(names)}")
+  names = [n for n in names if n in (_RUNS.value or names)]
+  workdir = os.path.abspath(_WORKDIR.value)
+  os.makedirs(workdir, exist_ok=True)
+  results = []
+  for i, name in enumerate(names):
+    config = run_config(base, base.run_specs[name].to_dict())
+    run_dir = os.path.join(workdir, name)
+    logging.info("[%d/%d] %s: mesh %s, outer %s", i + 1, len(names), name, config.mesh,
+                 config.optimizer.outer)
+    t = time.perf_counter()
+    result = train_and_evaluate(config, run_dir)
+    wall = time.perf_counter() - t if "val_bpb" in result else None
+    row = summarize(name, config, run_dir, wall)
+    logging.info("[%d/%d] %s done: val_bpb=%.4f, %s sent per worker, %.0f s", i + 1, len(names),
+                 name, row["val_bpb"], _fmt_bytes(row["comm_bytes"]), wall or 0.0)
+    results.append(row)
+    write_table(results, workdir)
+  table = write_table(results, workdir)
+  plot(results, os.path.join(workdir, "outer_comparison.png"))
+  print(table)
+  print(f"results: {os.path.join(workdir, 'results.md')}, results.json, outer_comparison.png")
+
+
+if __name__ == "__main__":
+  app.run(main)
