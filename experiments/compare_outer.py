@@ -17,14 +17,21 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+import numpy as np
+
+from jaxsys import mesh as mesh_lib
 from jaxsys import metrics as metrics_lib
 from jaxsys.models import transformer
 from jaxsys.optim import outer as outer_lib
+from jaxsys.train import replicas as replicas_lib
 from jaxsys.train.loop import train_and_evaluate
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/compare_outer.py", "Comparison config.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.")
 _RUNS = flags.DEFINE_list("runs", None, "Subset of config.runs to train (default: all).")
+_TIME_RUNS = flags.DEFINE_list("time_sync", ["diloco_k4_h50", "noloco_k4_h50", "co2_k4_h50"],
+                               "Runs whose sync cost is timed against a plain inner step.")
+_TIME_REPS = flags.DEFINE_integer("time_reps", 20, "Timed repetitions per measurement.")
 flags.mark_flags_as_required(["workdir"])
 
 
@@ -123,6 +130,43 @@ def plot(results: list[dict], path: str) -> None:
   plt.close(fig)
 
 
+def time_sync(config, reps: int) -> dict:
+  """Seconds of an inner step alone vs an inner step followed by the outer sync, in one process.
+
+  Both are timed back to back, interleaved, on random tokens, after a compiling call;
+  the median of `reps` is reported. On simulated CPU devices a collective is a memory
+  copy inside one process, so this shows the sync's compute cost, not network overlap.
+  """
+  mesh = mesh_lib.make_mesh(config.mesh)
+  model_cfg = transformer.TransformerConfig.from_config(config.model)
+  outer = replicas_lib.make_outer_optimizer(config.optimizer)
+  setup = replicas_lib.make_replica_setup(config, model_cfg, mesh, outer)
+  b, t = config.data.batch_size, config.data.seq_len
+  tokens = np.random.default_rng(0).integers(0, model_cfg.vocab_size, (b, t + 1))
+  batch = jax.device_put({
+      "inputs": tokens[:, :-1].astype(np.int32), "targets": tokens[:, 1:].astype(np.int32),
+      "segment_ids": np.ones((b, t), np.int32),
+      "positions": np.tile(np.arange(t, dtype=np.int32), (b, 1)),
+      "loss_mask": np.ones((b, t), np.float32)}, setup.batch_sh)
+  state = setup.init_state(0)
+  state, m = setup.train_fn(state, batch)
+  state = setup.sync_fn(state)
+  jax.block_until_ready(state)
+  plain, synced = [], []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    state, m = setup.train_fn(state, batch)
+    jax.block_until_ready((state, m))
+    plain.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    state, m = setup.train_fn(state, batch)
+    state = setup.sync_fn(state)
+    jax.block_until_ready((state, m))
+    synced.append(time.perf_counter() - t0)
+  p, q = float(np.median(plain)), float(np.median(synced))
+  return {"step_s": p, "step_with_sync_s": q, "ratio": q / p}
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -150,6 +194,20 @@ def main(argv):
     write_table(results, workdir)
   table = write_table(results, workdir)
   plot(results, os.path.join(workdir, "outer_comparison.png"))
+  timing = {}
+  for name in [n for n in _TIME_RUNS.value if n in base.runs.split(",")]:
+    timing[name] = time_sync(run_config(base, base.run_specs[name].to_dict()), _TIME_REPS.value)
+    logging.info("sync cost %s: step %.3f s, step + sync %.3f s (x%.3f)", name,
+                 timing[name]["step_s"], timing[name]["step_with_sync_s"], timing[name]["ratio"])
+  if timing:
+    lines = ["| run | inner step s | step + sync s | ratio |", "|---|---|---|---|"]
+    lines += [f"| {n} | {t['step_s']:.3f} | {t['step_with_sync_s']:.3f} | {t['ratio']:.3f} |"
+              for n, t in timing.items()]
+    table += "\n" + "\n".join(lines) + "\n"
+    with open(os.path.join(workdir, "results.md"), "w") as f:
+      f.write(table)
+    with open(os.path.join(workdir, "sync_timing.json"), "w") as f:
+      json.dump(timing, f, indent=1)
   print(table)
   print(f"results: {os.path.join(workdir, 'results.md')}, results.json, outer_comparison.png")
 
