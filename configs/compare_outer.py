@@ -33,7 +33,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     raise ValueError(f"configs/compare_outer.py takes no argument; got {arg!r}")
   c = _tiny_lm().get_config("size=test")
   # Between the `test` and `tiny` sizes: big enough that the methods separate, small enough
-  # that the 11 runs fit in about 20 minutes on 2 CPU cores.
+  # that the 10 runs fit in about 20 minutes on 2 quiet CPU cores.
   c.model.update(dict(d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=384))
   c.data.update(dict(seq_len=128, batch_size=32, num_threads=2))
   c.total_steps = 400  # 4 syncs at H=100

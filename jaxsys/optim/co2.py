@@ -2,8 +2,10 @@
 
 Local updating as in DiLoCo, but the all-reduce of round t's local parameters is
 only *consumed* at the end of round t+1, so it can run while round t+1 computes
-(Sec. 3, Fig. 1: "full overlap of communication with computation"). At the end of
-round t (local parameters x_{t,tau}^(i), outer parameters x_{t,0}):
+(Fig. 1: the outer update starts every tau local steps, "concurrently launching an
+asynchronous all-reduce"). At the end of round t (local parameters x_{t,tau}^(i), outer
+parameters x_{t,0}); the paper's text beyond its abstract and Fig. 1 was not available
+here, so the update is written as the authors' code computes it:
 
   g_{t-1}   = (x_{t-1,0} - mean_i x_{t-1,tau}^(i)) / lambda    # last round's average, stale by one
   m_t       = clip(beta m_{t-1} + g_{t-1}, c)                   # outer momentum clipping

@@ -6,7 +6,8 @@ inner steps to theta_i^(t), and then (Alg. 1, lines 8-12):
   Delta^(t) = 1/k sum_i (theta^(t-1) - theta_i^(t))        # outer gradient (an all-reduce)
   theta^(t) = OuterOpt(theta^(t-1), Delta^(t))             # SGD, Nesterov momentum
 
-with the paper's outer learning rate 0.7 and momentum 0.9 (Sec. 3). The inner
+with the paper's outer learning rate 0.7 and momentum 0.9 (as the NoLoCo authors' DiLoCo
+baseline uses them). The inner
 optimizer state stays per replica and is never averaged (Sec. 6.1, as MaxText's
 `diloco.py`). `compression` quantizes the pseudo-gradient before the collective;
 with `error_feedback` the quantization error is added to the next round's one.

@@ -2,7 +2,8 @@
 
 Each replica i keeps its own outer (slow) weights phi_i and momentum delta_i. After
 H inner steps to theta_i, replica i averages with a random group G of n replicas
-(n = 2 in the paper) and takes the modified Nesterov step of Sec. 3:
+(n = 2 in the paper) and takes the paper's modified Nesterov step (written here as the
+authors' code computes it; the paper's text was not available to check equation numbers):
 
   delta_i <- alpha delta_i - beta mean_{j in G}(phi_j - theta_j) - gamma (phi_i - mean_{j in G} phi_j)
   phi_i   <- phi_i + delta_i;      theta_i <- phi_i

@@ -64,6 +64,8 @@ class DiLoCoTest(parameterized.TestCase):
     outer = optim.diloco(sync_every=1, outer_lr=1.0, outer_momentum=0.0)
     sync = _vmap_sync(outer) if how == "vmap" else _shard_sync(outer)
     grads = jax.jit(jax.vmap(jax.grad(_loss)))
+    dp_step = jax.jit(lambda p, x, y: jax.tree.map(
+        lambda p, g: p - lr * jnp.mean(g, 0), p, jax.vmap(jax.grad(_loss), (None, 0, 0))(p, x, y)))
     dp = _params()
     theta = _stack(dp)
     state = jax.vmap(outer.init)(theta)
@@ -72,8 +74,7 @@ class DiLoCoTest(parameterized.TestCase):
       g = grads(theta, x, y)
       theta = jax.tree.map(lambda p, g: p - lr * g, theta, g)
       theta, state = sync(theta, state)
-      dp_g = jax.tree.map(lambda g: jnp.mean(g, 0), jax.vmap(jax.grad(_loss), (None, 0, 0))(dp, x, y))
-      dp = jax.tree.map(lambda p, g: p - lr * g, dp, dp_g)
+      dp = dp_step(dp, x, y)
     for r in range(R):
       chex.assert_trees_all_close(jax.tree.map(lambda x: x[r], theta), dp, atol=1e-6, rtol=1e-6)
 
@@ -91,10 +92,11 @@ class DiLoCoTest(parameterized.TestCase):
     def inner_step(p, s, x, y):
       u, s = inner.update(jax.grad(_loss)(p, x, y), s, p)
       return optax.apply_updates(p, u), s
+    step_r, step_1 = jax.jit(jax.vmap(inner_step)), jax.jit(inner_step)
     for step in range(6):
       x, y = _data(step, 1)
-      theta, inner_state = jax.vmap(inner_step)(theta, inner_state, x, y)
-      ref, ref_state = inner_step(ref, ref_state, x[0], y[0])
+      theta, inner_state = step_r(theta, inner_state, x, y)
+      ref, ref_state = step_1(ref, ref_state, x[0], y[0])
       if (step + 1) % outer.sync_every == 0:
         theta, state = sync(theta, state)
     chex.assert_trees_all_close(jax.tree.map(lambda x: x[0], theta), ref, atol=1e-6)
@@ -150,7 +152,7 @@ class NoLoCoTest(parameterized.TestCase):
 
   @parameterized.parameters(0.7, 0.3)
   def test_modified_nesterov_step(self, gamma):
-    """The update of Sec. 3 (both the beta == gamma shortcut and the general form)."""
+    """The modified Nesterov update (both the beta == gamma shortcut and the general form)."""
     a, b = 0.5, 0.7
     outer = optim.noloco(sync_every=1, outer_lr=b, outer_momentum=a, gamma=gamma, group_size=R)
     sync = _vmap_sync(outer)
