@@ -1,15 +1,14 @@
 """DiLoCo (Douillard et al., arXiv 2311.08105, Algorithm 1): averaged pseudo-gradients, Nesterov SGD.
 
 Every replica i starts a round from the shared outer parameters theta^(t-1), takes H
-inner steps to theta_i^(t), and then (Alg. 1, lines 8-12):
+inner steps to theta_i^(t), and then takes Alg. 1's outer step:
 
   Delta^(t) = 1/k sum_i (theta^(t-1) - theta_i^(t))        # outer gradient (an all-reduce)
   theta^(t) = OuterOpt(theta^(t-1), Delta^(t))             # SGD, Nesterov momentum
 
 with the paper's outer learning rate 0.7 and momentum 0.9 (as the NoLoCo authors' DiLoCo
-baseline uses them). The inner
-optimizer state stays per replica and is never averaged (Sec. 6.1, as MaxText's
-`diloco.py`). `compression` quantizes the pseudo-gradient before the collective;
+baseline uses them). The inner optimizer state stays per replica and is never averaged
+(Sec. 6.1, as MaxText's `diloco.py`). `compression` quantizes the pseudo-gradient before the collective;
 with `error_feedback` the quantization error is added to the next round's one.
 """
 from __future__ import annotations
