@@ -1,5 +1,4 @@
 """Outer optimizers: DiLoCo == DP SGD in its limit, NoLoCo's groups and HLO, CO2's delay, bytes."""
-import re
 
 import chex
 import jax
