@@ -21,16 +21,19 @@ _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest
 _CALIB = flags.DEFINE_integer("calib_batches", 8, "Training batches for GPTQ / SmoothQuant.")
 _GROUP = flags.DEFINE_integer("group_size", 128, "w4a16 group size (rows of K per scale).")
 _ALPHA = flags.DEFINE_float("alpha", 0.5, "SmoothQuant migration strength.")
+_ROWS = flags.DEFINE_string("rows", None, "Rows after the float one, e.g. "
+                            "'w4a16:gptq,w4a16:gptq+act_order,w8a8_int8:qwix' (default: all).")
 flags.mark_flags_as_required(["workdir"])
 
 
 def main(argv):
   del argv
   try:
+    wanted = evaluate.DEFAULT_ROWS if _ROWS.value is None else evaluate.parse_rows(_ROWS.value)
     run = evaluate.load_run(_WORKDIR.value, _STEP.value)
   except ValueError as e:
     sys.exit(f"error: {e}")
-  rows = evaluate.evaluate_table(run, _WORKDIR.value, calib_batches=_CALIB.value,
+  rows = evaluate.evaluate_table(run, _WORKDIR.value, rows=wanted, calib_batches=_CALIB.value,
                                  group_size=_GROUP.value, alpha=_ALPHA.value)
   table = evaluate.markdown(rows)
   header = (f"{_WORKDIR.value} step {run.step}: val bits/byte over {run.config.eval_steps} "

@@ -31,12 +31,27 @@ from jaxsys.train import step as step_lib
 
 # (scheme, method, options) rows after the float baseline; "qwix" rows use qwix's PTQ.
 DEFAULT_ROWS = (
-    ("w8a8_fp8", "rtn", {}), ("w8a8_fp8", "gptq", {}), ("w8a8_fp8", "qwix", {}),
+    ("w8a8_fp8", "rtn", {}), ("w8a8_fp8", "smoothquant", {}), ("w8a8_fp8", "gptq", {}),
+    ("w8a8_fp8", "qwix", {}),
     ("w8a8_int8", "rtn", {}), ("w8a8_int8", "smoothquant", {}), ("w8a8_int8", "gptq", {}),
     ("w8a8_int8", "qwix", {}),
     ("w4a16", "rtn", {}), ("w4a16", "gptq", {}), ("w4a16", "gptq", {"act_order": True}),
     ("w4a16", "qwix", {}),
 )
+
+
+def parse_rows(spec: str) -> tuple:
+  """"w4a16:gptq,w4a16:gptq+act_order,w8a8_int8:qwix" -> rows like DEFAULT_ROWS."""
+  rows = []
+  for item in filter(None, spec.split(",")):
+    scheme, _, method = item.partition(":")
+    method, *flags = method.split("+")
+    if scheme not in qwix_baseline.SCHEMES or method not in (*ptq.METHODS, "qwix") or \
+        set(flags) - {"act_order"}:
+      raise ValueError(f"--rows item {item!r}: want scheme:method[+act_order] with scheme in "
+                       f"{sorted(qwix_baseline.SCHEMES)}, method in {[*ptq.METHODS, 'qwix']}")
+    rows.append((scheme, method, {f: True for f in flags}))
+  return tuple(rows)
 
 
 @dataclasses.dataclass
@@ -172,5 +187,5 @@ def markdown(rows: list[dict[str, Any]]) -> str:
       lines.append(f"| {r['scheme']} | {_label(r)} | | | error: {r['error']} | |")
       continue
     lines.append(f"| {r['scheme']} | {_label(r)} | {r['weight_bytes']:,} | {r['x_bf16']:.3f} | "
-                 f"{r['val_bpb']:.4f} | {r['recovery_pct']:.2f}% |")
+                 f"{r['val_bpb']:.5f} | {r['recovery_pct']:.3f}% |")
   return "\n".join(lines)

@@ -42,7 +42,9 @@ class QwixDense(nnx.Module):
     self.kernel = nnx.Param(w_KN)
 
   def __call__(self, x_MK: jax.Array) -> jax.Array:
-    return jnp.dot(x_MK, self.kernel.value)
+    # A Param before quantization; qwix's WithAux (unboxed by `.value`) after it.
+    k = self.kernel
+    return jnp.dot(x_MK, k.get_value() if isinstance(k, nnx.Variable) else k.value)
 
 
 class QwixLayer(nnx.Module):
@@ -55,7 +57,7 @@ class QwixLayer(nnx.Module):
       setattr(self, name, QwixDense(matrix(name, p[name], stacked=False)))
 
   def __call__(self, x_BTD, positions_BT, segment_ids_BT, cfg, attention_fn):
-    p = {"attn_norm": self.attn_norm.value, "mlp_norm": self.mlp_norm.value,
+    p = {"attn_norm": self.attn_norm.get_value(), "mlp_norm": self.mlp_norm.get_value(),
          **{name: getattr(self, name) for name in rules_lib.LAYER_WEIGHTS}}
     return transformer.block(p, x_BTD, positions_BT, segment_ids_BT, cfg, attention_fn)
 
@@ -74,11 +76,12 @@ class QwixTransformer(nnx.Module):
   def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None):
     cfg = self.cfg
     positions_BT, attention_fn = transformer.default_inputs(cfg, tokens_BT, positions_BT, None)
-    x_BTD = transformer.embed(cfg, self.embedding.value, tokens_BT)
+    embedding = self.embedding.get_value()
+    x_BTD = transformer.embed(cfg, embedding, tokens_BT)
     for layer in self.layers:
       x_BTD = layer(x_BTD, positions_BT, segment_ids_BT, cfg, attention_fn)
-    unembedding = None if self.unembedding is None else self.unembedding.value
-    return transformer.unembed(cfg, x_BTD, self.final_norm.value, self.embedding.value, unembedding)
+    unembedding = None if self.unembedding is None else self.unembedding.get_value()
+    return transformer.unembed(cfg, x_BTD, self.final_norm.get_value(), embedding, unembedding)
 
 
 def qwix_rules(scheme: str, group_size: int = 128):
@@ -107,7 +110,7 @@ def weight_bytes(model: nnx.Module) -> int:
   total = 0
   for layer in model.layers:
     for name in rules_lib.LAYER_WEIGHTS:
-      for leaf in jax.tree.leaves(nnx.state(getattr(layer, name))):
+      for leaf in jax.tree.leaves(getattr(layer, name).kernel):
         bits = jnp.iinfo(leaf.dtype).bits if jnp.issubdtype(leaf.dtype, jnp.integer) \
             else jnp.finfo(leaf.dtype).bits
         total += int(np.prod(leaf.shape)) * bits // 8
