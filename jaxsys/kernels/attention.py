@@ -12,7 +12,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-IMPLS = ("auto", "pallas", "xla", "reference")
+from jaxsys.kernels.backends import IMPLS  # re-exported: the valid `impl` values
+from jaxsys.kernels import backends
 
 
 def _check_inputs(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids) -> tuple:
@@ -93,12 +94,8 @@ def _pair(segment_ids):
 
 
 def resolve_impl(impl: str, backend: str | None = None) -> str:
-  """"auto" -> the fastest path for the backend: Pallas on GPU and TPU, blockwise XLA on CPU."""
-  if impl not in IMPLS:
-    raise ValueError(f"attention: impl={impl!r} is not available; choose one of {IMPLS}")
-  if impl != "auto":
-    return impl
-  return "xla" if (backend or jax.default_backend()) == "cpu" else "pallas"
+  """"auto" -> Pallas on GPU and TPU, blockwise XLA on CPU; others pass through (checked)."""
+  return backends.resolve_impl("attention", impl, backend)
 
 
 def attention(q, k, v, *, segment_ids=None, causal: bool = True, sm_scale: float | None = None,

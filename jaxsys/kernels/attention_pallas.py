@@ -30,16 +30,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jaxsys.kernels import backends
 from jaxsys.kernels.attention import static_scale
 from jaxsys.kernels.attention_blocks import (FlashConfig, check_block, check_pallas_inputs,
                                            flash_vjp, padded_ids_and_ranges)
-
-try:  # The Triton compiler params moved names across jax versions.
-  from jax.experimental.pallas import triton as _plgpu
-  _TritonParams = getattr(_plgpu, "CompilerParams", None) or getattr(
-      _plgpu, "TritonCompilerParams")
-except ImportError:  # pragma: no cover - jax without the Triton Pallas backend
-  _TritonParams = None
 
 _LOG2E = math.log2(math.e)
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -226,16 +220,11 @@ def _dkv_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
 # ----------------------------------------------------------------------------- calls
 
 
-def _compiler_params(cfg: _Config):
-  if cfg.interpret or _TritonParams is None:
-    return None
-  return _TritonParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-
-
 def _pallas(kernel, cfg: _Config, name: str, grid, in_specs, args, out_specs, out_shape):
   return pl.pallas_call(
       functools.partial(kernel, cfg=cfg), grid=grid, in_specs=in_specs, out_specs=out_specs,
-      out_shape=out_shape, compiler_params=_compiler_params(cfg), interpret=cfg.interpret,
+      out_shape=out_shape, compiler_params=backends.triton_params(
+          cfg.interpret, num_warps=cfg.num_warps, num_stages=cfg.num_stages), interpret=cfg.interpret,
       name=name)(*args)
 
 

@@ -40,9 +40,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
 from jaxsys.kernels.attention import static_scale
+from jaxsys.kernels.backends import (ARBITRARY as _ARBITRARY, PARALLEL as _PARALLEL,
+                                    SQUEEZED as _SQUEEZED, TpuInterpretParams as _InterpretParams,
+                                    TpuParams as _CompilerParams, pltpu)
 from jaxsys.kernels.attention_blocks import (FlashConfig, check_block, check_pallas_inputs,
                                            flash_vjp, padded_ids_and_ranges)
 
@@ -51,14 +53,6 @@ NUM_SUBLANES = 8
 _DTYPES = (jnp.float32, jnp.bfloat16)
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
 _NN = (((1,), (0,)), ((), ()))  # a @ b
-
-# Names moved across jax versions; resolve them once (0.10.x and 0.11.x have all three).
-_CompilerParams = getattr(pltpu, "CompilerParams", None) or getattr(pltpu, "TPUCompilerParams")
-_InterpretParams = getattr(pltpu, "InterpretParams", None)
-_SQUEEZED = getattr(pl, "squeezed", None)  # `None` in a block shape means the same
-_PARALLEL = getattr(pltpu, "PARALLEL", "parallel")
-_ARBITRARY = getattr(pltpu, "ARBITRARY", "arbitrary")
-
 
 def _round_up(n: int, m: int) -> int:
   return -(-n // m) * m

@@ -31,8 +31,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxsys.kernels import backends
+from jaxsys.kernels.backends import IMPLS  # re-exported: the valid `impl` values
+
 SCHEMES = ("w8a8_int8", "w8a8_fp8", "w4a16")
-IMPLS = ("auto", "pallas", "xla", "reference")
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0   # largest finite float8_e4m3fn
 INT8_MAX = 127.0  # symmetric: -128 is never used
@@ -225,12 +227,8 @@ def quantize_activations(x: jax.Array, scheme: str) -> tuple[jax.Array, jax.Arra
 
 
 def resolve_impl(impl: str, backend: str | None = None) -> str:
-  """"auto" -> the fastest path for the backend: Pallas on GPU and TPU, XLA on CPU."""
-  if impl not in IMPLS:
-    raise ValueError(f"qmatmul: impl={impl!r} is not available; choose one of {IMPLS}")
-  if impl != "auto":
-    return impl
-  return "xla" if (backend or jax.default_backend()) == "cpu" else "pallas"
+  """"auto" -> Pallas on GPU and TPU, XLA on CPU; others pass through (checked)."""
+  return backends.resolve_impl("qmatmul", impl, backend)
 
 
 def _check_matmul(x, qw) -> None:

@@ -38,22 +38,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jaxsys.kernels import backends
+from jaxsys.kernels.backends import ARBITRARY as _ARBITRARY, PARALLEL as _PARALLEL
+from jaxsys.kernels.backends import TpuParams as _TpuParams, pltpu as _pltpu
 from jaxsys.kernels.quant_matmul import (QWeight, _check_matmul, quantize_activations,
                                          unpack_nibbles)
-
-try:  # The Triton compiler params moved names across jax versions.
-  from jax.experimental.pallas import triton as _plgpu
-  _TritonParams = getattr(_plgpu, "CompilerParams", None) or getattr(
-      _plgpu, "TritonCompilerParams")
-except ImportError:  # pragma: no cover - jax without the Triton Pallas backend
-  _TritonParams = None
-try:
-  from jax.experimental.pallas import tpu as _pltpu
-  _TpuParams = getattr(_pltpu, "CompilerParams", None) or getattr(_pltpu, "TPUCompilerParams")
-  _PARALLEL = getattr(_pltpu, "PARALLEL", "parallel")
-  _ARBITRARY = getattr(_pltpu, "ARBITRARY", "arbitrary")
-except ImportError:  # pragma: no cover
-  _pltpu = _TpuParams = None
 
 FLAVORS = ("gpu", "tpu")
 _NN = (((1,), (0,)), ((), ()))  # a @ b
@@ -198,9 +187,8 @@ def _gpu_call(cfg: Config, out_dtype, x, w, *scales):
   else:  # f32 partial sums, one per K split
     out_shape = jax.ShapeDtypeStruct((cfg.split_k, mp, cfg.n_pad), jnp.float32)
     out_spec = pl.BlockSpec((None, bm, bn), lambda p, s: (s, *tile(p)))
-  params = None
-  if not cfg.interpret and _TritonParams is not None:
-    params = _TritonParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+  params = backends.triton_params(cfg.interpret, num_warps=cfg.num_warps,
+                                  num_stages=cfg.num_stages)
   out = pl.pallas_call(
       functools.partial(_gpu_kernel, cfg=cfg),
       grid=grid, in_specs=in_specs, out_specs=out_spec, out_shape=out_shape,
