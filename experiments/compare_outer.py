@@ -131,11 +131,14 @@ def plot(results: list[dict], path: str) -> None:
 
 
 def time_sync(config, reps: int) -> dict:
-  """Seconds of an inner step alone vs an inner step followed by the outer sync, in one process.
+  """Seconds of an inner step alone vs the step that includes the outer sync, in one process.
 
-  Both are timed back to back, interleaved, on random tokens, after a compiling call;
-  the median of `reps` is reported. On simulated CPU devices a collective is a memory
-  copy inside one process, so this shows the sync's compute cost, not network overlap.
+  DiLoCo/NoLoCo: the step, then the sync program. CO2: the one program that runs the
+  sync and the next inner step (its all-reduce is only consumed at the next sync, so
+  XLA may overlap it with the step). Interleaved, on random tokens, after compiling
+  calls; the median of `reps`. On simulated CPU devices a collective is a memory copy
+  inside one process and XLA:CPU runs it synchronously: this shows the sync's compute
+  cost, not network overlap.
   """
   mesh = mesh_lib.make_mesh(config.mesh)
   model_cfg = transformer.TransformerConfig.from_config(config.model)
@@ -151,6 +154,8 @@ def time_sync(config, reps: int) -> dict:
   state = setup.init_state(0)
   state, m = setup.train_fn(state, batch)
   state = setup.sync_fn(state)
+  if setup.sync_train_fn is not None:
+    state, m = setup.sync_train_fn(state, batch)
   jax.block_until_ready(state)
   plain, synced = [], []
   for _ in range(reps):
@@ -159,8 +164,11 @@ def time_sync(config, reps: int) -> dict:
     jax.block_until_ready((state, m))
     plain.append(time.perf_counter() - t0)
     t0 = time.perf_counter()
-    state, m = setup.train_fn(state, batch)
-    state = setup.sync_fn(state)
+    if setup.sync_train_fn is not None:  # CO2: the sync fused into the step that follows it
+      state, m = setup.sync_train_fn(state, batch)
+    else:
+      state, m = setup.train_fn(state, batch)
+      state = setup.sync_fn(state)
     jax.block_until_ready((state, m))
     synced.append(time.perf_counter() - t0)
   p, q = float(np.median(plain)), float(np.median(synced))

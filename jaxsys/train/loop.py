@@ -207,6 +207,14 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   result: dict[str, Any] = {"workdir": workdir, "checkpoints": ckpt.directory,
                             "metrics": writer.path, "tensorboard": writer.tb_dir}
   pending: list[tuple[int, dict]] = []  # step metrics still on device
+  # A sync deferred into the next inner step's program (CO2); run on its own before eval/save.
+  sync_due = False
+  fused = getattr(setup, "sync_train_fn", None)
+
+  def flush_sync() -> None:
+    nonlocal state, sync_due
+    if sync_due:
+      state, sync_due = setup.sync_fn(state), False
 
   def log() -> None:
     """Fetches pending metrics (a non-finite loss stops the run here) and writes a row."""
@@ -224,6 +232,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     nonlocal saved_step
     if pending:  # never save without checking the losses that led here
       log()
+    flush_sync()
     _check_finite_params(state.params, step, ckpt)
     ckpt.save(step, state, data=train_loader.get_state(), meta=meta, force=True)
     saved_step = step
@@ -232,10 +241,18 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   try:
     with _sigterm_flag() as sigterm:
       while step < config.total_steps and not sigterm[0]:
-        state, m = train_fn(state, _global_batch(next(batches), batch_sh))
+        batch = _global_batch(next(batches), batch_sh)
+        if sync_due:
+          state, m = fused(state, batch)
+          sync_due = False
+        else:
+          state, m = train_fn(state, batch)
         step += 1
         if sync_every and step % sync_every == 0:
-          state = setup.sync_fn(state)
+          if fused is None:
+            state = setup.sync_fn(state)
+          else:
+            sync_due = True
         pending.append((step, m))
         meter.step_done(m)
         last = step == config.total_steps
@@ -245,6 +262,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
           progress.update(step)
         with meter.paused_timer():
           if config.eval_every and (step % config.eval_every == 0 or last):
+            flush_sync()
             ev = evaluate(eval_fn, eval_params(state.params), val_loader, val_start,
                           config.eval_steps, batch_sh)
             ev["comm_bytes"] = float(comm_bytes(step))

@@ -7,6 +7,9 @@ over replicas (replica r takes rows r*B/R.. of the global batch), so inner optim
 states stay per replica and are never averaged. Every `sync_every` steps the loop
 calls `sync_fn`: the outer optimizer's `sync` under `jax.shard_map` over `replica`
 only (the other axes stay automatic), so its collectives are explicit in the HLO.
+For CO2 the loop instead runs `sync_train_fn`, the sync and the next inner step as one
+program: the update does not wait for the all-reduce it launches, so the collective
+can overlap that step's compute.
 """
 from __future__ import annotations
 
@@ -196,6 +199,9 @@ class ReplicaSetup:
   param_sh: Any  # one replica's parameters, as eval reads them
   train_fn: Callable
   sync_fn: Callable
+  # CO2 only: the sync fused into the next round's first inner step, one program, so the
+  # all-reduce (needed only at the next sync) can overlap that step's compute.
+  sync_train_fn: Callable | None
   eval_params: Callable  # state.params [R..] -> replica 0's parameters
   bytes_per_sync: int
 
@@ -231,6 +237,15 @@ def make_replica_setup(config, model_cfg: transformer.TransformerConfig, mesh: M
 
   sync_fn = jax.jit(sync_state, in_shardings=(state_sh,), out_shardings=state_sh,
                     donate_argnums=0, compiler_options=opts)
+  sync_train_fn = None
+  if outer.name == "co2":
+    sync_train_fn = jax.jit(
+        lambda s, b: replica_train_step(sync_state(s), b, model_cfg=model_cfg,
+                                        optimizer=optimizer, replicas=replicas,
+                                        accum_steps=config.optimizer.grad_accum_steps,
+                                        processes=jax.process_count()),
+        in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated),
+        donate_argnums=0, compiler_options=opts)
   one_sh = state_lib.state_shardings(
       TrainState(step=abstract.step,
                  params=jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype),
@@ -242,5 +257,5 @@ def make_replica_setup(config, model_cfg: transformer.TransformerConfig, mesh: M
                         in_shardings=(state_sh.params,), out_shardings=one_sh.params)
   one_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), abstract.params)
   return ReplicaSetup(model_cfg, optimizer, outer, replicas, abstract, state_sh, batch_sh,
-                      one_sh.params, train_fn, sync_fn, eval_params,
+                      one_sh.params, train_fn, sync_fn, sync_train_fn, eval_params,
                       outer.bytes_per_sync(one_params, replicas))
