@@ -3,7 +3,6 @@ import chex
 import jax
 import jax.numpy as jnp
 from absl.testing import absltest, parameterized
-from flax import nnx
 
 from jaxsys.models import transformer
 from jaxsys.quant import ptq, qwix_baseline, rules
@@ -29,9 +28,8 @@ class QwixBaselineTest(parameterized.TestCase):
 
   @parameterized.parameters(("w8a8_int8", 0.55), ("w8a8_fp8", 0.55), ("w4a16", 0.32))
   def test_quantizes_every_layer_matmul(self, scheme, max_bytes_ratio):
-    model = qwix_baseline.quantize(CFG, self.params, scheme, self.args[0][:1], group_size=32)
-    graphdef, state = nnx.split(model)
-    got = jax.jit(lambda s: nnx.merge(graphdef, s)(*self.args))(state)
+    model = qwix_baseline.quantize(CFG, self.params, scheme, self.args[0], group_size=32)
+    got = model(*self.args)
     # Really quantized (weight-only rules too), and close to our RTN of the same scheme.
     ours = transformer.apply(CFG, ptq.quantize_params(
         CFG, self.params, rules.default_rules(scheme, group_size=32), "rtn"), *self.args)
