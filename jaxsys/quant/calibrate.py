@@ -10,6 +10,7 @@ earlier ones.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Iterable, NamedTuple
 
 import jax
@@ -79,30 +80,38 @@ def run_layers(cfg: transformer.TransformerConfig, params: dict[str, Any], batch
              for b in batches]
   if not batches:
     raise ValueError("run_layers: batches is empty; calibration needs at least one batch")
-  _, attention_fn = transformer.default_inputs(cfg, batches[0]["inputs"], None, None)
-
-  @jax.jit
-  def measure(p, x, b):
-    return tapped_block(cfg, p, x, b["positions"], b["segment_ids"], attention_fn)
-
-  @jax.jit
-  def forward(p, x, b):
-    return transformer.block(p, x, b["positions"], b["segment_ids"], cfg, attention_fn)
-
-  embed = jax.jit(lambda e, t: transformer.embed(cfg, e, t))
-  xs = [embed(params["embedding"], b["inputs"]) for b in batches]
+  xs = [_embed(cfg, params["embedding"], b["inputs"]) for b in batches]
   layers, all_stats = [], []
   for index in range(cfg.n_layers):
     p = layer(params["layers"], index)
     stats = None
     for i, b in enumerate(batches):
-      _, s = measure(p, xs[i], b)
+      _, s = _measure(cfg, p, xs[i], b)
       stats = s if stats is None else {k: stats[k].merge(s[k]) for k in stats}
     new_p = replace(index, p, stats) if replace is not None else p
-    xs = [forward(new_p, xs[i], b) for i, b in enumerate(batches)]
+    xs = [_forward(cfg, new_p, xs[i], b) for i, b in enumerate(batches)]
     layers.append(new_p)
     all_stats.append(stats)
   return layers, all_stats
+
+
+# Jitted with the (hashable) model config static, so repeated calibrations reuse compilations.
+
+@functools.partial(jax.jit, static_argnums=0)
+def _embed(cfg, embedding, tokens_BT):
+  return transformer.embed(cfg, embedding, tokens_BT)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _measure(cfg, p, x_BTD, b):
+  _, attention_fn = transformer.default_inputs(cfg, b["inputs"], None, None)
+  return tapped_block(cfg, p, x_BTD, b["positions"], b["segment_ids"], attention_fn)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forward(cfg, p, x_BTD, b):
+  _, attention_fn = transformer.default_inputs(cfg, b["inputs"], None, None)
+  return transformer.block(p, x_BTD, b["positions"], b["segment_ids"], cfg, attention_fn)
 
 
 def stack_layers(layers: list[dict[str, Any]]) -> dict[str, Any]:

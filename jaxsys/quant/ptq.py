@@ -21,7 +21,6 @@ import math
 from typing import Any, Iterable
 
 import jax
-import jax.numpy as jnp
 
 from jaxsys.kernels import quant_matmul as qm
 from jaxsys.models import transformer
@@ -42,7 +41,12 @@ def matrix(name: str, w: jax.Array, stacked: bool) -> jax.Array:
 
 def rtn(w_KN: jax.Array, rule: rules_lib.Rule) -> qm.QWeight:
   """Round-to-nearest QWeight of w [..., K, N] (leading dims quantized independently)."""
-  fn = functools.partial(qm.quantize_weight, scheme=rule.scheme, group_size=rule.group_size)
+  return _rtn(w_KN, rule.scheme, rule.group_size)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _rtn(w_KN, scheme, group_size):
+  fn = functools.partial(qm.quantize_weight, scheme=scheme, group_size=group_size)
   for _ in range(w_KN.ndim - 2):
     fn = jax.vmap(fn)
   return fn(w_KN)
