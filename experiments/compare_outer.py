@@ -194,7 +194,11 @@ def main(argv):
                  config.optimizer.outer)
     t = time.perf_counter()
     result = train_and_evaluate(config, run_dir)
-    wall = time.perf_counter() - t if "val_bpb" in result else None
+    wall_file = os.path.join(run_dir, "wall_s.json")
+    if "val_bpb" in result:  # trained (or finished) now: keep its wall time for later reads
+      with open(wall_file, "w") as f:
+        json.dump(time.perf_counter() - t, f)
+    wall = json.load(open(wall_file)) if os.path.exists(wall_file) else None
     row = summarize(name, config, run_dir, wall)
     logging.info("[%d/%d] %s done: val_bpb=%.4f, %s sent per worker, %.0f s", i + 1, len(names),
                  name, row["val_bpb"], _fmt_bytes(row["comm_bytes"]), wall or 0.0)
