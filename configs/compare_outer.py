@@ -33,7 +33,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     raise ValueError(f"configs/compare_outer.py takes no argument; got {arg!r}")
   c = _tiny_lm().get_config("size=test")
   # Between the `test` and `tiny` sizes: big enough that the methods separate, small enough
-  # that the 11 runs fit in about 20 minutes on 2 quiet CPU cores.
+  # that the 12 runs fit in about 20 minutes on 2 quiet CPU cores.
   c.model.update(dict(d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=384))
   c.data.update(dict(seq_len=128, batch_size=32, num_threads=2))
   c.total_steps = 400  # 4 syncs at H=100
@@ -52,8 +52,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   runs["diloco_k4_h50_int8"] = _outer("diloco", 4, 50, outer_compression="int8")
   runs["noloco_k4_h50"] = _outer("noloco", 4, 50)
   runs["co2_k4_h50"] = _outer("co2", 4, 50)
-  # Diagnostic: plain parameter averaging (outer SGD, lr 1, no momentum) at the same k, H.
+  # Diagnostics: plain parameter averaging (outer SGD, lr 1, no momentum) at the same k, H;
+  # CO2 without outer momentum (one-step-delayed averaging).
   runs["avg_k4_h50"] = _outer("diloco", 4, 50, outer_lr=1.0, outer_momentum=0.0)
+  runs["co2_k4_h50_m0"] = _outer("co2", 4, 50, outer_momentum=0.0)
   c.runs = ",".join(runs)
   c.run_specs = ml_collections.ConfigDict(runs)
   return c
