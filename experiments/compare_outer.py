@@ -114,13 +114,15 @@ def plot(results: list[dict], path: str) -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
   fig, (a, b) = plt.subplots(1, 2, figsize=(13, 5))
-  for r in results:
+  colors = plt.cm.tab20.colors
+  for i, r in enumerate(results):
     steps, loss, comm = zip(*r["curve"])
     style = "-" if r["method"] == "data parallel" else "--" if r["workers"] == 8 else "-."
-    a.plot(steps, loss, style, label=r["run"])
+    kw = dict(color=colors[(2 * i) % 20 + (2 * i) // 20 % 2], label=r["run"])
+    a.plot(steps, loss, style, **kw)
     pts = [(c, l) for c, l in zip(comm, loss) if c > 0]
     if pts:
-      b.plot(*zip(*pts), style, marker=".", label=r["run"])
+      b.plot(*zip(*pts), style, marker=".", **kw)
   a.set(xlabel="inner step", ylabel="val loss (nats/token)", title="val loss vs step")
   b.set(xlabel="bytes sent per worker", ylabel="val loss (nats/token)", xscale="log",
         title="val loss vs communication")
