@@ -21,6 +21,7 @@ import math
 from typing import Any, Iterable
 
 import jax
+import jax.numpy as jnp
 
 from jaxsys.kernels import quant_matmul as qm
 from jaxsys.models import transformer
@@ -73,7 +74,8 @@ def _check(cfg, params, rules, method, calib_batches) -> None:
     raise ValueError(f"quantize_params: method={method!r} needs calib_batches (training batches)")
   for path in rules_lib.quantizable_paths(params):
     w = params[path] if "/" not in path else params["layers"][path.split("/")[1]]
-    if not isinstance(w, jax.Array):
+    # numpy arrays (e.g. from jax.device_get) are fine; QWeights mean it was quantized already.
+    if not hasattr(w, "dtype") or not jnp.issubdtype(w.dtype, jnp.floating):
       raise ValueError(f"quantize_params: params[{path!r}] is a {type(w).__name__}, not a float "
                        "array; quantize the float parameters")
   if "layers" not in params or len(params["layers"]["wq"]) != cfg.n_layers:
