@@ -46,6 +46,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.checkpoint_every = max(1, steps // 3)
   c.keep_checkpoints = 3
   c.mesh = "data=-1"  # e.g. "fsdp=8" or "data=2,tensor=4"; see jaxsys/mesh.py
+  # Another run's workdir (or its checkpoints dir): a fresh run starts from its latest
+  # parameters (inner/outer optimizer state, step and data position start fresh); a
+  # run that resumes its own checkpoint ignores it. "" starts from random parameters.
+  c.init_from = ""
 
   c.model = ml_collections.ConfigDict(dict(
       vocab_size=256, d_model=d_model, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv,

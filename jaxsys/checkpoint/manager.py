@@ -11,6 +11,7 @@ import os
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 
@@ -64,3 +65,34 @@ def check_same_model(saved: dict, current: dict, directory: str, fields) -> None
                        for k in diff)
     raise ValueError(f"checkpoint in {directory} is of a different model: {detail}; "
                      "use another --workdir or a matching --config")
+
+
+def _read_only(directory: str) -> ocp.CheckpointManager:
+  options = ocp.CheckpointManagerOptions(create=False, read_only=True)
+  return ocp.CheckpointManager(directory, options=options,
+                               item_handlers={"state": ocp.PyTreeCheckpointHandler(),
+                                              "meta": ocp.JsonCheckpointHandler()})
+
+
+def latest_meta(directory: str) -> tuple[int, dict] | None:
+  """(latest step, its meta) of the checkpoints under `directory`, read-only; None if none."""
+  manager = _read_only(directory)
+  try:
+    step = manager.latest_step()
+    if step is None:
+      return None
+    return step, manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+  finally:
+    manager.close()
+
+
+def read_params(directory: str, step: int, abstract_params: Any) -> Any:
+  """Only the `params` of the state saved at `step`, as numpy arrays shaped like `abstract_params`."""
+  manager = _read_only(directory)
+  try:
+    target = {"params": abstract_params}
+    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), target)
+    return manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+        target, restore_args=restore_args, partial_restore=True)))["state"]["params"]
+  finally:
+    manager.close()

@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding
 
 from jaxsys import mesh as mesh_lib
 from jaxsys import metrics as metrics_lib
+from jaxsys.checkpoint import manager as manager_lib
 from jaxsys.checkpoint.manager import Checkpointer, check_same_model
 from jaxsys.data.loader import make_loader
 from jaxsys.models import transformer
@@ -121,6 +122,29 @@ def _check_finite_metrics(fetched: list[tuple[int, dict]], ckpt: Checkpointer) -
           f"the last good checkpoint is step {ckpt.latest_step()} in {ckpt.directory}")
 
 
+def _init_from_params(init_from: str, model_cfg, model_meta: dict):
+  """The latest parameters of the run at `init_from` (its workdir or checkpoints dir), as numpy.
+
+  A checkpoint in the replica view gives replica 0's parameters (the ones its evals scored).
+  """
+  path = os.path.abspath(init_from)
+  directory = os.path.join(path, "checkpoints")
+  directory = directory if os.path.isdir(directory) else path
+  found = manager_lib.latest_meta(directory) if os.path.isdir(directory) else None
+  if found is None:
+    raise ValueError(f"init_from={init_from!r} holds no checkpoint; it must be a run's workdir "
+                     "or its checkpoints dir, or '' to start from random parameters")
+  step, meta = found
+  check_same_model(meta["model"], model_meta, directory, SHAPE_FIELDS)
+  params = jax.eval_shape(lambda: transformer.init_params(model_cfg, jax.random.key(0)))
+  replicas = (meta.get("outer") or {}).get("replicas")
+  if replicas:
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct((replicas, *x.shape), x.dtype), params)
+  params = manager_lib.read_params(directory, step, params)
+  logging.info("init_from: parameters of step %d in %s", step, directory)
+  return jax.tree.map(lambda x: x[0], params) if replicas else params
+
+
 def evaluate(eval_fn, params, loader, start_state: dict, steps: int, sharding) -> dict[str, float]:
   """val_loss and val_bpb over the first `steps` batches of `loader` (rewound to `start_state`)."""
   loader.set_state(start_state)
@@ -190,6 +214,14 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     logging.info("resumed from %s at step %d", ckpt.directory, latest)
   else:
     state = setup.init_state(config.seed)
+    if config.get("init_from"):  # fresh start from another run's parameters; a resume never is
+      params = jax.device_put(_init_from_params(config.init_from, model_cfg, model_meta), param_sh)
+      if outer is None:
+        start = lambda s, p: s.replace(params=p, opt_state=setup.optimizer.init(p))
+      else:
+        start = lambda s, p: replicas_lib.start_from_params(s.step, s.rng, p, setup.optimizer,
+                                                            outer, setup.replicas)
+      state = jax.jit(start, out_shardings=state_sh, donate_argnums=0)(state, params)
   meta = {"model": model_meta, "config": config.to_dict()}
   if outer_meta is not None:
     meta["outer"] = outer_meta

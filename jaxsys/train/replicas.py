@@ -97,10 +97,16 @@ def init_replica_state(model_cfg, optimizer, outer: outer_lib.OuterOptimizer, re
                        seed: int) -> ReplicaTrainState:
   """Every replica starts from the same parameters and a fresh inner state."""
   base = state_lib.init_train_state(model_cfg, optimizer, seed)
+  return start_from_params(base.step, base.rng, base.params, optimizer, outer, replicas)
+
+
+def start_from_params(step, rng, params, optimizer, outer: outer_lib.OuterOptimizer,
+                      replicas: int) -> ReplicaTrainState:
+  """Every replica and the outer state at `params` (one replica's), fresh inner and outer states."""
   stack = lambda tree: jax.tree.map(lambda x: jnp.broadcast_to(x, (replicas, *x.shape)), tree)
-  params = stack(base.params)
-  return ReplicaTrainState(step=base.step, params=params, opt_state=stack(base.opt_state),
-                           outer=jax.vmap(outer.init)(params), rng=base.rng)
+  params_R = stack(params)
+  return ReplicaTrainState(step=step, params=params_R, opt_state=stack(optimizer.init(params)),
+                           outer=jax.vmap(outer.init)(params_R), rng=rng)
 
 
 def _path_suffix_shardings(tree, params, param_sh, replicated):
