@@ -249,6 +249,14 @@ class PytreeTest(parameterized.TestCase):
     self.assertEqual(restored["layers"]["w4a16"].group_size, 32)
 
 
+def assert_one_line_errors(test, cases):
+  """Each (fn, pattern): fn() raises a ValueError matching pattern, in one line."""
+  for fn, pattern in cases:
+    with test.assertRaisesRegex(ValueError, pattern) as cm:
+      fn()
+    test.assertNotIn("\n", str(cm.exception))
+
+
 class ErrorTest(parameterized.TestCase):
 
   def test_one_line_errors(self):
@@ -270,10 +278,7 @@ class ErrorTest(parameterized.TestCase):
         (lambda: qm.qmatmul(jnp.ones((2, 96)), qm.quantize_weight(w, "w8a8_int8"), impl="cuda"),
          r"impl='cuda'.*'auto', 'pallas', 'xla', 'reference'"),
     ]
-    for fn, pattern in cases:
-      with self.assertRaisesRegex(ValueError, pattern) as cm:
-        fn()
-      self.assertNotIn("\n", str(cm.exception))
+    assert_one_line_errors(self, cases)
 
 
 if __name__ == "__main__":

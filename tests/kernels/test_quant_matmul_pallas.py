@@ -20,7 +20,7 @@ from jaxsys.kernels.quant_matmul_pallas import (gpu_config, grouped_tile, pallas
                                                 tpu_config)
 
 # Same directory (pytest puts it on sys.path): the shared inputs and tolerances.
-from test_quant_matmul import _weight, _x, assert_close_to_ref
+from test_quant_matmul import _weight, _x, assert_close_to_ref, assert_one_line_errors
 
 K, N = 256, 256  # K/2 = 128: one TPU lane block per half at group_size 128
 
@@ -231,10 +231,7 @@ class PallasErrorTest(parameterized.TestCase):
          r"group_size=24 and K/2=48; got block_k=8"),
         (lambda: pallas_qmatmul(_x((2, 95), jnp.float32), qw), r"K=256.*\(2, 95\)"),
     ]
-    for fn, pattern in cases:
-      with self.assertRaisesRegex(ValueError, pattern) as cm:
-        fn()
-      self.assertNotIn("\n", str(cm.exception))
+    assert_one_line_errors(self, cases)
 
 
 if __name__ == "__main__":
