@@ -202,6 +202,7 @@ def time_sync(config, reps: int) -> dict:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  metrics_lib.quiet_library_logs()
   base = _CONFIG.value
   names = base.runs.split(",")
   unknown = sorted(set(_RUNS.value or []) - set(names))

@@ -14,6 +14,7 @@ import sys
 
 from absl import app, flags
 
+from jaxsys import metrics as metrics_lib
 from jaxsys.quant import evaluate
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Workdir of a training run (experiments.train).")
@@ -28,6 +29,7 @@ flags.mark_flags_as_required(["workdir"])
 
 def main(argv):
   del argv
+  metrics_lib.quiet_library_logs()
   try:
     wanted = evaluate.DEFAULT_ROWS if _ROWS.value is None else evaluate.parse_rows(_ROWS.value)
     run = evaluate.load_run(_WORKDIR.value, _STEP.value)

@@ -9,7 +9,6 @@ Several processes (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID, o
 cluster jax detects by itself) join one run through jax.distributed.
 """
 import importlib.util
-import logging as pylogging
 import os
 import sys
 
@@ -17,6 +16,7 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from jaxsys import metrics as metrics_lib
 from jaxsys.train.loop import train_and_evaluate
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (:arg optional).",
@@ -67,17 +67,10 @@ def _load_config(spec: str):
   return module.get_config(arg) if arg else module.get_config()
 
 
-class _QuietLibraries(pylogging.Filter):
-  """Drops orbax's per-save INFO chatter (dozens of lines a checkpoint); keeps its warnings."""
-
-  def filter(self, record: pylogging.LogRecord) -> bool:
-    return record.levelno >= pylogging.WARNING or "/orbax/" not in record.pathname
-
-
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  logging.get_absl_handler().addFilter(_QuietLibraries())
+  metrics_lib.quiet_library_logs()
   maybe_initialize_distributed()
   config = _CONFIG.value
   logging.info("jax %s, backend %s, %d devices (%d local), process %d of %d", jax.__version__,

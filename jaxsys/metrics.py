@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging as pylogging
 import math
 import os
 import platform
@@ -58,6 +59,20 @@ class MetricWriter:
     self._file.close()
     if self._tb is not None:
       self._tb.close()
+
+
+class _QuietLibraries(pylogging.Filter):
+  """Drops orbax's per-save INFO chatter (dozens of lines a checkpoint); keeps its warnings."""
+
+  def filter(self, record: pylogging.LogRecord) -> bool:
+    return record.levelno >= pylogging.WARNING or "/orbax/" not in record.pathname
+
+
+def quiet_library_logs() -> None:
+  """For experiment binaries: keep library INFO lines out of the absl log (idempotent)."""
+  handler = logging.get_absl_handler()
+  if not any(isinstance(f, _QuietLibraries) for f in handler.filters):
+    handler.addFilter(_QuietLibraries())
 
 
 def _to_python(v):

@@ -14,9 +14,17 @@ here, so the update is written as the authors' code computes it:
 
 lambda is the staleness gap penalty and clip is element-wise to [-c, c], as in the
 authors' code (fairscale-CO2 `CO2DistributedDataParallel`: `co2_gap_penalty`,
-`co2_clip_threshold`); the defaults are that code's (alpha = outer_lr 1.0,
-beta = outer_momentum 0.5, lambda 1.0, clipping off). The first sync has no average
-yet, so round 1 starts where round 0 did; round 0's progress arrives one sync later.
+`co2_clip_threshold`; there `torch.clamp` is not in place, so its clipping is a no-op);
+the defaults are that code's (alpha = outer_lr 1.0, beta = outer_momentum 0.5,
+lambda 1.0, clipping off). The first sync has no average yet, so round 1 starts where
+round 0 did; round 0's progress arrives one sync later.
+
+Stability. In a direction the H inner steps fully converge (the round's pseudo-gradient
+is the whole distance to the local optimum), the delayed heavy-ball recursion
+x_{t+1} = x_t - (alpha/lambda) (beta m_{t-1} + (x_{t-1} - x*)) has spectral radius
+< 1 only when alpha / lambda < 1 - beta. The code's defaults sit outside that (1 > 0.5)
+and diverged in our LM comparison; this is what the staleness penalty is for, so
+`co2()` warns and e.g. lambda = 2 alpha / (1 - beta) is inside with margin.
 """
 from __future__ import annotations
 
@@ -24,6 +32,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from absl import logging
 from jax import lax
 
 from jaxsys.optim import outer as outer_lib
@@ -40,13 +49,22 @@ class CO2State(NamedTuple):
 def co2(*, sync_every: int, outer_lr: float = 1.0, outer_momentum: float = 0.5,
         staleness_penalty: float = 1.0, momentum_clip: float | None = None
         ) -> outer_lib.OuterOptimizer:
-  """CO2's outer step; `momentum_clip=None` turns clipping off (the authors' default)."""
+  """CO2's outer step; `momentum_clip=None` turns clipping off (the authors' default).
+
+  Warns when alpha / lambda >= 1 - beta (unstable; see the module docstring).
+  """
   sync_every = outer_lib.check_sync_every(sync_every)
   alpha = outer_lib.check_range("outer_lr", outer_lr, 0.0, lo_open=True)
   beta = outer_lib.check_range("outer_momentum", outer_momentum, 0.0, 1.0)
   lam = outer_lib.check_range("staleness_penalty", staleness_penalty, 0.0, lo_open=True)
   clip = None if momentum_clip is None else outer_lib.check_range(
       "momentum_clip", momentum_clip, 0.0, lo_open=True)
+  if alpha / lam >= 1.0 - beta:
+    logging.warning(
+        "co2: outer_lr/staleness_penalty = %g >= 1 - outer_momentum = %g: the delayed outer "
+        "update is unstable in directions the inner steps converge; use staleness_penalty "
+        "> outer_lr / (1 - outer_momentum) (jaxsys/optim/co2.py, Stability)",
+        alpha / lam, 1.0 - beta)
 
   def init(params) -> CO2State:
     zeros = jax.tree.map(jnp.zeros_like, params)

@@ -201,6 +201,27 @@ class CO2Test(absltest.TestCase):
     np.testing.assert_allclose(out[0], [-0.15, 0.05, 0.0], rtol=1e-6)
 
 
+  def test_stability_bound_on_directions_the_inner_steps_converge(self):
+    # Every round's local steps land exactly on the replica's optimum c_i, wherever they
+    # start (h = 1): the anchor should settle at mean(c) iff alpha/lambda < 1 - beta.
+    c = jnp.array([[1.0, -2.0], [3.0, 0.0], [-1.0, 2.0], [1.0, 4.0]])
+    target = c.mean(0)
+
+    def distance_after(outer, syncs=60):
+      sync = _vmap_sync(outer)
+      x, state = jnp.zeros((R, 2)), jax.vmap(outer.init)(jnp.zeros((R, 2)))
+      for _ in range(syncs):
+        x, state = sync(c, state)
+      return float(jnp.max(jnp.abs(x - target)))
+
+    with self.assertLogs("absl", "WARNING") as logs:
+      unstable = optim.co2(sync_every=1)  # the authors' code's defaults: 1 >= 1 - 0.5
+    self.assertIn("staleness_penalty", logs.output[0])
+    self.assertGreater(distance_after(unstable), 10 * float(jnp.max(jnp.abs(target))))
+    stable = optim.co2(sync_every=1, staleness_penalty=4.0)  # 0.25 < 0.5
+    self.assertLess(distance_after(stable), 1e-3)
+
+
 class CompressionTest(parameterized.TestCase):
 
   @parameterized.parameters(("bf16", 2.0 ** -8), ("fp8", 2.0 ** -4))
