@@ -286,6 +286,11 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
           else:
             sync_due = True
         pending.append((step, m))
+        if len(pending) > 1:
+          # At most two steps in flight. A deep queue of collective programs can deadlock
+          # XLA:CPU's simulated devices (threads blocked in a later step's rendezvous starve
+          # a device still in an earlier one); on accelerators one step ahead is enough.
+          jax.block_until_ready(pending[-2][1])
         meter.step_done(m)
         last = step == config.total_steps
         if step % config.log_every == 0 or last:
