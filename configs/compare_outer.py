@@ -45,6 +45,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # of 2600, long enough that H=50 makes 32 outer steps.
   c.pretrain_steps = 1000  # data-parallel warm start shared by every row; 0: from scratch
   c.total_steps = 1600  # after the warm start
+  # True: the pretrain and each row share one learning-rate curve over both (the rows skip
+  # its first pretrain_steps); False: each row warms up and decays again.
+  c.continue_schedule = False
   c.log_every = 100
   c.eval_every = 100
   c.eval_steps = 4

@@ -65,7 +65,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.optimizer = ml_collections.ConfigDict(dict(
       name="adamw", learning_rate=3e-3, warmup_steps=max(1, steps // 20), final_lr_fraction=0.1,
       b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, grad_clip=1.0, grad_accum_steps=1,
-      schedule_steps=0))  # 0: decay over total_steps
+      schedule_steps=0,  # 0: decay over total_steps
+      schedule_offset=0))  # steps of the curve already taken (e.g. by the init_from run)
   # Outer (low-communication) optimizer over the mesh's `replica` axis: none (plain data
   # parallel), diloco, noloco or co2; e.g. --config.optimizer.outer=diloco
   # --config.mesh=replica=4,data=-1. Unset (None) fields take the algorithm's published

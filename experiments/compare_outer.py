@@ -51,7 +51,10 @@ def run_config(base, overrides):
   config = copy.deepcopy(base)
   with config.unlocked():
     del config["runs"], config["run_specs"], config["pretrain_steps"]
+    del config["continue_schedule"]
   _merge(config, overrides)
+  if base.continue_schedule and base.pretrain_steps:  # one curve over pretrain + row
+    config.optimizer.schedule_steps = base.pretrain_steps + base.total_steps
   return config
 
 
@@ -107,7 +110,9 @@ def pretrain(base, workdir: str) -> tuple[str, str]:
   bpb = f", val bpb {evals[-1]['val_bpb']:.4f}" if evals else ""
   return run_dir, (f"Protocol: every row starts from one data-parallel run pretrained for {steps} "
                    f"steps ({run_dir}{bpb}), then trains {base.total_steps} more inner steps "
-                   "(fresh inner and outer optimizer states, same global batch).")
+                   "(fresh inner and outer optimizer states, same global batch"
+                   + (", the learning-rate curve continued" if base.continue_schedule else
+                      ", the learning rate warmed up again") + ").")
 
 
 def write_table(results: list[dict], workdir: str, protocol: str = "") -> str:
@@ -216,6 +221,8 @@ def main(argv):
   for i, name in enumerate(names):
     config = run_config(base, base.run_specs[name].to_dict())
     config.init_from = init_from
+    if base.continue_schedule and init_from:
+      config.optimizer.schedule_offset = base.pretrain_steps
     run_dir = os.path.join(workdir, name)
     logging.info("[%d/%d] %s: mesh %s, outer %s", i + 1, len(names), name, config.mesh,
                  config.optimizer.outer)

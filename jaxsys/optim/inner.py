@@ -12,12 +12,18 @@ def make_schedule(cfg, total_steps: int) -> optax.Schedule:
 
   The decay spans `cfg.schedule_steps` when set, else `total_steps`: set it to train a
   run in several legs (or to extend one) without changing its learning-rate curve.
+  `cfg.schedule_offset` steps of the curve are skipped: a run started from another's
+  parameters (`init_from`) continues that run's curve instead of warming up again.
   """
   total_steps = getattr(cfg, "schedule_steps", 0) or total_steps
+  offset = getattr(cfg, "schedule_offset", 0)
+  if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+    raise ValueError(f"optimizer.schedule_offset={offset!r} is invalid; it must be an int >= 0")
   warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
-  return optax.warmup_cosine_decay_schedule(
+  schedule = optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=cfg.learning_rate, warmup_steps=warmup,
       decay_steps=max(total_steps, warmup + 1), end_value=cfg.learning_rate * cfg.final_lr_fraction)
+  return (lambda count: schedule(count + offset)) if offset else schedule
 
 
 def decay_mask(params):

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import jax
+import pytest
 
 from jaxsys import optim
 from jaxsys.models import transformer
@@ -26,7 +27,7 @@ def test_two_rows_from_a_warm_start(small_corpus, tmp_path):
       _cmd(tmp_path, small_corpus, "--runs=dp,diloco_k4_h10", "--time_sync=diloco_k4_h10",
            "--time_reps=2", "--config.pretrain_steps=2", "--config.total_steps=4",
            "--config.eval_every=2", "--config.eval_steps=1", "--config.log_every=2",
-           "--config.checkpoint_every=4",
+           "--config.checkpoint_every=4", "--config.continue_schedule=true",
            "--config.run_specs.diloco_k4_h10.optimizer.outer_sync_every=2"),
       cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -49,8 +50,14 @@ def test_two_rows_from_a_warm_start(small_corpus, tmp_path):
       outer_lib.tree_bytes(params), 4)
   assert diloco["bytes_reduction"] == diloco["dp_bytes_same_k"] / diloco["comm_bytes"]
 
+  # One learning-rate curve over pretrain + row (warmup min(20, 6 - 1) = 5 steps): the
+  # row's step 2 runs at the curve's step 1 + 2.
+  dp_rows = [json.loads(l) for l in (tmp_path / "dp" / "metrics.jsonl").read_text().splitlines()]
+  assert next(r["lr"] for r in dp_rows if r["step"] == 2) == pytest.approx(3e-3 * 3 / 5)
+
   table = (tmp_path / "results.md").read_text()
   assert table.startswith("Protocol: every row starts from one data-parallel run pretrained for 2")
+  assert "the learning-rate curve continued" in table.splitlines()[0]
   assert "| diloco_k4_h10 | diloco | 4 | 2 |" in table and "| ratio |" in table
   assert (tmp_path / "outer_comparison.png").stat().st_size > 10_000
   timing = json.loads((tmp_path / "sync_timing.json").read_text())["diloco_k4_h10"]
