@@ -10,6 +10,10 @@ results.json and outer_comparison.png (val loss against step and against bytes s
 per worker) to --workdir; each run trains in --workdir/<run> (a finished run is read
 back, not retrained). Bytes are compared with data parallel at the same number of
 workers k: a ring all-reduce of the gradients every step.
+
+`--seeds=0,1,2` repeats all of it per seed in --workdir/seed<N> (its own pretrain, data
+order and init) and writes results_seeds.md: each row's mean ± std val bpb and its gaps
+to data parallel and to DiLoCo at the same k and H, taken per seed.
 """
 import copy
 import json
@@ -35,6 +39,8 @@ _RUNS = flags.DEFINE_list("runs", None, "Subset of config.runs to train (default
 _TIME_RUNS = flags.DEFINE_list("time_sync", ["diloco_k4_h50", "noloco_k4_h50", "co2_k4_h50"],
                                "Runs whose sync cost is timed against a plain inner step.")
 _TIME_REPS = flags.DEFINE_integer("time_reps", 20, "Timed repetitions per measurement.")
+_SEEDS = flags.DEFINE_list("seeds", None, "Repeat the comparison under each seed, in "
+                           "--workdir/seed<N>, and add a mean ± std table (results_seeds.md).")
 flags.mark_flags_as_required(["workdir"])
 
 
@@ -204,17 +210,8 @@ def time_sync(config, reps: int) -> dict:
   return {"step_s": p, "step_with_sync_s": q, "ratio": q / p}
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  metrics_lib.quiet_library_logs()
-  base = _CONFIG.value
-  names = base.runs.split(",")
-  unknown = sorted(set(_RUNS.value or []) - set(names))
-  if unknown:
-    raise app.UsageError(f"--runs: unknown run(s) {unknown}; valid: {', '.join(names)}")
-  names = [n for n in names if n in (_RUNS.value or names)]
-  workdir = os.path.abspath(_WORKDIR.value)
+def compare(base, names: list[str], workdir: str) -> tuple[list[dict], str]:
+  """Pretrains (if asked), trains or reads back each named row; writes the table and plot."""
   os.makedirs(workdir, exist_ok=True)
   init_from, protocol = pretrain(base, workdir)
   results = []
@@ -224,8 +221,8 @@ def main(argv):
     if base.continue_schedule and init_from:
       config.optimizer.schedule_offset = base.pretrain_steps
     run_dir = os.path.join(workdir, name)
-    logging.info("[%d/%d] %s: mesh %s, outer %s", i + 1, len(names), name, config.mesh,
-                 config.optimizer.outer)
+    logging.info("[%d/%d] %s: mesh %s, outer %s, seed %d", i + 1, len(names), name, config.mesh,
+                 config.optimizer.outer, config.seed)
     t = time.perf_counter()
     result = train_and_evaluate(config, run_dir)
     wall_file = os.path.join(run_dir, "wall_s.json")
@@ -240,22 +237,111 @@ def main(argv):
     write_table(results, workdir, protocol)
   table = write_table(results, workdir, protocol)
   plot(results, os.path.join(workdir, "outer_comparison.png"))
+  return results, table
+
+
+def _diloco_reference(row: dict, rows: list[dict]) -> dict | None:
+  """The uncompressed DiLoCo row at the same k and H as `row` (None for it or if absent)."""
+  if row["method"] in ("data parallel", "diloco"):
+    return None
+  return next((r for r in rows if r["method"] == "diloco" and r["compression"] == "none"
+               and r["workers"] == row["workers"] and r["sync_every"] == row["sync_every"]), None)
+
+
+def _mean_std(values: list[float], fmt: str) -> str:
+  if len(values) < 2:
+    return format(values[0], fmt)
+  return f"{format(np.mean(values), fmt)} ± {format(np.std(values, ddof=1), fmt.lstrip('+'))}"
+
+
+def write_seed_table(per_seed: dict[int, list[dict]], workdir: str) -> str:
+  """Mean ± sample std over seeds of each row's val bpb and its gaps to DP and to DiLoCo."""
+  seeds = sorted(per_seed)
+  gaps = {}  # run -> {"bpb": [...], "dp": [...], "diloco": [...]}, one entry per seed
+  for s in seeds:
+    rows = per_seed[s]
+    dp = next((r for r in rows if r["method"] == "data parallel"), None)
+    for r in rows:
+      g = gaps.setdefault(r["run"], {"row": r, "bpb": [], "dp": [], "diloco": []})
+      g["bpb"].append(r["val_bpb"])
+      if dp is not None:
+        g["dp"].append(100 * (r["val_bpb"] / dp["val_bpb"] - 1))
+      ref = _diloco_reference(r, rows)
+      if ref is not None:
+        g["diloco"].append(100 * (r["val_bpb"] / ref["val_bpb"] - 1))
+  lines = [f"Mean ± sample std over seeds {', '.join(map(str, seeds))} (each seed: its own "
+           "pretrain, data order and init; gaps are taken per seed, then averaged).", "",
+           "| run | k | H | val bpb | vs DP (%) | vs DiLoCo, same k and H (%) | per seed vs DP |",
+           "|---|---|---|---|---|---|---|"]
+  for run, g in gaps.items():
+    r = g["row"]
+    vs_dp = _mean_std(g["dp"], "+.2f") if g["dp"] and r["method"] != "data parallel" else "-"
+    vs_dl = _mean_std(g["diloco"], "+.2f") if g["diloco"] else "-"
+    per = " / ".join(f"{x:+.2f}" for x in g["dp"]) if r["method"] != "data parallel" else "-"
+    lines.append(f"| {run} | {r['workers']} | {r['sync_every']} | {_mean_std(g['bpb'], '.4f')} | "
+                 f"{vs_dp} | {vs_dl} | {per} |")
+  table = "\n".join(lines) + "\n"
+  with open(os.path.join(workdir, "results_seeds.md"), "w") as f:
+    f.write(table)
+  with open(os.path.join(workdir, "results_seeds.json"), "w") as f:
+    json.dump({run: {k: v for k, v in g.items() if k != "row"} for run, g in gaps.items()}, f,
+              indent=1)
+  return table
+
+
+def _seeds(values: list[str] | None) -> list[int] | None:
+  if not values:
+    return None
+  try:
+    seeds = [int(v) for v in values]
+  except ValueError:
+    raise app.UsageError(f"--seeds={','.join(values)}: expected comma-separated integers, "
+                         "e.g. --seeds=0,1,2") from None
+  if len(set(seeds)) != len(seeds):
+    raise app.UsageError(f"--seeds={','.join(values)}: a seed is repeated")
+  return seeds
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  metrics_lib.quiet_library_logs()
+  base = _CONFIG.value
+  names = base.runs.split(",")
+  unknown = sorted(set(_RUNS.value or []) - set(names))
+  if unknown:
+    raise app.UsageError(f"--runs: unknown run(s) {unknown}; valid: {', '.join(names)}")
+  names = [n for n in names if n in (_RUNS.value or names)]
+  seeds = _seeds(_SEEDS.value)
+  workdir = os.path.abspath(_WORKDIR.value)
+  if seeds is None:
+    _, table = compare(base, names, workdir)
+  else:
+    per_seed = {}
+    for s in seeds:
+      seeded = copy.deepcopy(base)
+      seeded.seed = s
+      logging.info("seed %d of %s: %s", s, seeds, os.path.join(workdir, f"seed{s}"))
+      per_seed[s], _ = compare(seeded, names, os.path.join(workdir, f"seed{s}"))
+    table = write_seed_table(per_seed, workdir)
   timing = {}
   for name in [n for n in _TIME_RUNS.value if n in base.runs.split(",")]:
     timing[name] = time_sync(run_config(base, base.run_specs[name].to_dict()), _TIME_REPS.value)
     logging.info("sync cost %s: step %.3f s, step + sync %.3f s (x%.3f)", name,
                  timing[name]["step_s"], timing[name]["step_with_sync_s"], timing[name]["ratio"])
+  results_md = os.path.join(workdir, "results.md" if seeds is None else "results_seeds.md")
   if timing:
     lines = ["| run | inner step s | step + sync s | ratio |", "|---|---|---|---|"]
     lines += [f"| {n} | {t['step_s']:.3f} | {t['step_with_sync_s']:.3f} | {t['ratio']:.3f} |"
               for n, t in timing.items()]
     table += "\n" + "\n".join(lines) + "\n"
-    with open(os.path.join(workdir, "results.md"), "w") as f:
+    with open(results_md, "w") as f:
       f.write(table)
     with open(os.path.join(workdir, "sync_timing.json"), "w") as f:
       json.dump(timing, f, indent=1)
   print(table)
-  print(f"results: {os.path.join(workdir, 'results.md')}, results.json, outer_comparison.png")
+  print(f"results: {results_md}" + (", results.json, outer_comparison.png" if seeds is None else
+                                    " (one results.md and plot per seed in seed<N>/)"))
 
 
 if __name__ == "__main__":

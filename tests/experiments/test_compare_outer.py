@@ -1,4 +1,4 @@
-"""experiments/compare_outer.py end to end: warm start, two rows, table, plot, sync timing."""
+"""experiments/compare_outer.py end to end: warm start, two rows, table, plot, sync timing, seeds."""
 import importlib.util
 import json
 import pathlib
@@ -25,12 +25,18 @@ def _cmd(workdir, source, *flags):
 def test_two_rows_from_a_warm_start(small_corpus, tmp_path):
   proc = subprocess.run(
       _cmd(tmp_path, small_corpus, "--runs=dp,diloco_k4_h10", "--time_sync=diloco_k4_h10",
+           "--seeds=3",
            "--time_reps=2", "--config.pretrain_steps=2", "--config.total_steps=4",
            "--config.eval_every=2", "--config.eval_steps=1", "--config.log_every=2",
            "--config.checkpoint_every=4", "--config.continue_schedule=true",
            "--config.run_specs.diloco_k4_h10.optimizer.outer_sync_every=2"),
       cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "seed 3 of [3]" in proc.stderr
+  seed_table = (tmp_path / "results_seeds.md").read_text()
+  assert seed_table.startswith("Mean ± sample std over seeds 3 ") and "| ratio |" in seed_table
+  assert "| diloco_k4_h10 | 4 | 2 | " in seed_table
+  tmp_path = tmp_path / "seed3"  # the single-seed layout, one level down
   rows = {r["run"]: r for r in json.loads((tmp_path / "results.json").read_text())}
   assert set(rows) == {"dp", "diloco_k4_h10"}
   assert (tmp_path / "pretrain" / "checkpoints" / "2").is_dir()
@@ -58,9 +64,9 @@ def test_two_rows_from_a_warm_start(small_corpus, tmp_path):
   table = (tmp_path / "results.md").read_text()
   assert table.startswith("Protocol: every row starts from one data-parallel run pretrained for 2")
   assert "the learning-rate curve continued" in table.splitlines()[0]
-  assert "| diloco_k4_h10 | diloco | 4 | 2 |" in table and "| ratio |" in table
+  assert "| diloco_k4_h10 | diloco | 4 | 2 |" in table
   assert (tmp_path / "outer_comparison.png").stat().st_size > 10_000
-  timing = json.loads((tmp_path / "sync_timing.json").read_text())["diloco_k4_h10"]
+  timing = json.loads((tmp_path.parent / "sync_timing.json").read_text())["diloco_k4_h10"]
   assert timing["step_s"] > 0 and timing["ratio"] > 0.5
 
 
@@ -70,3 +76,34 @@ def test_unknown_run_is_one_line(small_corpus, tmp_path):
   assert proc.returncode != 0
   assert "--runs: unknown run(s) ['nope']; valid: dp, diloco_k4_h50" in proc.stderr
   assert not (tmp_path / "results.md").exists()
+
+
+def _row(run, method, bpb, k=4, h=50, compression="none"):
+  return {"run": run, "method": method, "workers": k, "sync_every": h,
+          "compression": compression, "val_bpb": bpb}
+
+
+def test_seed_table_gaps_are_per_seed(tmp_path):
+  from experiments import compare_outer  # pylint: disable=import-outside-toplevel
+  per_seed = {
+      0: [_row("dp", "data parallel", 2.0, k=8, h=1), _row("dl", "diloco", 2.02),
+          _row("dl8", "diloco", 2.04, compression="int8"), _row("nl", "noloco", 2.0402)],
+      1: [_row("dp", "data parallel", 1.0, k=8, h=1), _row("dl", "diloco", 1.03),
+          _row("dl8", "diloco", 1.05, compression="int8"), _row("nl", "noloco", 1.0403)]}
+  table = compare_outer.write_seed_table(per_seed, str(tmp_path))
+  lines = {l.split(" | ")[0][2:]: l for l in table.splitlines() if l.startswith("| ")}
+  # DiLoCo: +1% and +3% vs DP -> 2.00 ± 1.41; NoLoCo vs the uncompressed DiLoCo: +1% twice.
+  assert "| +2.00 ± 1.41 | - | +1.00 / +3.00 |" in lines["dl"]
+  assert "| +1.00 ± 0.00 |" in lines["nl"]
+  assert lines["dp"].endswith("| 1.5000 ± 0.7071 | - | - | - |")
+  saved = json.loads((tmp_path / "results_seeds.json").read_text())
+  assert saved["nl"]["diloco"] == pytest.approx([1.0, 1.0])
+  assert (tmp_path / "results_seeds.md").read_text() == table
+
+
+def test_bad_seeds_is_one_line(tmp_path):
+  proc = subprocess.run(_cmd(tmp_path, "stdlib", "--seeds=0,x"), cwd=ROOT,
+                        capture_output=True, text=True, timeout=120)
+  assert proc.returncode != 0
+  assert "--seeds=0,x: expected comma-separated integers, e.g. --seeds=0,1,2" in proc.stderr
+  assert not list(tmp_path.iterdir())
