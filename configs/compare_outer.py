@@ -52,7 +52,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.continue_schedule = True
   c.log_every = 100
   c.eval_every = 100
-  c.eval_steps = 4
+  c.eval_steps = 4  # the curves; the table scores the final parameters on final_eval_batches
+  # 0: the whole val split (124 batches here). Its first 4 batches alone put DiLoCo 0.2% behind
+  # data parallel where the whole split says 1.1%.
+  c.final_eval_batches = 0
   c.checkpoint_every = 400  # a crashed comparison resumes its run from here
   c.keep_checkpoints = 1
   c.optimizer.update(dict(learning_rate=3e-3, warmup_steps=20))

@@ -16,6 +16,7 @@ order and init) and writes results_seeds.md: each row's mean ± std val bpb and 
 to data parallel and to DiLoCo at the same k and H, taken per seed.
 """
 import copy
+import dataclasses
 import json
 import os
 import time
@@ -31,7 +32,9 @@ from jaxsys import metrics as metrics_lib
 from jaxsys.models import transformer
 from jaxsys.optim import outer as outer_lib
 from jaxsys.train import replicas as replicas_lib
-from jaxsys.train.loop import train_and_evaluate
+from jaxsys.data.loader import make_loader
+from jaxsys.train import step as step_lib
+from jaxsys.train.loop import evaluate, read_latest_params, train_and_evaluate
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/compare_outer.py", "Comparison config.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.")
@@ -57,7 +60,7 @@ def run_config(base, overrides):
   config = copy.deepcopy(base)
   with config.unlocked():
     del config["runs"], config["run_specs"], config["pretrain_steps"]
-    del config["continue_schedule"]
+    del config["continue_schedule"], config["final_eval_batches"]
   _merge(config, overrides)
   if base.continue_schedule and base.pretrain_steps:  # one curve over pretrain + row
     config.optimizer.schedule_steps = base.pretrain_steps + base.total_steps
@@ -71,8 +74,8 @@ def _workers(config) -> int:
   return jax.device_count() if sizes.get("data") == "-1" else int(sizes.get("data", 1))
 
 
-def summarize(name: str, config, workdir: str, wall_s: float | None) -> dict:
-  """One table row (and the curves for the plot) from a finished run's metrics."""
+def summarize(name: str, config, workdir: str, wall_s: float | None, scored: dict) -> dict:
+  """One table row (and the curves for the plot) from a finished run's metrics and final eval."""
   rows = metrics_lib.read_metrics(workdir)
   evals = [r for r in rows if "val_bpb" in r]
   if not evals:
@@ -86,11 +89,53 @@ def summarize(name: str, config, workdir: str, wall_s: float | None) -> dict:
   return {"run": name, "method": o.outer if o.outer != "none" else "data parallel",
           "workers": k, "sync_every": o.outer_sync_every if o.outer != "none" else 1,
           "compression": o.outer_compression if o.outer == "diloco" else "none",
-          "steps": final["step"], "val_bpb": final["val_bpb"], "val_loss": final["val_loss"],
+          "steps": final["step"], "val_bpb": scored["val_bpb"],
+          "val_bpb_replica_mean": scored.get("val_bpb_replica_mean"),
+          "val_bpb_last_eval": final["val_bpb"],
           "comm_bytes": final["comm_bytes"], "dp_bytes_same_k": dp_bytes,
           "bytes_reduction": dp_bytes / final["comm_bytes"] if final["comm_bytes"] else None,
           "wall_s": wall_s,
           "curve": [(r["step"], r["val_loss"], r["comm_bytes"]) for r in evals]}
+
+
+def final_eval(config, run_dir: str, batches: int) -> dict:
+  """val bpb of the run's last checkpoint over its first `batches` val batches (0: all of them).
+
+  Scores replica 0, the model a worker holds (and the one the run's own evals
+  scored), and for replica runs also the mean of the replicas, which NoLoCo never
+  forms: the gap between the two is what its replicas still disagree on. Cached in
+  <run_dir>/final_eval.json.
+  """
+  cache = os.path.join(run_dir, "final_eval.json")
+  if os.path.exists(cache):
+    cached = json.load(open(cache))
+    if cached["batches"] == batches:
+      return cached
+  model_cfg = transformer.TransformerConfig.from_config(config.model)
+  found = read_latest_params(run_dir, model_cfg, dataclasses.asdict(model_cfg))
+  if found is None:
+    raise ValueError(f"run {run_dir} has no checkpoint to evaluate; set checkpoint_every > 0")
+  step, params, replicas = found
+  mesh = mesh_lib.make_mesh("data=-1")  # the parameters replicated, the batch split
+  batch_sh = mesh_lib.batch_sharding(mesh)
+  param_sh = jax.tree.map(lambda _: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()),
+                          params if not replicas else jax.tree.map(lambda x: x[0], params))
+  val = make_loader(config.data, "val", batch_size=config.data.batch_size, seed=config.seed,
+                    shuffle=False, repeat=False, process_index=jax.process_index(),
+                    process_count=jax.process_count(), workdir=run_dir)
+  eval_fn = step_lib.jit_eval_step(model_cfg, param_sh, batch_sh, val.tokenizer.token_bytes())
+  start = val.get_state()
+  score = lambda p: evaluate(eval_fn, jax.device_put(p, param_sh), val, start,
+                             batches or 1 << 30, batch_sh)["val_bpb"]
+  result = {"batches": batches, "step": step}
+  if replicas:
+    result["val_bpb"] = score(jax.tree.map(lambda x: x[0], params))
+    result["val_bpb_replica_mean"] = score(jax.tree.map(lambda x: x.mean(0), params))
+  else:
+    result["val_bpb"] = score(params)
+  with open(cache, "w") as f:
+    json.dump(result, f)
+  return result
 
 
 def _fmt_bytes(n: float) -> str:
@@ -124,16 +169,17 @@ def pretrain(base, workdir: str) -> tuple[str, str]:
 def write_table(results: list[dict], workdir: str, protocol: str = "") -> str:
   dp = next((r for r in results if r["method"] == "data parallel"), None)
   lines = [protocol, ""] if protocol else []
-  lines += ["| run | method | k | H | compression | val bpb | vs DP | bytes sent / worker | "
-            "x fewer than DP (same k) | wall s |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+  lines += ["| run | method | k | H | compression | val bpb | vs DP | replicas' mean bpb | "
+            "bytes sent / worker | x fewer than DP (same k) | wall s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in results:
     rel = f"{100 * (r['val_bpb'] / dp['val_bpb'] - 1):+.2f}%" if dp else "-"
     red = f"{r['bytes_reduction']:.0f}x" if r["bytes_reduction"] else "-"
     wall = f"{r['wall_s']:.0f}" if r["wall_s"] else "-"
+    mean = f"{r['val_bpb_replica_mean']:.4f}" if r["val_bpb_replica_mean"] else "-"
     lines.append(f"| {r['run']} | {r['method']} | {r['workers']} | {r['sync_every']} | "
-                 f"{r['compression']} | {r['val_bpb']:.4f} | {rel} | {_fmt_bytes(r['comm_bytes'])} | "
-                 f"{red} | {wall} |")
+                 f"{r['compression']} | {r['val_bpb']:.4f} | {rel} | {mean} | "
+                 f"{_fmt_bytes(r['comm_bytes'])} | {red} | {wall} |")
   table = "\n".join(lines) + "\n"
   with open(os.path.join(workdir, "results.md"), "w") as f:
     f.write(table)
@@ -214,6 +260,10 @@ def compare(base, names: list[str], workdir: str) -> tuple[list[dict], str]:
   """Pretrains (if asked), trains or reads back each named row; writes the table and plot."""
   os.makedirs(workdir, exist_ok=True)
   init_from, protocol = pretrain(base, workdir)
+  scope = (f"its first {base.final_eval_batches} batches" if base.final_eval_batches else
+           "all of it")
+  protocol += (f" val bpb: the final parameters (replica 0) on the val split, {scope}; the "
+               f"curves: its first {base.eval_steps} batches every {base.eval_every} steps.")
   results = []
   for i, name in enumerate(names):
     config = run_config(base, base.run_specs[name].to_dict())
@@ -230,7 +280,8 @@ def compare(base, names: list[str], workdir: str) -> tuple[list[dict], str]:
       with open(wall_file, "w") as f:
         json.dump(time.perf_counter() - t, f)
     wall = json.load(open(wall_file)) if os.path.exists(wall_file) else None
-    row = summarize(name, config, run_dir, wall)
+    row = summarize(name, config, run_dir, wall,
+                    final_eval(config, run_dir, base.final_eval_batches))
     logging.info("[%d/%d] %s done: val_bpb=%.4f, %s sent per worker, %.0f s", i + 1, len(names),
                  name, row["val_bpb"], _fmt_bytes(row["comm_bytes"]), wall or 0.0)
     results.append(row)

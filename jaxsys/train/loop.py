@@ -122,26 +122,38 @@ def _check_finite_metrics(fetched: list[tuple[int, dict]], ckpt: Checkpointer) -
           f"the last good checkpoint is step {ckpt.latest_step()} in {ckpt.directory}")
 
 
+def read_latest_params(path: str, model_cfg, model_meta: dict) -> tuple[int, Any, int] | None:
+  """(step, params, replicas) of the latest checkpoint of the run at `path`, as numpy; None if none.
+
+  `path` is a run's workdir or its checkpoints dir. A checkpoint in the replica view
+  gives params with a leading axis of `replicas`; otherwise `replicas` is 0.
+  """
+  path = os.path.abspath(path)
+  directory = os.path.join(path, "checkpoints")
+  directory = directory if os.path.isdir(directory) else path
+  found = manager_lib.latest_meta(directory) if os.path.isdir(directory) else None
+  if found is None:
+    return None
+  step, meta = found
+  check_same_model(meta["model"], model_meta, directory, SHAPE_FIELDS)
+  params = jax.eval_shape(lambda: transformer.init_params(model_cfg, jax.random.key(0)))
+  replicas = (meta.get("outer") or {}).get("replicas") or 0
+  if replicas:
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct((replicas, *x.shape), x.dtype), params)
+  return step, manager_lib.read_params(directory, step, params), replicas
+
+
 def _init_from_params(init_from: str, model_cfg, model_meta: dict):
   """The latest parameters of the run at `init_from` (its workdir or checkpoints dir), as numpy.
 
   A checkpoint in the replica view gives replica 0's parameters (the ones its evals scored).
   """
-  path = os.path.abspath(init_from)
-  directory = os.path.join(path, "checkpoints")
-  directory = directory if os.path.isdir(directory) else path
-  found = manager_lib.latest_meta(directory) if os.path.isdir(directory) else None
+  found = read_latest_params(init_from, model_cfg, model_meta)
   if found is None:
     raise ValueError(f"init_from={init_from!r} holds no checkpoint; it must be a run's workdir "
                      "or its checkpoints dir, or '' to start from random parameters")
-  step, meta = found
-  check_same_model(meta["model"], model_meta, directory, SHAPE_FIELDS)
-  params = jax.eval_shape(lambda: transformer.init_params(model_cfg, jax.random.key(0)))
-  replicas = (meta.get("outer") or {}).get("replicas")
-  if replicas:
-    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct((replicas, *x.shape), x.dtype), params)
-  params = manager_lib.read_params(directory, step, params)
-  logging.info("init_from: parameters of step %d in %s", step, directory)
+  step, params, replicas = found
+  logging.info("init_from: parameters of step %d in %s", step, os.path.abspath(init_from))
   return jax.tree.map(lambda x: x[0], params) if replicas else params
 
 

@@ -42,6 +42,12 @@ def test_two_rows_from_a_warm_start(small_corpus, tmp_path):
   assert (tmp_path / "pretrain" / "checkpoints" / "2").is_dir()
   dp, diloco = rows["dp"], rows["diloco_k4_h10"]
   assert dp["steps"] == diloco["steps"] == 4 and dp["workers"] == 8 and diloco["workers"] == 4
+  # The table scores the final checkpoint on the whole val split; DiLoCo's last step synced,
+  # so its replicas agree and their mean scores the same.
+  scored = json.loads((tmp_path / "diloco_k4_h10" / "final_eval.json").read_text())
+  assert scored["step"] == 4 and scored["batches"] == 0 and scored["val_bpb"] == diloco["val_bpb"]
+  assert diloco["val_bpb_replica_mean"] == pytest.approx(diloco["val_bpb"], rel=1e-4)
+  assert dp["val_bpb_replica_mean"] is None and dp["val_bpb_last_eval"] > 0
 
   spec = importlib.util.spec_from_file_location("compare", ROOT / "configs" / "compare_outer.py")
   module = importlib.util.module_from_spec(spec)
@@ -64,6 +70,8 @@ def test_two_rows_from_a_warm_start(small_corpus, tmp_path):
   table = (tmp_path / "results.md").read_text()
   assert table.startswith("Protocol: every row starts from one data-parallel run pretrained for 2")
   assert "the learning-rate curve continued" in table.splitlines()[0]
+  assert "val bpb: the final parameters (replica 0) on the val split, all of it" in table
+  assert "| replicas' mean bpb |" in table
   assert "| diloco_k4_h10 | diloco | 4 | 2 |" in table
   assert (tmp_path / "outer_comparison.png").stat().st_size > 10_000
   timing = json.loads((tmp_path.parent / "sync_timing.json").read_text())["diloco_k4_h10"]
