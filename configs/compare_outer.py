@@ -68,6 +68,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # NoLoCo with a full step toward the group mean (outer lr = gamma = 1; the authors' code
   # uses 0.7): the better of the two in a 400-step sweep.
   runs["noloco_k4_h50_lr1"] = _outer("noloco", 4, 50, outer_lr=1.0, outer_gamma=1.0)
+  # More outer momentum, toward DiLoCo's 0.9 (whose long-run outer step is 7x a pseudo-gradient
+  # where NoLoCo's defaults give 1.4x); it also damps the replicas' disagreement more slowly.
+  runs["noloco_k4_h50_m09"] = _outer("noloco", 4, 50, outer_momentum=0.9)
+  runs["noloco_k4_h50_lr1_m08"] = _outer("noloco", 4, 50, outer_lr=1.0, outer_gamma=1.0,
+                                         outer_momentum=0.8)
   # CO2's code defaults (lambda = 1) are outside its stability bound alpha/lambda < 1 - beta
   # (jaxsys/optim/co2.py) and diverge; lambda = 3 is inside it.
   runs["co2_k4_h50"] = _outer("co2", 4, 50, outer_staleness_penalty=3.0)
