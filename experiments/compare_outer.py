@@ -157,8 +157,7 @@ def pretrain(base, workdir: str) -> tuple[str, str]:
   run_dir = os.path.join(workdir, "pretrain")
   logging.info("pretraining: data parallel, %d steps in %s", steps, run_dir)
   train_and_evaluate(config, run_dir)
-  evals = [r for r in metrics_lib.read_metrics(run_dir) if "val_bpb" in r]
-  bpb = f", val bpb {evals[-1]['val_bpb']:.4f}" if evals else ""
+  bpb = f", val bpb {final_eval(config, run_dir, base.final_eval_batches)['val_bpb']:.4f}"
   return run_dir, (f"Protocol: every row starts from one data-parallel run pretrained for {steps} "
                    f"steps ({run_dir}{bpb}), then trains {base.total_steps} more inner steps "
                    "(fresh inner and outer optimizer states, same global batch"
@@ -174,7 +173,7 @@ def write_table(results: list[dict], workdir: str, protocol: str = "") -> str:
             "|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in results:
     rel = f"{100 * (r['val_bpb'] / dp['val_bpb'] - 1):+.2f}%" if dp else "-"
-    red = f"{r['bytes_reduction']:.0f}x" if r["bytes_reduction"] else "-"
+    red = f"{r['bytes_reduction']:.1f}x" if r["bytes_reduction"] else "-"
     wall = f"{r['wall_s']:.0f}" if r["wall_s"] else "-"
     mean = f"{r['val_bpb_replica_mean']:.4f}" if r["val_bpb_replica_mean"] else "-"
     lines.append(f"| {r['run']} | {r['method']} | {r['workers']} | {r['sync_every']} | "
