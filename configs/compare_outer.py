@@ -1,7 +1,7 @@
 """Data parallel vs DiLoCo vs NoLoCo vs CO2 on a small byte-level LM, at equal steps and tokens.
 
 Run (8 simulated devices; on a 2-core CPU about 3 minutes of pretraining, then about
-5 minutes per row, 80 minutes for the 14 rows):
+5 minutes per row, 85 minutes for the 15 rows):
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m experiments.compare_outer \
       --config=configs/compare_outer.py --workdir=/tmp/jaxsys_outer_warm [--runs=dp,diloco_k4_h50]
 
@@ -78,6 +78,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                                         outer_momentum=0.0)
   # CO2's code defaults (lambda = 1) are outside its stability bound alpha/lambda < 1 - beta
   # (jaxsys/optim/co2.py) and diverge; lambda = 3 is inside it.
+  runs["noloco_k8_h50"] = _outer("noloco", 8, 50)  # four pairs: gossip has further to spread
   runs["co2_k4_h50"] = _outer("co2", 4, 50, outer_staleness_penalty=3.0)
   for k in (4, 8):
     for h in (10, 50, 100):
