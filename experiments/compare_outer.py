@@ -29,10 +29,10 @@ import numpy as np
 
 from jaxsys import mesh as mesh_lib
 from jaxsys import metrics as metrics_lib
+from jaxsys.data.loader import make_loader
 from jaxsys.models import transformer
 from jaxsys.optim import outer as outer_lib
 from jaxsys.train import replicas as replicas_lib
-from jaxsys.data.loader import make_loader
 from jaxsys.train import step as step_lib
 from jaxsys.train.loop import evaluate, read_latest_params, train_and_evaluate
 
@@ -104,12 +104,12 @@ def final_eval(config, run_dir: str, batches: int) -> dict:
   Scores replica 0, the model a worker holds (and the one the run's own evals
   scored), and for replica runs also the mean of the replicas, which NoLoCo never
   forms: the gap between the two is what its replicas still disagree on. Cached in
-  <run_dir>/final_eval.json.
+  <run_dir>/final_eval.json while the batches and the run's step count are unchanged.
   """
   cache = os.path.join(run_dir, "final_eval.json")
   if os.path.exists(cache):
     cached = json.load(open(cache))
-    if cached["batches"] == batches:
+    if (cached["batches"], cached["step"]) == (batches, config.total_steps):
       return cached
   model_cfg = transformer.TransformerConfig.from_config(config.model)
   found = read_latest_params(run_dir, model_cfg, dataclasses.asdict(model_cfg))
