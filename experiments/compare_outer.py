@@ -118,8 +118,7 @@ def final_eval(config, run_dir: str, batches: int) -> dict:
   step, params, replicas = found
   mesh = mesh_lib.make_mesh("data=-1")  # the parameters replicated, the batch split
   batch_sh = mesh_lib.batch_sharding(mesh)
-  param_sh = jax.tree.map(lambda _: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()),
-                          params if not replicas else jax.tree.map(lambda x: x[0], params))
+  param_sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())  # a prefix of params
   val = make_loader(config.data, "val", batch_size=config.data.batch_size, seed=config.seed,
                     shuffle=False, repeat=False, process_index=jax.process_index(),
                     process_count=jax.process_count(), workdir=run_dir)
@@ -165,6 +164,11 @@ def pretrain(base, workdir: str) -> tuple[str, str]:
                       ", the learning rate warmed up again") + ").")
 
 
+def _gap_pct(row: dict, reference: dict) -> float:
+  """How much worse `row`'s val bpb is than `reference`'s, in percent."""
+  return 100 * (row["val_bpb"] / reference["val_bpb"] - 1)
+
+
 def write_table(results: list[dict], workdir: str, protocol: str = "") -> str:
   dp = next((r for r in results if r["method"] == "data parallel"), None)
   lines = [protocol, ""] if protocol else []
@@ -172,7 +176,7 @@ def write_table(results: list[dict], workdir: str, protocol: str = "") -> str:
             "bytes sent / worker | x fewer than DP (same k) | wall s |",
             "|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in results:
-    rel = f"{100 * (r['val_bpb'] / dp['val_bpb'] - 1):+.2f}%" if dp else "-"
+    rel = f"{_gap_pct(r, dp):+.2f}%" if dp else "-"
     red = f"{r['bytes_reduction']:.1f}x" if r["bytes_reduction"] else "-"
     wall = f"{r['wall_s']:.0f}" if r["wall_s"] else "-"
     mean = f"{r['val_bpb_replica_mean']:.4f}" if r["val_bpb_replica_mean"] else "-"
@@ -315,10 +319,10 @@ def write_seed_table(per_seed: dict[int, list[dict]], workdir: str) -> str:
       g = gaps.setdefault(r["run"], {"row": r, "bpb": [], "dp": [], "diloco": []})
       g["bpb"].append(r["val_bpb"])
       if dp is not None:
-        g["dp"].append(100 * (r["val_bpb"] / dp["val_bpb"] - 1))
+        g["dp"].append(_gap_pct(r, dp))
       ref = _diloco_reference(r, rows)
       if ref is not None:
-        g["diloco"].append(100 * (r["val_bpb"] / ref["val_bpb"] - 1))
+        g["diloco"].append(_gap_pct(r, ref))
   lines = [f"Mean ± sample std over seeds {', '.join(map(str, seeds))} (each seed: its own "
            "pretrain, data order and init; gaps are taken per seed, then averaged).", "",
            "| run | k | H | val bpb | vs DP (%) | vs DiLoCo, same k and H (%) | per seed vs DP |",
