@@ -89,9 +89,18 @@ class QwixTransformer(nnx.Module):
     return transformer.unembed(cfg, x_BTD, self.final_norm.get_value(), embedding, unembedding)
 
 
+def _import_qwix():
+  """qwix is an optional peer baseline (the `experiments` extra), imported only when used."""
+  try:
+    import qwix  # pylint: disable=import-outside-toplevel
+  except ModuleNotFoundError:
+    raise ModuleNotFoundError("the qwix baseline needs qwix: pip install -e '.[experiments]'") from None
+  return qwix
+
+
 def qwix_rules(scheme: str, group_size: int = 128):
   """qwix rules quantizing every layer matmul like `rules.default_rules(scheme, group_size)`."""
-  import qwix
+  qwix = _import_qwix()
   if scheme not in SCHEMES:
     raise ValueError(f"qwix_rules: scheme={scheme!r} is not known; choose one of {sorted(SCHEMES)}")
   weight, act, tiled = SCHEMES[scheme]
@@ -104,7 +113,7 @@ def qwix_rules(scheme: str, group_size: int = 128):
 def quantize(cfg: transformer.TransformerConfig, params: dict[str, Any], scheme: str,
              tokens_BT, *, group_size: int = 128) -> QwixTransformer:
   """qwix PTQ of the float `params` for `scheme` (the model runs once on `tokens_BT`)."""
-  import qwix
+  qwix = _import_qwix()
   model = QwixTransformer(cfg, params)
   provider = qwix.PtqProvider(qwix_rules(scheme, group_size))
   return qwix.quantize_model(model, provider, tokens_BT)
