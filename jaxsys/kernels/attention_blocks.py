@@ -19,7 +19,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from jaxsys.kernels.attention import _check_inputs
+from jaxsys.kernels.attention_inputs import check_inputs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +107,7 @@ def check_pallas_inputs(who: str, q, k, v, q_segment_ids, kv_segment_ids, dtypes
         f"q_segment_ids={'None' if q_segment_ids is None else 'array'}, "
         f"kv_segment_ids={'None' if kv_segment_ids is None else 'array'}")
   segment_ids = None if q_segment_ids is None else (q_segment_ids, kv_segment_ids)
-  q_seg, kv_seg = _check_inputs(q, k, v, segment_ids)
+  q_seg, kv_seg = check_inputs(q, k, v, segment_ids)
   names = "/".join(jnp.dtype(d).name for d in dtypes)
   for name, x in (("q", q), ("k", k), ("v", v)):
     if x.dtype != q.dtype or x.dtype not in dtypes:

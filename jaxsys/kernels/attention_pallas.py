@@ -31,7 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxsys.kernels import backends
-from jaxsys.kernels.attention import static_scale
+from jaxsys.kernels.attention_inputs import static_scale
 from jaxsys.kernels.attention_blocks import (FlashConfig, check_block, check_pallas_inputs,
                                            flash_vjp, padded_ids_and_ranges)
 
@@ -292,19 +292,6 @@ _flash = flash_vjp(_fwd_call, _dq_call, _dkv_call, layout="bthd")
 # ----------------------------------------------------------------------------- entry
 
 
-def _resolve_interpret(interpret) -> bool:
-  backend = jax.default_backend()
-  if interpret is None:
-    interpret = backend == "cpu"
-  if not interpret and backend == "tpu":
-    raise NotImplementedError(
-        "pallas_attention is the GPU (Triton) kernel; a TPU (Mosaic) kernel is separate. "
-        "Use interpret=True to run it in interpret mode on TPU.")
-  if not interpret and backend == "cpu":
-    raise ValueError("pallas_attention: interpret=False needs a GPU backend; got backend 'cpu'")
-  return bool(interpret)
-
-
 def pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
                      q_segment_ids: jax.Array | None = None,
                      kv_segment_ids: jax.Array | None = None,
@@ -314,12 +301,12 @@ def pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
   """Flash attention, same values as `reference_attention`; [B,T,Hq,D] in q.dtype.
 
   Differentiable in q, k, v (Pallas backward). Any T and S (padded inside to the
-  blocks), any D (padded to a power of two >= 16 only when needed). `interpret=None`
-  runs interpret mode on a CPU backend and the compiled Triton kernel otherwise.
+  blocks), any D (padded to a power of two >= 16 only when needed). `interpret` as in
+  `backends.resolve_interpret`: None interprets on CPU and compiles Triton on GPU.
   """
   q_seg, kv_seg = check_pallas_inputs("pallas_attention", q, k, v, q_segment_ids,
                                        kv_segment_ids, _DTYPES)
-  interpret = _resolve_interpret(interpret)
+  interpret = backends.resolve_interpret("pallas_attention", "gpu", interpret)
   b, t, hq, d = q.shape
   s, hkv = k.shape[1], k.shape[2]
   default_q, default_k = default_blocks(t, s, d)

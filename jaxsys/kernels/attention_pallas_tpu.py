@@ -1,4 +1,4 @@
-"""Flash attention in Pallas for TPU (Mosaic lowering), run in TPU interpret mode on CPU.
+"""Flash attention in Pallas for TPU (Mosaic lowering), run in interpret mode on CPU.
 
 `pallas_tpu_attention(q, k, v, ...)` has the semantics of
 `jaxsys.kernels.attention.reference_attention` and the contract of the GPU kernel
@@ -41,9 +41,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxsys.kernels.attention import static_scale
+from jaxsys.kernels import backends
+from jaxsys.kernels.attention_inputs import static_scale
 from jaxsys.kernels.backends import (ARBITRARY as _ARBITRARY, PARALLEL as _PARALLEL,
-                                    SQUEEZED as _SQUEEZED, TpuInterpretParams as _InterpretParams,
+                                    SQUEEZED as _SQUEEZED,
                                     TpuParams as _CompilerParams, pltpu)
 from jaxsys.kernels.attention_blocks import (FlashConfig, check_block, check_pallas_inputs,
                                            flash_vjp, padded_ids_and_ranges)
@@ -443,26 +444,6 @@ _flash = flash_vjp(_fwd_call, _dq_call, _dkv_call, layout="bhtd")
 # ----------------------------------------------------------------------------- entry
 
 
-def _resolve_interpret(interpret):
-  """None: Mosaic on a TPU backend, TPU interpret mode elsewhere; the rest passes through.
-
-  TPU interpret mode (`pltpu.InterpretParams`) simulates VMEM/SMEM, the block pipeline
-  (a block is copied only when its index changes), NaN-filled scratch and a random
-  order of the "parallel" grid axes; `True` is Pallas' generic interpreter (same
-  kernels, much faster on CPU, none of those checks).
-  """
-  if interpret is None:
-    if jax.default_backend() == "tpu":
-      return False
-    return _InterpretParams() if _InterpretParams is not None else True
-  if isinstance(interpret, bool) or (_InterpretParams is not None
-                                     and isinstance(interpret, _InterpretParams)):
-    return interpret
-  raise ValueError(
-      "pallas_tpu_attention: interpret must be None, a bool or a pltpu.InterpretParams; "
-      f"got interpret={interpret!r}")
-
-
 def pallas_tpu_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
                          q_segment_ids: jax.Array | None = None,
                          kv_segment_ids: jax.Array | None = None,
@@ -473,14 +454,14 @@ def pallas_tpu_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
 
   Differentiable in q, k, v (Pallas backward). Any T and S (padded inside to the
   blocks), any D (padded to a multiple of 128). block_q: a multiple of 8, block_k: a
-  multiple of 128 (default `default_blocks`). `interpret=None` compiles with Mosaic on a
-  TPU backend and runs TPU interpret mode (`pltpu.InterpretParams()`) elsewhere;
-  `interpret=False` always emits the Mosaic kernels (e.g. to `jax.export` for TPU from a
-  CPU host); `True` or a `pltpu.InterpretParams` go to `pl.pallas_call` as given.
+  multiple of 128 (default `default_blocks`). `interpret` as in `backends.resolve_interpret`:
+  None compiles with Mosaic on TPU and interprets on CPU; False always emits the Mosaic
+  kernels (e.g. to `jax.export` for TPU from a CPU host); a `pltpu.InterpretParams`
+  simulates the TPU pipeline (VMEM, block copies, grid order).
   """
   q_seg, kv_seg = check_pallas_inputs("pallas_tpu_attention", q, k, v, q_segment_ids,
                                        kv_segment_ids, _DTYPES)
-  interpret = _resolve_interpret(interpret)
+  interpret = backends.resolve_interpret("pallas_tpu_attention", "tpu", interpret)
   b, t, hq, d = q.shape
   s, hkv = k.shape[1], k.shape[2]
   default_q, default_k = default_blocks(t, s, d)

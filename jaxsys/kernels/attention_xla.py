@@ -41,7 +41,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxsys.kernels.attention import _check_inputs, static_scale
+from jaxsys.kernels.attention_inputs import check_inputs, static_scale
 from jaxsys.kernels.attention_blocks import spans, visitable_blocks
 
 # Default block sizes: one [B*Hq, block_q, block_k] f32 score tile is the unit of work,
@@ -86,7 +86,7 @@ def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
     segment_ids = q_segment_ids
   else:
     segment_ids = (q_segment_ids, kv_segment_ids)
-  q_seg, kv_seg = _check_inputs(q, k, v, segment_ids)
+  q_seg, kv_seg = check_inputs(q, k, v, segment_ids)
   b, t, hq, d = q.shape
   auto_q, auto_k = default_blocks(b * hq)
   block_q = auto_q if block_q is None else block_q

@@ -6,6 +6,8 @@ import jax
 from jax.experimental import pallas as pl
 
 IMPLS = ("auto", "pallas", "xla", "reference")
+FLAVORS = ("gpu", "tpu")  # Pallas kernel families: Triton (GPU) and Mosaic (TPU)
+_FLAVOR_NAMES = {"gpu": "GPU (Triton)", "tpu": "TPU (Mosaic)"}
 
 try:
   from jax.experimental.pallas import triton as _pl_triton
@@ -34,6 +36,39 @@ def resolve_impl(who: str, impl: str, backend: str | None = None) -> str:
   if impl != "auto":
     return impl
   return "xla" if (backend or jax.default_backend()) == "cpu" else "pallas"
+
+
+def pallas_flavor(who: str, flavor: str | None = None, backend: str | None = None) -> str:
+  """None -> "tpu" on a TPU backend, "gpu" elsewhere; a given flavor is checked."""
+  if flavor is None:
+    return "tpu" if (backend or jax.default_backend()) == "tpu" else "gpu"
+  if flavor not in FLAVORS:
+    raise ValueError(f"{who}: flavor={flavor!r} is not known; choose one of {FLAVORS}")
+  return flavor
+
+
+def resolve_interpret(who: str, flavor: str, interpret, backend: str | None = None):
+  """The `interpret` argument for a `flavor` kernel's `pl.pallas_call`.
+
+  None: compiled on the flavor's own backend, Pallas' generic interpreter on CPU, and an
+  error on the other accelerator (interpreting there would be silently slow). False always
+  compiles (e.g. `jax.export` for GPU or TPU from a CPU host); True interprets; the TPU
+  flavor also takes a `pltpu.InterpretParams` (simulated VMEM, block pipeline, grid order).
+  """
+  backend = backend or jax.default_backend()
+  if interpret is None:
+    if backend == "cpu":
+      return True
+    if (flavor == "tpu") != (backend == "tpu"):
+      raise NotImplementedError(
+          f"{who}: the {_FLAVOR_NAMES[flavor]} kernels do not compile on a {backend.upper()} "
+          "backend; pass interpret=True to run them in interpret mode")
+    return False
+  if isinstance(interpret, bool) or (flavor == "tpu" and TpuInterpretParams is not None
+                                     and isinstance(interpret, TpuInterpretParams)):
+    return interpret
+  valid = "None, True, False" + (" or a pltpu.InterpretParams" if flavor == "tpu" else "")
+  raise ValueError(f"{who}: interpret={interpret!r} is not valid; pass {valid}")
 
 
 def triton_params(interpret, **kw):

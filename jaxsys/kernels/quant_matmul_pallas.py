@@ -11,7 +11,7 @@ a QWeight [K, N] -> [..., N] in x.dtype. The two flavors share the per-tile math
   accumulator in VMEM scratch; blocks are multiples of (8 or 32, 128).
 Schemes:
 - w8a8 (int8 / fp8): activations are quantized per token by the shared XLA prologue
-  (`quant_matmul.quantize_activations`, one fused pass over x), then the kernel does
+  (`qweight.quantize_activations`, one fused pass over x), then the kernel does
   int8 x int8 -> int32 (fp8 x fp8 -> f32) dots and rescales by x_scale[m] * w_scale[n]
   once, at the end.
 - w4a16: the packed bytes are read as they are stored (no dequantized [K, N] copy in
@@ -41,10 +41,8 @@ from jax.experimental import pallas as pl
 from jaxsys.kernels import backends
 from jaxsys.kernels.backends import ARBITRARY as _ARBITRARY, PARALLEL as _PARALLEL
 from jaxsys.kernels.backends import TpuParams as _TpuParams, pltpu as _pltpu
-from jaxsys.kernels.quant_matmul import (QWeight, _check_matmul, quantize_activations,
-                                         unpack_nibbles)
+from jaxsys.kernels.qweight import QWeight, check_matmul, quantize_activations, unpack_nibbles
 
-FLAVORS = ("gpu", "tpu")
 _NN = (((1,), (0,)), ((), ()))  # a @ b
 # Enough programs to fill an H100 (132 SMs) twice; decode shapes split K to get there.
 _GPU_TARGET_PROGRAMS = 264
@@ -341,23 +339,6 @@ def tpu_config(scheme: str, m: int, k: int, n: int, group_size: int, *, interpre
 # ----------------------------------------------------------------------------- entry point
 
 
-def _resolve(flavor, interpret):
-  backend = jax.default_backend()
-  if flavor is None:
-    flavor = "tpu" if backend == "tpu" else "gpu"
-  if flavor not in FLAVORS:
-    raise ValueError(f"pallas_qmatmul: flavor={flavor!r} is not known; choose one of {FLAVORS}")
-  if interpret is None:
-    interpret = backend == "cpu" or (flavor == "tpu") != (backend == "tpu")
-  if not isinstance(interpret, bool) and not (
-      flavor == "tpu" and _pltpu is not None
-      and isinstance(interpret, getattr(_pltpu, "InterpretParams", ()))):
-    raise ValueError(f"pallas_qmatmul: interpret={interpret!r} must be None, True, False or "
-                     "(tpu flavor) a pltpu.InterpretParams")
-  # interpret=False on another backend still lowers (jax.export for "cuda" or "tpu").
-  return flavor, interpret
-
-
 def pallas_qmatmul(x: jax.Array, qw: QWeight, *, flavor: str | None = None,
                    interpret: Any = None, block_m: int | None = None,
                    block_n: int | None = None, block_k: int | None = None,
@@ -370,8 +351,9 @@ def pallas_qmatmul(x: jax.Array, qw: QWeight, *, flavor: str | None = None,
   per shape (`gpu_config`, `tpu_config`); split_k (GPU only) splits K for small grids;
   group_m (GPU only) is the M-block group of the grouped (L2-friendly) tile order.
   """
-  _check_matmul(x, qw)
-  flavor, interpret = _resolve(flavor, interpret)
+  check_matmul(x, qw)
+  flavor = backends.pallas_flavor("pallas_qmatmul", flavor)
+  interpret = backends.resolve_interpret("pallas_qmatmul", flavor, interpret)
   k, n = qw.shape
   lead = x.shape[:-1]
   x2 = x.reshape(-1, k)

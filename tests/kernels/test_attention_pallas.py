@@ -140,8 +140,6 @@ class PallasAttentionTest(parameterized.TestCase):
       pallas_attention(q, k.astype(jnp.bfloat16), v)
     with self.assertRaisesRegex(ValueError, "heads"):
       pallas_attention(q[:, :, :1], k[:, :, :1].repeat(2, axis=2), v[:, :, :1].repeat(2, axis=2))
-    with self.assertRaisesRegex(ValueError, "interpret=False"):
-      pallas_attention(q, k, v, interpret=False)
     with mock.patch.object(attention_pallas.jax, "default_backend", return_value="tpu"):
       with self.assertRaisesRegex(NotImplementedError, "TPU"):
         pallas_attention(q, k, v)

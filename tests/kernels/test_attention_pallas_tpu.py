@@ -16,11 +16,12 @@ from jaxsys.kernels import attention_pallas_tpu as tpu_attn
 from jaxsys.kernels.attention_blocks import block_ranges
 from jaxsys.kernels.attention_pallas_tpu import default_blocks, pallas_tpu_attention
 
-# interpret=None (the default off TPU) is TPU interpret mode: it simulates the block
-# pipeline, NaN-filled scratch and a random order of the "parallel" grid axes, at ~30 ms
-# a grid step. interpret=True runs the same kernels in Pallas' generic interpreter, ~20x
-# faster: the shape sweeps use it, the tests of the TPU mechanics use the default.
+# TPU interpret mode simulates the block pipeline, NaN-filled scratch and a random order
+# of the "parallel" grid axes, at ~30 ms a grid step. interpret=True (the default on CPU)
+# runs the same kernels in Pallas' generic interpreter, ~20x faster: the shape sweeps use
+# it, the tests of the TPU mechanics use TPU interpret mode.
 GENERIC = True
+SIMULATED = pltpu.InterpretParams()
 
 
 def _tpu(segs=None, **kw):
@@ -43,7 +44,7 @@ class PallasTpuAttentionTest(parameterized.TestCase):
   @parameterized.named_parameters(
       # T not a multiple of the block; GQA 2; D=64 padded to 128 lanes inside.
       dict(testcase_name="causal_T200_gqa2", t=200, s=200, hq=2, hkv=1, d=64, causal=True,
-           interpret=None),
+           interpret=SIMULATED),
       # Cross-attention, padded keys masked by position; D=128.
       dict(testcase_name="cross_noncausal_d128", t=200, s=300, hq=2, hkv=2, d=128,
            causal=False),
@@ -64,7 +65,7 @@ class PallasTpuAttentionTest(parameterized.TestCase):
       dict(testcase_name="gqa1_causal_d128", groups=1, causal=True, d=128, b=1),
       # Two batch rows with different layouts: per-row block ranges in SMEM.
       dict(testcase_name="gqa2_noncausal_batch2", groups=2, causal=False, d=64, b=2,
-           interpret=None),
+           interpret=SIMULATED),
       dict(testcase_name="gqa4_causal", groups=4, causal=True, d=64, b=1),
   )
   def test_packed_segments(self, groups, causal, d, b, interpret=GENERIC):

@@ -1,0 +1,151 @@
+"""Kernels under a device mesh: `jax.shard_map` over the axes a kernel computes independently.
+
+A Pallas kernel is a custom call that XLA's partitioner cannot split: on a multi-device
+mesh it would gather its operands and compute the whole global problem on every device.
+These wrappers run it once per shard instead, splitting
+- attention over batch and heads (a shard holds q heads with exactly the kv heads they read),
+- qmatmul over the token dims of x and the weight's output features N.
+The mesh is the one visible while tracing (`jax.set_mesh`, or `jax.sharding.use_abstract_mesh`
+as the train step does), else that of Explicit-typed operands. A dim is split over the
+Explicit axes its operand's type names, then the Auto axes the logical-axis rules of
+`jaxsys.mesh` give it (`batch`, `heads`, `mlp`); an axis that does not divide the dim is
+left out (the dim is replicated over it), as is every axis already manual.
+Context parallelism (ring attention over `context`) plugs in here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable
+
+import jax
+from jax.sharding import AxisType, PartitionSpec as P
+
+from jaxsys import mesh as mesh_lib
+
+
+def _names(entry) -> tuple[str, ...]:
+  """A PartitionSpec entry as a tuple of mesh axis names."""
+  if entry is None:
+    return ()
+  return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _entry(axes: tuple[str, ...]):
+  return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def _axes_of(mesh, axis_type) -> set[str]:
+  return {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == axis_type}
+
+
+def _mesh(*operands):
+  """The mesh visible while tracing, else the first Explicit-typed operand's; may be empty."""
+  mesh = jax.sharding.get_abstract_mesh()
+  for x in operands:
+    if not mesh.empty:
+      break
+    mesh = jax.typeof(x).sharding.mesh
+  return mesh
+
+
+def _typed(x, dim: int) -> tuple[str, ...]:
+  """The Explicit mesh axes x's type splits `dim` over (Auto layouts are not in the type)."""
+  spec = jax.typeof(x).sharding.spec
+  return _names(spec[dim]) if dim < len(spec) else ()
+
+
+def _rule(mesh, logical: str) -> tuple[str, ...]:
+  """The Auto mesh axes the logical-axis rules give `logical` on this mesh."""
+  auto = _axes_of(mesh, AxisType.Auto)
+  entry = mesh_lib.logical_to_partition_spec((logical,), mesh)[0]
+  return tuple(a for a in _names(entry) if a in auto)
+
+
+def _split(mesh, size: int, candidates: tuple[str, ...], used: set[str]) -> tuple[str, ...]:
+  """The candidates, in order, whose sizes multiply to a divisor of `size`; adds them to used."""
+  free = _axes_of(mesh, AxisType.Auto) | _axes_of(mesh, AxisType.Explicit)
+  picked, parts = [], 1
+  for a in candidates:
+    if a in free and a not in used and size % (parts * mesh.shape[a]) == 0:
+      picked.append(a)
+      used.add(a)
+      parts *= mesh.shape[a]
+  return tuple(picked)
+
+
+def _fit(mesh, x, spec: P):
+  """x resharded to `spec`'s Explicit axes where its type differs: shard_map needs a match."""
+  explicit = _axes_of(mesh, AxisType.Explicit)
+  target = [tuple(a for a in _names(e) if a in explicit) for e in spec]
+  target += [()] * (x.ndim - len(target))
+  typed = jax.typeof(x).sharding.spec
+  have = [_names(typed[d]) if d < len(typed) else () for d in range(x.ndim)]
+  if not explicit or have == target:
+    return x
+  return jax.sharding.reshard(x, P(*map(_entry, target)))
+
+
+def _splittable(mesh) -> bool:
+  free = _axes_of(mesh, AxisType.Auto) | _axes_of(mesh, AxisType.Explicit)
+  return not mesh.empty and math.prod(mesh.shape[a] for a in free) > 1
+
+
+def _shard_map(per_shard: Callable, mesh, args: list, in_specs: list, out_specs: P):
+  free = _axes_of(mesh, AxisType.Auto) | _axes_of(mesh, AxisType.Explicit)
+  args = [_fit(mesh, x, s) for x, s in zip(args, in_specs)]
+  # check_vma=False: pallas_call has no varying-manual-axes rule; the specs say it all.
+  fn = jax.shard_map(per_shard, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs,
+                     axis_names=free, check_vma=False)
+  if jax.sharding.get_abstract_mesh().empty:  # the mesh came from the operands' types
+    with jax.sharding.use_abstract_mesh(mesh):
+      return fn(*args)
+  return fn(*args)
+
+
+def sharded_attention(kernel: Callable, q, k, v, q_segment_ids, kv_segment_ids, **kw):
+  """kernel(q, k, v, q_segment_ids=..., kv_segment_ids=..., **kw) split over batch and heads.
+
+  q [B, T, Hq, D], k/v [B, S, Hkv, D], segment ids [B, T] / [B, S] or None. Heads are split
+  only by axes dividing Hkv, so q head h and kv head h // (Hq // Hkv) share a shard.
+  """
+  mesh = _mesh(q, k, v)
+  if not _splittable(mesh):
+    return kernel(q, k, v, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, **kw)
+  used: set[str] = set()
+  batch = _split(mesh, q.shape[0], _typed(q, 0) + _rule(mesh, "batch"), used)
+  heads = _split(mesh, k.shape[2], _typed(q, 2) + _rule(mesh, "heads"), used)
+  qkv = P(_entry(batch), None, _entry(heads), None)
+  args, specs = [q, k, v], [qkv] * 3
+  if q_segment_ids is not None:
+    args += [q_segment_ids, kv_segment_ids]
+    specs += [P(_entry(batch), None)] * 2
+
+  def per_shard(q, k, v, *ids):
+    q_ids, kv_ids = ids or (None, None)
+    return kernel(q, k, v, q_segment_ids=q_ids, kv_segment_ids=kv_ids, **kw)
+
+  return _shard_map(per_shard, mesh, args, specs, qkv)
+
+
+def sharded_qmatmul(kernel: Callable, x, qw):
+  """kernel(x, qw) for x [..., K] and a QWeight [K, N], split over x's token dims and N.
+
+  The first token dim follows the `batch` rule, N the `mlp` rule (the tensor-parallel axis
+  of output features); K is never split (w8a8 scales each token over all of K).
+  """
+  mesh = _mesh(x, qw.data)
+  if not _splittable(mesh):
+    return kernel(x, qw)
+  used: set[str] = set()
+  tokens = [_split(mesh, x.shape[d], _typed(x, d) + (_rule(mesh, "batch") if d == 0 else ()),
+                   used) for d in range(x.ndim - 1)]
+  n = _split(mesh, qw.shape[1], _typed(qw.data, 1) + _rule(mesh, "mlp"), used)
+  w_spec = P(None, _entry(n))
+
+  def per_shard(x, data, scale):
+    return kernel(x, dataclasses.replace(qw, data=data, scale=scale))
+
+  return _shard_map(per_shard, mesh, [x, qw.data, qw.scale],
+                    [P(*map(_entry, tokens), None), w_spec, w_spec],
+                    P(*map(_entry, tokens), _entry(n)))

@@ -1,0 +1,88 @@
+"""The import graph among jaxsys modules, function-local imports included, has no cycle."""
+import ast
+import pathlib
+
+from absl.testing import absltest
+
+import jaxsys
+
+_ROOT = pathlib.Path(jaxsys.__file__).parent
+
+
+def _modules() -> dict[str, pathlib.Path]:
+  """Dotted name -> file of every module in the package (a package is its __init__)."""
+  out = {}
+  for path in _ROOT.rglob("*.py"):
+    parts = path.relative_to(_ROOT.parent).with_suffix("").parts
+    if parts[-1] == "__init__":
+      parts = parts[:-1]
+    out[".".join(parts)] = path
+  return out
+
+
+def import_graph() -> dict[str, set[str]]:
+  """Module -> the jaxsys modules it imports anywhere in its body."""
+  modules = _modules()
+  graph = {}
+  for name, path in modules.items():
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    deps = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+      if isinstance(node, ast.Import):
+        targets = [a.name for a in node.names]
+      elif isinstance(node, ast.ImportFrom):
+        base = node.module or ""
+        if node.level:  # relative: resolve against the importing package
+          anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+          base = ".".join(anchor + ([base] if base else []))
+        # `from pkg import mod` imports the module pkg.mod; `from mod import name`, mod.
+        targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
+                   for a in node.names]
+      else:
+        continue
+      deps.update(t for t in targets if t in modules and t != name)
+    graph[name] = deps
+  return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+  """One cycle as [a, b, ..., a], or None; depth-first search with colours."""
+  state, stack = {}, []
+
+  def visit(node):
+    state[node] = "open"
+    stack.append(node)
+    for dep in sorted(graph[node]):
+      if state.get(dep) == "open":
+        return stack[stack.index(dep):] + [dep]
+      if dep not in state and (cycle := visit(dep)):
+        return cycle
+    stack.pop()
+    state[node] = "done"
+    return None
+
+  for node in sorted(graph):
+    if node not in state and (cycle := visit(node)):
+      return cycle
+  return None
+
+
+class ImportGraphTest(absltest.TestCase):
+
+  def test_finds_a_planted_cycle(self):
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    self.assertEqual(find_cycle(graph), ["a", "b", "c", "a"])
+    self.assertIsNone(find_cycle({"a": {"b"}, "b": set()}))
+
+  def test_sees_function_local_imports(self):
+    graph = import_graph()
+    self.assertIn("jaxsys.kernels.attention", graph["jaxsys.models.transformer"])
+    self.assertIn("jaxsys.kernels.quant_matmul", graph["jaxsys.models.transformer"])
+
+  def test_package_is_acyclic(self):
+    cycle = find_cycle(import_graph())
+    self.assertIsNone(cycle, f"import cycle: {' -> '.join(cycle or [])}")
+
+
+if __name__ == "__main__":
+  absltest.main()
