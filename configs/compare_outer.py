@@ -76,9 +76,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # No momentum: each replica's slow weights become its group's mean (gossip local SGD).
   runs["noloco_k4_h50_lr1_m0"] = _outer("noloco", 4, 50, outer_lr=1.0, outer_gamma=1.0,
                                         outer_momentum=0.0)
-  # CO2's code defaults (lambda = 1) are outside its stability bound alpha/lambda < 1 - beta
-  # (jaxsys/optim/co2.py) and diverge; lambda = 3 is inside it.
   runs["noloco_k8_h50"] = _outer("noloco", 8, 50)  # four pairs: gossip has further to spread
+  # CO2's code defaults (lambda = 1) are outside its stability bound alpha/lambda < 1 - beta
+  # (jaxsys/optim/co2.py) and diverge; lambda = 3, the library's default, is inside it.
   runs["co2_k4_h50"] = _outer("co2", 4, 50, outer_staleness_penalty=3.0)
   for k in (4, 8):
     for h in (10, 50, 100):

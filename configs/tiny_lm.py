@@ -39,31 +39,39 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   c = ml_collections.ConfigDict()
   c.seed = 0
+  # Every field is checked before a run starts (jaxsys/train/config_check.py); 0 means
+  # "never" for eval_every and "only at the end (and on SIGTERM)" for checkpoint_every.
   c.total_steps = steps
-  c.log_every = max(1, steps // 30)
-  c.eval_every = max(1, steps // 3)
-  c.eval_steps = 8
-  c.checkpoint_every = max(1, steps // 3)
-  c.keep_checkpoints = 3
+  c.log_every = max(1, steps // 30)  # >= 1
+  c.eval_every = max(1, steps // 3)  # 0: never evaluate
+  c.eval_steps = 8  # val batches per evaluation, >= 1
+  c.checkpoint_every = max(1, steps // 3)  # 0: save only at the end
+  c.keep_checkpoints = 3  # >= 1
   c.mesh = "data=-1"  # e.g. "fsdp=8" or "data=2,tensor=4"; see jaxsys/mesh.py
   # Another run's workdir (or its checkpoints dir): a fresh run starts from its latest
   # parameters (inner/outer optimizer state, step and data position start fresh); a
   # run that resumes its own checkpoint ignores it. "" starts from random parameters.
   c.init_from = ""
+  # Model fields that change the function but not the shapes (rope_theta, norm_eps, dtype),
+  # comma-separated, that a resume or init_from may change; others differing are refused.
+  c.allow_model_change = ""
 
+  placeholder = ml_collections.config_dict.placeholder  # None until set, typed for overrides
   c.model = ml_collections.ConfigDict(dict(
       vocab_size=256, d_model=d_model, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv,
-      head_dim=None, d_ff=d_ff, rope_theta=10_000.0, norm_eps=1e-6, tie_embeddings=False,
+      head_dim=placeholder(int),  # None: d_model // n_heads
+      d_ff=d_ff, rope_theta=10_000.0, norm_eps=1e-6, tie_embeddings=False,
       dtype="float32", param_dtype="float32", attention_impl="auto", remat="none"))
-  # head_dim may be set to an int later; a None default would otherwise lock its type.
-  c.model = ml_collections.ConfigDict(c.model.to_dict(), type_safe=False)
 
   c.data = ml_collections.ConfigDict(dict(
       source="stdlib", tokenizer="byte", vocab_size=256, seq_len=seq_len, batch_size=batch,
       num_threads=2))
 
   c.optimizer = ml_collections.ConfigDict(dict(
-      name="adamw", learning_rate=3e-3, warmup_steps=max(1, steps // 20), final_lr_fraction=0.1,
+      # warmup_steps follows total_steps (5%, rounded up) unless set; it must not exceed the
+      # schedule, so --config.total_steps=2 alone stays valid.
+      name="adamw", learning_rate=3e-3, warmup_steps=(c.get_ref("total_steps") + 19) // 20,
+      final_lr_fraction=0.1,
       b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, grad_clip=1.0, grad_accum_steps=1,
       schedule_steps=0,  # 0: decay over total_steps
       schedule_offset=0))  # steps of the curve already taken (e.g. by the init_from run)
@@ -71,11 +79,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # parallel), diloco, noloco or co2; e.g. --config.optimizer.outer=diloco
   # --config.mesh=replica=4,data=-1. Unset (None) fields take the algorithm's published
   # default (jaxsys/optim/diloco.py, noloco.py, co2.py).
-  placeholder = ml_collections.config_dict.placeholder
   c.optimizer.update(dict(
       outer="none", outer_sync_every=50, outer_lr=placeholder(float),
       outer_momentum=placeholder(float), outer_nesterov=True,  # diloco
       outer_compression="none", outer_error_feedback=False,  # diloco: none|bf16|int8|fp8
       outer_gamma=placeholder(float), outer_group_size=2, outer_seed=0,  # noloco
-      outer_staleness_penalty=1.0, outer_momentum_clip=placeholder(float)))  # co2
+      outer_staleness_penalty=placeholder(float), outer_momentum_clip=placeholder(float),
+      # co2: a setting outside its stability bound is refused unless this is True (then a
+      # warning), e.g. the authors' outer_staleness_penalty=1.0 (jaxsys/optim/co2.py)
+      outer_allow_unstable=False))
   return c

@@ -29,12 +29,11 @@ import numpy as np
 
 from jaxsys import mesh as mesh_lib
 from jaxsys import metrics as metrics_lib
-from jaxsys.data.loader import make_loader
+from jaxsys.checkpoint.reader import read_params
 from jaxsys.models import transformer
 from jaxsys.optim import outer as outer_lib
 from jaxsys.train import replicas as replicas_lib
-from jaxsys.train import step as step_lib
-from jaxsys.train.loop import evaluate, read_latest_params, train_and_evaluate
+from jaxsys.train.loop import Validation, train_and_evaluate
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/compare_outer.py", "Comparison config.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.")
@@ -67,13 +66,6 @@ def run_config(base, overrides):
   return config
 
 
-def _workers(config) -> int:
-  sizes = dict(item.split("=") for item in config.mesh.split(","))
-  if "replica" in sizes:
-    return int(sizes["replica"])
-  return jax.device_count() if sizes.get("data") == "-1" else int(sizes.get("data", 1))
-
-
 def summarize(name: str, config, workdir: str, wall_s: float | None, scored: dict) -> dict:
   """One table row (and the curves for the plot) from a finished run's metrics and final eval."""
   rows = metrics_lib.read_metrics(workdir)
@@ -82,7 +74,7 @@ def summarize(name: str, config, workdir: str, wall_s: float | None, scored: dic
     raise ValueError(f"run {name} in {workdir} has no eval rows; set eval_every > 0")
   model_cfg = transformer.TransformerConfig.from_config(config.model)
   params = jax.eval_shape(lambda: transformer.init_params(model_cfg, jax.random.key(0)))
-  k = _workers(config)
+  k = outer_lib.num_workers(config.mesh)
   dp_bytes = config.total_steps * outer_lib.ring_allreduce_bytes(outer_lib.tree_bytes(params), k)
   o = config.optimizer
   final = evals[-1]
@@ -112,26 +104,15 @@ def final_eval(config, run_dir: str, batches: int) -> dict:
     if (cached["batches"], cached["step"]) == (batches, config.total_steps):
       return cached
   model_cfg = transformer.TransformerConfig.from_config(config.model)
-  found = read_latest_params(run_dir, model_cfg, dataclasses.asdict(model_cfg))
-  if found is None:
+  saved = read_params(run_dir, expect_model=dataclasses.asdict(model_cfg))
+  if saved is None:
     raise ValueError(f"run {run_dir} has no checkpoint to evaluate; set checkpoint_every > 0")
-  step, params, replicas = found
-  mesh = mesh_lib.make_mesh("data=-1")  # the parameters replicated, the batch split
-  batch_sh = mesh_lib.batch_sharding(mesh)
-  param_sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())  # a prefix of params
-  val = make_loader(config.data, "val", batch_size=config.data.batch_size, seed=config.seed,
-                    shuffle=False, repeat=False, process_index=jax.process_index(),
-                    process_count=jax.process_count(), workdir=run_dir)
-  eval_fn = step_lib.jit_eval_step(model_cfg, param_sh, batch_sh, val.tokenizer.token_bytes())
-  start = val.get_state()
-  score = lambda p: evaluate(eval_fn, jax.device_put(p, param_sh), val, start,
-                             batches or 1 << 30, batch_sh)["val_bpb"]
-  result = {"batches": batches, "step": step}
-  if replicas:
-    result["val_bpb"] = score(jax.tree.map(lambda x: x[0], params))
-    result["val_bpb_replica_mean"] = score(jax.tree.map(lambda x: x.mean(0), params))
-  else:
-    result["val_bpb"] = score(params)
+  # The parameters replicated, the batch split over every device.
+  val = Validation(config, model_cfg, mesh_lib.make_mesh("data=-1"), workdir=run_dir)
+  score = lambda p: val.score(p, batches or 1 << 30)["val_bpb"]
+  result = {"batches": batches, "step": saved.step, "val_bpb": score(saved.one())}
+  if saved.replicas:
+    result["val_bpb_replica_mean"] = score(jax.tree.map(lambda x: x.mean(0), saved.params))
   with open(cache, "w") as f:
     json.dump(result, f)
   return result

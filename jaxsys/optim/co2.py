@@ -14,17 +14,19 @@ here, so the update is written as the authors' code computes it:
 
 lambda is the staleness gap penalty and clip is element-wise to [-c, c], as in the
 authors' code (fairscale-CO2 `CO2DistributedDataParallel`: `co2_gap_penalty`,
-`co2_clip_threshold`; there `torch.clamp` is not in place, so its clipping is a no-op);
-the defaults are that code's (alpha = outer_lr 1.0, beta = outer_momentum 0.5,
-lambda 1.0, clipping off). The first sync has no average yet, so round 1 starts where
-round 0 did; round 0's progress arrives one sync later.
+`co2_clip_threshold`; there `torch.clamp` is not in place, so its clipping is a no-op).
+The first sync has no average yet, so round 1 starts where round 0 did; round 0's
+progress arrives one sync later.
 
 Stability. In a direction the H inner steps fully converge (the round's pseudo-gradient
 is the whole distance to the local optimum), the delayed heavy-ball recursion
 x_{t+1} = x_t - (alpha/lambda) (beta m_{t-1} + (x_{t-1} - x*)) has spectral radius
-< 1 only when alpha / lambda < 1 - beta. The code's defaults sit outside that (1 > 0.5)
-and diverged in our LM comparison; this is what the staleness penalty is for, so
-`co2()` warns and e.g. lambda = 2 alpha / (1 - beta) is inside with margin.
+< 1 only when alpha / lambda < 1 - beta. The authors' code's defaults (alpha = outer_lr
+1.0, beta = outer_momentum 0.5, lambda = 1.0) sit outside it (1 >= 0.5) and diverged in
+our LM comparison. The defaults here keep alpha and beta and set lambda = 3 (1/3 < 0.5);
+a configuration outside the bound is a ValueError unless `allow_unstable=True`, which
+only warns (e.g. `co2(..., staleness_penalty=1.0, allow_unstable=True)` for the
+published values).
 """
 from __future__ import annotations
 
@@ -47,11 +49,12 @@ class CO2State(NamedTuple):
 
 
 def co2(*, sync_every: int, outer_lr: float = 1.0, outer_momentum: float = 0.5,
-        staleness_penalty: float = 1.0, momentum_clip: float | None = None
-        ) -> outer_lib.OuterOptimizer:
+        staleness_penalty: float = 3.0, momentum_clip: float | None = None,
+        allow_unstable: bool = False) -> outer_lib.OuterOptimizer:
   """CO2's outer step; `momentum_clip=None` turns clipping off (the authors' default).
 
-  Warns when alpha / lambda >= 1 - beta (unstable; see the module docstring).
+  Refuses alpha / lambda >= 1 - beta (unstable; see the module docstring) unless
+  `allow_unstable`, which warns instead.
   """
   sync_every = outer_lib.check_sync_every(sync_every)
   alpha = outer_lib.check_range("outer_lr", outer_lr, 0.0, lo_open=True)
@@ -60,11 +63,13 @@ def co2(*, sync_every: int, outer_lr: float = 1.0, outer_momentum: float = 0.5,
   clip = None if momentum_clip is None else outer_lib.check_range(
       "momentum_clip", momentum_clip, 0.0, lo_open=True)
   if alpha / lam >= 1.0 - beta:
-    logging.warning(
-        "co2: outer_lr/staleness_penalty = %g >= 1 - outer_momentum = %g: the delayed outer "
-        "update is unstable in directions the inner steps converge; use staleness_penalty "
-        "> outer_lr / (1 - outer_momentum) (jaxsys/optim/co2.py, Stability)",
-        alpha / lam, 1.0 - beta)
+    fix = f"staleness_penalty > {alpha / (1.0 - beta):g}" if beta < 1 else "outer_momentum < 1"
+    msg = (f"outer_lr={alpha:g}, outer_momentum={beta:g}, staleness_penalty={lam:g} are outside "
+           f"CO2's stability bound outer_lr / staleness_penalty < 1 - outer_momentum "
+           f"({alpha / lam:g} >= {1.0 - beta:g}); use {fix} or allow_unstable=True")
+    if not allow_unstable:
+      raise ValueError(msg)
+    logging.warning("co2 (allow_unstable=True): %s", msg)
 
   def init(params) -> CO2State:
     zeros = jax.tree.map(jnp.zeros_like, params)
@@ -87,4 +92,5 @@ def co2(*, sync_every: int, outer_lr: float = 1.0, outer_momentum: float = 0.5,
 
   return outer_lib.OuterOptimizer(
       "co2", sync_every, init, sync, bytes_per_sync,
-      dict(outer_lr=alpha, outer_momentum=beta, staleness_penalty=lam, momentum_clip=clip))
+      dict(outer_lr=alpha, outer_momentum=beta, staleness_penalty=lam, momentum_clip=clip,
+           allow_unstable=allow_unstable))

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from jaxsys.optim import outer as outer_lib
 
@@ -24,7 +25,7 @@ from jaxsys.optim import outer as outer_lib
 class DiLoCoState(NamedTuple):
   rounds: jax.Array  # int32: syncs done
   anchor: Any  # theta^(t-1), the outer parameters the round started from
-  momentum: Any  # outer Nesterov buffer
+  outer_opt: Any  # optax.sgd's state: the outer momentum buffer
   error: Any  # error-feedback residual (zeros unless error_feedback)
 
 
@@ -36,11 +37,14 @@ def diloco(*, sync_every: int, outer_lr: float = 0.7, outer_momentum: float = 0.
   outer_lr = outer_lib.check_range("outer_lr", outer_lr, 0.0, lo_open=True)
   outer_momentum = outer_lib.check_range("outer_momentum", outer_momentum, 0.0, 1.0)
   compression = outer_lib.check_compression(compression)
+  # optax.sgd's trace is m <- mu m + g and its step g + mu m (Nesterov) or m: Alg. 1's OuterOpt.
+  outer_opt = optax.sgd(outer_lr, momentum=outer_momentum, nesterov=nesterov)
 
   def init(params) -> DiLoCoState:
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    return DiLoCoState(rounds=jnp.zeros((), jnp.int32), anchor=params, momentum=zeros,
-                       error=zeros)
+    # float32 like the pseudo-gradients they accumulate, whatever the parameters' dtype
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    return DiLoCoState(rounds=jnp.zeros((), jnp.int32), anchor=params,
+                       outer_opt=outer_opt.init(zeros), error=zeros)
 
   def sync(params, state: DiLoCoState, *, axis_name: str):
     delta = jax.tree.map(lambda a, p: (a - p).astype(jnp.float32), state.anchor, params)
@@ -52,9 +56,9 @@ def diloco(*, sync_every: int, outer_lr: float = 0.7, outer_momentum: float = 0.
     else:
       error = state.error
     delta = outer_lib.compressed_mean(delta, axis_name, compression)
-    anchor, momentum = outer_lib.nesterov_step(state.anchor, state.momentum, delta, outer_lr,
-                                               outer_momentum, nesterov)
-    return anchor, DiLoCoState(state.rounds + 1, anchor, momentum, error)
+    updates, opt_state = outer_opt.update(delta, state.outer_opt)
+    anchor = optax.apply_updates(state.anchor, updates)
+    return anchor, DiLoCoState(state.rounds + 1, anchor, opt_state, error)
 
   def bytes_per_sync(params, num_replicas: int) -> int:
     return outer_lib.mean_bytes(params, num_replicas, compression)

@@ -17,6 +17,7 @@ of n bytes sends (R-1)/R * n, a collective-permute sends its whole buffer.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from typing import Any, Callable
@@ -25,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from jaxsys import mesh as mesh_lib
 
 COMPRESSIONS = (None, "bf16", "int8", "fp8")
 _QMAX = {"int8": 127.0, "fp8": 448.0}  # largest magnitude of int8 / float8_e4m3fn
@@ -87,12 +90,13 @@ def ring_allreduce_bytes(payload: int, num_replicas: int) -> int:
   return 2 * (num_replicas - 1) * payload // num_replicas
 
 
-def nesterov_step(anchor, momentum, grad, lr: float, mu: float, nesterov: bool):
-  """SGD with (Nesterov) momentum as optax.sgd: m = mu m + g; anchor -= lr (g + mu m) or lr m."""
-  momentum = jax.tree.map(lambda m, g: mu * m + g, momentum, grad)
-  step = jax.tree.map(lambda m, g: g + mu * m, momentum, grad) if nesterov else momentum
-  anchor = jax.tree.map(lambda p, s: (p - lr * s).astype(p.dtype), anchor, step)
-  return anchor, momentum
+def num_workers(mesh_spec, devices=None) -> int:
+  """Workers whose bytes a run counts: the `replica` axis's size when it has one, else the
+  data-parallel shards (`data` x `fsdp`), from any spec `jaxsys.mesh.make_mesh` accepts."""
+  shape = dict(mesh_lib.make_mesh(mesh_spec, devices).shape)
+  if shape.get("replica", 1) > 1:
+    return shape["replica"]
+  return shape.get("data", 1) * shape.get("fsdp", 1)
 
 
 # ---------------------------------------------------------------------------
@@ -198,6 +202,11 @@ _COLLECTIVE = re.compile(
 _SHAPE = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\]")
 _ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2,
              "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+_HEADER = re.compile(r"^(ENTRY )?%?([\w.\-]+) \(.*\{$")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}|true_computation=%?([\w.\-]+), "
+                       r"false_computation=%?([\w.\-]+)")
+_CALLS = re.compile(r"\b(?:calls|to_apply|body|condition)=%?([\w.\-]+)")
+_GROUPS = re.compile(r"replica_groups=(?:\{\{([0-9,]*)\}|\[[0-9]+,([0-9]+)\]<=)")
 
 
 def _shape_bytes(text: str) -> int:
@@ -214,24 +223,62 @@ def collective_ops_from_hlo(hlo_text: str) -> list[tuple[str, int]]:
   return [(op, _shape_bytes(shape)) for shape, op in _COLLECTIVE.findall(hlo_text)]
 
 
-def collective_bytes_from_hlo(hlo_text: str, num_replicas: int) -> int:
-  """Bytes one participant sends for the collectives of a compiled program (ring rules above).
+def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
+  """{computation name: its instruction lines} and the ENTRY computation's name."""
+  comps, entry, lines = {}, "", None
+  for line in hlo_text.splitlines():
+    header = _HEADER.match(line)
+    if header:
+      lines = comps.setdefault(header.group(2), [])
+      entry = header.group(2) if header.group(1) else entry
+    elif line.startswith("}"):
+      lines = None
+    elif lines is not None:
+      lines.append(line)
+  return comps, entry
 
-  Every collective in the text counts once, so a conditional's branches all count.
-  `-start` ops of async collectives return (operand, result, ...) tuples, so their
-  result bytes count twice; the sync-form ops XLA:CPU emits are exact.
+
+def _sent_bytes(line: str, default_group: int) -> int:
+  """Bytes one participant sends for the collective on `line` (0 if none), by the ring rules."""
+  found = _COLLECTIVE.search(line)
+  if not found:
+    return 0
+  nbytes, op = _shape_bytes(found.group(1)), found.group(2)
+  groups = _GROUPS.search(line)
+  r = default_group
+  if groups:
+    r = len(groups.group(1).split(",")) if groups.group(1) is not None else int(groups.group(2))
+  if op == "all-reduce":
+    return 2 * (r - 1) * nbytes // r
+  if op in ("all-gather", "all-to-all"):  # all-gather's result is R chunks
+    return (r - 1) * nbytes // r
+  if op == "reduce-scatter":  # result = one chunk of R
+    return (r - 1) * nbytes
+  return nbytes  # collective-permute: its whole buffer
+
+
+def collective_bytes_from_hlo(hlo_text: str, num_replicas: int) -> int:
+  """Bytes one participant sends when the compiled program runs once (ring rules above).
+
+  Walks the call graph from the ENTRY computation: a conditional counts its largest
+  branch (exactly one runs), a called computation counts once (a while body once, not
+  per trip). A collective's group size comes from its `replica_groups`; `num_replicas`
+  is used where the HLO lists none. `-start` ops of async collectives return
+  (operand, result, ...) tuples, so their bytes count twice; the sync-form ops
+  XLA:CPU emits are exact.
   """
-  r = num_replicas
-  total = 0
-  for op, nbytes in collective_ops_from_hlo(hlo_text):
-    if op == "all-reduce":
-      total += 2 * (r - 1) * nbytes // r
-    elif op == "all-gather":  # result = R chunks
-      total += (r - 1) * nbytes // r
-    elif op == "all-to-all":
-      total += (r - 1) * nbytes // r
-    elif op == "reduce-scatter":  # result = one chunk of R
-      total += (r - 1) * nbytes
-    else:  # collective-permute
-      total += nbytes
-  return total
+  comps, entry = _computations(hlo_text)
+
+  @functools.cache
+  def cost(name: str) -> int:
+    total = 0
+    for line in comps.get(name, ()):
+      total += _sent_bytes(line, num_replicas)
+      branches = _BRANCHES.search(line)
+      if branches:
+        names = (re.findall(r"%?([\w.\-]+)", branches.group(1)) if branches.group(1)
+                 else branches.group(2, 3))
+        total += max(cost(b) for b in names)
+      total += sum(cost(c) for c in _CALLS.findall(line))
+    return total
+  return cost(entry)

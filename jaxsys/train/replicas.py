@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Any, Callable
 
 import jax
@@ -44,7 +45,6 @@ class ReplicaTrainState:
   params: Any  # [R, ...]
   opt_state: Any  # [R, ...] inner optimizer state, per replica
   outer: Any  # [R, ...] outer optimizer state
-  rng: jax.Array
 
 
 def _field(cfg, name: str, default=None):
@@ -52,31 +52,35 @@ def _field(cfg, name: str, default=None):
 
 
 def make_outer_optimizer(cfg) -> outer_lib.OuterOptimizer | None:
-  """The outer optimizer named by `cfg.outer` (config.optimizer), None for 'none' (plain DP)."""
+  """The outer optimizer named by `cfg.outer` (config.optimizer), None for 'none' (plain DP).
+
+  Unset (None) fields take the algorithm's own default.
+  """
   name = _field(cfg, "outer", "none")
   if name not in OUTERS:
     raise ValueError(f"optimizer.outer={name!r} is unknown; valid: {', '.join(OUTERS)}")
   if name == "none":
     return None
-  common = dict(sync_every=cfg.outer_sync_every)
-  for key in ("outer_lr", "outer_momentum"):
-    if _field(cfg, key) is not None:
-      common[key] = cfg[key]
+  fields = {"diloco": ("lr", "momentum", "nesterov", "compression", "error_feedback"),
+            "noloco": ("lr", "momentum", "gamma", "group_size", "seed"),
+            "co2": ("lr", "momentum", "staleness_penalty", "momentum_clip", "allow_unstable")}[name]
+  kw = {}
+  for key in fields:  # optimizer.outer_<key>: the library's `outer_lr`, `gamma`, ...
+    value = _field(cfg, f"outer_{key}")
+    if value is not None:
+      kw[key if key not in ("lr", "momentum") else f"outer_{key}"] = value
   try:
-    if name == "diloco":
-      return diloco(**common, nesterov=_field(cfg, "outer_nesterov", True),
-                               compression=_field(cfg, "outer_compression"),
-                               error_feedback=_field(cfg, "outer_error_feedback", False))
-    if name == "noloco":
-      kw = {"gamma": cfg.outer_gamma} if _field(cfg, "outer_gamma") is not None else {}
-      return noloco(**common, **kw, group_size=_field(cfg, "outer_group_size", 2),
-                               seed=_field(cfg, "outer_seed", 0))
-    return co2(**common, staleness_penalty=_field(cfg, "outer_staleness_penalty", 1.0),
-                       momentum_clip=_field(cfg, "outer_momentum_clip"))
-  except ValueError as e:  # name the config field: sync_every=0 -> optimizer.outer_sync_every=0
-    msg = str(e)
-    raise ValueError(("optimizer." if msg.startswith("outer_") else "optimizer.outer_") + msg) \
-        from None
+    return {"diloco": diloco, "noloco": noloco, "co2": co2}[name](
+        sync_every=cfg.outer_sync_every, **kw)
+  except ValueError as e:  # name the config fields: sync_every=0 -> optimizer.outer_sync_every=0
+    raise ValueError(_OUTER_ARG.sub(r"optimizer.outer_\1", str(e))) from None
+
+
+# Library argument names in an outer optimizer's error, longest first (momentum_clip
+# before momentum); each is the config field optimizer.outer_<name>.
+_OUTER_ARG = re.compile(r"\b(?:outer_)?(sync_every|lr|momentum_clip|momentum|nesterov|compression|"
+                        r"error_feedback|gamma|group_size|seed|staleness_penalty|"
+                        r"allow_unstable)(?==)")
 
 
 def num_replicas(mesh: Mesh, outer_name: str) -> int:
@@ -89,6 +93,11 @@ def num_replicas(mesh: Mesh, outer_name: str) -> int:
   return size
 
 
+def _one_replica(tree):
+  """Abstract [R, ...] leaves -> one replica's [...] leaves."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), tree)
+
+
 def _with_replica(sharding: NamedSharding) -> NamedSharding:
   return NamedSharding(sharding.mesh, PartitionSpec(AXIS, *sharding.spec))
 
@@ -97,16 +106,16 @@ def init_replica_state(model_cfg, optimizer, outer: outer_lib.OuterOptimizer, re
                        seed: int) -> ReplicaTrainState:
   """Every replica starts from the same parameters and a fresh inner state."""
   base = state_lib.init_train_state(model_cfg, optimizer, seed)
-  return start_from_params(base.step, base.rng, base.params, optimizer, outer, replicas)
+  return start_from_params(base.step, base.params, optimizer, outer, replicas)
 
 
-def start_from_params(step, rng, params, optimizer, outer: outer_lib.OuterOptimizer,
+def start_from_params(step, params, optimizer, outer: outer_lib.OuterOptimizer,
                       replicas: int) -> ReplicaTrainState:
   """Every replica and the outer state at `params` (one replica's), fresh inner and outer states."""
   stack = lambda tree: jax.tree.map(lambda x: jnp.broadcast_to(x, (replicas, *x.shape)), tree)
   params_R = stack(params)
   return ReplicaTrainState(step=step, params=params_R, opt_state=stack(optimizer.init(params)),
-                           outer=jax.vmap(outer.init)(params_R), rng=rng)
+                           outer=jax.vmap(outer.init)(params_R))
 
 
 def _path_suffix_shardings(tree, params, param_sh, replicated):
@@ -126,38 +135,30 @@ def _path_suffix_shardings(tree, params, param_sh, replicated):
 def replica_state_shardings(abstract: ReplicaTrainState, model_cfg, optimizer,
                             mesh: Mesh) -> ReplicaTrainState:
   """Per-replica shardings by logical axes, with `replica` prepended on the leading [R] dim."""
-  one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype),
-                     (abstract.params, abstract.opt_state, abstract.outer))
+  one = _one_replica((abstract.params, abstract.opt_state, abstract.outer))
   base = state_lib.state_shardings(
-      TrainState(step=abstract.step, params=one[0], opt_state=one[1], rng=abstract.rng),
+      TrainState(step=abstract.step, params=one[0], opt_state=one[1]),
       model_cfg, optimizer, mesh)
   replicated = NamedSharding(mesh, PartitionSpec())
   outer_sh = _path_suffix_shardings(one[2], one[0], base.params, replicated)
   add = lambda tree: jax.tree.map(_with_replica, tree)
   return ReplicaTrainState(step=replicated, params=add(base.params), opt_state=add(base.opt_state),
-                           outer=add(outer_sh), rng=replicated)
-
-
-def _single_process_order(x, processes: int):
-  """Rows as one process loads them: process p holds global rows p, p+P, ... (data/loader.py)
-  and puts them in block p of the assembled batch, so undo that interleave."""
-  if processes == 1:
-    return x
-  return x.reshape(processes, x.shape[0] // processes, *x.shape[1:]).swapaxes(0, 1).reshape(
-      x.shape)
+                           outer=add(outer_sh))
 
 
 def replica_train_step(state: ReplicaTrainState, batch, *, model_cfg, optimizer, replicas: int,
-                       accum_steps: int = 1, processes: int = 1
+                       accum_steps: int = 1
                        ) -> tuple[ReplicaTrainState, dict[str, jax.Array]]:
-  """One inner step on every replica; replica r takes rows [r*B/R, (r+1)*B/R) of the batch
-  in single-process order, so a run's replicas see the same rows on any number of processes."""
-  batch_R = jax.tree.map(
-      lambda x: _single_process_order(x, processes).reshape(replicas, x.shape[0] // replicas,
-                                                            *x.shape[1:]), batch)
+  """One inner step on every replica; replica r takes rows [r*B/R, (r+1)*B/R) of the batch.
+
+  The loader gives each process a contiguous block of the global batch, so these rows
+  are the same on any number of processes and no row moves between hosts.
+  """
+  batch_R = jax.tree.map(lambda x: x.reshape(replicas, x.shape[0] // replicas, *x.shape[1:]),
+                         batch)
 
   def one(params, opt_state, b):
-    inner = TrainState(step=state.step, params=params, opt_state=opt_state, rng=state.rng)
+    inner = TrainState(step=state.step, params=params, opt_state=opt_state)
     inner, m = step_lib.train_step(inner, b, model_cfg=model_cfg, optimizer=optimizer,
                                    accum_steps=accum_steps)
     return inner.params, inner.opt_state, m
@@ -231,8 +232,7 @@ def make_replica_setup(config, model_cfg: transformer.TransformerConfig, mesh: M
   train_fn = jax.jit(
       lambda s, b: replica_train_step(s, b, model_cfg=model_cfg, optimizer=optimizer,
                                       replicas=replicas,
-                                      accum_steps=config.optimizer.grad_accum_steps,
-                                      processes=jax.process_count()),
+                                      accum_steps=config.optimizer.grad_accum_steps),
       in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated), donate_argnums=0,
       compiler_options=opts)
   sync = make_sync(outer, mesh)
@@ -248,20 +248,15 @@ def make_replica_setup(config, model_cfg: transformer.TransformerConfig, mesh: M
     sync_train_fn = jax.jit(
         lambda s, b: replica_train_step(sync_state(s), b, model_cfg=model_cfg,
                                         optimizer=optimizer, replicas=replicas,
-                                        accum_steps=config.optimizer.grad_accum_steps,
-                                        processes=jax.process_count()),
+                                        accum_steps=config.optimizer.grad_accum_steps),
         in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated),
         donate_argnums=0, compiler_options=opts)
+  one_params, one_opt = _one_replica((abstract.params, abstract.opt_state))
   one_sh = state_lib.state_shardings(
-      TrainState(step=abstract.step,
-                 params=jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype),
-                                     abstract.params),
-                 opt_state=jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype),
-                                        abstract.opt_state),
-                 rng=abstract.rng), model_cfg, optimizer, mesh)
+      TrainState(step=abstract.step, params=one_params, opt_state=one_opt), model_cfg, optimizer,
+      mesh)
   eval_params = jax.jit(lambda p: jax.tree.map(lambda x: x[0], p),
                         in_shardings=(state_sh.params,), out_shardings=one_sh.params)
-  one_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), abstract.params)
   return ReplicaSetup(model_cfg, optimizer, outer, replicas, abstract, state_sh, batch_sh,
                       one_sh.params, train_fn, sync_fn, sync_train_fn, eval_params,
                       outer.bytes_per_sync(one_params, replicas))

@@ -1,4 +1,7 @@
-"""Outer optimizers: DiLoCo == DP SGD in its limit, NoLoCo's groups and HLO, CO2's delay, bytes."""
+"""Outer optimizers: DiLoCo == DP SGD in its limit, NoLoCo's pairs and HLO, CO2's delay, bytes."""
+
+import importlib.util
+import pathlib
 
 import chex
 import jax
@@ -9,7 +12,8 @@ from absl.testing import absltest, parameterized
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxsys import optim
-from jaxsys.optim.noloco import group_index, peer_groups
+from jaxsys.train import replicas
+from jaxsys.optim.noloco import peer_groups, round_index
 from jaxsys.optim import outer as outer_lib
 
 R = 4
@@ -100,47 +104,98 @@ class DiLoCoTest(parameterized.TestCase):
         theta, state = sync(theta, state)
     chex.assert_trees_all_close(jax.tree.map(lambda x: x[0], theta), ref, atol=1e-6)
 
-  def test_nesterov_outer_step_matches_optax_sgd(self):
-    """The outer step is optax.sgd(outer_lr, momentum, nesterov=True) on the averaged delta."""
-    outer = optim.diloco(sync_every=1)
+  @parameterized.parameters(True, False)
+  def test_outer_step_is_sgd_with_momentum_on_the_mean_delta(self, nesterov):
+    """The outer step equals optax.sgd(0.7, 0.9, nesterov) and the written-out momentum update."""
+    lr, mu = 0.7, 0.9
+    outer = optim.diloco(sync_every=1, nesterov=nesterov)
     sync = _vmap_sync(outer)
+    sgd = optax.sgd(lr, momentum=mu, nesterov=nesterov)
     phi = _params()
-    sgd = optax.sgd(0.7, momentum=0.9, nesterov=True)
     sgd_state = sgd.init(phi)
-    theta0 = _stack(phi)
-    state = jax.vmap(outer.init)(theta0)
-    ref = phi
+    state = jax.vmap(outer.init)(_stack(phi))
+    ref, hand, m = phi, phi, jax.tree.map(jnp.zeros_like, phi)
     for step in range(3):
       x, _ = _data(step)
       theta = jax.tree.map(lambda p: p + 0.01 * jnp.mean(x) * jnp.arange(1, R + 1).reshape(
           (R,) + (1,) * (p.ndim - 1)), state.anchor)
       delta = jax.tree.map(lambda a, t: jnp.mean(a - t, 0), state.anchor, theta)
-      u, sgd_state = sgd.update(jax.tree.map(lambda d: d, delta), sgd_state)
+      u, sgd_state = sgd.update(delta, sgd_state)
       ref = optax.apply_updates(ref, u)
+      m = jax.tree.map(lambda m, g: mu * m + g, m, delta)
+      hand = jax.tree.map(lambda p, m, g: p - lr * (g + mu * m if nesterov else m), hand, m, delta)
       theta, state = sync(theta, state)
       chex.assert_trees_all_close(jax.tree.map(lambda x: x[0], theta), ref, atol=1e-6)
+      chex.assert_trees_all_close(ref, hand, atol=1e-6)
+
+
+def _partners(outer, r: int, syncs: int) -> np.ndarray:
+  """[syncs, r]: replica i's partner at each of `syncs` syncs, read off the real sync under vmap.
+
+  beta = gamma = 1, alpha = 0 from zero slow weights: phi_i becomes mean(theta_i, theta_j),
+  so theta_i = i gives j = 2 phi_i - i.
+  """
+  ids = jnp.arange(r, dtype=jnp.float32)
+  zero = jax.vmap(outer.init)(jnp.zeros((r,)))
+
+  def one(t):
+    out, _ = jax.vmap(lambda p, s: outer.sync(p, s, axis_name=AX), axis_name=AX)(
+        ids, zero._replace(rounds=jnp.full((r,), t, jnp.int32)))
+    return 2 * out - ids
+  return np.rint(np.asarray(jax.jit(jax.vmap(one))(jnp.arange(syncs)))).astype(int)
+
+
+def _chi2_uniform(partners: np.ndarray, r: int) -> float:
+  """Pearson's chi-square of replica 0's partner counts against uniform over the other r-1."""
+  counts = np.bincount(partners, minlength=r)[1:]
+  expected = len(partners) / (r - 1)
+  return float(np.sum((counts - expected) ** 2 / expected))
 
 
 class NoLoCoTest(parameterized.TestCase):
 
-  def test_groups_are_permutations_that_change(self):
-    pool = peer_groups(8, 2, seed=3)
-    for groups in pool:
-      self.assertEqual(sorted(groups.reshape(-1).tolist()), list(range(8)))
-    self.assertGreater(len({tuple(map(tuple, np.sort(g, 1))) for g in pool}), 4)
-    picks = [int(group_index(3, jnp.int32(t))) for t in range(10)]
-    self.assertGreater(len(set(picks)), 3)
+  @parameterized.parameters(2, 4, 6, 16)
+  def test_rounds_meet_every_pair_exactly_once(self, r):
+    schedule = peer_groups(r, 2, seed=3)
+    self.assertEqual(schedule.shape, (r - 1, r // 2, 2))
+    met = []
+    for groups in schedule:
+      self.assertEqual(sorted(groups.reshape(-1).tolist()), list(range(r)))  # a perfect matching
+      met += [tuple(sorted(g)) for g in groups.tolist()]
+    self.assertLen(met, r * (r - 1) // 2)
+    self.assertLen(set(met), r * (r - 1) // 2)
+    self.assertFalse(np.array_equal(peer_groups(r, 2, seed=4), schedule) and r > 2)
+
+  def test_every_partner_equally_likely_at_r16(self):
+    """Replica 0's partner over 3000 syncs of the real sync at R=16: chi-square < 36.1
+    (p = 0.001 at 14 dof); a pool of 16 random permutations fails the same test."""
+    r, syncs, critical = 16, 3000, 36.12
+    partners = _partners(optim.noloco(sync_every=1, outer_lr=1.0, outer_momentum=0.0, gamma=1.0,
+                                      seed=7), r, syncs)
+    np.testing.assert_array_equal(np.take_along_axis(partners, partners, 1),
+                                  np.broadcast_to(np.arange(r), partners.shape))  # pairs
+    for i in range(r):
+      relabel = np.arange(r)
+      relabel[[0, i]] = [i, 0]  # replica i's partners, as if it were replica 0
+      self.assertLess(_chi2_uniform(relabel[partners[:, i]], r), critical, msg=f"replica {i}")
+    # The old scheme: a seeded pool of 16 permutations, one drawn per sync.
+    rng = np.random.default_rng(7)
+    pool = [rng.permutation(r).reshape(2, r // 2).T for _ in range(16)]
+    old = [next(int(g[1 - list(g).index(0)]) for g in pool[k] if 0 in g)
+           for k in rng.integers(0, 16, syncs)]
+    self.assertGreater(_chi2_uniform(np.array(old), r), critical)
 
   def test_sync_averages_within_the_drawn_pairs(self):
-    """beta = gamma = 1, alpha = 0: phi_i <- mean of theta over i's pair, a different pair each sync."""
+    """beta = gamma = 1, alpha = 0: phi_i <- mean of theta over i's pair, the drawn round's."""
     outer = optim.noloco(sync_every=1, outer_lr=1.0, outer_momentum=0.0, gamma=1.0, seed=5)
     sync = _shard_sync(outer)
+    schedule = peer_groups(R, 2, 5)
     state = jax.vmap(outer.init)(jnp.zeros((R, 1)))
     seen = set()
     for t in range(6):
       theta = (jnp.arange(R, dtype=jnp.float32) * 10.0 ** np.arange(R)).reshape(R, 1)
       out, state = sync(theta, state)
-      groups = peer_groups(R, 2, 5)[int(group_index(5, jnp.int32(t)))]
+      groups = schedule[int(round_index(5, jnp.int32(t), R - 1))]
       want = np.zeros(R)
       for g in groups:
         want[g] = np.asarray(theta)[g, 0].mean()
@@ -162,20 +217,31 @@ class NoLoCoTest(parameterized.TestCase):
     want = phi + a * 1.0 - b * jnp.mean(phi - theta) - gamma * (phi - jnp.mean(phi))
     np.testing.assert_allclose(out, want, rtol=1e-6)
 
-  def test_compiled_sync_has_no_all_reduce(self):
+  def test_compiled_sync_is_one_branch_of_permutes_per_round(self):
     outer = optim.noloco(sync_every=1)
     p = _stack(_params())
     hlo = _shard_sync(outer).lower(p, jax.vmap(outer.init)(p)).compile().as_text()
-    ops = {op for op, _ in outer_lib.collective_ops_from_hlo(hlo)}
-    self.assertEqual(ops, {"collective-permute"})
+    ops = [op for op, _ in outer_lib.collective_ops_from_hlo(hlo)]
+    self.assertEqual(set(ops), {"collective-permute"})
     self.assertNotIn("all-reduce", hlo)
-    self.assertIn("conditional", hlo)
+    self.assertRegex(hlo, r"conditional\(.*branch_computations=\{[^,}]+, [^,}]+, [^,}]+\}")
+
+  @parameterized.parameters((3, 2, "group_size=2 must divide the 3 replicas"),
+                            (6, 3, "group_size=3 is invalid for the 6 replicas; valid: 2 "
+                                   r"\(random pairs\) or 6 \(all replicas\)"))
+  def test_replicas_that_cannot_be_grouped_are_one_line(self, r, n, pattern):
+    outer = optim.noloco(sync_every=1, group_size=n)
+    with self.assertRaisesRegex(ValueError, pattern) as ctx:
+      _vmap_sync(outer)(jnp.zeros((r, 2)), jax.vmap(outer.init)(jnp.zeros((r, 2))))
+    self.assertNotIn("\n", str(ctx.exception))
 
 
 class CO2Test(absltest.TestCase):
 
   def test_applies_the_previous_rounds_average(self):
-    outer = optim.co2(sync_every=1, outer_lr=1.0, outer_momentum=0.0)
+    # lambda = alpha = 1, no momentum applies each average whole (on the bound: allowed)
+    outer = optim.co2(sync_every=1, outer_lr=1.0, outer_momentum=0.0, staleness_penalty=1.0,
+                      allow_unstable=True)
     sync = _shard_sync(outer)
     x0 = jnp.zeros((R, 2))
     state = jax.vmap(outer.init)(x0)
@@ -214,12 +280,54 @@ class CO2Test(absltest.TestCase):
         x, state = sync(c, state)
       return float(jnp.max(jnp.abs(x - target)))
 
-    with self.assertLogs("absl", "WARNING") as logs:
-      unstable = optim.co2(sync_every=1)  # the authors' code's defaults: 1 >= 1 - 0.5
-    self.assertIn("staleness_penalty", logs.output[0])
+    self.assertLess(distance_after(optim.co2(sync_every=1)), 1e-3)  # defaults: 1/3 < 0.5
+    with self.assertLogs("absl", "WARNING") as logs:  # the authors' code's: 1/1 >= 0.5
+      unstable = optim.co2(sync_every=1, staleness_penalty=1.0, allow_unstable=True)
+    self.assertIn("stability bound", logs.output[0])
     self.assertGreater(distance_after(unstable), 10 * float(jnp.max(jnp.abs(target))))
-    stable = optim.co2(sync_every=1, staleness_penalty=4.0)  # 0.25 < 0.5
-    self.assertLess(distance_after(stable), 1e-3)
+
+  def test_outside_the_bound_is_an_error_unless_allowed(self):
+    with self.assertRaises(ValueError) as ctx:
+      optim.co2(sync_every=1, staleness_penalty=1.0)
+    self.assertEqual(str(ctx.exception),
+                     "outer_lr=1, outer_momentum=0.5, staleness_penalty=1 are outside CO2's "
+                     "stability bound outer_lr / staleness_penalty < 1 - outer_momentum "
+                     "(1 >= 0.5); use staleness_penalty > 2 or allow_unstable=True")
+
+
+class ConfigTest(parameterized.TestCase):
+  """config.optimizer -> outer optimizer: unset fields take the library's defaults."""
+
+  def _config(self, **fields):
+    cfg = _tiny_lm().get_config("size=test").optimizer
+    cfg.update(fields)
+    return cfg
+
+  def test_unset_fields_take_the_library_defaults(self):
+    for name, hparams in (("diloco", dict(outer_lr=0.7, outer_momentum=0.9, nesterov=True)),
+                          ("noloco", dict(outer_lr=0.7, outer_momentum=0.5, gamma=0.7)),
+                          ("co2", dict(outer_lr=1.0, outer_momentum=0.5, staleness_penalty=3.0,
+                                       allow_unstable=False))):
+      outer = replicas.make_outer_optimizer(self._config(outer=name))
+      self.assertEqual({k: outer.hparams[k] for k in hparams}, hparams, msg=name)
+
+  def test_co2_outside_the_bound_names_the_config_fields(self):
+    cfg = self._config(outer="co2", outer_staleness_penalty=1.0)
+    with self.assertRaisesRegex(ValueError, r"^optimizer.outer_lr=1, optimizer.outer_momentum=0.5, "
+                                r"optimizer.outer_staleness_penalty=1 are outside .* or "
+                                r"optimizer.outer_allow_unstable=True$"):
+      replicas.make_outer_optimizer(cfg)
+    cfg.outer_allow_unstable = True
+    with self.assertLogs("absl", "WARNING"):
+      self.assertEqual(replicas.make_outer_optimizer(cfg).hparams["staleness_penalty"], 1.0)
+
+
+def _tiny_lm():
+  spec = importlib.util.spec_from_file_location(
+      "tiny_lm", pathlib.Path(__file__).parents[2] / "configs" / "tiny_lm.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
 
 
 class CompressionTest(parameterized.TestCase):
@@ -258,10 +366,10 @@ class BytesTest(parameterized.TestCase):
       ("diloco_int8", lambda: optim.diloco(sync_every=5, compression="int8")),
       ("diloco_fp8_ef", lambda: optim.diloco(sync_every=5, compression="fp8",
                                              error_feedback=True)),
-      # pool_size=1: the HLO text holds every switch branch's permutes, one branch runs
-      ("noloco", lambda: optim.noloco(sync_every=5, pool_size=1)),
-      ("noloco_general", lambda: optim.noloco(sync_every=5, gamma=0.2, group_size=4,
-                                              pool_size=1)),
+      # R-1 = 3 switch branches of permutes in the HLO; one runs per sync
+      ("noloco", lambda: optim.noloco(sync_every=5)),
+      ("noloco_general", lambda: optim.noloco(sync_every=5, gamma=0.2)),
+      ("noloco_one_group", lambda: optim.noloco(sync_every=5, gamma=0.2, group_size=4)),
       ("co2", lambda: optim.co2(sync_every=5)))
   def test_reported_bytes_match_the_compiled_collectives(self, make):
     outer = make()
@@ -288,16 +396,13 @@ class BadInputTest(parameterized.TestCase):
       (lambda: optim.diloco(sync_every=1, outer_lr=-1), r"^outer_lr=-1 is invalid"),
       (lambda: optim.noloco(sync_every=1, group_size=1), r"^group_size=1 is invalid"),
       (lambda: optim.co2(sync_every=1, staleness_penalty=0), r"^staleness_penalty=0 is invalid"),
-      (lambda: optim.co2(sync_every=1, outer_momentum=1.5), r"^outer_momentum=1.5 is invalid"))
+      (lambda: optim.co2(sync_every=1, outer_momentum=1.5), r"^outer_momentum=1.5 is invalid"),
+      (lambda: optim.co2(sync_every=1, outer_momentum=0.9), r"^outer_lr=1, outer_momentum=0.9, "
+       r"staleness_penalty=3 are outside CO2's stability bound"))
   def test_one_line_errors(self, make, pattern):
     with self.assertRaisesRegex(ValueError, pattern) as ctx:
       make()
     self.assertNotIn("\n", str(ctx.exception))
-
-  def test_noloco_group_must_divide_replicas(self):
-    outer = optim.noloco(sync_every=1, group_size=3)
-    with self.assertRaisesRegex(ValueError, r"group_size=3 must divide the 4 replicas"):
-      _vmap_sync(outer)(jnp.zeros((R, 2)), jax.vmap(outer.init)(jnp.zeros((R, 2))))
 
 
 if __name__ == "__main__":
