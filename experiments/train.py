@@ -10,6 +10,7 @@ cluster jax detects by itself) join one run through jax.distributed.
 """
 import importlib.util
 import os
+import re
 import sys
 
 import jax
@@ -17,6 +18,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from jaxsys import metrics as metrics_lib
+from jaxsys.train import config_check
 from jaxsys.train.loop import train_and_evaluate
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (:arg optional).",
@@ -41,9 +43,11 @@ def maybe_initialize_distributed() -> None:
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-  """absl flag parsing, with a one-line error naming an unknown `--config.` field."""
+  """absl flag parsing; an unknown `--config.` field or an unparsable value is one line."""
   try:
     return flags.FLAGS(argv)
+  except flags.IllegalFlagValueError as e:  # e.g. --config.total_steps=abc
+    sys.exit(f"error: {_illegal_value(e)}")
   except (AttributeError, KeyError):
     config = _load_config([a for a in argv if a.startswith("--config=")][-1][len("--config="):])
     for arg in (a for a in argv[1:] if a.startswith("--config.")):
@@ -56,6 +60,12 @@ def parse_flags(argv: list[str]) -> list[str]:
                    f"fields of {'.'.join(path[:i]) or 'config'}: {valid}")
         node = node[key]
     raise
+
+
+def _illegal_value(error: Exception) -> str:
+  """The config field's own one-line error for a value absl could not parse into its type."""
+  match = re.match(r"flag --config\.([\w.]+)=(.*?): ", str(error))
+  return (match and config_check.field_error(match[1], match[2])) or str(error)
 
 
 def _load_config(spec: str):
@@ -73,6 +83,10 @@ def main(argv):
   metrics_lib.quiet_library_logs()
   maybe_initialize_distributed()
   config = _CONFIG.value
+  try:  # before anything is logged or built, so a bad value is the only line
+    config_check.check_config(config, _WORKDIR.value)
+  except ValueError as e:
+    sys.exit(f"error: {e}")
   logging.info("jax %s, backend %s, %d devices (%d local), process %d of %d", jax.__version__,
                jax.default_backend(), jax.device_count(), jax.local_device_count(),
                jax.process_index(), jax.process_count())

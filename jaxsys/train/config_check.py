@@ -1,0 +1,273 @@
+"""Checks a training config up front: every field, the relations between fields, the workdir.
+
+One table gives each field of configs/tiny_lm.py its valid values, a second the relations
+between fields (and the mesh they build). `check_config` runs both before any data or
+model work, so a bad value is one line naming the field, the value and what is valid.
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import math
+import os
+import tempfile
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from jaxsys import mesh as mesh_lib
+from jaxsys.checkpoint.manager import NUMERIC_FIELDS
+from jaxsys.data.tokenizer import MIN_BPE_VOCAB, TOKENIZERS
+from jaxsys.kernels.backends import IMPLS
+from jaxsys.models.transformer import REMAT_POLICIES
+from jaxsys.optim.inner import OPTIMIZERS
+from jaxsys.train import replicas as replicas_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+  """A field's valid values: a predicate, the words that describe them, or a list of choices."""
+  ok: Callable[[Any], bool]
+  valid: str = ""
+  choices: tuple[Any, ...] = ()
+
+  def error(self, path: str, value: Any) -> str | None:
+    """The one-line error for `path=value`, None when the value is valid."""
+    if self.ok(value):
+      return None
+    if self.choices:
+      return f"{path}={value!r} is unknown; valid: {', '.join(map(str, self.choices))}"
+    return f"{path}={value!r} is invalid; it must be {self.valid}"
+
+
+def _is_int(v) -> bool:
+  return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def _is_number(v) -> bool:
+  return (_is_int(v) or isinstance(v, (float, np.floating))) and math.isfinite(v)
+
+
+def integer(lo: int, hi: int | None = None, meaning: str = "") -> Rule:
+  valid = f"an int >= {lo}" + ("" if hi is None else f" and <= {hi}")
+  return Rule(lambda v: _is_int(v) and lo <= v and (hi is None or v <= hi),
+              valid + (f" ({meaning})" if meaning else ""))
+
+
+def number(lo: float, hi: float | None = None, *, lo_open: bool = False,
+           hi_open: bool = False) -> Rule:
+  def ok(v):
+    return (_is_number(v) and (v > lo if lo_open else v >= lo)
+            and (hi is None or (v < hi if hi_open else v <= hi)))
+  upper = "" if hi is None else f" and {'<' if hi_open else '<='} {hi}"
+  return Rule(ok, f"a number {'>' if lo_open else '>='} {lo}{upper}")
+
+
+def one_of(*choices) -> Rule:
+  return Rule(lambda v: isinstance(v, str) and v in choices, choices=choices)
+
+
+def optional(rule: Rule, meaning: str) -> Rule:
+  return Rule(lambda v: v is None or rule.ok(v), f"{rule.valid}, or None ({meaning})")
+
+
+BOOL = Rule(lambda v: isinstance(v, (bool, np.bool_)), "True or False")
+_ALGORITHM_DEFAULT = "the algorithm's published default"
+
+# Every field of configs/tiny_lm.py; the meaning of 0 is part of the valid range.
+FIELDS: dict[str, Rule] = {
+    "seed": integer(0, 2**32 - 1),
+    "total_steps": integer(1),
+    "log_every": integer(1),
+    "eval_every": integer(0, meaning="0: never evaluate"),
+    "eval_steps": integer(1),
+    "checkpoint_every": integer(0, meaning="0: save only at the end"),
+    "keep_checkpoints": integer(1),
+    # parse_mesh_spec raises its own line for a malformed spec.
+    "mesh": Rule(lambda v: isinstance(v, str) and bool(mesh_lib.parse_mesh_spec(v)),
+                 f"a mesh spec such as 'data=-1' or 'data=2,tensor=4' over axes "
+                 f"{', '.join(mesh_lib.AXIS_NAMES)}"),
+    "allow_model_change": Rule(
+        lambda v: isinstance(v, str) and set(filter(None, map(str.strip, v.split(","))))
+        <= set(NUMERIC_FIELDS), f"'' or a comma-separated subset of {', '.join(NUMERIC_FIELDS)}"),
+    "init_from": Rule(lambda v: isinstance(v, str), "a run's workdir, or '' (random init)"),
+    "model.vocab_size": integer(1),
+    "model.d_model": integer(1),
+    "model.n_layers": integer(1),
+    "model.n_heads": integer(1),
+    "model.n_kv_heads": integer(1),
+    "model.head_dim": optional(integer(2), "model.d_model // model.n_heads"),
+    "model.d_ff": integer(1),
+    "model.rope_theta": number(0, lo_open=True),
+    "model.norm_eps": number(0, lo_open=True),
+    "model.tie_embeddings": BOOL,
+    "model.dtype": one_of("float32", "bfloat16", "float16"),
+    "model.param_dtype": one_of("float32", "bfloat16", "float16"),
+    "model.attention_impl": one_of(*IMPLS),
+    "model.remat": one_of(*REMAT_POLICIES),
+    "data.source": Rule(
+        lambda v: isinstance(v, str) and (v == "stdlib" or os.path.isdir(v)
+                                          or next(glob.iglob(v, recursive=True), None) is not None),
+        "'stdlib', an existing directory, or a file or glob that matches files, such as "
+        "'/path/**/*.txt'"),
+    "data.tokenizer": one_of(*TOKENIZERS),
+    "data.vocab_size": integer(1),
+    "data.seq_len": integer(1),
+    "data.batch_size": integer(1),
+    "data.num_threads": integer(0, meaning="0: load in the training thread"),
+    "optimizer.name": one_of(*OPTIMIZERS),
+    "optimizer.learning_rate": number(0, lo_open=True),
+    "optimizer.warmup_steps": integer(0),
+    "optimizer.final_lr_fraction": number(0, 1),
+    "optimizer.b1": number(0, 1, hi_open=True),
+    "optimizer.b2": number(0, 1, hi_open=True),
+    "optimizer.eps": number(0, lo_open=True),
+    "optimizer.weight_decay": number(0),
+    "optimizer.grad_clip": number(0, lo_open=True),
+    "optimizer.grad_accum_steps": integer(1),
+    "optimizer.schedule_steps": integer(0, meaning="0: decay over total_steps"),
+    "optimizer.schedule_offset": integer(0),
+    "optimizer.outer": one_of(*replicas_lib.OUTERS),
+    "optimizer.outer_sync_every": integer(1, meaning="inner steps between outer syncs"),
+    "optimizer.outer_lr": optional(number(0, lo_open=True), _ALGORITHM_DEFAULT),
+    "optimizer.outer_momentum": optional(number(0, 1), _ALGORITHM_DEFAULT),
+    "optimizer.outer_nesterov": BOOL,
+    "optimizer.outer_compression": one_of("none", "bf16", "int8", "fp8"),
+    "optimizer.outer_error_feedback": BOOL,
+    "optimizer.outer_gamma": optional(number(0), _ALGORITHM_DEFAULT),
+    "optimizer.outer_group_size": integer(2),
+    "optimizer.outer_seed": integer(0),
+    "optimizer.outer_staleness_penalty": optional(number(0, lo_open=True), _ALGORITHM_DEFAULT),
+    "optimizer.outer_momentum_clip": optional(number(0, lo_open=True), "no clipping"),
+    "optimizer.outer_allow_unstable": BOOL,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Relation:
+  """`holds(*values of fields)` must be true; the first field is the one reported."""
+  fields: tuple[str, ...]
+  holds: Callable[..., bool]
+  valid: str
+
+  def error(self, values: dict[str, Any]) -> str | None:
+    args = [values[f] for f in self.fields]
+    if self.holds(*args):
+      return None
+    others = ", ".join(f"{f}={v!r}" for f, v in zip(self.fields[1:], args[1:]))
+    return f"{self.fields[0]}={args[0]!r} is invalid with {others}; it must {self.valid}"
+
+
+def _head_dim(head_dim, d_model, n_heads) -> int:
+  return head_dim or d_model // n_heads
+
+
+# Relations; "mesh ..." and "processes" are derived from the built mesh (see _derived).
+RELATIONS: tuple[Relation, ...] = (
+    Relation(("model.n_heads", "model.n_kv_heads"), lambda h, kv: h % kv == 0,
+             "be a multiple of model.n_kv_heads"),
+    Relation(("model.d_model", "model.n_heads", "model.head_dim"),
+             lambda d, h, hd: hd is not None or d % h == 0,
+             "divide by model.n_heads (or set model.head_dim)"),
+    Relation(("model.head_dim", "model.d_model", "model.n_heads"),
+             lambda hd, d, h: _head_dim(hd, d, h) % 2 == 0,
+             "give an even head dim (RoPE rotates pairs of dims; None means d_model // n_heads)"),
+    Relation(("data.vocab_size", "data.tokenizer"),
+             lambda v, tok: v == 256 if tok == "byte" else v >= MIN_BPE_VOCAB,
+             f"be 256 for the byte tokenizer, >= {MIN_BPE_VOCAB} for bpe (256 bytes + merges)"),
+    Relation(("model.vocab_size", "data.vocab_size"), lambda m, d: m >= d,
+             "be >= data.vocab_size (every token needs an embedding row)"),
+    Relation(("optimizer.warmup_steps", "total_steps", "optimizer.schedule_steps"),
+             lambda w, total, sched: w <= (sched or total),
+             "be <= the schedule's length (optimizer.schedule_steps, or total_steps when 0)"),
+    Relation(("data.batch_size", "optimizer.grad_accum_steps"), lambda b, a: b % a == 0,
+             "divide into optimizer.grad_accum_steps equal microbatches"),
+    Relation(("data.batch_size", "optimizer.grad_accum_steps", "mesh batch shards"),
+             lambda b, a, shards: (b // a) % shards == 0,
+             "give microbatches (data.batch_size / optimizer.grad_accum_steps) that divide over "
+             "the mesh's batch shards (replica x data x fsdp)"),
+    Relation(("data.batch_size", "processes"), lambda b, p: b % p == 0,
+             "divide over the processes"),
+    Relation(("mesh axis replica", "optimizer.outer"), lambda r, outer: r == 1 or outer != "none",
+             "be 1 without an outer optimizer (optimizer.outer=diloco, noloco or co2); "
+             "for data parallelism use a data axis"),
+    Relation(("mesh axis replica", "optimizer.outer", "optimizer.outer_group_size"),
+             lambda r, outer, g: outer != "noloco" or r % g == 0,
+             "divide into NoLoCo groups of optimizer.outer_group_size"),
+)
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+  out = {}
+  for key, value in tree.items():
+    path = f"{prefix}{key}"
+    out.update(_flatten(value, path + ".") if isinstance(value, dict) else {path: value})
+  return out
+
+
+def _check_names(values: dict[str, Any]) -> None:
+  """An unknown field would be silently ignored, a missing one fail mid-run: both are refused."""
+  for path in values:
+    if path not in FIELDS:
+      parent = path.rpartition(".")[0]
+      siblings = [f for f in FIELDS if f.rpartition(".")[0] == parent]
+      raise ValueError(f"config field {path!r} is unknown; fields of {parent or 'config'}: "
+                       f"{', '.join(f.rpartition('.')[2] for f in siblings)}")
+  missing = [f for f in FIELDS if f not in values]
+  if missing:
+    raise ValueError(f"config has no field {missing[0]!r}; start from configs/tiny_lm.py, "
+                     "which sets every field")
+
+
+def _derived(mesh) -> dict[str, Any]:
+  sizes = dict(mesh.shape)
+  return {"mesh batch shards": math.prod(sizes.get(a, 1) for a in ("replica", "data", "fsdp")),
+          "mesh axis replica": sizes.get("replica", 1), "processes": jax.process_count()}
+
+
+def check_workdir(workdir: Any) -> None:
+  """The workdir must be a directory this process can create or write."""
+  if not isinstance(workdir, (str, os.PathLike)) or not str(workdir).strip():
+    raise ValueError(f"workdir={workdir!r} is invalid; it must be a directory path "
+                     "(for checkpoints and metrics)")
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    raise ValueError(f"workdir={str(workdir)!r} is a file; it must be a directory, new or existing")
+  try:
+    os.makedirs(workdir, exist_ok=True)
+    with tempfile.TemporaryFile(dir=workdir):
+      pass
+  except OSError as e:
+    raise ValueError(f"workdir={str(workdir)!r} is not writable ({e.strerror}); it must be a "
+                     "directory this process can create and write") from None
+
+
+def field_error(path: str, value: Any) -> str | None:
+  """The one-line error for `path=value` by its field's rule; None if valid or not a field."""
+  rule = FIELDS.get(path)
+  return None if rule is None else rule.error(path, value)
+
+
+def check_config(config, workdir: Any = None) -> None:
+  """Raises a one-line ValueError for the first invalid field, relation, mesh axis or workdir.
+
+  Builds the config's mesh (cheap: no compilation) to check what depends on it.
+  `workdir=None` skips the workdir check.
+  """
+  values = _flatten(config.to_dict() if hasattr(config, "to_dict") else dict(config))
+  _check_names(values)
+  for path, value in values.items():
+    error = field_error(path, value)
+    if error:
+      raise ValueError(error)
+  mesh = mesh_lib.make_mesh(values["mesh"])
+  mesh_lib.check_axes_claimed(mesh)
+  if values["optimizer.outer"] != "none":
+    replicas_lib.num_replicas(mesh, values["optimizer.outer"])
+  values.update(_derived(mesh))
+  for relation in RELATIONS:
+    error = relation.error(values)
+    if error:
+      raise ValueError(error)
+  if workdir is not None:
+    check_workdir(workdir)

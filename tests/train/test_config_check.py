@@ -1,0 +1,205 @@
+"""config_check: every field and relation of the training config, refused in one line up front."""
+import importlib.util
+import pathlib
+
+import pytest
+from absl.testing import absltest, parameterized
+
+from conftest import load_test_config
+from jaxsys.train import config_check, loop
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _config(**overrides):
+  return load_test_config("stdlib", **overrides)
+
+
+def _tiny_lm(size):
+  spec = importlib.util.spec_from_file_location("tiny_lm", ROOT / "configs" / "tiny_lm.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(f"size={size}")
+
+
+class FieldsTest(parameterized.TestCase):
+
+  @parameterized.parameters("test", "tiny", "small")
+  def test_shipped_sizes_are_valid_and_every_field_has_a_rule(self, size):
+    config = _tiny_lm(size)
+    config_check.check_config(config)
+    self.assertCountEqual(config_check._flatten(config.to_dict()), config_check.FIELDS)
+
+  @parameterized.named_parameters(
+      ("eval_never", dict(eval_every=0)),
+      ("checkpoint_at_end", dict(checkpoint_every=0)),
+      ("head_dim_set", dict(model__head_dim=32)),
+      ("bpe", dict(data__tokenizer="bpe", data__vocab_size=512, model__vocab_size=512)),
+      ("outer", dict(mesh="replica=2,data=-1", optimizer__outer="diloco")),
+      ("warmup_is_schedule", dict(total_steps=4, optimizer__warmup_steps=4)),
+      ("size_one_stage", dict(mesh="stage=1,data=-1")),
+  )
+  def test_valid(self, overrides):
+    config_check.check_config(_config(**overrides))
+
+  def test_warmup_follows_total_steps(self):
+    config = _tiny_lm("tiny")
+    self.assertEqual(config.optimizer.warmup_steps, 15)
+    config.total_steps = 2
+    self.assertEqual(config.optimizer.warmup_steps, 1)
+    config_check.check_config(config)
+
+  @parameterized.named_parameters(
+      ("steps_zero", dict(total_steps=0), "total_steps=0 is invalid; it must be an int >= 1"),
+      ("steps_negative", dict(total_steps=-5), "total_steps=-5 is invalid; it must be an int >= 1"),
+      ("eval_every", dict(eval_every=-1),
+       "eval_every=-1 is invalid; it must be an int >= 0 (0: never evaluate)"),
+      ("checkpoint_every", dict(checkpoint_every=-5),
+       "checkpoint_every=-5 is invalid; it must be an int >= 0 (0: save only at the end)"),
+      ("log_every", dict(log_every=0), "log_every=0 is invalid; it must be an int >= 1"),
+      ("eval_steps", dict(eval_steps=0), "eval_steps=0 is invalid; it must be an int >= 1"),
+      ("keep", dict(keep_checkpoints=-1), "keep_checkpoints=-1 is invalid; it must be an int >= 1"),
+      ("warmup", dict(optimizer__warmup_steps=-3),
+       "optimizer.warmup_steps=-3 is invalid; it must be an int >= 0"),
+      ("seed", dict(seed=2**32), "seed=4294967296 is invalid; it must be an int >= 0 and <= "),
+      ("bool_is_not_int", dict(model__n_layers=True), "model.n_layers=True is invalid"),
+      ("head_dim", dict(model__head_dim=1), "model.head_dim=1 is invalid; it must be an int >= 2, "
+       "or None (model.d_model // model.n_heads)"),
+      ("rope_theta", dict(model__rope_theta=0.0), "model.rope_theta=0.0 is invalid; it must be a "
+       "number > 0"),
+      ("dtype", dict(model__dtype="int8"),
+       "model.dtype='int8' is unknown; valid: float32, bfloat16, float16"),
+      ("remat", dict(model__remat="some"), "model.remat='some' is unknown; valid: none, full, dots"),
+      ("impl", dict(model__attention_impl="cudnn"), "model.attention_impl='cudnn' is unknown"),
+      ("source", dict(data__source=" "), "data.source=' ' is invalid"),
+      ("tokenizer", dict(data__tokenizer="char"), "data.tokenizer='char' is unknown; valid: byte, bpe"),
+      ("seq_len", dict(data__seq_len=0), "data.seq_len=0 is invalid; it must be an int >= 1"),
+      ("threads", dict(data__num_threads=-1), "data.num_threads=-1 is invalid"),
+      ("lr", dict(optimizer__learning_rate=0.0),
+       "optimizer.learning_rate=0.0 is invalid; it must be a number > 0"),
+      ("b2", dict(optimizer__b2=1.0), "optimizer.b2=1.0 is invalid; it must be a number >= 0 and < 1"),
+      ("final_lr", dict(optimizer__final_lr_fraction=1.5),
+       "optimizer.final_lr_fraction=1.5 is invalid; it must be a number >= 0 and <= 1"),
+      ("nan", dict(optimizer__weight_decay=float("nan")), "optimizer.weight_decay=nan is invalid"),
+      ("grad_clip", dict(optimizer__grad_clip=0.0), "optimizer.grad_clip=0.0 is invalid"),
+      ("accum", dict(optimizer__grad_accum_steps=0), "optimizer.grad_accum_steps=0 is invalid"),
+      ("schedule_offset", dict(optimizer__schedule_offset=-1),
+       "optimizer.schedule_offset=-1 is invalid"),
+      ("outer", dict(optimizer__outer="dilcoo"),
+       "optimizer.outer='dilcoo' is unknown; valid: none, diloco, noloco, co2"),
+      ("outer_lr", dict(optimizer__outer_lr=-0.5), "optimizer.outer_lr=-0.5 is invalid; it must "
+       "be a number > 0, or None (the algorithm's published default)"),
+      ("compression", dict(optimizer__outer_compression="int4"),
+       "optimizer.outer_compression='int4' is unknown; valid: none, bf16, int8, fp8"),
+      ("group_size", dict(optimizer__outer_group_size=1), "optimizer.outer_group_size=1 is invalid"),
+      ("allow_change", dict(allow_model_change="rope_theta,d_model"),
+       "allow_model_change='rope_theta,d_model' is invalid; it must be '' or a comma-separated "
+       "subset of rope_theta, norm_eps, dtype"),
+      ("mesh_parse", dict(mesh="data=0"), "mesh: axis 'data' has size 0"),
+      ("mesh_empty", dict(mesh=""), "mesh='' is invalid; it must be a mesh spec such as"),
+  )
+  def test_bad_field(self, overrides, message):
+    with self.assertRaises(ValueError) as cm:
+      config_check.check_config(_config(**overrides))
+    self.assertStartsWith(str(cm.exception), message)
+    self.assertNotIn("\n", str(cm.exception))
+
+  def test_plain_dict_config(self):
+    # A notebook's dict (or a type_safe=False ConfigDict) can hold a float where an int goes.
+    config = _config().to_dict()
+    config["model"]["d_model"] = 12.5
+    with self.assertRaisesRegex(ValueError, r"^model.d_model=12.5 is invalid; it must be an int "
+                                r">= 1$"):
+      config_check.check_config(config)
+
+  def test_unknown_and_missing_fields(self):
+    config = _config()
+    config.eval_evry = 5
+    with self.assertRaisesRegex(ValueError, r"^config field 'eval_evry' is unknown; fields of "
+                                r"config: seed, total_steps, .*eval_every"):
+      config_check.check_config(config)
+    config = _config()
+    del config.model["remat"]
+    with self.assertRaisesRegex(ValueError, r"^config has no field 'model.remat'"):
+      config_check.check_config(config)
+
+  def test_flag_value_error_names_the_field(self):
+    # What the CLI reports for --config.total_steps=abc (absl could not parse the string).
+    self.assertEqual(config_check.field_error("total_steps", "abc"),
+                     "total_steps='abc' is invalid; it must be an int >= 1")
+    self.assertIsNone(config_check.field_error("total_steps", 3))
+    self.assertIsNone(config_check.field_error("no.such_field", 3))
+
+
+class RelationsTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      ("gqa", dict(model__n_kv_heads=3),
+       "model.n_heads=4 is invalid with model.n_kv_heads=3; it must be a multiple of "
+       "model.n_kv_heads"),
+      ("heads", dict(model__d_model=66), "model.d_model=66 is invalid with model.n_heads=4, "
+       "model.head_dim=None; it must divide by model.n_heads"),
+      ("odd_head_dim", dict(model__head_dim=7), "model.head_dim=7 is invalid with "
+       "model.d_model=64, model.n_heads=4; it must give an even head dim"),
+      ("byte_vocab", dict(data__vocab_size=300), "data.vocab_size=300 is invalid with "
+       "data.tokenizer='byte'; it must be 256 for the byte tokenizer, >= 257 for bpe"),
+      ("bpe_vocab", dict(data__tokenizer="bpe"), "data.vocab_size=256 is invalid with "
+       "data.tokenizer='bpe'"),
+      ("model_vocab", dict(data__tokenizer="bpe", data__vocab_size=512),
+       "model.vocab_size=256 is invalid with data.vocab_size=512; it must be >= data.vocab_size"),
+      ("warmup_total", dict(total_steps=2, optimizer__warmup_steps=5),
+       "optimizer.warmup_steps=5 is invalid with total_steps=2, optimizer.schedule_steps=0; it "
+       "must be <= the schedule's length"),
+      ("warmup_schedule", dict(optimizer__schedule_steps=4, optimizer__warmup_steps=5),
+       "optimizer.warmup_steps=5 is invalid with total_steps=20, optimizer.schedule_steps=4"),
+      ("accum", dict(optimizer__grad_accum_steps=3), "data.batch_size=16 is invalid with "
+       "optimizer.grad_accum_steps=3; it must divide into optimizer.grad_accum_steps equal "
+       "microbatches"),
+      ("shards", dict(optimizer__grad_accum_steps=4), "data.batch_size=16 is invalid with "
+       "optimizer.grad_accum_steps=4, mesh batch shards=8; it must give microbatches"),
+      ("stage", dict(mesh="stage=2,data=-1"), "mesh axis stage=2 is not used by any strategy yet "
+       "(pipeline parallelism is not implemented); use a replica, data, fsdp or tensor axis"),
+      ("context", dict(mesh="data=2,context=-1"), "mesh axis context=4 is not used by any "
+       "strategy yet (context parallelism is not implemented)"),
+      ("replica_without_outer", dict(mesh="replica=2,data=-1"), "mesh axis replica=2 is invalid "
+       "with optimizer.outer='none'; it must be 1 without an outer optimizer"),
+      ("outer_without_replica", dict(optimizer__outer="co2"), "optimizer.outer='co2' needs a mesh "
+       "with a 'replica' axis of size >= 2, but the mesh is data=8 (8 cpu devices)"),
+      ("noloco_groups", dict(mesh="replica=4,data=-1", optimizer__outer="noloco",
+                             optimizer__outer_group_size=3),
+       "mesh axis replica=4 is invalid with optimizer.outer='noloco', "
+       "optimizer.outer_group_size=3; it must divide into NoLoCo groups"),
+      ("mesh_devices", dict(mesh="data=3"), "mesh data=3 needs 3 devices but 8 are available"),
+  )
+  def test_bad_relation(self, overrides, message):
+    with self.assertRaises(ValueError) as cm:
+      config_check.check_config(_config(**overrides))
+    self.assertStartsWith(str(cm.exception), message)
+    self.assertNotIn("\n", str(cm.exception))
+
+
+@pytest.mark.parametrize("where, message", [
+    ("", "workdir='' is invalid; it must be a directory path"),
+    ("a_file", "workdir='{tmp}/a_file' is a file; it must be a directory"),
+    ("a_file/run", "workdir='{tmp}/a_file/run' is not writable (Not a directory)"),
+])
+def test_bad_workdir(tmp_path, where, message):
+  (tmp_path / "a_file").touch()
+  with pytest.raises(ValueError) as err:
+    config_check.check_workdir(str(tmp_path / where) if where else "")
+  assert str(err.value).startswith(message.format(tmp=tmp_path))
+
+
+def test_creates_a_new_workdir(tmp_path):
+  config_check.check_config(_config(), str(tmp_path / "new" / "run"))
+  assert (tmp_path / "new" / "run").is_dir()
+
+
+def test_train_and_evaluate_checks_before_any_work(tmp_path):
+  with pytest.raises(ValueError, match=r"^total_steps=0 is invalid"):
+    loop.train_and_evaluate(_config(total_steps=0), str(tmp_path / "run"))
+  assert not (tmp_path / "run").exists()
+
+
+if __name__ == "__main__":
+  absltest.main()
