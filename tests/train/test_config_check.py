@@ -15,6 +15,14 @@ def _config(**overrides):
   return load_test_config("stdlib", **overrides)
 
 
+def _assert_refused(test, overrides, message):
+  """check_config refuses `overrides` with one line starting with `message`."""
+  with test.assertRaises(ValueError) as cm:
+    config_check.check_config(_config(**overrides))
+  test.assertStartsWith(str(cm.exception), message)
+  test.assertNotIn("\n", str(cm.exception))
+
+
 def _tiny_lm(size):
   spec = importlib.util.spec_from_file_location("tiny_lm", ROOT / "configs" / "tiny_lm.py")
   module = importlib.util.module_from_spec(spec)
@@ -99,10 +107,7 @@ class FieldsTest(parameterized.TestCase):
       ("mesh_empty", dict(mesh=""), "mesh='' is invalid; it must be a mesh spec such as"),
   )
   def test_bad_field(self, overrides, message):
-    with self.assertRaises(ValueError) as cm:
-      config_check.check_config(_config(**overrides))
-    self.assertStartsWith(str(cm.exception), message)
-    self.assertNotIn("\n", str(cm.exception))
+    _assert_refused(self, overrides, message)
 
   def test_plain_dict_config(self):
     # A notebook's dict (or a type_safe=False ConfigDict) can hold a float where an int goes.
@@ -172,10 +177,7 @@ class RelationsTest(parameterized.TestCase):
       ("mesh_devices", dict(mesh="data=3"), "mesh data=3 needs 3 devices but 8 are available"),
   )
   def test_bad_relation(self, overrides, message):
-    with self.assertRaises(ValueError) as cm:
-      config_check.check_config(_config(**overrides))
-    self.assertStartsWith(str(cm.exception), message)
-    self.assertNotIn("\n", str(cm.exception))
+    _assert_refused(self, overrides, message)
 
 
 @pytest.mark.parametrize("where, message", [
