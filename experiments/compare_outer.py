@@ -19,6 +19,7 @@ import copy
 import dataclasses
 import json
 import os
+import sys
 import time
 
 import jax
@@ -32,6 +33,7 @@ from jaxsys import metrics as metrics_lib
 from jaxsys.checkpoint.reader import read_params
 from jaxsys.models import transformer
 from jaxsys.optim import outer as outer_lib
+from jaxsys.train import config_check
 from jaxsys.train import replicas as replicas_lib
 from jaxsys.train.loop import Validation, train_and_evaluate
 
@@ -348,6 +350,13 @@ def main(argv):
     raise app.UsageError(f"--runs: unknown run(s) {unknown}; valid: {', '.join(names)}")
   names = [n for n in names if n in (_RUNS.value or names)]
   seeds = _seeds(_SEEDS.value)
+  row = ""
+  try:  # the workdir and every row's config, before the pretrain spends minutes
+    config_check.check_workdir(_WORKDIR.value)
+    for row in names:
+      config_check.check_config(run_config(base, base.run_specs[row].to_dict()))
+  except ValueError as e:
+    sys.exit(f"error: {f'run {row}: ' if row else ''}{e}")
   workdir = os.path.abspath(_WORKDIR.value)
   if seeds is None:
     _, table = compare(base, names, workdir)
