@@ -25,11 +25,11 @@ exactly L tokens, so the unmasked work is T*(L+1)/2 per row. With block skipping
 should follow L (the sum of the documents' T_i^2), not T^2: the "ms per M pairs" column
 of those rows stays flat.
 
-FLOP convention (only unmasked work counts): a forward pass does 4*D flops per unmasked
-(query, key) pair per query head (2*D for q.k, 2*D for p.v); the backward counts 2.5x the
-forward (five matmuls of the same size, the recomputation of p not counted), so fwd+bwd
-counts 3.5x the forward. Unmasked pairs: T(T+1)/2 per row for causal, sum over documents
-of T_i(T_i+1)/2 for packed. Memory is `memory_analysis().temp_size_in_bytes` of the
+FLOP convention (`jaxsys.flops`, only unmasked work counts): a forward pass does 4*D
+flops per unmasked (query, key) pair per query head (2*D for q.k, 2*D for p.v); fwd+bwd
+counts 3.5x the forward (FlashAttention-2's count). Unmasked pairs: T(T+1)/2 per row for
+causal, sum over documents of T_i(T_i+1)/2 for packed (`flops.attention_pairs`); packed
+rows come from `jaxsys.data.packing.random_packed_batch`. Memory is `memory_analysis().temp_size_in_bytes` of the
 compiled function (inputs and outputs excluded), i.e. the peak of XLA's temporaries.
 
 `--max_seconds_per_case` bounds a slow impl: once one call takes longer than that over
@@ -48,7 +48,9 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+from jaxsys import flops as flops_lib
 from jaxsys import metrics as metrics_lib
+from jaxsys.data import packing
 
 _SEQ_LENS = flags.DEFINE_list("seq_lens", ["1024", "2048", "4096", "8192", "16384"],
                               "Sequence lengths T (= S).")
@@ -71,36 +73,6 @@ _SEED = flags.DEFINE_integer("seed", 0, "Seed of inputs and document lengths.")
 _OUT = flags.DEFINE_string("out", None, "Optional JSON path with every number.")
 
 ALL_IMPLS = ("xla", "pallas", "cudnn_or_xla_dpa", "jax_pallas")
-
-
-# ----------------------------------------------------------------------------- inputs, flops
-
-
-def packed_segment_ids(batch: int, t: int, rng: np.random.Generator,
-                       doc_len: int | None = None) -> np.ndarray:
-  """[B, T] int32 increasing ids; document lengths `doc_len`, or uniform in [1, T/4] (mean ~T/8)."""
-  seg = np.empty((batch, t), np.int32)
-  for b in range(batch):
-    pos, doc = 0, 0
-    while pos < t:
-      n = doc_len or int(rng.integers(1, max(2, t // 4) + 1))
-      seg[b, pos:pos + n] = doc
-      pos, doc = pos + n, doc + 1
-  return seg
-
-
-def unmasked_pairs(t: int, batch: int, seg: np.ndarray | None) -> int:
-  """Causal (query, key) pairs that attend, summed over the batch (per head)."""
-  if seg is None:
-    return batch * t * (t + 1) // 2
-  lengths = np.concatenate([np.bincount(row) for row in seg])
-  return int(np.sum(lengths * (lengths + 1) // 2))
-
-
-def flops(pairs: int, heads: int, d: int, pass_: str) -> float:
-  """4*D per pair per query head forward; fwd+bwd is 3.5x that (backward = 2.5x)."""
-  fwd = 4.0 * d * pairs * heads
-  return fwd if pass_ == "fwd" else 3.5 * fwd
 
 
 # ----------------------------------------------------------------------------- impls
@@ -232,8 +204,11 @@ def run(seq_lens, batch, heads, kv_heads, d, dtype, impl_names, packed, passes, 
     v = jax.random.normal(keys[2], (batch, t, kv_heads, d), dtype)
     ct = jax.random.normal(keys[3], (batch, t, heads, d), dtype)
     for mode, doc_len in modes.items():
-      seg = None if mode == "causal" else packed_segment_ids(batch, t, rng, doc_len)
-      pairs = unmasked_pairs(t, batch, seg)
+      seg = None
+      if mode != "causal":  # "packed": lengths uniform in [1, T/4], mean ~T/8
+        lengths = doc_len or np.arange(1, max(2, t // 4) + 1)
+        seg = packing.random_packed_batch(batch, t, doc_lengths=lengths, seed=rng)["segment_ids"]
+      pairs = flops_lib.attention_pairs(t, batch, segment_ids=seg)
       seg_arg = None if seg is None else jnp.asarray(seg)
       for pass_ in passes:
         res = run_case(impls, (q, k, v, seg_arg, ct), pass_, repeats, max_seconds,
@@ -243,7 +218,7 @@ def run(seq_lens, batch, heads, kv_heads, d, dtype, impl_names, packed, passes, 
                  "unmasked_pairs": pairs, **{k: v for k, v in r.items() if k != "times_s"},
                  "times_s": r.get("times_s")}
           if "time_s" in r:
-            row["tflops"] = flops(pairs, heads, d, pass_) / r["time_s"] / 1e12
+            row["tflops"] = flops_lib.attention_flops(pairs, heads, d, pass_) / r["time_s"] / 1e12
           rows.append(row)
           print(_row_line(row), flush=True)
   return {"machine": metrics_lib.machine_info(), "rows": rows, "load_avg_end": os.getloadavg(),

@@ -5,14 +5,18 @@ r"""Benchmarks the training step against the measured matmul peak and a dot-only
       --steps=20 --out=/tmp/bench.json
 
 In one process it measures (a) the matmul FLOP/s peak for the compute dtype (square
-n=1024 and n=2048 matmuls; MFU uses the larger), (b) the train step built exactly as
-`jaxsys.train.loop` builds it (same jit, shardings, donation) on random packed tokens
-of the config's batch shape, and (c) a baseline of plain dots with the model's own
+n=1024 and n=2048 matmuls; on CPU MFU uses the larger, on a GPU/TPU listed in
+`jaxsys.metrics.DATASHEET_PEAK_FLOPS` the datasheet's bf16 peak), (b) the train step
+built exactly as `jaxsys.train.loop` builds it (same jit, shardings, donation) on a
+random packed batch of the config's shape (`jaxsys.data.packing.random_packed_batch`,
+--segments documents a row), and (c) a baseline of plain dots with the model's own
 matmul shapes (forward, input-gradient and weight-gradient of every weight, plus
 attention's QK^T and PV) and the same FLOP count, in one jitted function with the
 step's XLA options. (c) against (a) is how much MFU the matmul shapes alone allow;
 (b) against (c) is what everything else (softmax, norms, RoPE, cross-entropy,
-optimizer, copies) costs. The three are timed in `--rounds` interleaved rounds, and
+optimizer, copies) costs. MFU is given in two conventions (`jaxsys.flops`): PaLM's,
+attention over the full T x T square (what (c) computes), and causal, only the (query,
+key) pairs inside the batch's documents. The three are timed in `--rounds` interleaved rounds, and
 the table says how much of the host's CPU other processes took meanwhile: on a shared
 machine, compare runs only at similar load.
 
@@ -38,8 +42,10 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
+from jaxsys import flops as flops_lib
 from jaxsys import mesh as mesh_lib
 from jaxsys import metrics as metrics_lib
+from jaxsys.data import packing
 from jaxsys.models import transformer
 from jaxsys.train import step as step_lib
 
@@ -52,28 +58,6 @@ _SEGMENTS = flags.DEFINE_integer("segments", 4, "Packed documents per row of the
 _WAIT_IDLE = flags.DEFINE_float("wait_idle", 0.0, "On a shared host, wait up to this many seconds "
                                 "before each timed piece for other processes to go idle.")
 _OUT = flags.DEFINE_string("out", None, "Optional path of a JSON file with every number.")
-
-
-def random_packed_batch(batch: int, seq_len: int, vocab: int, segments: int,
-                        seed: int = 0) -> dict[str, np.ndarray]:
-  """A batch in the packing layout (see `jaxsys.data.packing`) with `segments` documents a row."""
-  if not 1 <= segments <= seq_len:
-    raise ValueError(f"--segments={segments} must be in [1, seq_len={seq_len}]")
-  rng = np.random.default_rng(seed)
-  tokens = rng.integers(0, vocab, (batch, seq_len + 1), dtype=np.int32)
-  seg = np.empty((batch, seq_len), np.int32)
-  pos = np.empty((batch, seq_len), np.int32)
-  for b in range(batch):
-    cuts = np.sort(rng.choice(np.arange(1, seq_len), segments - 1, replace=False))
-    starts = np.concatenate([[0], cuts])
-    ids = np.searchsorted(starts, np.arange(seq_len), side="right")
-    seg[b] = ids
-    pos[b] = np.arange(seq_len) - starts[ids - 1]
-  # A target that is the next document's first token is not scored.
-  loss_mask = np.ones((batch, seq_len), np.float32)
-  loss_mask[:, :-1] = seg[:, :-1] == seg[:, 1:]
-  return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": seg,
-          "positions": pos, "loss_mask": loss_mask}
 
 
 def _host_busy() -> tuple[float, float] | None:
@@ -185,8 +169,9 @@ def bench(config, steps: int, warmup: int, segments: int, rounds: int, wait_idle
   setup = step_lib.make_train_setup(config, model_cfg, mesh)
   train_fn, batch_sh = setup.train_fn, setup.batch_sh
   state = setup.init_state(config.seed)
-  batch = jax.device_put(random_packed_batch(B, T, model_cfg.vocab_size, segments, config.seed),
-                         batch_sh)
+  host_batch = packing.random_packed_batch(B, T, docs_per_row=segments,
+                                           vocab_size=model_cfg.vocab_size, seed=config.seed)
+  batch = jax.device_put(host_batch, batch_sh)
 
   t0 = time.perf_counter()
   state, m = train_fn(state, batch)
@@ -200,8 +185,10 @@ def bench(config, steps: int, warmup: int, segments: int, rounds: int, wait_idle
     state, m = train_fn(state, batch)
     jax.block_until_ready(m)
 
-  flops_per_token = transformer.train_flops_per_token(model_cfg, T)
+  flops_per_token = transformer.train_flops_per_token(model_cfg, T)  # PaLM: full T x T
   step_flops = flops_per_token * B * T
+  pairs_per_row = flops_lib.attention_pairs(T, B, segment_ids=host_batch["segment_ids"]) / B
+  causal_flops = transformer.train_flops_per_token(model_cfg, T, pairs_per_row=pairs_per_row) * B * T
   # The same XLA options as the step, so the baseline differs from it in nothing but the non-dots.
   dots_fn, dots_flops = dot_baseline(train_matmul_shapes(model_cfg, B, T), model_cfg.dtype,
                                      step_lib.compiler_options(model_cfg, mesh))
@@ -226,19 +213,22 @@ def bench(config, steps: int, warmup: int, segments: int, rounds: int, wait_idle
       fn()
       timer(fn, per_round)
   peak_by_n = {n: max(v) for n, v in peaks.items()}
-  peak = max(peak_by_n.values())
+  sheet = metrics_lib.datasheet_peak()
+  peak, peak_source = sheet or (max(peak_by_n.values()), f"measured {model_cfg.dtype} matmul peak")
   st, dt = step_timer.summary(), dots_timer.summary()
   step_s, dots_s = st["median_s"], dt["median_s"]
   return {
       "machine": metrics_lib.machine_info(), "config": {"model": model_cfg.__dict__, "batch": B, "seq_len": T,
                                        "mesh": config.mesh, "segments": segments},
       "params_m": transformer.param_count(model_cfg) / 1e6,
-      "flops_per_token": flops_per_token, "rounds": rounds,
-      "peak_flops": peak, "peak_flops_by_n": {str(n): v for n, v in peak_by_n.items()},
+      "flops_per_token": flops_per_token, "flops_per_token_causal": causal_flops / (B * T),
+      "attention_pairs_per_row": pairs_per_row, "rounds": rounds,
+      "peak_flops": peak, "peak_source": peak_source,
+      "peak_flops_by_n": {str(n): v for n, v in peak_by_n.items()},
       "compile_s": compile_s, "temp_bytes": temp_bytes, "step": st, "step_s_all": step_timer.seconds,
       "loss": float(m["loss"]),
       "tokens_per_s": B * T / step_s, "model_flops_per_s": step_flops / step_s,
-      "mfu": step_flops / step_s / peak,
+      "mfu": step_flops / step_s / peak, "mfu_causal": causal_flops / step_s / peak,
       "dots": dt, "dots_flops_per_s": dots_flops / dots_s, "dots_mfu": dots_flops / dots_s / peak,
   }
 
@@ -253,20 +243,27 @@ def table(r: dict[str, Any]) -> str:
       f"model: d_model={mc['d_model']} layers={mc['n_layers']} heads={mc['n_heads']}/"
       f"{mc['n_kv_heads']} d_ff={mc['d_ff']} dtype={mc['dtype']}; batch={c['batch']} x "
       f"seq_len={c['seq_len']} ({c['segments']} docs/row); {r['params_m']:.2f}M params, "
-      f"{r['flops_per_token'] / 1e6:.1f} MFLOP/token; compile {r['compile_s']:.1f} s"
+      f"compile {r['compile_s']:.1f} s"
       + (f"; XLA temporaries {r['temp_bytes'] / 2**20:,.0f} MiB per step" if r["temp_bytes"] else ""),
+      f"FLOP/token: {r['flops_per_token'] / 1e6:.2f} M with attention's full T x T square (PaLM), "
+      f"{r['flops_per_token_causal'] / 1e6:.2f} M with only the causal pairs inside the batch's "
+      f"documents ({r['attention_pairs_per_row']:,.0f} a row); MFU against "
+      f"{r['peak_flops'] / 1e9:,.1f} GFLOP/s, the {r['peak_source']}",
       "",
-      "| measurement | time/step | tokens/s | GFLOP/s | MFU |",
-      "|---|---:|---:|---:|---:|",
+      "| measurement | time/step | tokens/s | GFLOP/s (PaLM) | MFU (PaLM, full T x T) "
+      "| MFU (causal, documents) |",
+      "|---|---:|---:|---:|---:|---:|",
   ]
   for n, v in r["peak_flops_by_n"].items():
-    lines.append(f"| matmul peak {mc['dtype']} n={n} | | | {v / 1e9:.1f} | {v / r['peak_flops']:.0%} |")
+    lines.append(f"| matmul peak {mc['dtype']} n={n} (measured) | | | {v / 1e9:.1f} | "
+                 f"{v / r['peak_flops']:.0%} | |")
   tokens = c["batch"] * c["seq_len"]
-  for name, key, gflops in (("dots only (model's matmul shapes, same FLOPs)", "dots",
-                             r["dots_flops_per_s"]), ("train step", "step", r["model_flops_per_s"])):
+  for name, key, gflops, causal in (
+      ("dots only (model's matmul shapes, same FLOPs)", "dots", r["dots_flops_per_s"], ""),
+      ("train step", "step", r["model_flops_per_s"], f"{r['mfu_causal']:.1%}")):
     x = r[key]
     lines.append(f"| {name} | {x['median_s'] * 1e3:.0f} ms | {tokens / x['median_s']:,.0f} | "
-                 f"{gflops / 1e9:.1f} | {gflops / r['peak_flops']:.1%} |")
+                 f"{gflops / 1e9:.1f} | {gflops / r['peak_flops']:.1%} | {causal} |")
   lines.append("")
   for name, key in (("train step", "step"), ("dots only", "dots")):
     x = r[key]

@@ -1,4 +1,4 @@
-"""Metrics: JSON lines + TensorBoard files, a progress display, and measured matmul peak for MFU."""
+"""Metrics: JSON lines + TensorBoard files, a progress display, and the peak FLOP/s MFU divides by."""
 from __future__ import annotations
 
 import json
@@ -9,7 +9,7 @@ import platform
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -137,12 +137,57 @@ def measure_matmul_flops(dtype: str = "float32", n: int = 2048, repeats: int = 5
   return 2.0 * n ** 3 / best
 
 
-def peak_flops(dtype: str = "float32") -> float:
-  """Peak FLOP/s of all devices, measured. Simulated CPU devices share the host's cores,
-  so on CPU the single measurement is the whole machine's peak."""
+# Dense bf16 peak FLOP/s of one chip from the vendors' datasheets (the sparse figures are
+# twice these), keyed by `jax.Device.device_kind`. MFU on an accelerator is against these.
+DATASHEET_PEAK_FLOPS = {
+    "NVIDIA H100 80GB HBM3": 989e12,  # H100 SXM5
+    "NVIDIA H100 PCIe": 756e12,
+    "NVIDIA H100 NVL": 835e12,
+    "NVIDIA H200": 989e12,  # H200 SXM
+    "NVIDIA H200 NVL": 835e12,
+    "NVIDIA A100-SXM4-40GB": 312e12,
+    "NVIDIA A100-SXM4-80GB": 312e12,
+    "NVIDIA A100-PCIE-40GB": 312e12,
+    "NVIDIA A100 80GB PCIe": 312e12,
+    "TPU v4": 275e12,
+    "TPU v5 lite": 197e12,  # v5e
+    "TPU v5": 459e12,  # v5p
+    "TPU v5p": 459e12,
+    "TPU v6 lite": 918e12,  # v6e (Trillium)
+    "TPU v6e": 918e12,
+}
+
+
+class Peak(NamedTuple):
+  """The FLOP/s of all devices that MFU divides by, and where the number comes from."""
+  flops: float
+  source: str
+
+
+def datasheet_peak() -> Peak | None:
+  """The dense bf16 datasheet peak of all devices on a GPU/TPU in `DATASHEET_PEAK_FLOPS`,
+  else None. The usual MFU denominator, whatever dtype the model computes in."""
+  kind = jax.devices()[0].device_kind
+  if jax.default_backend() == "cpu" or kind not in DATASHEET_PEAK_FLOPS:
+    return None
+  n = jax.device_count()
+  return Peak(DATASHEET_PEAK_FLOPS[kind] * n, f"datasheet bf16 dense peak of {n} x {kind}")
+
+
+def peak_flops(dtype: str = "float32") -> Peak:
+  """`datasheet_peak()` where there is one; elsewhere (CPU, an unlisted chip) the best of
+  two measured square matmuls in `dtype`. Simulated CPU devices share the host's cores,
+  so on CPU one measurement is the whole machine's peak."""
+  sheet = datasheet_peak()
+  if sheet is not None:
+    return sheet
   # Best of two sizes: which one a CPU runs fastest varies (cache sizes, thread split).
   one = max(measure_matmul_flops(dtype, n) for n in (1024, 2048))
-  return one if jax.default_backend() == "cpu" else one * jax.device_count()
+  if jax.default_backend() == "cpu":
+    return Peak(one, f"measured {dtype} matmul peak of the host")
+  n = jax.device_count()
+  return Peak(one * n, f"measured {dtype} matmul peak x {n} devices (no datasheet entry for "
+              f"{jax.devices()[0].device_kind!r})")
 
 
 def machine_info() -> dict[str, Any]:

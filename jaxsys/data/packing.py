@@ -91,3 +91,51 @@ def pack_documents(docs: Sequence[np.ndarray], seq_len: int) -> dict[str, np.nda
   """
   rows = PackedRows(docs, seq_len)
   return {k: np.stack([rows[i][k] for i in range(len(rows))]) for k in FIELDS}
+
+
+def random_packed_batch(batch: int, seq_len: int, *, docs_per_row: int | None = None,
+                        doc_lengths: int | Sequence[int] | None = None,
+                        vocab_size: int | None = None,
+                        seed: int | np.random.Generator = 0) -> dict[str, np.ndarray]:
+  """Random [batch, seq_len] rows in the packing layout, for tests and benchmarks.
+
+  Documents: exactly `docs_per_row` a row, cut at distinct uniformly random points; or
+  lengths drawn uniformly from `doc_lengths` (an int: all that long) until the row is
+  full, the last one cut at the row's end. Gives `segment_ids` (from 1 in every row),
+  `positions` and `loss_mask` as `PackedRows` does, and uniform random `inputs` and
+  `targets` when `vocab_size` is given.
+
+  Example::
+
+    random_packed_batch(2, 8, doc_lengths=4)["segment_ids"]  # [[1 1 1 1 2 2 2 2]] x 2
+  """
+  if (docs_per_row is None) == (doc_lengths is None):
+    raise ValueError(f"give exactly one of docs_per_row={docs_per_row!r} and "
+                     f"doc_lengths={doc_lengths!r}")
+  if docs_per_row is not None and not 1 <= docs_per_row <= seq_len:
+    raise ValueError(f"docs_per_row={docs_per_row} must be in [1, seq_len={seq_len}]")
+  choices = np.atleast_1d(np.asarray(doc_lengths if doc_lengths is not None else 1))
+  if choices.size == 0 or (choices < 1).any():
+    raise ValueError(f"doc_lengths={doc_lengths!r} must be positive lengths")
+  rng = np.random.default_rng(seed)  # a Generator passes through, so callers share a stream
+  out = {}
+  if vocab_size is not None:
+    tokens = rng.integers(0, vocab_size, (batch, seq_len + 1), dtype=np.int32)
+    out = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+  starts = np.zeros((batch, seq_len), bool)  # True where a document starts
+  starts[:, 0] = True
+  for b in range(batch):
+    if docs_per_row is not None:
+      starts[b, rng.choice(np.arange(1, seq_len), docs_per_row - 1, replace=False)] = True
+      continue
+    pos = int(rng.choice(choices))
+    while pos < seq_len:
+      starts[b, pos] = True
+      pos += int(rng.choice(choices))
+  seg = np.cumsum(starts, axis=1, dtype=np.int32)
+  first = np.maximum.accumulate(np.where(starts, np.arange(seq_len), 0), axis=1)
+  # A target that is the next document's first token is not scored.
+  loss_mask = np.ones((batch, seq_len), np.float32)
+  loss_mask[:, :-1] = seg[:, :-1] == seg[:, 1:]
+  return {**out, "segment_ids": seg, "positions": (np.arange(seq_len) - first).astype(np.int32),
+          "loss_mask": loss_mask}

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxsys import flops as flops_lib
 from jaxsys.kernels import attention as attention_lib
 
 # Stacks of at most this many layers are unrolled: the scan's stacked residuals cost a
@@ -276,25 +277,30 @@ def logical_axes(model: nnx.Module) -> dict[str, Any]:
   return nnx.to_pure_dict(axes) if hasattr(nnx, "to_pure_dict") else axes.to_pure_dict()
 
 
+def _matmul_params_per_layer(cfg: TransformerConfig) -> int:
+  D, F, H, K, hd = cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.n_kv_heads, cfg.hd
+  return D * H * hd + 2 * D * K * hd + H * hd * D + 3 * D * F  # wq, wk + wv, wo, SwiGLU
+
+
 def param_count(cfg: TransformerConfig, *, include_embedding: bool = True) -> int:
-  L, D, F, H, K, hd, V = (cfg.n_layers, cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.n_kv_heads, cfg.hd,
-                          cfg.vocab_size)
-  per_layer = 2 * D + D * H * hd + 2 * D * K * hd + H * hd * D + 3 * D * F
-  n = L * per_layer + D + (0 if cfg.tie_embeddings else D * V)
+  L, D, V = cfg.n_layers, cfg.d_model, cfg.vocab_size
+  n = L * (2 * D + _matmul_params_per_layer(cfg)) + D + (0 if cfg.tie_embeddings else D * V)
   return n + (V * D if include_embedding else 0)
 
 
-def train_flops_per_token(cfg: TransformerConfig, seq_len: int) -> float:
-  """Matmul FLOPs of one training token (forward + backward = 3x forward), PaLM convention.
+def train_flops_per_token(cfg: TransformerConfig, seq_len: int, *,
+                          pairs_per_row: float | None = None) -> float:
+  """Matmul FLOPs of one training token (forward + backward = 3x forward).
 
   Counts every matmul weight once (the embedding lookup is not a matmul, the output
-  projection is) plus attention's QK^T and PV over the full [T, T] square.
+  projection is) plus attention's QK^T and PV over `pairs_per_row` (query, key) pairs
+  per row, by default the full [T, T] square (PaLM's convention); pass
+  `flops.attention_pairs(...) / batch` to count only the pairs the mask leaves.
   """
-  L, D, F, H, K, hd, V = (cfg.n_layers, cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.n_kv_heads, cfg.hd,
-                          cfg.vocab_size)
-  matmul_params = L * (D * H * hd + 2 * D * K * hd + H * hd * D + 3 * D * F) + D * V
-  attention = L * 2 * H * hd * seq_len  # QK^T and PV, per token, multiply-adds
-  return 6.0 * matmul_params + 6.0 * attention
+  pairs = seq_len * seq_len if pairs_per_row is None else pairs_per_row
+  matmul_params = cfg.n_layers * _matmul_params_per_layer(cfg) + cfg.d_model * cfg.vocab_size
+  attention = cfg.n_layers * flops_lib.attention_flops(pairs, cfg.n_heads, cfg.hd) / seq_len
+  return 6.0 * matmul_params + 3.0 * attention
 
 
 # Pure-function view of the model, used by the trainer and parallel strategies:

@@ -1,4 +1,6 @@
-"""Transformer: shapes, axes, causality, document isolation, GQA, tied embeddings."""
+"""Transformer: shapes, axes, causality, document isolation, GQA, tied embeddings, bf16, remat."""
+import re
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -15,6 +17,16 @@ def _inputs(b=2, t=12, seed=0):
   tokens = jax.random.randint(jax.random.key(seed), (b, t), 0, CFG.vocab_size)
   positions = jnp.broadcast_to(jnp.arange(t), (b, t))
   return tokens, positions, jnp.ones((b, t), jnp.int32)
+
+
+def _dots(stablehlo: str) -> list[tuple[set[int], set[str]]]:
+  """(operand dims, operand element types) of every dot_general in a lowered module's text."""
+  out = []
+  for sig in re.findall(r"stablehlo\.dot_general .*: \(tensor<([^>]*)>, tensor<([^>]*)>\)",
+                        stablehlo):
+    operands = [t.split("x") for t in sig]
+    out.append(({int(d) for o in operands for d in o[:-1]}, {o[-1] for o in operands}))
+  return out
 
 
 class TransformerTest(parameterized.TestCase):
@@ -70,14 +82,42 @@ class TransformerTest(parameterized.TestCase):
     logits16 = transformer.apply(cfg, params, *_inputs())
     chex.assert_type(logits16, jnp.float32)
     np.testing.assert_allclose(logits16, logits32, atol=0.1)
+    self.assertGreater(float(jnp.abs(logits16 - logits32).max()), 1e-4)  # not an f32 run
+    # The matmuls of a training step take bf16 operands (the f32 model's take f32, so the
+    # check sees what it is meant to), except the LM head's backward: JAX promotes its
+    # bf16 weight to the f32 logits' cotangent. A vocab size no other dim has finds it.
+    vocab = 48
+    for c, want in ((cfg, "bf16"), (CFG, "f32")):
+      c = transformer.TransformerConfig(**{**c.__dict__, "vocab_size": vocab})
+      p = transformer.init_params(c, jax.random.key(0))
+      grad = jax.grad(lambda p: jnp.mean(transformer.apply(c, p, *_inputs()) ** 2))
+      dots = _dots(jax.jit(grad).lower(p).as_text())
+      layer_types = [types for dims, types in dots if vocab not in dims]
+      # A layer's 7 weights x (fwd, dx, dw) and attention's 2 + 4 (one copy per function).
+      self.assertGreaterEqual(len(layer_types), 7 * 3 + 6, c.dtype)
+      self.assertEqual(set.union(*layer_types), {want}, c.dtype)
+      head_fwd = [types for dims, types in _dots(jax.jit(
+          lambda p: transformer.apply(c, p, *_inputs())).lower(p).as_text()) if vocab in dims]
+      self.assertEqual(head_fwd, [{want}], c.dtype)
 
-  def test_remat_matches(self):
-    cfg = transformer.TransformerConfig(**{**CFG.__dict__, "remat": "full"})
+  def test_remat_matches_and_saves_less(self):
+    """Same gradients; the saved residuals shrink by what each policy must recompute."""
     params = transformer.init_params(CFG, jax.random.key(0))
-    loss = lambda c: lambda p: jnp.mean(transformer.apply(c, p, *_inputs()) ** 2)
-    chex.assert_trees_all_close(jax.grad(loss(CFG))(params), jax.grad(loss(cfg))(params),
-                                atol=1e-6)
-
+    grads, saved = {}, {}
+    for remat in ("none", "dots", "full"):
+      cfg = transformer.TransformerConfig(**{**CFG.__dict__, "remat": remat})
+      loss = lambda p: jnp.mean(transformer.apply(cfg, p, *_inputs()) ** 2)
+      _, vjp = jax.vjp(loss, params)  # its leaves are the residuals kept for the backward
+      saved[remat] = sum(x.size for x in jax.tree.leaves(vjp))
+      grads[remat] = vjp(jnp.ones(()))[0]
+    for remat in ("dots", "full"):
+      chex.assert_trees_all_close(grads[remat], grads["none"], atol=1e-6)
+    (b, t), L = _inputs()[0].shape, CFG.n_layers
+    # SwiGLU's gate and up outputs [B, T, F]: kept by "none" and "dots" (they are dots),
+    # recomputed by "full"; attention weights [B, H, T, T] (a batched dot and a softmax):
+    # kept by "none" only.
+    self.assertGreaterEqual(saved["dots"] - saved["full"], 2 * L * b * t * CFG.d_ff)
+    self.assertGreaterEqual(saved["none"] - saved["dots"], L * b * CFG.n_heads * t * t)
   @parameterized.parameters(
       dict(field="n_kv_heads", value=3, match="n_kv_heads"),
       dict(field="remat", value="some", match="model.remat"),
