@@ -16,6 +16,7 @@ from absl import app, flags
 
 from jaxsys import metrics as metrics_lib
 from jaxsys.quant import evaluate
+from jaxsys.train import config_check
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Workdir of a training run (experiments.train).")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
@@ -25,12 +26,19 @@ _ALPHA = flags.DEFINE_float("alpha", 0.5, "SmoothQuant migration strength.")
 _ROWS = flags.DEFINE_string("rows", None, "Rows after the float one, e.g. "
                             "'w4a16:gptq,w4a16:gptq+act_order,w8a8_int8:qwix' (default: all).")
 flags.mark_flags_as_required(["workdir"])
+# Valid values of the numeric flags, checked before the checkpoint is loaded.
+_FLAG_RULES = ((_STEP, config_check.integer(0)), (_CALIB, config_check.integer(1)),
+               (_GROUP, config_check.integer(1)), (_ALPHA, config_check.number(0, 1)))
 
 
 def main(argv):
   del argv
   metrics_lib.quiet_library_logs()
   try:
+    for flag, rule in _FLAG_RULES:
+      error = flag.value is not None and rule.error(f"--{flag.name}", flag.value)
+      if error:
+        raise ValueError(error)
     wanted = evaluate.DEFAULT_ROWS if _ROWS.value is None else evaluate.parse_rows(_ROWS.value)
     run = evaluate.load_run(_WORKDIR.value, _STEP.value)
   except ValueError as e:
