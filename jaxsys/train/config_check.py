@@ -14,6 +14,7 @@ import tempfile
 from typing import Any, Callable
 
 import jax
+import ml_collections
 import numpy as np
 
 from jaxsys import mesh as mesh_lib
@@ -163,6 +164,10 @@ def _head_dim(head_dim, d_model, n_heads) -> int:
   return head_dim or d_model // n_heads
 
 
+# Model sizes whose parameter dims are sharded by a logical axis.
+_SHARDED_FIELDS = {"model.d_model": "embed", "model.n_heads": "heads",
+                   "model.n_kv_heads": "kv_heads", "model.d_ff": "mlp", "model.vocab_size": "vocab"}
+
 # Relations; "mesh ..." and "processes" are derived from the built mesh (see _derived).
 RELATIONS: tuple[Relation, ...] = (
     Relation(("model.n_heads", "model.n_kv_heads"), lambda h, kv: h % kv == 0,
@@ -183,10 +188,10 @@ RELATIONS: tuple[Relation, ...] = (
              "be <= the schedule's length (optimizer.schedule_steps, or total_steps when 0)"),
     Relation(("data.batch_size", "optimizer.grad_accum_steps"), lambda b, a: b % a == 0,
              "divide into optimizer.grad_accum_steps equal microbatches"),
-    Relation(("data.batch_size", "optimizer.grad_accum_steps", "mesh batch shards"),
+    Relation(("data.batch_size", "optimizer.grad_accum_steps", "mesh shards of 'batch'"),
              lambda b, a, shards: (b // a) % shards == 0,
              "give microbatches (data.batch_size / optimizer.grad_accum_steps) that divide over "
-             "the mesh's batch shards (replica x data x fsdp)"),
+             "the mesh axes that shard the batch"),
     Relation(("data.batch_size", "processes"), lambda b, p: b % p == 0,
              "divide over the processes"),
     Relation(("mesh axis replica", "optimizer.outer"), lambda r, outer: r == 1 or outer != "none",
@@ -195,7 +200,10 @@ RELATIONS: tuple[Relation, ...] = (
     Relation(("mesh axis replica", "optimizer.outer", "optimizer.outer_group_size"),
              lambda r, outer, g: outer != "noloco" or r % g == 0,
              "divide into NoLoCo groups of optimizer.outer_group_size"),
-)
+) + tuple(
+    Relation((field, f"mesh shards of {logical!r}"), lambda size, shards: size % shards == 0,
+             f"divide over the mesh axes that shard {logical!r} (jaxsys/mesh.py DEFAULT_RULES)")
+    for field, logical in _SHARDED_FIELDS.items())
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -220,10 +228,18 @@ def _check_names(values: dict[str, Any]) -> None:
                      "which sets every field")
 
 
+def _shards(mesh, logical: str) -> int:
+  """How many parts the mesh splits a dim of logical axis `logical` into, by the default rules."""
+  entry = mesh_lib.logical_to_partition_spec((logical,), mesh)[0]
+  axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
+  return math.prod(mesh.shape[a] for a in axes)
+
+
 def _derived(mesh) -> dict[str, Any]:
-  sizes = dict(mesh.shape)
-  return {"mesh batch shards": math.prod(sizes.get(a, 1) for a in ("replica", "data", "fsdp")),
-          "mesh axis replica": sizes.get("replica", 1), "processes": jax.process_count()}
+  shards = {f"mesh shards of {name!r}": _shards(mesh, name)
+            for name in ("batch", *_SHARDED_FIELDS.values())}
+  return {**shards, "mesh axis replica": dict(mesh.shape).get("replica", 1),
+          "processes": jax.process_count()}
 
 
 def check_workdir(workdir: Any) -> None:
@@ -262,6 +278,9 @@ def check_config(config, workdir: Any = None) -> None:
       raise ValueError(error)
   mesh = mesh_lib.make_mesh(values["mesh"])
   mesh_lib.check_axes_claimed(mesh)
+  # The outer algorithm's own checks (e.g. CO2's stability bound), before any work.
+  replicas_lib.make_outer_optimizer(ml_collections.ConfigDict(
+      {k.partition(".")[2]: v for k, v in values.items() if k.startswith("optimizer.")}))
   if values["optimizer.outer"] != "none":
     replicas_lib.num_replicas(mesh, values["optimizer.outer"])
   values.update(_derived(mesh))

@@ -46,6 +46,7 @@ class FieldsTest(parameterized.TestCase):
       ("outer", dict(mesh="replica=2,data=-1", optimizer__outer="diloco")),
       ("warmup_is_schedule", dict(total_steps=4, optimizer__warmup_steps=4)),
       ("size_one_stage", dict(mesh="stage=1,data=-1")),
+      ("all_sharded", dict(mesh="replica=2,fsdp=2,tensor=2", optimizer__outer="co2")),
   )
   def test_valid(self, overrides):
     config_check.check_config(_config(**overrides))
@@ -161,7 +162,11 @@ class RelationsTest(parameterized.TestCase):
        "optimizer.grad_accum_steps=3; it must divide into optimizer.grad_accum_steps equal "
        "microbatches"),
       ("shards", dict(optimizer__grad_accum_steps=4), "data.batch_size=16 is invalid with "
-       "optimizer.grad_accum_steps=4, mesh batch shards=8; it must give microbatches"),
+       "optimizer.grad_accum_steps=4, mesh shards of 'batch'=8; it must give microbatches"),
+      ("kv_heads", dict(mesh="data=2,tensor=4"), "model.n_kv_heads=2 is invalid with mesh "
+       "shards of 'kv_heads'=4; it must divide over the mesh axes that shard 'kv_heads'"),
+      ("d_model", dict(mesh="fsdp=-1", model__d_model=36, model__head_dim=8),
+       "model.d_model=36 is invalid with mesh shards of 'embed'=8"),
       ("stage", dict(mesh="stage=2,data=-1"), "mesh axis stage=2 is not used by any strategy yet "
        "(pipeline parallelism is not implemented); use a replica, data, fsdp or tensor axis"),
       ("context", dict(mesh="data=2,context=-1"), "mesh axis context=4 is not used by any "
@@ -175,6 +180,9 @@ class RelationsTest(parameterized.TestCase):
        "mesh axis replica=4 is invalid with optimizer.outer='noloco', "
        "optimizer.outer_group_size=3; it must divide into NoLoCo groups"),
       ("mesh_devices", dict(mesh="data=3"), "mesh data=3 needs 3 devices but 8 are available"),
+      ("co2_unstable", dict(mesh="replica=2,data=-1", optimizer__outer="co2",
+                            optimizer__outer_staleness_penalty=1.0),
+       "optimizer.outer_lr=1, optimizer.outer_momentum=0.5, optimizer.outer_staleness_penalty=1"),
   )
   def test_bad_relation(self, overrides, message):
     _assert_refused(self, overrides, message)
