@@ -206,7 +206,9 @@ _HEADER = re.compile(r"^(ENTRY )?%?([\w.\-]+) \(.*\{$")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}|true_computation=%?([\w.\-]+), "
                        r"false_computation=%?([\w.\-]+)")
 _CALLS = re.compile(r"\b(?:calls|to_apply|body|condition)=%?([\w.\-]+)")
-_GROUPS = re.compile(r"replica_groups=(?:\{\{([0-9,]*)\}|\[[0-9]+,([0-9]+)\]<=)")
+_GROUPS = re.compile(r"replica_groups=(?:\{\{([0-9,]*)\}|\[[0-9]+,([0-9]+)\]<=|"
+                     r"mesh\[([^\]]*)\] \{([^}]*)\})")
+_COMMENT = re.compile(r"/\*.*?\*/")  # e.g. /*index=5*/ inside long tuple shapes
 
 
 def _shape_bytes(text: str) -> int:
@@ -220,13 +222,14 @@ def _shape_bytes(text: str) -> int:
 
 def collective_ops_from_hlo(hlo_text: str) -> list[tuple[str, int]]:
   """(op, result bytes) of every collective in an HLO module's text (async -start forms too)."""
-  return [(op, _shape_bytes(shape)) for shape, op in _COLLECTIVE.findall(hlo_text)]
+  return [(op, _shape_bytes(shape))
+          for shape, op in _COLLECTIVE.findall(_COMMENT.sub("", hlo_text))]
 
 
 def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
   """{computation name: its instruction lines} and the ENTRY computation's name."""
   comps, entry, lines = {}, "", None
-  for line in hlo_text.splitlines():
+  for line in _COMMENT.sub("", hlo_text).splitlines():
     header = _HEADER.match(line)
     if header:
       lines = comps.setdefault(header.group(2), [])
@@ -238,16 +241,29 @@ def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
   return comps, entry
 
 
+def _group_size(line: str, default: int) -> int:
+  """Participants per group of the collective on `line`, in any of XLA's three spellings:
+  {{0,2,4,6},...}, the iota form [2,4]<=[8], or mesh['a'=2,'b'=4] {'b'}."""
+  groups = _GROUPS.search(line)
+  if not groups:
+    return default
+  explicit, iota, mesh, axes = groups.groups()
+  if explicit is not None:
+    return len(explicit.split(","))
+  if iota is not None:
+    return int(iota)
+  sizes = {name.strip("'"): int(size) for name, size in
+           (item.split("=") for item in mesh.split(","))}
+  return math.prod(sizes[a.strip().strip("'")] for a in axes.split(",") if a.strip())
+
+
 def _sent_bytes(line: str, default_group: int) -> int:
   """Bytes one participant sends for the collective on `line` (0 if none), by the ring rules."""
   found = _COLLECTIVE.search(line)
   if not found:
     return 0
   nbytes, op = _shape_bytes(found.group(1)), found.group(2)
-  groups = _GROUPS.search(line)
-  r = default_group
-  if groups:
-    r = len(groups.group(1).split(",")) if groups.group(1) is not None else int(groups.group(2))
+  r = _group_size(line, default_group)
   if op == "all-reduce":
     return 2 * (r - 1) * nbytes // r
   if op in ("all-gather", "all-to-all"):  # all-gather's result is R chunks

@@ -1,4 +1,5 @@
-"""experiments/compare_outer.py end to end: warm start, two rows, table, plot, sync timing, seeds."""
+"""experiments/compare_outer.py end to end: warm start, two rows, table, plot, sync timing, seeds;
+bytes checked against the compiled programs' collectives."""
 import importlib.util
 import json
 import pathlib
@@ -6,11 +7,14 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import pytest
 
-from jaxsys import optim
+from jaxsys import mesh as mesh_lib
 from jaxsys.models import transformer
 from jaxsys.optim import outer as outer_lib
+from jaxsys.train import replicas as replicas_lib
+from jaxsys.train import step as step_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -29,6 +33,7 @@ def test_two_rows_from_a_warm_start(small_corpus, tmp_path):
            "--time_reps=2", "--config.pretrain_steps=2", "--config.total_steps=4",
            "--config.eval_every=2", "--config.eval_steps=1", "--config.log_every=2",
            "--config.checkpoint_every=4", "--config.continue_schedule=true",
+           "--config.optimizer.warmup_steps=5",
            "--config.run_specs.diloco_k4_h10.optimizer.outer_sync_every=2"),
       cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -49,20 +54,17 @@ def test_two_rows_from_a_warm_start(small_corpus, tmp_path):
   assert diloco["val_bpb_replica_mean"] == pytest.approx(diloco["val_bpb"], rel=1e-4)
   assert dp["val_bpb_replica_mean"] is None and dp["val_bpb_last_eval"] > 0
 
-  spec = importlib.util.spec_from_file_location("compare", ROOT / "configs" / "compare_outer.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  model = module.get_config().model
-  model.update(dict(d_model=32, d_ff=64))
-  cfg = transformer.TransformerConfig.from_config(model)
-  params = jax.eval_shape(lambda: transformer.init_params(cfg, jax.random.key(0)))
-  per_sync = optim.diloco(sync_every=2).bytes_per_sync(params, 4)
-  assert diloco["comm_bytes"] == 2 * per_sync  # 2 syncs in 4 steps
+  # Bytes against the collectives XLA compiled: DP's train step (its gradient all-reduce
+  # over 8 workers) and DiLoCo's sync (a mean over the 4 replicas), as the runs built them.
+  dp_step, diloco_sync = _compiled_bytes("dp"), _compiled_bytes("diloco_k4_h10")
+  # DP's step also sums the loss and a few flags across workers: under 100 bytes.
+  assert 0 <= dp_step - dp["comm_bytes"] / 4 < 100, (dp_step, dp["comm_bytes"])
+  assert diloco["comm_bytes"] == 2 * diloco_sync  # 2 syncs in 4 steps
   assert diloco["dp_bytes_same_k"] == 4 * outer_lib.ring_allreduce_bytes(
-      outer_lib.tree_bytes(params), 4)
+      outer_lib.tree_bytes(_params()), 4)
   assert diloco["bytes_reduction"] == diloco["dp_bytes_same_k"] / diloco["comm_bytes"]
 
-  # One learning-rate curve over pretrain + row (warmup min(20, 6 - 1) = 5 steps): the
+  # One learning-rate curve over pretrain + row (5 warmup steps of 6): the
   # row's step 2 runs at the curve's step 1 + 2.
   dp_rows = [json.loads(l) for l in (tmp_path / "dp" / "metrics.jsonl").read_text().splitlines()]
   assert next(r["lr"] for r in dp_rows if r["step"] == 2) == pytest.approx(3e-3 * 3 / 5)
@@ -76,6 +78,40 @@ def test_two_rows_from_a_warm_start(small_corpus, tmp_path):
   assert (tmp_path / "outer_comparison.png").stat().st_size > 10_000
   timing = json.loads((tmp_path.parent / "sync_timing.json").read_text())["diloco_k4_h10"]
   assert timing["step_s"] > 0 and timing["ratio"] > 0.5
+
+
+def _run_config(name: str):
+  """Row `name` of configs/compare_outer.py with the model sizes `_cmd` sets."""
+  from experiments import compare_outer  # pylint: disable=import-outside-toplevel
+  spec = importlib.util.spec_from_file_location("compare", ROOT / "configs" / "compare_outer.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  base = module.get_config()
+  base.model.update(dict(d_model=32, d_ff=64))
+  return compare_outer.run_config(base, base.run_specs[name].to_dict())
+
+
+def _params():
+  cfg = transformer.TransformerConfig.from_config(_run_config("dp").model)
+  return jax.eval_shape(lambda: transformer.init_params(cfg, jax.random.key(0)))
+
+
+def _compiled_bytes(name: str) -> int:
+  """Bytes one worker sends in row `name`'s compiled program: DP's step or the outer sync."""
+  config = _run_config(name)
+  mesh = mesh_lib.make_mesh(config.mesh)
+  model_cfg = transformer.TransformerConfig.from_config(config.model)
+  outer = replicas_lib.make_outer_optimizer(config.optimizer)
+  if outer is None:
+    setup = step_lib.make_train_setup(config, model_cfg, mesh)
+    b, t = config.data.batch_size, config.data.seq_len
+    batch = {k: jax.ShapeDtypeStruct((b, t), jnp.float32 if k == "loss_mask" else jnp.int32)
+             for k in ("inputs", "targets", "segment_ids", "positions", "loss_mask")}
+    compiled = setup.train_fn.lower(setup.abstract, batch).compile()
+  else:
+    setup = replicas_lib.make_replica_setup(config, model_cfg, mesh, outer)
+    compiled = setup.sync_fn.lower(setup.abstract).compile()
+  return outer_lib.collective_bytes_from_hlo(compiled.as_text(), outer_lib.num_workers(config.mesh))
 
 
 def test_unknown_run_is_one_line(small_corpus, tmp_path):
