@@ -1,9 +1,9 @@
 """Inner optimizers and schedules (inner.py); outer low-communication optimizers.
 
 Outer optimizers (optax style, run per replica under vmap/shard_map over the replica axis):
-  diloco(sync_every=...)  averaged pseudo-gradients + Nesterov SGD      (arXiv 2311.08105)
-  noloco(sync_every=...)  random peer groups, modified Nesterov, no all-reduce (arXiv 2506.10911)
-  co2(sync_every=...)     one-step-delayed outer update, overlappable   (arXiv 2401.16265)
+  diloco(sync_every=...)  averaged pseudo-gradients + Nesterov SGD (optax.sgd)  (arXiv 2311.08105)
+  noloco(sync_every=...)  random pairs, modified Nesterov, no all-reduce       (arXiv 2506.10911)
+  co2(sync_every=...)     one-step-delayed outer update, overlappable          (arXiv 2401.16265)
 """
 from jaxsys.optim.co2 import co2
 from jaxsys.optim.diloco import diloco

@@ -6,10 +6,26 @@ inner steps to theta_i^(t), and then takes Alg. 1's outer step:
   Delta^(t) = 1/k sum_i (theta^(t-1) - theta_i^(t))        # outer gradient (an all-reduce)
   theta^(t) = OuterOpt(theta^(t-1), Delta^(t))             # SGD, Nesterov momentum
 
-with the paper's outer learning rate 0.7 and momentum 0.9 (as the NoLoCo authors' DiLoCo
-baseline uses them). The inner optimizer state stays per replica and is never averaged
-(Sec. 6.1, as MaxText's `diloco.py`). `compression` quantizes the pseudo-gradient before the collective;
-with `error_feedback` the quantization error is added to the next round's one.
+OuterOpt is `optax.sgd(outer_lr, outer_momentum, nesterov=True)`, with the paper's outer
+learning rate 0.7 and Nesterov momentum 0.9 as defaults. The inner optimizer state
+stays per replica and is never averaged (Sec. 6.1, as MaxText's `diloco.py`).
+
+The NoLoCo authors' DiLoCo baseline is not this (jkolehm/noloco,
+`PipelineDiLoCoOptimizer`, commented "Nesterov momentum optimizer"): it applies heavy-ball
+momentum, m <- mu m - lr Delta; theta <- theta + m, and its C4 config sets lr 0.7,
+mu 0.3, H = 100, i.e. `diloco(sync_every=100, outer_momentum=0.3, nesterov=False)` here.
+(Its older `DiLoCoOptimizer` also averaged the inner Adam moments at every sync.)
+
+`compression` quantizes the pseudo-gradient before the collective; with
+`error_feedback` the first quantization's error (each replica's own pseudo-gradient)
+is added to the next round's one. The second one, of the averaged chunk that
+`compressed_mean` re-quantizes for its all-gather, is not fed back, and for int8/fp8
+it leaves a bias that does not shrink with the number of rounds. Measured
+(`test_error_feedback_leaves_the_requantized_mean_s_bias`: 4 replicas, 4096 standard
+normal values each, the same pseudo-gradient every round, outer lr 1, no momentum):
+after 100 rounds the summed applied update is off from the true sum by 0.22% (int8)
+and 0.65% (fp8) of its size (relative L2), against 1.1% and 3.8% without error
+feedback; bf16's re-rounding averages out (0.0017%, falling as 1/rounds).
 """
 from __future__ import annotations
 
