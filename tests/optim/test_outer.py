@@ -397,6 +397,11 @@ class BytesTest(parameterized.TestCase):
     hlo = _shard_sync(outer).lower(p, jax.vmap(outer.init)(p)).compile().as_text()
     self.assertEqual(outer_lib.collective_bytes_from_hlo(hlo, R), outer.bytes_per_sync(params, R))
 
+  @parameterized.parameters(("replica=4,data=2", 4), ("replica=2 x data=-1", 2), ("data=-1", 8),
+                            ("data=2,fsdp=2,tensor=2", 4), ("replica=1,data=2,tensor=4", 2))
+  def test_num_workers_reads_any_mesh_spec(self, spec, want):
+    self.assertEqual(outer_lib.num_workers(spec), want)
+
   def test_int8_sends_a_quarter_of_float32(self):
     params = {"w": jnp.zeros((1024, 256))}
     f32 = optim.diloco(sync_every=1).bytes_per_sync(params, 4)
