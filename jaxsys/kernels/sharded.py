@@ -5,8 +5,9 @@ mesh it would gather its operands and compute the whole global problem on every 
 These wrappers run it once per shard instead, splitting
 - attention over batch and heads (a shard holds q heads with exactly the kv heads they read),
 - qmatmul over the token dims of x and the weight's output features N.
-The mesh is the one visible while tracing (`jax.set_mesh`, or `jax.sharding.use_abstract_mesh`
-as the train step does), else that of Explicit-typed operands. A dim is split over the
+The mesh is the one visible while tracing (`jax.set_mesh`), else the one in the operands'
+types: Explicit arrays, and under `jax.jit` with `in_shardings` on a `Mesh` (the runner's
+Auto mesh) every value derived from the arguments. A dim is split over the
 Explicit axes its operand's type names, then the Auto axes the logical-axis rules of
 `jaxsys.mesh` give it (`batch`, `heads`, `mlp`); an axis that does not divide the dim is
 left out (the dim is replicated over it), as is every axis already manual.
@@ -22,6 +23,10 @@ import jax
 from jax.sharding import AxisType, PartitionSpec as P
 
 from jaxsys import mesh as mesh_lib
+
+# Replicas of the outer optimizers run under `jax.vmap(spmd_axis_name="replica")`, which
+# puts the vmapped dim on this axis; a kernel's own dims must not use it too.
+_VMAPPED_AXES = ("replica",)
 
 
 def _names(entry) -> tuple[str, ...]:
@@ -39,8 +44,13 @@ def _axes_of(mesh, axis_type) -> set[str]:
   return {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == axis_type}
 
 
+def _free(mesh) -> set[str]:
+  """The axes a kernel may still split over: not manual (inside an enclosing shard_map)."""
+  return _axes_of(mesh, AxisType.Auto) | _axes_of(mesh, AxisType.Explicit)
+
+
 def _mesh(*operands):
-  """The mesh visible while tracing, else the first Explicit-typed operand's; may be empty."""
+  """The mesh visible while tracing, else the first one in the operands' types; may be empty."""
   mesh = jax.sharding.get_abstract_mesh()
   for x in operands:
     if not mesh.empty:
@@ -57,15 +67,14 @@ def _typed(x, dim: int) -> tuple[str, ...]:
 
 def _rule(mesh, logical: str) -> tuple[str, ...]:
   """The Auto mesh axes the logical-axis rules give `logical` on this mesh."""
-  auto = _axes_of(mesh, AxisType.Auto)
+  auto = _axes_of(mesh, AxisType.Auto) - set(_VMAPPED_AXES)
   entry = mesh_lib.logical_to_partition_spec((logical,), mesh)[0]
   return tuple(a for a in _names(entry) if a in auto)
 
 
 def _split(mesh, size: int, candidates: tuple[str, ...], used: set[str]) -> tuple[str, ...]:
   """The candidates, in order, whose sizes multiply to a divisor of `size`; adds them to used."""
-  free = _axes_of(mesh, AxisType.Auto) | _axes_of(mesh, AxisType.Explicit)
-  picked, parts = [], 1
+  free, picked, parts = _free(mesh), [], 1
   for a in candidates:
     if a in free and a not in used and size % (parts * mesh.shape[a]) == 0:
       picked.append(a)
@@ -87,39 +96,47 @@ def _fit(mesh, x, spec: P):
 
 
 def _splittable(mesh) -> bool:
-  free = _axes_of(mesh, AxisType.Auto) | _axes_of(mesh, AxisType.Explicit)
-  return not mesh.empty and math.prod(mesh.shape[a] for a in free) > 1
+  return not mesh.empty and math.prod(mesh.shape[a] for a in _free(mesh)) > 1
 
 
 def _shard_map(per_shard: Callable, mesh, args: list, in_specs: list, out_specs: P):
-  free = _axes_of(mesh, AxisType.Auto) | _axes_of(mesh, AxisType.Explicit)
-  args = [_fit(mesh, x, s) for x, s in zip(args, in_specs)]
-  # check_vma=False: pallas_call has no varying-manual-axes rule; the specs say it all.
-  fn = jax.shard_map(per_shard, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs,
-                     axis_names=free, check_vma=False)
+  def run():
+    fitted = [_fit(mesh, x, s) for x, s in zip(args, in_specs)]
+    # check_vma=False: pallas_call has no varying-manual-axes rule; the specs say it all.
+    return jax.shard_map(per_shard, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs,
+                         axis_names=_free(mesh), check_vma=False)(*fitted)
+
   if jax.sharding.get_abstract_mesh().empty:  # the mesh came from the operands' types
     with jax.sharding.use_abstract_mesh(mesh):
-      return fn(*args)
-  return fn(*args)
+      return run()
+  return run()
+
+
+def attention_spec(mesh, q, k) -> P:
+  """The PartitionSpec of q, k, v (and the output) for the kernel's shard_map on `mesh`.
+
+  Heads are split only by axes dividing Hkv, so q head h and kv head h // (Hq // Hkv)
+  share a shard.
+  """
+  used: set[str] = set()
+  batch = _split(mesh, q.shape[0], _typed(q, 0) + _rule(mesh, "batch"), used)
+  heads = _split(mesh, k.shape[2], _typed(q, 2) + _rule(mesh, "heads"), used)
+  return P(_entry(batch), None, _entry(heads), None)
 
 
 def sharded_attention(kernel: Callable, q, k, v, q_segment_ids, kv_segment_ids, **kw):
   """kernel(q, k, v, q_segment_ids=..., kv_segment_ids=..., **kw) split over batch and heads.
 
-  q [B, T, Hq, D], k/v [B, S, Hkv, D], segment ids [B, T] / [B, S] or None. Heads are split
-  only by axes dividing Hkv, so q head h and kv head h // (Hq // Hkv) share a shard.
+  q [B, T, Hq, D], k/v [B, S, Hkv, D], segment ids [B, T] / [B, S] or None.
   """
   mesh = _mesh(q, k, v)
   if not _splittable(mesh):
     return kernel(q, k, v, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, **kw)
-  used: set[str] = set()
-  batch = _split(mesh, q.shape[0], _typed(q, 0) + _rule(mesh, "batch"), used)
-  heads = _split(mesh, k.shape[2], _typed(q, 2) + _rule(mesh, "heads"), used)
-  qkv = P(_entry(batch), None, _entry(heads), None)
+  qkv = attention_spec(mesh, q, k)
   args, specs = [q, k, v], [qkv] * 3
   if q_segment_ids is not None:
     args += [q_segment_ids, kv_segment_ids]
-    specs += [P(_entry(batch), None)] * 2
+    specs += [P(qkv[0], None)] * 2
 
   def per_shard(q, k, v, *ids):
     q_ids, kv_ids = ids or (None, None)
@@ -128,24 +145,28 @@ def sharded_attention(kernel: Callable, q, k, v, q_segment_ids, kv_segment_ids, 
   return _shard_map(per_shard, mesh, args, specs, qkv)
 
 
-def sharded_qmatmul(kernel: Callable, x, qw):
-  """kernel(x, qw) for x [..., K] and a QWeight [K, N], split over x's token dims and N.
+def qmatmul_specs(mesh, x, qw) -> tuple[P, P, P]:
+  """PartitionSpecs (x, the weight's data and scale, output) for qmatmul's shard_map.
 
   The first token dim follows the `batch` rule, N the `mlp` rule (the tensor-parallel axis
   of output features); K is never split (w8a8 scales each token over all of K).
   """
-  mesh = _mesh(x, qw.data)
-  if not _splittable(mesh):
-    return kernel(x, qw)
   used: set[str] = set()
   tokens = [_split(mesh, x.shape[d], _typed(x, d) + (_rule(mesh, "batch") if d == 0 else ()),
                    used) for d in range(x.ndim - 1)]
   n = _split(mesh, qw.shape[1], _typed(qw.data, 1) + _rule(mesh, "mlp"), used)
-  w_spec = P(None, _entry(n))
+  lead = tuple(map(_entry, tokens))
+  return P(*lead, None), P(None, _entry(n)), P(*lead, _entry(n))
+
+
+def sharded_qmatmul(kernel: Callable, x, qw):
+  """kernel(x, qw) for x [..., K] and a QWeight [K, N], split over x's token dims and N."""
+  mesh = _mesh(x, qw.data)
+  if not _splittable(mesh):
+    return kernel(x, qw)
+  x_spec, w_spec, out_spec = qmatmul_specs(mesh, x, qw)
 
   def per_shard(x, data, scale):
     return kernel(x, dataclasses.replace(qw, data=data, scale=scale))
 
-  return _shard_map(per_shard, mesh, [x, qw.data, qw.scale],
-                    [P(*map(_entry, tokens), None), w_spec, w_spec],
-                    P(*map(_entry, tokens), _entry(n)))
+  return _shard_map(per_shard, mesh, [x, qw.data, qw.scale], [x_spec, w_spec, w_spec], out_spec)
