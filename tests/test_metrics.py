@@ -1,8 +1,12 @@
-"""Metric writer (JSON lines + real TensorBoard event files), progress, matmul peak."""
+"""Metric writer (JSON lines + real TensorBoard event files), progress, the MFU peak."""
 import glob
 import io
 import math
 import struct
+from unittest import mock
+
+import jax
+import pytest
 
 from tensorboardX.proto import event_pb2
 
@@ -58,3 +62,33 @@ def test_progress_logs_without_terminal(caplog):
 def test_matmul_peak_is_positive():
   flops = metrics.measure_matmul_flops(n=256, repeats=2)
   assert math.isfinite(flops) and flops > 1e8
+
+
+def _on(backend: str, kind: str):
+  """Patches jax to look like `jax.device_count()` devices of `kind` on `backend`."""
+  device = mock.Mock(device_kind=kind)
+  return mock.patch.multiple(jax, default_backend=mock.Mock(return_value=backend),
+                             devices=mock.Mock(return_value=[device]))
+
+
+@pytest.mark.parametrize("kind, per_chip", [("NVIDIA H100 80GB HBM3", 989e12),
+                                            ("NVIDIA H100 PCIe", 756e12), ("NVIDIA H200", 989e12),
+                                            ("TPU v5 lite", 197e12), ("TPU v5", 459e12),
+                                            ("TPU v6 lite", 918e12)])
+def test_accelerator_peak_is_the_datasheet_times_devices(kind, per_chip):
+  with _on("gpu" if "NVIDIA" in kind else "tpu", kind), \
+      mock.patch.object(metrics, "measure_matmul_flops", side_effect=AssertionError("measured")):
+    peak = metrics.peak_flops("float32")
+  assert peak.flops == per_chip * jax.device_count()
+  assert kind in peak.source and "datasheet" in peak.source
+
+
+def test_cpu_and_unlisted_chips_measure():
+  assert metrics.datasheet_peak() is None  # the tests' CPU
+  with _on("gpu", "NVIDIA B9000"), mock.patch.object(metrics, "measure_matmul_flops",
+                                                     return_value=2e12) as measure:
+    peak = metrics.peak_flops("bfloat16")
+  assert peak.flops == 2e12 * jax.device_count() and "'NVIDIA B9000'" in peak.source
+  assert {c.args for c in measure.call_args_list} == {("bfloat16", 1024), ("bfloat16", 2048)}
+  with mock.patch.object(metrics, "measure_matmul_flops", return_value=1e11):
+    assert metrics.peak_flops() == (1e11, "measured float32 matmul peak of the host")

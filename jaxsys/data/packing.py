@@ -114,8 +114,8 @@ def random_packed_batch(batch: int, seq_len: int, *, docs_per_row: int | None = 
                      f"doc_lengths={doc_lengths!r}")
   if docs_per_row is not None and not 1 <= docs_per_row <= seq_len:
     raise ValueError(f"docs_per_row={docs_per_row} must be in [1, seq_len={seq_len}]")
-  choices = np.atleast_1d(np.asarray(doc_lengths if doc_lengths is not None else 1))
-  if choices.size == 0 or (choices < 1).any():
+  choices = np.atleast_1d(doc_lengths) if doc_lengths is not None else None
+  if choices is not None and (choices.size == 0 or (choices < 1).any()):
     raise ValueError(f"doc_lengths={doc_lengths!r} must be positive lengths")
   rng = np.random.default_rng(seed)  # a Generator passes through, so callers share a stream
   out = {}
@@ -125,7 +125,7 @@ def random_packed_batch(batch: int, seq_len: int, *, docs_per_row: int | None = 
   starts = np.zeros((batch, seq_len), bool)  # True where a document starts
   starts[:, 0] = True
   for b in range(batch):
-    if docs_per_row is not None:
+    if choices is None:
       starts[b, rng.choice(np.arange(1, seq_len), docs_per_row - 1, replace=False)] = True
       continue
     pos = int(rng.choice(choices))

@@ -109,3 +109,63 @@ def test_property_matches_reference(lengths, seq_len):
   # Segment ids start at 1 in every row and never skip.
   assert (packed["segment_ids"][:, 0] == 1).all()
   assert set(np.diff(packed["segment_ids"], axis=1).reshape(-1)) <= {0, 1}
+
+
+def _split_row(row: dict[str, np.ndarray], b: int) -> list[np.ndarray]:
+  """Row b's documents as token arrays, its last target appended to the last one."""
+  stream = np.append(row["inputs"][b], row["targets"][b, -1])
+  cuts = np.flatnonzero(np.diff(row["segment_ids"][b])) + 1
+  return np.split(stream, cuts)
+
+
+@pytest.mark.parametrize("kw", [dict(docs_per_row=1), dict(docs_per_row=5),
+                                dict(doc_lengths=4), dict(doc_lengths=(1, 1, 2, 9))])
+def test_random_packed_batch_is_what_packing_its_documents_gives(kw):
+  batch = packing.random_packed_batch(3, 24, vocab_size=50, seed=1, **kw)
+  assert set(batch) == set(packing.FIELDS)
+  for k in packing.FIELDS:
+    assert batch[k].dtype == DTYPES[k] and batch[k].shape == (3, 24), k
+  assert 0 <= batch["inputs"].min() and batch["inputs"].max() < 50
+  np.testing.assert_array_equal(batch["targets"][:, :-1], batch["inputs"][:, 1:])
+  for b in range(3):
+    docs = _split_row(batch, b)
+    row = packing.pack_documents(docs, 24)
+    for k in packing.FIELDS:
+      np.testing.assert_array_equal(row[k][0], batch[k][b], err_msg=f"row {b} {k}")
+    lengths = [d.size for d in docs]
+    lengths[-1] -= 1  # the appended target
+    if "docs_per_row" in kw:
+      assert len(lengths) == kw["docs_per_row"]
+    else:  # every document but the row's last (cut at the end) has a drawn length
+      assert set(lengths[:-1]) <= set(np.atleast_1d(kw["doc_lengths"]))
+      assert lengths[-1] <= max(np.atleast_1d(kw["doc_lengths"]))
+
+
+def test_random_packed_batch_distributions():
+  # Uniform lengths in [1, T/4]: mean about T/8 (bench_attention's "packed" rows).
+  t = 1024
+  seg = packing.random_packed_batch(32, t, doc_lengths=np.arange(1, t // 4 + 1))["segment_ids"]
+  full = np.concatenate([np.bincount(row)[1:-1] for row in seg])  # not the cut last one
+  assert abs(full.mean() - (t // 4 + 1) / 2) < 6, full.mean()
+  assert full.min() >= 1 and full.max() <= t // 4
+  # Random cut points: every position but 0 is a document start equally often.
+  starts = np.diff(packing.random_packed_batch(4000, 9, docs_per_row=3)["segment_ids"]) > 0
+  np.testing.assert_allclose(starts.mean(0), 2 / 8, atol=0.02)
+  # A shared Generator continues its stream; an int seed repeats it.
+  rng = np.random.default_rng(0)
+  a, b = (packing.random_packed_batch(1, 64, doc_lengths=(1, 7), seed=rng)["segment_ids"]
+          for _ in range(2))
+  assert not np.array_equal(a, b)
+  np.testing.assert_array_equal(
+      a, packing.random_packed_batch(1, 64, doc_lengths=(1, 7), seed=0)["segment_ids"])
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(), r"exactly one of docs_per_row=None and doc_lengths=None"),
+    (dict(docs_per_row=2, doc_lengths=3), r"exactly one of docs_per_row=2 and doc_lengths=3"),
+    (dict(docs_per_row=9), r"docs_per_row=9 must be in \[1, seq_len=8\]"),
+    (dict(doc_lengths=(2, 0)), r"doc_lengths=\(2, 0\) must be positive lengths"),
+])
+def test_random_packed_batch_errors(kw, match):
+  with pytest.raises(ValueError, match=match):
+    packing.random_packed_batch(2, 8, **kw)

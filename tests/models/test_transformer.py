@@ -1,4 +1,5 @@
 """Transformer: shapes, axes, causality, document isolation, GQA, tied embeddings, bf16, remat."""
+import math
 import re
 
 import chex
@@ -27,6 +28,23 @@ def _dots(stablehlo: str) -> list[tuple[set[int], set[str]]]:
     operands = [t.split("x") for t in sig]
     out.append(({int(d) for o in operands for d in o[:-1]}, {o[-1] for o in operands}))
   return out
+
+
+def _dot_flops(jaxpr) -> int:
+  """2 x M x N x K summed over the dot_generals of a jaxpr, scan bodies times their length."""
+  total = 0
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      (contract, _), _ = eqn.params["dimension_numbers"]
+      k = math.prod(eqn.invars[0].aval.shape[d] for d in contract)
+      total += 2 * k * math.prod(eqn.outvars[0].aval.shape)
+    repeat = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
+    for v in eqn.params.values():
+      for sub in v if isinstance(v, (tuple, list)) else (v,):
+        sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr
+        if hasattr(sub, "eqns"):
+          total += repeat * _dot_flops(sub)
+  return total
 
 
 class TransformerTest(parameterized.TestCase):
@@ -118,6 +136,20 @@ class TransformerTest(parameterized.TestCase):
     # kept by "none" only.
     self.assertGreaterEqual(saved["dots"] - saved["full"], 2 * L * b * t * CFG.d_ff)
     self.assertGreaterEqual(saved["none"] - saved["dots"], L * b * CFG.n_heads * t * t)
+  @parameterized.parameters(dict(tie=False), dict(tie=True))
+  def test_train_flops_per_token_counts_the_models_dots(self, tie):
+    """3x the forward's dot FLOPs, read from its jaxpr; reference attention does all T x T."""
+    cfg = transformer.TransformerConfig(**{**CFG.__dict__, "tie_embeddings": tie,
+                                           "attention_impl": "reference"})
+    params = transformer.init_params(cfg, jax.random.key(0))
+    tokens = _inputs()[0]
+    b, t = tokens.shape
+    dots = _dot_flops(jax.make_jaxpr(lambda p: transformer.apply(cfg, p, *_inputs()))(params).jaxpr)
+    self.assertEqual(transformer.train_flops_per_token(cfg, t) * b * t, 3 * dots)
+    causal = transformer.train_flops_per_token(cfg, t, pairs_per_row=t * (t + 1) / 2)
+    attention = 3 * 4 * cfg.n_layers * cfg.n_heads * cfg.hd * t * (t - 1) / 2 / t  # pairs k > q
+    self.assertAlmostEqual(transformer.train_flops_per_token(cfg, t) - causal, attention)
+
   @parameterized.parameters(
       dict(field="n_kv_heads", value=3, match="n_kv_heads"),
       dict(field="remat", value="some", match="model.remat"),

@@ -28,6 +28,10 @@ def _logits(params, batch):
   return transformer.apply(CFG, params, batch["inputs"], batch["positions"], batch["segment_ids"])
 
 
+def _relative_error(got, want) -> float:
+  return float(jnp.mean(jnp.abs(got - want)) / jnp.mean(jnp.abs(want)))
+
+
 class PtqTest(parameterized.TestCase):
 
   @classmethod
@@ -57,10 +61,14 @@ class PtqTest(parameterized.TestCase):
     self.assertEqual(set(stats[1]), {"attn_in", "attn_out", "mlp_in", "mlp_hidden"})
     chex.assert_shape(stats[1]["mlp_hidden"].xtx, (128, 128))
 
+  # Relative logit error of a correct implementation on this model and batch (2026-11-23),
+  # +-8%. Wrong ones measured outside: w4a16 RTN with 3-bit codes 0.315, floor instead
+  # of round 0.452, scales 1.1x 0.269, w_down left float 0.122; w8a8 without the
+  # activation quantization 0.0085 (int8) and 0.0416 (fp8), int8 scales 1.05x 0.112.
   @parameterized.parameters(
-      ("w8a8_fp8", "rtn", 0.06), ("w8a8_int8", "rtn", 0.03), ("w8a8_int8", "smoothquant", 0.03),
-      ("w4a16", "rtn", 0.25), ("w4a16", "gptq", 0.25))
-  def test_logits_close_to_float(self, scheme, method, tol):
+      ("w8a8_fp8", "rtn", 0.0587), ("w8a8_int8", "rtn", 0.0152),
+      ("w8a8_int8", "smoothquant", 0.0150), ("w4a16", "rtn", 0.1359), ("w4a16", "gptq", 0.1540))
+  def test_logits_close_to_float(self, scheme, method, expected):
     q = self._quantized(scheme, method)
     for name in rules.LAYER_WEIGHTS:
       w = q["layers"][name]
@@ -69,9 +77,7 @@ class PtqTest(parameterized.TestCase):
       self.assertEqual(w.data.shape[0], CFG.n_layers)
     self.assertNotIsInstance(q["unembedding"], qm.QWeight)  # head stays float by default
     got = _logits(q, self.batch)
-    err = float(jnp.mean(jnp.abs(got - self.ref)) / jnp.mean(jnp.abs(self.ref)))
-    self.assertLess(err, tol)
-    self.assertGreater(err, 0.0)
+    self.assertBetween(_relative_error(got, self.ref), 0.92 * expected, 1.08 * expected)
     if method == "gptq":  # on its calibration batch GPTQ must beat round-to-nearest
       ref = _logits(self.params, self.calib[0])
       mse = lambda q: float(jnp.mean((_logits(q, self.calib[0]) - ref) ** 2))
@@ -83,8 +89,9 @@ class PtqTest(parameterized.TestCase):
     q = ptq.quantize_params(CFG, self.params, rs, "rtn")
     self.assertNotIsInstance(q["layers"]["w_down"], qm.QWeight)
     self.assertIsInstance(q["unembedding"], qm.QWeight)
-    err = float(jnp.mean(jnp.abs(_logits(q, self.batch) - self.ref)) / jnp.mean(jnp.abs(self.ref)))
-    self.assertLess(err, 0.25)
+    # w_down float, the head int4: 0.1562 when correct (see test_logits_close_to_float).
+    self.assertBetween(_relative_error(_logits(q, self.batch), self.ref), 0.92 * 0.1562,
+                       1.08 * 0.1562)
     # The tiny config's shapes (d_model 256, d_ff 768), group 128: int4 + f32 scales.
     tiny = transformer.TransformerConfig(d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=768)
     fp = jax.eval_shape(lambda: transformer.init_params(tiny, jax.random.key(0)))

@@ -1,0 +1,46 @@
+"""FLOP counting: attention pairs against a brute-force mask count, attention FLOPs."""
+import numpy as np
+import pytest
+
+from jaxsys import flops
+from jaxsys.data import packing
+
+
+def _mask_pairs(segment_ids, causal=True):
+  """(query, key) pairs the attention mask allows, counted from the [B, T, T] mask itself."""
+  seg = np.asarray(segment_ids)
+  t = seg.shape[1]
+  mask = seg[:, :, None] == seg[:, None, :]
+  if causal:
+    mask &= np.tril(np.ones((t, t), bool))
+  return int(mask.sum())
+
+
+@pytest.mark.parametrize("kw", [dict(docs_per_row=1), dict(docs_per_row=6), dict(doc_lengths=5),
+                                dict(doc_lengths=(1, 1, 2, 13))])
+def test_attention_pairs_count_the_mask(kw):
+  b, t = 3, 40
+  seg = packing.random_packed_batch(b, t, seed=2, **kw)["segment_ids"]
+  assert flops.attention_pairs(t, b, segment_ids=seg) == _mask_pairs(seg)
+  assert flops.attention_pairs(t, b) == _mask_pairs(np.ones((b, t))) == b * t * (t + 1) // 2
+  assert flops.attention_pairs(t, b, convention="full") == b * t * t
+  # Equal ids in two rows are two documents: each row starts its own.
+  same = np.ones((2, t), np.int32)
+  assert flops.attention_pairs(t, 2, segment_ids=same) == t * (t + 1)
+
+
+def test_attention_flops():
+  assert flops.attention_flops(10, heads=3, head_dim=8) == 4 * 8 * 3 * 10
+  assert flops.attention_flops(10, 3, 8, "fwd_bwd") == 3.5 * 4 * 8 * 3 * 10
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: flops.attention_pairs(8, convention="palm"),
+     r"convention='palm' is not known; choose one of \('full', 'causal'\)"),
+    (lambda: flops.attention_pairs(8, 2, segment_ids=np.ones((1, 8))),
+     r"segment_ids shape \(1, 8\) must be \(batch, seq_len\) = \(2, 8\)"),
+    (lambda: flops.attention_flops(1, 1, 1, "bwd"), r"pass_='bwd' is not known"),
+])
+def test_errors(call, match):
+  with pytest.raises(ValueError, match=match):
+    call()
