@@ -68,6 +68,17 @@ def circle_rounds(num_replicas: int) -> np.ndarray:
   return table
 
 
+def check_group_size(group_size: int, num_replicas: int) -> None:
+  """One-line error unless NoLoCo can group `num_replicas` by `group_size` (2 or all of them)."""
+  r, n = num_replicas, group_size
+  if n != r and n != 2:
+    raise ValueError(f"noloco: group_size={n} is invalid for the {r} replicas; valid: 2 "
+                     f"(random pairs) or {r} (all replicas)")
+  if n != r and r % 2:
+    raise ValueError(f"noloco: group_size=2 must divide the {r} replicas (an odd number has "
+                     "no perfect pairing); use an even replica count")
+
+
 def peer_groups(num_replicas: int, group_size: int, seed: int) -> np.ndarray:
   """[rounds, R/n, n] replica ids: the groups of every round a sync may draw.
 
@@ -75,14 +86,9 @@ def peer_groups(num_replicas: int, group_size: int, seed: int) -> np.ndarray:
   n = R: one round, one group of everyone.
   """
   r, n = num_replicas, group_size
+  check_group_size(n, r)
   if n == r:
     return np.arange(r).reshape(1, 1, r)
-  if n != 2:
-    raise ValueError(f"noloco: group_size={n} is invalid for the {r} replicas; valid: 2 "
-                     f"(random pairs) or {r} (all replicas)")
-  if r % 2:
-    raise ValueError(f"noloco: group_size=2 must divide the {r} replicas (an odd number has "
-                     "no perfect pairing); use an even replica count")
   label = np.random.default_rng(seed).permutation(r)  # replica label[i] plays position i
   table = circle_rounds(r)
   return np.stack([[(label[i], label[j]) for i, j in enumerate(row) if i < j] for row in table])
