@@ -50,6 +50,7 @@ def _is_number(v) -> bool:
   return (_is_int(v) or isinstance(v, (float, np.floating))) and math.isfinite(v)
 
 
+# Rule builders; `meaning` says what a special value (e.g. 0) means.
 def integer(lo: int, hi: int | None = None, meaning: str = "") -> Rule:
   valid = f"an int >= {lo}" + ("" if hi is None else f" and <= {hi}")
   return Rule(lambda v: _is_int(v) and lo <= v and (hi is None or v <= hi),
@@ -160,10 +161,6 @@ class Relation:
     return f"{self.fields[0]}={args[0]!r} is invalid with {others}; it must {self.valid}"
 
 
-def _head_dim(head_dim, d_model, n_heads) -> int:
-  return head_dim or d_model // n_heads
-
-
 # Model sizes whose parameter dims are sharded by a logical axis.
 _SHARDED_FIELDS = {"model.d_model": "embed", "model.n_heads": "heads",
                    "model.n_kv_heads": "kv_heads", "model.d_ff": "mlp", "model.vocab_size": "vocab"}
@@ -176,7 +173,7 @@ RELATIONS: tuple[Relation, ...] = (
              lambda d, h, hd: hd is not None or d % h == 0,
              "divide by model.n_heads (or set model.head_dim)"),
     Relation(("model.head_dim", "model.d_model", "model.n_heads"),
-             lambda hd, d, h: _head_dim(hd, d, h) % 2 == 0,
+             lambda hd, d, h: (hd or d // h) % 2 == 0,
              "give an even head dim (RoPE rotates pairs of dims; None means d_model // n_heads)"),
     Relation(("data.vocab_size", "data.tokenizer"),
              lambda v, tok: v == 256 if tok == "byte" else v >= MIN_BPE_VOCAB,
