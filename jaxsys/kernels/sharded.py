@@ -5,9 +5,8 @@ mesh it would gather its operands and compute the whole global problem on every 
 These wrappers run it once per shard instead, splitting
 - attention over batch and heads (a shard holds q heads with exactly the kv heads they read),
 - qmatmul over the token dims of x and the weight's output features N.
-The mesh is the one visible while tracing (`jax.set_mesh`), else the one in the operands'
-types: Explicit arrays, and under `jax.jit` with `in_shardings` on a `Mesh` (the runner's
-Auto mesh) every value derived from the arguments. A dim is split over the
+The mesh is the one visible while tracing (`jax.set_mesh`, or `under_mesh` for a function
+jitted with shardings, as the train step is), else the one in the operands' types. A dim is split over the
 Explicit axes its operand's type names, then the Auto axes the logical-axis rules of
 `jaxsys.mesh` give it (`batch`, `heads`, `mlp`); an axis that does not divide the dim is
 left out (the dim is replicated over it), as is every axis already manual.
@@ -16,6 +15,7 @@ Context parallelism (ring attention over `context`) plugs in here.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Callable
 
@@ -27,6 +27,19 @@ from jaxsys import mesh as mesh_lib
 # Replicas of the outer optimizers run under `jax.vmap(spmd_axis_name="replica")`, which
 # puts the vmapped dim on this axis; a kernel's own dims must not use it too.
 _VMAPPED_AXES = ("replica",)
+
+
+def under_mesh(fn: Callable, mesh) -> Callable:
+  """fn, traced with `mesh` visible, for `jax.jit` with shardings on a `Mesh`.
+
+  Without it the kernels find the mesh only in the types of committed array arguments
+  (not of numpy inputs); `jax.set_mesh` cannot be entered inside `jax.jit`, this can.
+  """
+  @functools.wraps(fn)
+  def traced(*args, **kwargs):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      return fn(*args, **kwargs)
+  return traced
 
 
 def _names(entry) -> tuple[str, ...]:
