@@ -22,6 +22,7 @@ from jaxsys.checkpoint.manager import NUMERIC_FIELDS
 from jaxsys.data.tokenizer import MIN_BPE_VOCAB, TOKENIZERS
 from jaxsys.kernels.backends import IMPLS
 from jaxsys.models.transformer import REMAT_POLICIES
+from jaxsys.optim.noloco import check_group_size
 from jaxsys.optim.inner import OPTIMIZERS
 from jaxsys.train import replicas as replicas_lib
 
@@ -161,6 +162,14 @@ class Relation:
     return f"{self.fields[0]}={args[0]!r} is invalid with {others}; it must {self.valid}"
 
 
+def _groups_replicas(group_size: int, replicas: int) -> bool:
+  try:  # NoLoCo's own rule, so the two never disagree
+    check_group_size(group_size, replicas)
+  except ValueError:
+    return False
+  return True
+
+
 # Model sizes whose parameter dims are sharded by a logical axis.
 _SHARDED_FIELDS = {"model.d_model": "embed", "model.n_heads": "heads",
                    "model.n_kv_heads": "kv_heads", "model.d_ff": "mlp", "model.vocab_size": "vocab"}
@@ -194,9 +203,9 @@ RELATIONS: tuple[Relation, ...] = (
     Relation(("mesh axis replica", "optimizer.outer"), lambda r, outer: r == 1 or outer != "none",
              "be 1 without an outer optimizer (optimizer.outer=diloco, noloco or co2); "
              "for data parallelism use a data axis"),
-    Relation(("mesh axis replica", "optimizer.outer", "optimizer.outer_group_size"),
-             lambda r, outer, g: outer != "noloco" or r % g == 0,
-             "divide into NoLoCo groups of optimizer.outer_group_size"),
+    Relation(("optimizer.outer_group_size", "optimizer.outer", "mesh axis replica"),
+             lambda g, outer, r: outer != "noloco" or _groups_replicas(g, r),
+             "be 2 (random pairs, for an even replica count) or the replica count (one group)"),
 ) + tuple(
     Relation((field, f"mesh shards of {logical!r}"), lambda size, shards: size % shards == 0,
              f"divide over the mesh axes that shard {logical!r} (jaxsys/mesh.py DEFAULT_RULES)")

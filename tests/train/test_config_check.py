@@ -44,6 +44,8 @@ class FieldsTest(parameterized.TestCase):
       ("head_dim_set", dict(model__head_dim=32)),
       ("bpe", dict(data__tokenizer="bpe", data__vocab_size=512, model__vocab_size=512)),
       ("outer", dict(mesh="replica=2,data=-1", optimizer__outer="diloco")),
+      ("noloco_all", dict(mesh="replica=4,data=-1", optimizer__outer="noloco",
+                          optimizer__outer_group_size=4)),
       ("warmup_is_schedule", dict(total_steps=4, optimizer__warmup_steps=4)),
       ("size_one_stage", dict(mesh="stage=1,data=-1")),
       ("all_sharded", dict(mesh="replica=2,fsdp=2,tensor=2", optimizer__outer="co2")),
@@ -177,8 +179,13 @@ class RelationsTest(parameterized.TestCase):
        "with a 'replica' axis of size >= 2, but the mesh is data=8 (8 cpu devices)"),
       ("noloco_groups", dict(mesh="replica=4,data=-1", optimizer__outer="noloco",
                              optimizer__outer_group_size=3),
-       "mesh axis replica=4 is invalid with optimizer.outer='noloco', "
-       "optimizer.outer_group_size=3; it must divide into NoLoCo groups"),
+       "optimizer.outer_group_size=3 is invalid with optimizer.outer='noloco', "
+       "mesh axis replica=4; it must be 2 (random pairs, for an even replica count) or the "
+       "replica count (one group)"),
+      ("noloco_odd", dict(mesh="replica=8", optimizer__outer="noloco",
+                          optimizer__outer_group_size=4),
+       "optimizer.outer_group_size=4 is invalid with optimizer.outer='noloco', "
+       "mesh axis replica=8"),
       ("mesh_devices", dict(mesh="data=3"), "mesh data=3 needs 3 devices but 8 are available"),
       ("co2_unstable", dict(mesh="replica=2,data=-1", optimizer__outer="co2",
                             optimizer__outer_staleness_penalty=1.0),
