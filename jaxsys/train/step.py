@@ -12,6 +12,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxsys import mesh as mesh_lib
+from jaxsys.kernels import sharded
 from jaxsys.models import transformer
 from jaxsys.optim.inner import make_optimizer
 from jaxsys.train import state as state_lib
@@ -96,6 +97,7 @@ def jit_train_step(model_cfg, optimizer, state_sh: TrainState, batch_sh: NamedSh
   """`train_step` jitted with explicit shardings; the input state's buffers are donated."""
   replicated = NamedSharding(batch_sh.mesh, PartitionSpec())
   fn = functools.partial(train_step, model_cfg=model_cfg, optimizer=optimizer, accum_steps=accum_steps)
+  fn = sharded.under_mesh(fn, batch_sh.mesh)  # Pallas kernels split over the mesh
   return jax.jit(fn, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated),
                  donate_argnums=0, compiler_options=compiler_options(model_cfg, batch_sh.mesh))
 
@@ -103,7 +105,8 @@ def jit_train_step(model_cfg, optimizer, state_sh: TrainState, batch_sh: NamedSh
 def jit_eval_step(model_cfg, param_sh: Any, batch_sh: NamedSharding, token_bytes) -> Callable:
   replicated = NamedSharding(batch_sh.mesh, PartitionSpec())
   table = jnp.asarray(token_bytes, jnp.float32)
-  fn = functools.partial(eval_step, model_cfg=model_cfg, token_bytes=table)
+  fn = sharded.under_mesh(functools.partial(eval_step, model_cfg=model_cfg, token_bytes=table),
+                          batch_sh.mesh)
   return jax.jit(fn, in_shardings=(param_sh, batch_sh), out_shardings=replicated,
                  compiler_options=compiler_options(model_cfg, batch_sh.mesh))
 
