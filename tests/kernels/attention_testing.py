@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxsys.data import packing
 from jaxsys.kernels.attention import reference_attention
 
 TOL = {np.dtype(np.float32): 1e-5, np.dtype(jnp.bfloat16): 2e-2}
@@ -22,14 +23,7 @@ def inputs(b, t, s, hq, hkv, d, dtype=np.float32, seed=0):
 
 def packed_ids(rng, b, n, lengths=(1, 1, 2, 5, 9, 17)):
   """[B, n] int32 increasing segment ids, each length drawn from `lengths` (1s included)."""
-  rows = []
-  for _ in range(b):
-    ids, seg = [], 0
-    while len(ids) < n:
-      ids += [seg] * int(rng.choice(lengths))
-      seg += 1
-    rows.append(ids[:n])
-  return np.asarray(rows, np.int32)
+  return packing.random_packed_batch(b, n, doc_lengths=lengths, seed=rng)["segment_ids"]
 
 
 def segment_kwargs(segs) -> dict:
