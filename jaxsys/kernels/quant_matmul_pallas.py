@@ -346,8 +346,8 @@ def pallas_qmatmul(x: jax.Array, qw: QWeight, *, flavor: str | None = None,
   """x [..., K] @ qw -> [..., N] in x.dtype with the Pallas kernels.
 
   flavor: "gpu" (Triton) or "tpu" (Mosaic); default by backend ("tpu" on TPU, else
-  "gpu"). interpret: default True off the flavor's own backend (CPU: interpret mode);
-  True (generic interpreter) or, for "tpu", a `pltpu.InterpretParams`. Blocks default
+  "gpu"). interpret: as in `backends.resolve_interpret` (None: compiled on the flavor's
+  own backend, interpret mode on CPU; for "tpu" also a `pltpu.InterpretParams`). Blocks default
   per shape (`gpu_config`, `tpu_config`); split_k (GPU only) splits K for small grids;
   group_m (GPU only) is the M-block group of the grouped (L2-friendly) tile order.
   """
