@@ -138,13 +138,13 @@ class AxisClaimsTest(parameterized.TestCase):
     mesh_lib.check_axes_claimed(mesh_lib.make_mesh(spec))
 
   def test_a_strategy_lifts_the_refusal_by_claiming_its_axis(self):
-    with mock.patch.dict(mesh_lib._CLAIMS):
-      mesh_lib.claim_axis("stage", "pipeline parallelism")
+    with mock.patch.object(mesh_lib, "_CLAIMED", set(mesh_lib._CLAIMED)):
+      mesh_lib.claim_axis("stage")
       mesh_lib.check_axes_claimed(mesh_lib.make_mesh("stage=2,data=-1"))
     with self.assertRaisesRegex(ValueError, "mesh axis stage=2"):  # the claim was undone
       mesh_lib.check_axes_claimed(mesh_lib.make_mesh("stage=2,data=-1"))
     with self.assertRaisesRegex(ValueError, r"claim_axis: unknown axis 'pipe'"):
-      mesh_lib.claim_axis("pipe", "pipeline parallelism")
+      mesh_lib.claim_axis("pipe")
 
 
 class HybridMeshTest(parameterized.TestCase):
