@@ -57,42 +57,38 @@ class Checkpointer:
     self._manager.close()
 
 
-def check_same_model(saved: dict, current: dict, directory: str, fields) -> None:
-  """Refuses to resume a checkpoint whose model differs in any of `fields` (those that set shapes)."""
-  diff = [k for k in fields if saved.get(k) != current.get(k)]
+# Model fields that change parameter shapes or types: a checkpoint of another value is
+# another model. remat and attention_impl may differ (same function, other schedule).
+SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
+                "tie_embeddings", "param_dtype")
+# Fields that keep the shapes but change the function the parameters compute: a resume or
+# init_from with another value only when the run names the field in `allow_model_change`.
+NUMERIC_FIELDS = ("rope_theta", "norm_eps", "dtype")
+
+
+def _differences(fields, saved: dict, current: dict) -> str:
+  return ", ".join(f"model.{k}={saved.get(k)!r} there but {current.get(k)!r} in the config"
+                   for k in fields)
+
+
+def check_same_model(saved: dict, current: dict, directory: str, allow: str = "") -> None:
+  """Refuses a checkpoint whose model differs from `current` in shape, or in numerics not allowed.
+
+  `allow` is the config's comma-separated `allow_model_change` (names from NUMERIC_FIELDS).
+  """
+  diff = [k for k in SHAPE_FIELDS if saved.get(k) != current.get(k)]
   if diff:
-    detail = ", ".join(f"model.{k}={saved.get(k)!r} there but {current.get(k)!r} in the config"
-                       for k in diff)
+    detail = _differences(diff, saved, current)
     raise ValueError(f"checkpoint in {directory} is of a different model: {detail}; "
                      "use another --workdir or a matching --config")
-
-
-def _read_only(directory: str) -> ocp.CheckpointManager:
-  options = ocp.CheckpointManagerOptions(create=False, read_only=True)
-  return ocp.CheckpointManager(directory, options=options,
-                               item_handlers={"state": ocp.PyTreeCheckpointHandler(),
-                                              "meta": ocp.JsonCheckpointHandler()})
-
-
-def latest_meta(directory: str) -> tuple[int, dict] | None:
-  """(latest step, its meta) of the checkpoints under `directory`, read-only; None if none."""
-  manager = _read_only(directory)
-  try:
-    step = manager.latest_step()
-    if step is None:
-      return None
-    return step, manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-  finally:
-    manager.close()
-
-
-def read_params(directory: str, step: int, abstract_params: Any) -> Any:
-  """Only the `params` of the state saved at `step`, as numpy arrays shaped like `abstract_params`."""
-  manager = _read_only(directory)
-  try:
-    target = {"params": abstract_params}
-    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), target)
-    return manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-        target, restore_args=restore_args, partial_restore=True)))["state"]["params"]
-  finally:
-    manager.close()
+  allowed = {name.strip() for name in allow.split(",") if name.strip()}
+  unknown = allowed - set(NUMERIC_FIELDS)
+  if unknown:
+    raise ValueError(f"allow_model_change={allow!r} names {', '.join(sorted(unknown))}; "
+                     f"valid: {', '.join(NUMERIC_FIELDS)} (comma-separated)")
+  diff = [k for k in NUMERIC_FIELDS if saved.get(k) != current.get(k) and k not in allowed]
+  if diff:
+    detail = _differences(diff, saved, current)
+    raise ValueError(f"checkpoint in {directory} computes another function: {detail}; set "
+                     f"--config.allow_model_change={','.join(diff)} to continue with the config's "
+                     "value, or use a matching --config")

@@ -104,8 +104,9 @@ def make_loader(
   """Loader over packed rows of `split` of `data_cfg.source`, sharded over processes.
 
   `batch_size` is global: process `process_index` yields `batch_size // process_count`
-  rows per step, and at every step the processes' rows together are exactly the rows of
-  the single-process batch (shard = global row index modulo process_count). A
+  rows per step, block `process_index` of the single-process batch (its rows
+  [p * L, (p + 1) * L) for L the local batch size), so a global batch assembled from the
+  processes' blocks in order is the single-process batch and no row moves between hosts. A
   non-repeating loader drops the last incomplete GLOBAL batch so every process runs the
   same number of steps (otherwise multi-host collectives would hang).
 
@@ -152,10 +153,10 @@ def make_loader(
     ds = ds.repeat(None)
   else:
     ds = ds[: (len(ds) // batch_size) * batch_size]
-  # Strided sharding of the global row order: step s of every process covers global
-  # rows [s * batch_size, (s + 1) * batch_size), whatever process_count is.
-  ds = ds[process_index::process_count]
-  ds = ds.batch(local_batch_size, drop_remainder=True)
+  # Blocks of the global row order: local batch m is global rows [m * L, (m + 1) * L), so
+  # process p's step s is block m = s * process_count + p (batching is lazy: a process only
+  # reads its own rows), and step s covers global rows [s * batch_size, (s + 1) * batch_size).
+  ds = ds.batch(local_batch_size, drop_remainder=True)[process_index::process_count]
   read_options = grain.ReadOptions(
       num_threads=int(num_threads),
       # Rows are computed from memory, so a few batches ahead per thread hides the latency.

@@ -1,9 +1,9 @@
 """The PTQ accuracy table: a run's checkpoint, quantized every way, scored on held-out data.
 
-`load_run(workdir)` restores the latest checkpoint's parameters (config from its meta,
-as `train.loop` saves it); `evaluate_table(...)` quantizes them with each (scheme,
-method) and with qwix, and measures validation bits per byte on the same val batches
-as `train.loop.evaluate` (same loader, same `train.step` eval step, same count).
+`load_run(workdir)` reads the latest checkpoint's parameters (`checkpoint.reader`, config
+from its meta, as `train.loop` saves it); `evaluate_table(...)` quantizes them with each
+(scheme, method) and with qwix, and scores every row with `train.loop.Validation`: the
+val batches, eval step and batch count of the run's own evals.
 """
 from __future__ import annotations
 
@@ -18,10 +18,9 @@ import jax.numpy as jnp
 import ml_collections
 from absl import logging
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxsys import mesh as mesh_lib
-from jaxsys.checkpoint.manager import Checkpointer
+from jaxsys.checkpoint.reader import read_params
 from jaxsys.data.loader import make_loader
 from jaxsys.models import transformer
 from jaxsys.quant import ptq, qwix_baseline
@@ -56,62 +55,31 @@ def parse_rows(spec: str) -> tuple:
 
 @dataclasses.dataclass
 class Run:
-  """What a checkpoint holds: its config, model config, float parameters and step."""
+  """What a checkpoint holds: its config, model config, float parameters (numpy) and step."""
   config: ml_collections.ConfigDict
   model_cfg: transformer.TransformerConfig
   params: dict[str, Any]
   step: int
-  mesh: Any
 
 
 def load_run(workdir: str, step: int | None = None) -> Run:
-  """Parameters of the latest (or `step`) checkpoint in `workdir`/checkpoints."""
+  """Parameters of the latest (or `step`) checkpoint in `workdir`/checkpoints (replica 0's
+  for a replica run)."""
   directory = os.path.join(os.path.abspath(workdir), "checkpoints")
   if not os.path.isdir(directory):
     raise ValueError(f"--workdir={workdir}: no checkpoints directory {directory}; "
                      "pass the --workdir of a training run")
-  ckpt = Checkpointer(directory)
-  try:
-    step = ckpt.latest_step() if step is None else step
-    if step is None or step not in ckpt.all_steps():
-      raise ValueError(f"{directory}: no checkpoint at step {step}; steps there: {ckpt.all_steps()}")
-    meta = ckpt.read_meta(step)
-    config = ml_collections.ConfigDict(meta["config"])
-    model_cfg = transformer.TransformerConfig(**meta["model"])
-    mesh = mesh_lib.make_mesh(config.mesh)
-    setup = step_lib.make_train_setup(config, model_cfg, mesh)
-    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                          setup.abstract, setup.state_sh)
-    try:
-      state, _ = ckpt.restore(step, target)
-    except Exception as e:  # orbax's own message spans many lines: keep its first
-      first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-      raise ValueError(f"checkpoint step {step} in {directory} does not match the model in its "
-                       f"meta ({meta['model']}): {first}") from None
-  finally:
-    ckpt.close()
-  return Run(config, model_cfg, state.params, int(step), mesh)
-
-
-def _loaders(run: Run, workdir: str):
-  config = run.config
-  kw = dict(process_index=jax.process_index(), process_count=jax.process_count(), workdir=workdir)
-  train = make_loader(config.data, "train", batch_size=config.data.batch_size, seed=config.seed, **kw)
-  eval_batch = config.data.batch_size // config.optimizer.grad_accum_steps
-  val = make_loader(config.data, "val", batch_size=eval_batch, seed=config.seed, shuffle=False,
-                    repeat=False, tokenizer=train.tokenizer, **kw)
-  return train, val
+  saved = read_params(directory, step)
+  if saved is None:
+    raise ValueError(f"{directory}: no checkpoint; pass the --workdir of a training run")
+  return Run(ml_collections.ConfigDict(saved.meta["config"]), saved.model_cfg, saved.one(),
+             saved.step)
 
 
 def qwix_eval_step(graphdef, state, batch, *, token_bytes) -> dict[str, jax.Array]:
   """`train.step.eval_step`'s sums for a qwix model (its logits come from the NNX module)."""
   logits = nnx.merge(graphdef, state)(batch["inputs"], batch["positions"], batch["segment_ids"])
-  logz = jax.nn.logsumexp(logits, axis=-1)
-  target_logit = jnp.take_along_axis(logits, batch["targets"][..., None], axis=-1)[..., 0]
-  losses = (logz - target_logit) * batch["loss_mask"]
-  mask = batch["loss_mask"]
-  return {"loss_sum": jnp.sum(losses), "tokens": jnp.sum(mask),
-          "bytes": jnp.sum(token_bytes[batch["targets"]] * mask)}
+  return step_lib.eval_sums(logits, batch, token_bytes)
 
 
 def _bf16_bytes(params) -> int:
@@ -122,19 +90,14 @@ def evaluate_table(run: Run, workdir: str, *, rows=DEFAULT_ROWS, calib_batches: 
                    group_size: int = 128, alpha: float = 0.5) -> list[dict[str, Any]]:
   """The float row, then one row per (scheme, method, options); see the module docstring."""
   config, cfg = run.config, run.model_cfg
-  train, val = _loaders(run, workdir)
-  val_start = val.get_state()
-  steps = config.eval_steps
-  batch_sh = mesh_lib.batch_sharding(run.mesh)
-  replicated = NamedSharding(run.mesh, PartitionSpec())
-  token_bytes = train.tokenizer.token_bytes()
+  train = make_loader(config.data, "train", batch_size=config.data.batch_size, seed=config.seed,
+                      workdir=workdir)  # calibration batches and the tokenizer
+  # The parameters replicated, the batch split over every device: any training mesh.
+  val = loop.Validation(config, cfg, mesh_lib.make_mesh("data=-1"), tokenizer=train.tokenizer,
+                        workdir=workdir)
   calib = [next(train) for _ in range(calib_batches)]  # the TRAIN split, never val
   bf16 = _bf16_bytes(run.params)
-
-  def score(params):
-    sh = jax.tree.map(lambda _: replicated, params)
-    eval_fn = step_lib.jit_eval_step(cfg, sh, batch_sh, token_bytes)
-    return loop.evaluate(eval_fn, params, val, val_start, steps, batch_sh)["val_bpb"]
+  score = lambda params: val.score(params)["val_bpb"]
 
   def row(scheme, method, options, bpb, nbytes, seconds, error=None):
     return {"scheme": scheme, "method": method, "options": options,
@@ -151,9 +114,9 @@ def evaluate_table(run: Run, workdir: str, *, rows=DEFAULT_ROWS, calib_batches: 
         model = qwix_baseline.quantize(cfg, run.params, scheme, tokens_1T, group_size=group_size)
         seconds = time.perf_counter() - t0
         graphdef, state = nnx.split(model)
-        table = jnp.asarray(token_bytes, jnp.float32)
+        table = jnp.asarray(val.token_bytes, jnp.float32)
         eval_fn = jax.jit(lambda s, b: qwix_eval_step(graphdef, s, b, token_bytes=table))
-        bpb = loop.evaluate(eval_fn, state, val, val_start, steps, batch_sh)["val_bpb"]
+        bpb = val.run(eval_fn, state)["val_bpb"]
         nbytes = qwix_baseline.weight_bytes(model)
       else:
         q = ptq.quantize_params(cfg, run.params, rule_set, method, calib, alpha=alpha, **options)

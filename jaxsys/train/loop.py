@@ -1,4 +1,10 @@
-"""train_and_evaluate: the training loop around the pure step (data, checkpoints, metrics)."""
+"""train_and_evaluate: the training loop around the pure step (data, checkpoints, metrics).
+
+Its phases, one function each: `_set_up` (mesh, loaders, model, optimizer and their
+jitted steps), `_restore_or_init` (the workdir's latest checkpoint, or a fresh state,
+optionally from `init_from`) and `_Loop.run` (the steps, with log, eval and save hooks,
+until `total_steps` or a stop agreed by every process on SIGTERM).
+"""
 from __future__ import annotations
 
 import contextlib
@@ -7,28 +13,27 @@ import math
 import os
 import signal
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import logging
-from jax.sharding import NamedSharding
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxsys import flops as flops_lib
 from jaxsys import mesh as mesh_lib
 from jaxsys import metrics as metrics_lib
-from jaxsys.checkpoint import manager as manager_lib
 from jaxsys.checkpoint.manager import Checkpointer, check_same_model
-from jaxsys.data.loader import make_loader
+from jaxsys.checkpoint.reader import read_params
+from jaxsys.data.loader import Loader, make_loader
 from jaxsys.models import transformer
+from jaxsys.optim import outer as outer_lib
 from jaxsys.optim.inner import make_schedule
+from jaxsys.train import config_check
 from jaxsys.train import replicas as replicas_lib
 from jaxsys.train import step as step_lib
-
-# Model fields that change parameter shapes or types; the others (attention_impl,
-# remat, compute dtype) may differ between a run and its resumption.
-SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
-                "tie_embeddings", "param_dtype")
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -36,8 +41,17 @@ class NonFiniteLossError(FloatingPointError):
 
 
 @contextlib.contextmanager
-def _sigterm_flag() -> Iterator[list[bool]]:
-  """Turns SIGTERM into a flag the loop polls, so it can save and exit cleanly."""
+def _stop_requests() -> Iterator[Callable[[int], bool]]:
+  """`stop(step)`, asked after every step: save and stop now? The same answer on every process.
+
+  One process: a SIGTERM handler sets a flag. Several: jax.distributed's preemption
+  service owns SIGTERM (it must stay enabled, as it is by default); a notice on any
+  process makes all of them stop at the step after the furthest one any has reached, so
+  no process enters the save (a collective) while another still runs a step's.
+  """
+  if jax.process_count() > 1:
+    yield multihost_utils.reached_preemption_sync_point
+    return
   flag = [False]
 
   def handler(signum, frame):
@@ -47,10 +61,10 @@ def _sigterm_flag() -> Iterator[list[bool]]:
   try:
     previous = signal.signal(signal.SIGTERM, handler)
   except ValueError:  # not the main thread (e.g. some notebook runners): no handler
-    yield flag
+    yield lambda step: False
     return
   try:
-    yield flag
+    yield lambda step: flag[0]
   finally:
     signal.signal(signal.SIGTERM, previous)
 
@@ -64,6 +78,23 @@ def _check_batch_layout(config, mesh) -> None:
         f"whose size divides over the {shards} batch shards of mesh {mesh_lib.describe(mesh)}")
   if batch % jax.process_count():
     raise ValueError(f"data.batch_size={batch} must divide over {jax.process_count()} processes")
+
+
+def _batch_block(sharding: NamedSharding, batch_size: int) -> int:
+  """Which contiguous block of a global batch's rows this process's devices hold.
+
+  The loader reads exactly that block, so assembling the global batch moves no row
+  between hosts and the step needs no reordering.
+  """
+  rows = [index[0] for index in sharding.addressable_devices_indices_map((batch_size, 1)).values()]
+  lo = min(r.start or 0 for r in rows)
+  hi = max(batch_size if r.stop is None else r.stop for r in rows)
+  size = batch_size // jax.process_count()
+  if hi - lo != size or lo % size:
+    raise ValueError(f"mesh {mesh_lib.describe(sharding.mesh)} gives process {jax.process_index()} "
+                     f"batch rows [{lo}, {hi}) of {batch_size}, not one block of {size}; the "
+                     "batch axes must order the devices by process")
+  return lo // size
 
 
 @jax.jit
@@ -114,6 +145,22 @@ class _Throughput:
     return out
 
 
+def _throughput_meter(config, model_cfg: transformer.TransformerConfig) -> _Throughput:
+  # The logged MFU counts causal attention, T(T+1)/2 pairs a row (the documents' own
+  # masks are not subtracted); PaLM's full T x T square is logged beside it once.
+  seq_len = config.data.seq_len
+  flops_per_token = transformer.train_flops_per_token(
+      model_cfg, seq_len, pairs_per_row=flops_lib.attention_pairs(seq_len))
+  palm = transformer.train_flops_per_token(model_cfg, seq_len)
+  peak = metrics_lib.peak_flops(model_cfg.dtype)
+  logging.info("model: %.2fM parameters, %.2f MFLOP per training token with causal attention "
+               "(%.2f with the full T x T, PaLM's convention: x%.3f the MFU logged); MFU is "
+               "against %.1f GFLOP/s, the %s", transformer.param_count(model_cfg) / 1e6,
+               flops_per_token / 1e6, palm / 1e6, palm / flops_per_token, peak.flops / 1e9,
+               peak.source)
+  return _Throughput(config.data.batch_size * seq_len, flops_per_token, peak.flops)
+
+
 def _check_finite_metrics(fetched: list[tuple[int, dict]], ckpt: Checkpointer) -> None:
   for s, m in fetched:
     if not (math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])):
@@ -122,75 +169,81 @@ def _check_finite_metrics(fetched: list[tuple[int, dict]], ckpt: Checkpointer) -
           f"the last good checkpoint is step {ckpt.latest_step()} in {ckpt.directory}")
 
 
-def read_latest_params(path: str, model_cfg, model_meta: dict) -> tuple[int, Any, int] | None:
-  """(step, params, replicas) of the latest checkpoint of the run at `path`, as numpy; None if none.
+class Validation:
+  """The val batches a run's evals score, and scoring parameters on them.
 
-  `path` is a run's workdir or its checkpoints dir. A checkpoint in the replica view
-  gives params with a leading axis of `replicas`; otherwise `replicas` is 0.
+  The training loop, compare_outer's final eval and the PTQ table all score through
+  it, so their numbers agree: same loader, batch size, eval step and batch count.
+  `tokenizer` None takes the data config's (a BPE one from its cache in `workdir`).
   """
-  path = os.path.abspath(path)
-  directory = os.path.join(path, "checkpoints")
-  directory = directory if os.path.isdir(directory) else path
-  found = manager_lib.latest_meta(directory) if os.path.isdir(directory) else None
-  if found is None:
-    return None
-  step, meta = found
-  check_same_model(meta["model"], model_meta, directory, SHAPE_FIELDS)
-  params = jax.eval_shape(lambda: transformer.init_params(model_cfg, jax.random.key(0)))
-  replicas = (meta.get("outer") or {}).get("replicas") or 0
-  if replicas:
-    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct((replicas, *x.shape), x.dtype), params)
-  return step, manager_lib.read_params(directory, step, params), replicas
+
+  def __init__(self, config, model_cfg: transformer.TransformerConfig, mesh, *, tokenizer=None,
+               workdir: str | None = None):
+    self.model_cfg, self.steps = model_cfg, config.eval_steps
+    self.batch_sh = mesh_lib.batch_sharding(mesh)
+    batch = config.data.batch_size // config.optimizer.grad_accum_steps
+    self.loader = make_loader(config.data, "val", batch_size=batch, seed=config.seed,
+                              shuffle=False, repeat=False, tokenizer=tokenizer,
+                              process_index=_batch_block(self.batch_sh, batch),
+                              process_count=jax.process_count(), workdir=workdir)
+    self.start = self.loader.get_state()
+    self.token_bytes = self.loader.tokenizer.token_bytes()
+
+  def run(self, eval_fn, params, steps: int | None = None) -> dict[str, float]:
+    """val_loss and val_bpb from `eval_fn(params, batch)`'s sums over the first `steps` batches
+    (default: config.eval_steps)."""
+    self.loader.set_state(self.start)
+    sums = None
+    for _, batch in zip(range(self.steps if steps is None else steps), self.loader):
+      out = eval_fn(params, _global_batch(batch, self.batch_sh))
+      sums = out if sums is None else jax.tree.map(lambda a, b: a + b, sums, out)
+    if sums is None:
+      raise ValueError("the val split gave no batch; lower data.batch_size or data.seq_len")
+    return step_lib.summarize_eval({k: float(v) for k, v in jax.device_get(sums).items()})
+
+  def score(self, params, steps: int | None = None) -> dict[str, float]:
+    """`run` with the model's eval step, `params` (any tree the model runs: float or quantized,
+    numpy or arrays) replicated over the mesh."""
+    replicated = NamedSharding(self.batch_sh.mesh, PartitionSpec())
+    eval_fn = step_lib.jit_eval_step(self.model_cfg, replicated, self.batch_sh, self.token_bytes)
+    return self.run(eval_fn, jax.device_put(params, replicated), steps)
 
 
-def _init_from_params(init_from: str, model_cfg, model_meta: dict):
-  """The latest parameters of the run at `init_from` (its workdir or checkpoints dir), as numpy.
-
-  A checkpoint in the replica view gives replica 0's parameters (the ones its evals scored).
-  """
-  found = read_latest_params(init_from, model_cfg, model_meta)
-  if found is None:
-    raise ValueError(f"init_from={init_from!r} holds no checkpoint; it must be a run's workdir "
-                     "or its checkpoints dir, or '' to start from random parameters")
-  step, params, replicas = found
-  logging.info("init_from: parameters of step %d in %s", step, os.path.abspath(init_from))
-  return jax.tree.map(lambda x: x[0], params) if replicas else params
-
-
-def evaluate(eval_fn, params, loader, start_state: dict, steps: int, sharding) -> dict[str, float]:
-  """val_loss and val_bpb over the first `steps` batches of `loader` (rewound to `start_state`)."""
-  loader.set_state(start_state)
-  sums = None
-  for _, batch in zip(range(steps), loader):
-    out = eval_fn(params, _global_batch(batch, sharding))
-    sums = out if sums is None else jax.tree.map(lambda a, b: a + b, sums, out)
-  if sums is None:
-    raise ValueError("the val split gave no batch; lower data.batch_size or data.seq_len")
-  return step_lib.summarize_eval({k: float(v) for k, v in jax.device_get(sums).items()})
+@dataclasses.dataclass(frozen=True)
+class _Parts:
+  """What a run sets up before its first step."""
+  model_cfg: transformer.TransformerConfig
+  train_loader: Loader
+  val: Validation
+  setup: Any  # step.TrainSetup, or replicas.ReplicaSetup with an outer optimizer
+  outer: outer_lib.OuterOptimizer | None
+  param_sh: Any  # one model's parameters, as evals read them
+  eval_params: Callable  # state.params -> the parameters evals score
+  eval_fn: Callable  # (those parameters, batch) -> eval sums
+  sync_every: int  # 0 without an outer optimizer
+  comm_bytes: Callable[[int], float]  # bytes one worker has sent after that many steps
+  meta: dict  # saved with every checkpoint: model, config and, with replicas, outer
 
 
-def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
-  """Trains `config` in `workdir`, resuming from its latest checkpoint; returns final metrics."""
-  workdir = os.path.abspath(workdir)
+def _loaders(config, model_cfg, mesh, workdir: str) -> tuple[Loader, Validation]:
+  batch = config.data.batch_size
+  train = make_loader(config.data, "train", batch_size=batch, seed=config.seed,
+                      process_index=_batch_block(mesh_lib.batch_sharding(mesh), batch),
+                      process_count=jax.process_count(), workdir=workdir)
+  if train.tokenizer.vocab_size > model_cfg.vocab_size:
+    raise ValueError(f"model.vocab_size={model_cfg.vocab_size} is smaller than the "
+                     f"{config.data.tokenizer} tokenizer's {train.tokenizer.vocab_size} tokens")
+  return train, Validation(config, model_cfg, mesh, tokenizer=train.tokenizer, workdir=workdir)
+
+
+def _set_up(config, workdir: str) -> _Parts:
+  """Mesh, loaders, model, optimizers and their jitted steps; nothing restored or trained yet."""
   mesh = mesh_lib.make_mesh(config.mesh)
   _check_batch_layout(config, mesh)
   model_cfg = transformer.TransformerConfig.from_config(config.model)
   logging.info("mesh: %s", mesh_lib.describe(mesh))
-
-  loader_kw = dict(process_index=jax.process_index(), process_count=jax.process_count(),
-                   workdir=workdir)
-  train_loader = make_loader(config.data, "train", batch_size=config.data.batch_size,
-                             seed=config.seed, **loader_kw)
-  tokenizer = train_loader.tokenizer
-  if tokenizer.vocab_size > model_cfg.vocab_size:
-    raise ValueError(f"model.vocab_size={model_cfg.vocab_size} is smaller than the "
-                     f"{config.data.tokenizer} tokenizer's {tokenizer.vocab_size} tokens")
-  eval_batch = config.data.batch_size // config.optimizer.grad_accum_steps
-  val_loader = make_loader(config.data, "val", batch_size=eval_batch, seed=config.seed,
-                           shuffle=False, repeat=False, tokenizer=tokenizer, **loader_kw)
-  val_start = val_loader.get_state()
-
-  schedule = make_schedule(config.optimizer, config.total_steps)
+  train_loader, val = _loaders(config, model_cfg, mesh, workdir)
+  meta = {"model": dataclasses.asdict(model_cfg), "config": config.to_dict()}
   outer = replicas_lib.make_outer_optimizer(config.optimizer)
   if outer is None:  # plain data parallel
     setup = step_lib.make_train_setup(config, model_cfg, mesh)
@@ -200,134 +253,181 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     setup = replicas_lib.make_replica_setup(config, model_cfg, mesh, outer)
     param_sh, eval_params, sync_every = setup.param_sh, setup.eval_params, outer.sync_every
     comm_bytes = lambda s: (s // sync_every) * setup.bytes_per_sync
+    meta["outer"] = {"view": "replica", "name": outer.name, "replicas": setup.replicas,
+                     "sync_every": sync_every}
     logging.info("outer optimizer %s over %d replicas, sync every %d steps, %d bytes sent per "
                  "replica per sync", outer.name, setup.replicas, sync_every, setup.bytes_per_sync)
-  abstract, state_sh, batch_sh, train_fn = (setup.abstract, setup.state_sh, setup.batch_sh,
-                                            setup.train_fn)
-  eval_fn = step_lib.jit_eval_step(model_cfg, param_sh, batch_sh, tokenizer.token_bytes())
+  eval_fn = step_lib.jit_eval_step(model_cfg, param_sh, setup.batch_sh, val.token_bytes)
+  return _Parts(model_cfg, train_loader, val, setup, outer, param_sh, eval_params, eval_fn,
+                sync_every, comm_bytes, meta)
 
-  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.keep_checkpoints)
-  model_meta = dataclasses.asdict(model_cfg)
-  outer_meta = None if outer is None else {"view": "replica", "name": outer.name,
-                                             "replicas": setup.replicas,
-                                             "sync_every": outer.sync_every}
+
+def _restore_or_init(parts: _Parts, config, ckpt: Checkpointer):
+  """The workdir's latest checkpoint (state and loader position), else a fresh state."""
   latest = ckpt.latest_step()
-  if latest is not None:
-    saved_meta = ckpt.read_meta(latest)
-    check_same_model(saved_meta["model"], model_meta, ckpt.directory, SHAPE_FIELDS)
-    if saved_meta.get("outer") != outer_meta:
-      raise ValueError(f"checkpoint in {ckpt.directory} was written with outer optimizer "
-                       f"{saved_meta.get('outer')} but the config asks for {outer_meta}; "
-                       "use another --workdir or a matching --config")
-    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                          abstract, state_sh)
-    state, data_state = ckpt.restore(latest, target)
-    train_loader.set_state(data_state)
-    logging.info("resumed from %s at step %d", ckpt.directory, latest)
+  if latest is None:
+    return _fresh_state(parts, config)
+  saved = ckpt.read_meta(latest)
+  check_same_model(saved["model"], parts.meta["model"], ckpt.directory,
+                   config.get("allow_model_change", ""))
+  if saved.get("outer") != parts.meta.get("outer"):
+    raise ValueError(f"checkpoint in {ckpt.directory} was written with outer optimizer "
+                     f"{saved.get('outer')} but the config asks for {parts.meta.get('outer')}; "
+                     "use another --workdir or a matching --config")
+  setup = parts.setup
+  target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        setup.abstract, setup.state_sh)
+  state, data_state = ckpt.restore(latest, target)
+  parts.train_loader.set_state(data_state)
+  logging.info("resumed from %s at step %d", ckpt.directory, latest)
+  return state
+
+
+def _fresh_state(parts: _Parts, config):
+  """A state from config.seed; with config.init_from, at that run's latest parameters
+  (replica 0's for a replica run: the ones its evals scored). A resume never is."""
+  setup = parts.setup
+  state = setup.init_state(config.seed)
+  if not config.get("init_from"):
+    return state
+  saved = read_params(config.init_from, expect_model=parts.meta["model"],
+                      allow_model_change=config.get("allow_model_change", ""))
+  if saved is None:
+    raise ValueError(f"init_from={config.init_from!r} holds no checkpoint; it must be a run's "
+                     "workdir or its checkpoints dir, or '' to start from random parameters")
+  logging.info("init_from: parameters of step %d in %s", saved.step, saved.directory)
+  if parts.outer is None:
+    start = lambda s, p: s.replace(params=p, opt_state=setup.optimizer.init(p))
   else:
-    state = setup.init_state(config.seed)
-    if config.get("init_from"):  # fresh start from another run's parameters; a resume never is
-      params = jax.device_put(_init_from_params(config.init_from, model_cfg, model_meta), param_sh)
-      if outer is None:
-        start = lambda s, p: s.replace(params=p, opt_state=setup.optimizer.init(p))
+    start = lambda s, p: replicas_lib.start_from_params(s.step, p, setup.optimizer, parts.outer,
+                                                        setup.replicas)
+  params = jax.device_put(saved.one(), parts.param_sh)
+  return jax.jit(start, out_shardings=setup.state_sh, donate_argnums=0)(state, params)
+
+
+class _Loop:
+  """The step loop's state: the train state, its step, metrics still on device, hooks."""
+
+  def __init__(self, parts: _Parts, config, state, ckpt: Checkpointer, workdir: str):
+    self.parts, self.config, self.state, self.ckpt = parts, config, state, ckpt
+    self.step = self.saved_step = int(jax.device_get(state.step))
+    self.schedule = make_schedule(config.optimizer, config.total_steps)
+    self.meter = _throughput_meter(config, parts.model_cfg)
+    self.writer = metrics_lib.MetricWriter(workdir)
+    self.progress = metrics_lib.Progress(config.total_steps, self.step)
+    self.pending: list[tuple[int, dict]] = []  # step metrics still on device
+    # A sync deferred into the next inner step's program (CO2); run on its own before eval/save.
+    self.sync_due = False
+    self.fused = getattr(parts.setup, "sync_train_fn", None)
+    self.last_eval: dict[str, float] = {}
+
+  def run(self, stop: Callable[[int], bool]) -> bool:
+    """Steps to config.total_steps; True when `stop` ended the run early, after saving."""
+    batches = iter(self.parts.train_loader)
+    while self.step < self.config.total_steps:
+      self._train_step(next(batches))
+      self._hooks()
+      if self.step < self.config.total_steps and stop(self.step):
+        if self.saved_step != self.step:
+          self._save()
+        return True
+    return False
+
+  def close(self) -> None:
+    self.progress.close()
+    self.writer.close()
+
+  def _train_step(self, batch) -> None:
+    """One step (with a deferred sync fused in), keeping at most two steps in flight."""
+    setup = self.parts.setup
+    batch = _global_batch(batch, setup.batch_sh)
+    if self.sync_due:
+      self.state, m = self.fused(self.state, batch)
+      self.sync_due = False
+    else:
+      self.state, m = setup.train_fn(self.state, batch)
+    self.step += 1
+    if self.parts.sync_every and self.step % self.parts.sync_every == 0:
+      if self.fused is None:
+        self.state = setup.sync_fn(self.state)
       else:
-        start = lambda s, p: replicas_lib.start_from_params(s.step, s.rng, p, setup.optimizer,
-                                                            outer, setup.replicas)
-      state = jax.jit(start, out_shardings=state_sh, donate_argnums=0)(state, params)
-  meta = {"model": model_meta, "config": config.to_dict()}
-  if outer_meta is not None:
-    meta["outer"] = outer_meta
+        self.sync_due = True
+    self.pending.append((self.step, m))
+    if len(self.pending) > 1:
+      # At most two steps in flight. A deep queue of collective programs can deadlock
+      # XLA:CPU's simulated devices (threads blocked in a later step's rendezvous starve
+      # a device still in an earlier one); on accelerators one step ahead is enough.
+      jax.block_until_ready(self.pending[-2][1])
+    self.meter.step_done(m)
 
-  flops_per_token = transformer.train_flops_per_token(model_cfg, config.data.seq_len)
-  peak = metrics_lib.peak_flops(model_cfg.dtype)
-  logging.info("model: %.2fM parameters, %.1f MFLOP per training token; measured matmul peak "
-               "%.1f GFLOP/s", transformer.param_count(model_cfg) / 1e6, flops_per_token / 1e6,
-               peak / 1e9)
-  meter = _Throughput(config.data.batch_size * config.data.seq_len, flops_per_token, peak)
+  def _hooks(self) -> None:
+    config, step = self.config, self.step
+    last = step == config.total_steps
+    if step % config.log_every == 0 or last:
+      self._log()
+    else:
+      self.progress.update(step)
+    with self.meter.paused_timer():
+      if config.eval_every and (step % config.eval_every == 0 or last):
+        self._evaluate()
+      if last or (config.checkpoint_every and step % config.checkpoint_every == 0):
+        self._save()
 
-  writer = metrics_lib.MetricWriter(workdir)
-  step = saved_step = int(jax.device_get(state.step))
-  progress = metrics_lib.Progress(config.total_steps, step)
-  result: dict[str, Any] = {"workdir": workdir, "checkpoints": ckpt.directory,
-                            "metrics": writer.path, "tensorboard": writer.tb_dir}
-  pending: list[tuple[int, dict]] = []  # step metrics still on device
-  # A sync deferred into the next inner step's program (CO2); run on its own before eval/save.
-  sync_due = False
-  fused = getattr(setup, "sync_train_fn", None)
+  def _flush_sync(self) -> None:
+    if self.sync_due:
+      self.state, self.sync_due = self.parts.setup.sync_fn(self.state), False
 
-  def flush_sync() -> None:
-    nonlocal state, sync_due
-    if sync_due:
-      state, sync_due = setup.sync_fn(state), False
-
-  def log() -> None:
+  def _log(self) -> None:
     """Fetches pending metrics (a non-finite loss stops the run here) and writes a row."""
-    fetched = jax.device_get(pending)
-    pending.clear()
-    _check_finite_metrics(fetched, ckpt)
+    fetched = jax.device_get(self.pending)
+    self.pending.clear()
+    _check_finite_metrics(fetched, self.ckpt)
     m = fetched[-1][1]
     row = {"loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),
-           "lr": float(schedule(step - 1)), "comm_bytes": float(comm_bytes(step)),
-           **meter.rates()}
-    writer.write(step, row)
-    progress.update(step, **{k: row[k] for k in ("loss", "tokens_per_s", "mfu") if k in row})
+           "lr": float(self.schedule(self.step - 1)),
+           "comm_bytes": float(self.parts.comm_bytes(self.step)), **self.meter.rates()}
+    self.writer.write(self.step, row)
+    self.progress.update(self.step,
+                         **{k: row[k] for k in ("loss", "tokens_per_s", "mfu") if k in row})
 
-  def save() -> None:
-    nonlocal saved_step
-    if pending:  # never save without checking the losses that led here
-      log()
-    flush_sync()
-    _check_finite_params(state.params, step, ckpt)
-    ckpt.save(step, state, data=train_loader.get_state(), meta=meta, force=True)
-    saved_step = step
+  def _evaluate(self) -> None:
+    self._flush_sync()
+    parts = self.parts
+    ev = parts.val.run(parts.eval_fn, parts.eval_params(self.state.params))
+    ev["comm_bytes"] = float(parts.comm_bytes(self.step))
+    self.writer.write(self.step, ev)
+    self.last_eval = ev
+    logging.info("step %d: val_loss=%.4f val_bpb=%.4f", self.step, ev["val_loss"], ev["val_bpb"])
 
-  batches = iter(train_loader)
+  def _save(self) -> None:
+    if self.pending:  # never save without checking the losses that led here
+      self._log()
+    self._flush_sync()
+    _check_finite_params(self.state.params, self.step, self.ckpt)
+    self.ckpt.save(self.step, self.state, data=self.parts.train_loader.get_state(),
+                   meta=self.parts.meta, force=True)
+    self.saved_step = self.step
+
+
+def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
+  """Trains `config` in `workdir`, resuming from its latest checkpoint; returns final metrics.
+
+  `result["preempted"]` is True when SIGTERM stopped the run before `total_steps` (its
+  state saved at `result["step"]`, where the next run with this workdir resumes).
+  """
+  config_check.check_config(config, workdir)
+  workdir = os.path.abspath(workdir)
+  parts = _set_up(config, workdir)
+  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.keep_checkpoints)
   try:
-    with _sigterm_flag() as sigterm:
-      while step < config.total_steps and not sigterm[0]:
-        batch = _global_batch(next(batches), batch_sh)
-        if sync_due:
-          state, m = fused(state, batch)
-          sync_due = False
-        else:
-          state, m = train_fn(state, batch)
-        step += 1
-        if sync_every and step % sync_every == 0:
-          if fused is None:
-            state = setup.sync_fn(state)
-          else:
-            sync_due = True
-        pending.append((step, m))
-        if len(pending) > 1:
-          # At most two steps in flight. A deep queue of collective programs can deadlock
-          # XLA:CPU's simulated devices (threads blocked in a later step's rendezvous starve
-          # a device still in an earlier one); on accelerators one step ahead is enough.
-          jax.block_until_ready(pending[-2][1])
-        meter.step_done(m)
-        last = step == config.total_steps
-        if step % config.log_every == 0 or last:
-          log()
-        else:
-          progress.update(step)
-        with meter.paused_timer():
-          if config.eval_every and (step % config.eval_every == 0 or last):
-            flush_sync()
-            ev = evaluate(eval_fn, eval_params(state.params), val_loader, val_start,
-                          config.eval_steps, batch_sh)
-            ev["comm_bytes"] = float(comm_bytes(step))
-            writer.write(step, ev)
-            result.update(ev)
-            logging.info("step %d: val_loss=%.4f val_bpb=%.4f", step, ev["val_loss"],
-                         ev["val_bpb"])
-          if last or step % config.checkpoint_every == 0:
-            save()
-      if sigterm[0]:
-        if saved_step != step:
-          save()
-        result["preempted"] = True
+    loop = _Loop(parts, config, _restore_or_init(parts, config, ckpt), ckpt, workdir)
+    try:
+      with _stop_requests() as stop:
+        preempted = loop.run(stop)
+    finally:
+      loop.close()
   finally:
-    progress.close()
-    writer.close()
     ckpt.close()
-  result["step"] = step
-  return result
+  return {"workdir": workdir, "checkpoints": ckpt.directory, "metrics": loop.writer.path,
+          "tensorboard": loop.writer.tb_dir, **loop.last_eval, "step": loop.step,
+          "preempted": preempted}

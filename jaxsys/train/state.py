@@ -18,16 +18,15 @@ class TrainState:
   step: jax.Array  # int32 scalar: optimizer steps taken
   params: dict[str, Any]
   opt_state: optax.OptState
-  rng: jax.Array  # raw uint32 key data, so checkpoints hold a plain array
 
 
 def init_train_state(model_cfg: transformer.TransformerConfig, optimizer: optax.GradientTransformation,
                      seed: int) -> TrainState:
   """A fresh state; jit it with `state_shardings` as out_shardings to create it sharded."""
-  params_key, rng = jax.random.split(jax.random.key(seed))
+  # The split keeps the parameters of a seed what they were when the state also held a key.
+  params_key, _ = jax.random.split(jax.random.key(seed))
   params = transformer.init_params(model_cfg, params_key)
-  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params),
-                    rng=jax.random.key_data(rng))
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
 
 
 def state_shardings(abstract_state: TrainState, model_cfg: transformer.TransformerConfig,
@@ -41,7 +40,7 @@ def state_shardings(abstract_state: TrainState, model_cfg: transformer.Transform
   opt_sh = optax.tree_map_params(optimizer, lambda _, sh: sh, abstract_state.opt_state, param_sh,
                                  transform_non_params=lambda _: replicated,
                                  is_leaf=lambda x: isinstance(x, NamedSharding))
-  return TrainState(step=replicated, params=param_sh, opt_state=opt_sh, rng=replicated)
+  return TrainState(step=replicated, params=param_sh, opt_state=opt_sh)
 
 
 def abstract_train_state(model_cfg, optimizer, seed: int = 0) -> TrainState:

@@ -21,12 +21,17 @@ from jaxsys.train.state import TrainState
 Batch = dict[str, jax.Array]  # inputs, targets, segment_ids, positions, loss_mask: [B, T]
 
 
+def cross_entropy(logits: jax.Array, batch: Batch) -> jax.Array:
+  """Per-token cross-entropy [B, T] of `logits` [B, T, V] (float32), zero where loss_mask is 0."""
+  losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32),
+                                                           batch["targets"])
+  return losses * batch["loss_mask"]
+
+
 def token_losses(cfg: transformer.TransformerConfig, params, batch: Batch) -> jax.Array:
-  """Per-token cross-entropy [B, T] (float32), zero where loss_mask is 0."""
+  """`cross_entropy` of the model's logits."""
   logits = transformer.apply(cfg, params, batch["inputs"], batch["positions"], batch["segment_ids"])
-  logz = jax.nn.logsumexp(logits, axis=-1)
-  target_logit = jnp.take_along_axis(logits, batch["targets"][..., None], axis=-1)[..., 0]
-  return (logz - target_logit) * batch["loss_mask"]
+  return cross_entropy(logits, batch)
 
 
 def _microbatches(batch: Batch, n: int) -> Batch:
@@ -65,8 +70,15 @@ def train_step(state: TrainState, batch: Batch, *, model_cfg: transformer.Transf
 
 def eval_step(params, batch: Batch, *, model_cfg: transformer.TransformerConfig,
               token_bytes: jax.Array) -> dict[str, jax.Array]:
+  """`eval_sums` of the model's logits."""
+  logits = transformer.apply(model_cfg, params, batch["inputs"], batch["positions"],
+                             batch["segment_ids"])
+  return eval_sums(logits, batch, token_bytes)
+
+
+def eval_sums(logits: jax.Array, batch: Batch, token_bytes: jax.Array) -> dict[str, jax.Array]:
   """Sums over a batch: loss (nats), scored tokens, and the UTF-8 bytes those tokens stand for."""
-  losses = token_losses(model_cfg, params, batch)
+  losses = cross_entropy(logits, batch)
   mask = batch["loss_mask"]
   return {"loss_sum": jnp.sum(losses), "tokens": jnp.sum(mask),
           "bytes": jnp.sum(token_bytes[batch["targets"]] * mask)}

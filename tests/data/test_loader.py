@@ -100,10 +100,10 @@ def test_two_processes_partition_the_global_batch(cfg, repeat):
     for part in parts:
       chex.assert_shape(part["inputs"], (2, SEQ_LEN))
     assert sorted(_row_keys(parts[0]) + _row_keys(parts[1])) == _row_keys(full)
-    # Disjoint as positions in the global order: shard p gets rows p, p + 2, ...
+    # Contiguous blocks of the global batch: process p gets rows [2p, 2p + 2).
     for k in packing.FIELDS:
-      np.testing.assert_array_equal(parts[0][k], full[k][0::2])
-      np.testing.assert_array_equal(parts[1][k], full[k][1::2])
+      np.testing.assert_array_equal(parts[0][k], full[k][:2])
+      np.testing.assert_array_equal(parts[1][k], full[k][2:])
   if not repeat:  # every process stops after the same number of steps
     for it in [single, *shards]:
       with pytest.raises(StopIteration):
@@ -130,7 +130,7 @@ def test_resume_on_a_different_process_count(cfg):
   shard = loader_lib.make_loader(cfg, "train", batch_size=4, seed=5, process_index=1, process_count=2)
   shard.set_state(state)
   full = next(single)
-  np.testing.assert_array_equal(next(shard)["inputs"], full["inputs"][1::2])
+  np.testing.assert_array_equal(next(shard)["inputs"], full["inputs"][2:])
 
 
 def test_mismatched_state_is_rejected(cfg):

@@ -66,6 +66,23 @@ def test_refuses_checkpoint_of_another_model(make_config, tmp_path):
   assert sorted((p, os.path.getmtime(p)) for p in _files(tmp_path / "checkpoints")) == before
 
 
+def test_resume_with_other_numerics_refused_unless_allowed(make_config, tmp_path):
+  """rope_theta keeps every shape but changes the function: refused in one line, or allowed."""
+  loop.train_and_evaluate(make_config(total_steps=2, eval_every=0), str(tmp_path))
+  other = dict(total_steps=3, eval_every=0, model__rope_theta=500_000.0)
+  with pytest.raises(ValueError, match=r"^checkpoint in .* computes another function: "
+                                       r"model.rope_theta=10000.0 there but 500000.0 in the "
+                                       r"config; set --config.allow_model_change=rope_theta "
+                                       r"[^\n]*$"):
+    loop.train_and_evaluate(make_config(**other), str(tmp_path))
+  assert Checkpointer(str(tmp_path / "checkpoints")).all_steps() == [2]
+  result = loop.train_and_evaluate(make_config(**other, allow_model_change="rope_theta"),
+                                   str(tmp_path))
+  assert result["step"] == 3 and not result["preempted"]
+  saved = _restore_params(str(tmp_path), 3)
+  assert set(saved) == {"step", "params", "opt_state"}  # no unused state (the old rng)
+
+
 def test_nan_stops_without_saving(make_config, tmp_path):
   """A run that diverges raises, and the last checkpoint before it stays the latest, intact."""
   loop.train_and_evaluate(make_config(total_steps=2, checkpoint_every=1), str(tmp_path))

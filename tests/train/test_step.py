@@ -1,6 +1,7 @@
 """Train step: golden loss, sharded == single-device, accumulation == full batch."""
 import chex
 import jax
+import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
 from ml_collections import ConfigDict
@@ -72,6 +73,23 @@ class TrainStepTest(parameterized.TestCase):
     acc, acc_losses = run_steps("data=2", accum=4, devices=jax.devices()[:2])
     np.testing.assert_allclose(acc_losses, full_losses, rtol=1e-5)
     chex.assert_trees_all_close(jax.device_get(acc.params), jax.device_get(full.params), atol=2e-5)
+
+  def test_cross_entropy_equals_log_softmax_reference(self):
+    """The one cross-entropy (optax's) against -log_softmax[target], values and gradients."""
+    batch = packed_batch(0)
+    logits = np.random.default_rng(1).normal(size=(B, T, 256)).astype(np.float32) * 3
+
+    def reference(lg):
+      logp = jax.nn.log_softmax(lg, axis=-1)
+      nll = -jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]
+      return nll * batch["loss_mask"]
+
+    got = step_lib.cross_entropy(logits, batch)
+    np.testing.assert_allclose(got, reference(logits), rtol=1e-5, atol=1e-6)
+    self.assertEqual(float(got[0, 9]), 0.0)  # a document's last token is not scored
+    total = lambda f: jax.grad(lambda lg: f(lg).sum())(logits)
+    np.testing.assert_allclose(total(lambda lg: step_lib.cross_entropy(lg, batch)),
+                               total(reference), atol=1e-6)
 
   def test_decay_mask_exempts_norms(self):
     from jaxsys.optim.inner import decay_mask
