@@ -1,4 +1,4 @@
-r"""Benchmarks the training step against the measured matmul peak and a dot-only baseline.
+r"""Benchmarks the training step against the matmul peak and a dot-only baseline: MFU.
 
   python -m experiments.bench_train --config=configs/tiny_lm.py
   python -m experiments.bench_train --config=configs/tiny_lm.py --config.model.d_model=512 \
