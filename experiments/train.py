@@ -5,6 +5,11 @@ r"""Trains a language model from an ml_collections config.
       --config.mesh=fsdp=-1 --workdir=/tmp/jaxsys_small
 
 Re-running with the same --workdir resumes from its latest checkpoint.
+
+Exit status: 0 when the run reached total_steps (it prints "done at step N"); 75
+(EX_TEMPFAIL) when SIGTERM stopped it early, after saving a checkpoint (it prints
+"preempted at step N"): run the same command again to resume. With several processes,
+all of them stop at the same step and exit 75. Bad input exits 1 with one "error:" line.
 Several processes (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID, or a
 cluster jax detects by itself) join one run through jax.distributed.
 """
@@ -25,6 +30,8 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints and metrics.")
 flags.mark_flags_as_required(["config", "workdir"])
+
+EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: stopped early by SIGTERM, run again to resume
 
 _MULTI_PROCESS_ENV = ("JAX_COORDINATOR_ADDRESS", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE",
                       "TPU_WORKER_HOSTNAMES")
@@ -97,12 +104,17 @@ def main(argv):
     logging.error("%s", e)
     sys.exit(f"error: {e}")
   if jax.process_index() == 0:
-    print(f"done at step {result['step']}" +
-          (f", val_bpb={result['val_bpb']:.4f}" if "val_bpb" in result else ""))
+    if result["preempted"]:
+      print(f"preempted at step {result['step']} by SIGTERM: saved; run the same command again "
+            "to resume")
+    else:
+      print(f"done at step {result['step']}" +
+            (f", val_bpb={result['val_bpb']:.4f}" if "val_bpb" in result else ""))
     print(f"metrics:     {result['metrics']}")
     if result.get("tensorboard"):
       print(f"tensorboard: {result['tensorboard']}")
     print(f"checkpoints: {result['checkpoints']}")
+  return EXIT_PREEMPTED if result["preempted"] else 0
 
 
 if __name__ == "__main__":

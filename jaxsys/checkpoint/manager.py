@@ -4,6 +4,7 @@ Each step directory holds three items: `state` (the TrainState pytree, saved
 asynchronously and restored straight into the shardings of the current mesh),
 `data` (the loader position, JSON) and `meta` (the model config, JSON, checked
 before anything is restored so a checkpoint of another model is refused).
+`reader.read_params` reads only the parameters, for evaluation and `init_from`.
 """
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import os
 from typing import Any
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 
 

@@ -2,9 +2,11 @@
 import json
 import os
 import pathlib
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 
@@ -38,7 +40,7 @@ def run_single(flags, workdir):
   return proc
 
 
-def run_two_processes(flags, workdir):
+def start_two_processes(flags, workdir):
   """experiments.train as 2 processes x 4 CPU devices joined by jax.distributed on loopback."""
   port = _free_port()
   procs = []
@@ -49,11 +51,20 @@ def run_two_processes(flags, workdir):
     procs.append(subprocess.Popen(
         [sys.executable, "-m", "experiments.train", *flags, f"--workdir={workdir}"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+  return procs
+
+
+def finish(procs, returncode=0):
+  """(stdout, stderr) of each process, once all exited with `returncode`."""
   outputs = [p.communicate(timeout=300) for p in procs]
   for p, (_, err) in zip(procs, outputs):
-    assert p.returncode == 0, err[-3000:]
+    assert p.returncode == returncode, err[-3000:]
   assert "8 devices (4 local), process 1 of 2" in outputs[1][1]
   return outputs
+
+
+def run_two_processes(flags, workdir):
+  return finish(start_two_processes(flags, workdir))
 
 
 def test_two_processes_match_one(small_corpus, tmp_path):
@@ -66,3 +77,22 @@ def test_two_processes_match_one(small_corpus, tmp_path):
   # Same global batches (rows split between processes), so the same losses.
   np.testing.assert_allclose([b[s] for s in a], [a[s] for s in a], rtol=1e-5)
   assert Checkpointer(str(tmp_path / "multi" / "checkpoints")).all_steps() == [4]
+
+
+def test_sigterm_to_one_process_stops_both_at_one_step(small_corpus, tmp_path):
+  """Only process 1 gets SIGTERM: both agree on a step, save it together and exit 75."""
+  flags = ["--config=configs/tiny_lm.py:size=test", f"--config.data.source={small_corpus}",
+           "--config.data.num_threads=0", "--config.total_steps=100000", "--config.log_every=1",
+           "--config.eval_every=0", "--config.checkpoint_every=100000",
+           "--config.mesh=data=2,fsdp=4"]
+  procs = start_two_processes(flags, tmp_path)
+  deadline = time.monotonic() + 240
+  while not (tmp_path / "metrics.jsonl").exists() or max(_losses(tmp_path), default=0) < 3:
+    assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, \
+        procs[1].communicate()[1][-3000:]
+    time.sleep(0.2)
+  procs[1].send_signal(signal.SIGTERM)
+  (out, _), _ = finish(procs, returncode=75)
+  saved = Checkpointer(str(tmp_path / "checkpoints")).all_steps()
+  assert len(saved) == 1 and saved[0] == max(_losses(tmp_path)) >= 3
+  assert f"preempted at step {saved[0]} by SIGTERM" in out and "done" not in out

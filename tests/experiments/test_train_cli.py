@@ -40,7 +40,8 @@ def test_cli_trains_and_reports(small_corpus, tmp_path):
   assert "mesh: data=8" in proc.stderr  # logged devices and mesh
 
 
-def test_sigterm_saves_and_exits_cleanly(small_corpus, tmp_path):
+def test_sigterm_saves_and_exits_preempted(small_corpus, tmp_path):
+  """SIGTERM: a checkpoint of the last step, its own message and exit status 75, never "done"."""
   proc = subprocess.Popen(_cmd(tmp_path, small_corpus, "--config.total_steps=100000",
                                "--config.log_every=1", "--config.eval_every=0",
                                "--config.checkpoint_every=100000"),
@@ -50,11 +51,12 @@ def test_sigterm_saves_and_exits_cleanly(small_corpus, tmp_path):
     assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
     time.sleep(0.2)
   proc.send_signal(signal.SIGTERM)
-  _, stderr = proc.communicate(timeout=120)
-  assert proc.returncode == 0, stderr[-3000:]
+  stdout, stderr = proc.communicate(timeout=120)
+  assert proc.returncode == 75, stderr[-3000:]
   saved = Checkpointer(str(tmp_path / "checkpoints")).all_steps()
   assert len(saved) == 1 and saved[0] >= 3
   assert saved[0] == max(r["step"] for r in _rows(tmp_path))
+  assert f"preempted at step {saved[0]} by SIGTERM" in stdout and "done" not in stdout
 
 
 @pytest.mark.parametrize("flags, message", [
