@@ -6,6 +6,7 @@ import jax
 import numpy as np
 import pytest
 
+from jaxsys import mesh as mesh_lib
 from jaxsys import metrics as metrics_lib
 from jaxsys.checkpoint.manager import Checkpointer
 from jaxsys.train import loop
@@ -97,6 +98,17 @@ def test_nan_stops_without_saving(make_config, tmp_path):
   latest = max(steps)
   assert all(np.isfinite(x).all() for x in jax.tree.leaves(_restore_params(str(tmp_path), latest)))
   chex.assert_trees_all_equal(_restore_params(str(tmp_path), 2)["params"], good)
+
+
+def test_batch_block_is_the_rows_of_this_process(monkeypatch):
+  """The loader reads the one contiguous block of batch rows this process's devices hold."""
+  sharding = mesh_lib.batch_sharding(mesh_lib.make_mesh("data=-1"))
+  assert loop._batch_block(sharding, 16) == 0  # pylint: disable=protected-access
+  # Seen as one of two processes, these 8 devices would hold both blocks: refused.
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  with pytest.raises(ValueError, match=r"^mesh data=8 .* gives process 0 batch rows \[0, 16\) "
+                                       r"of 16, not one block of 8; [^\n]*$"):
+    loop._batch_block(sharding, 16)  # pylint: disable=protected-access
 
 
 def _files(root):
