@@ -69,17 +69,6 @@ def _stop_requests() -> Iterator[Callable[[int], bool]]:
     signal.signal(signal.SIGTERM, previous)
 
 
-def _check_batch_layout(config, mesh) -> None:
-  batch, accum = config.data.batch_size, config.optimizer.grad_accum_steps
-  shards = math.prod(mesh.shape[a] for a in ("replica", "data", "fsdp") if a in mesh.shape)
-  if accum < 1 or batch % accum or (batch // accum) % shards:
-    raise ValueError(
-        f"data.batch_size={batch} must split into optimizer.grad_accum_steps={accum} microbatches "
-        f"whose size divides over the {shards} batch shards of mesh {mesh_lib.describe(mesh)}")
-  if batch % jax.process_count():
-    raise ValueError(f"data.batch_size={batch} must divide over {jax.process_count()} processes")
-
-
 def _batch_block(sharding: NamedSharding, batch_size: int) -> int:
   """Which contiguous block of a global batch's rows this process's devices hold.
 
@@ -239,7 +228,6 @@ def _loaders(config, model_cfg, mesh, workdir: str) -> tuple[Loader, Validation]
 def _set_up(config, workdir: str) -> _Parts:
   """Mesh, loaders, model, optimizers and their jitted steps; nothing restored or trained yet."""
   mesh = mesh_lib.make_mesh(config.mesh)
-  _check_batch_layout(config, mesh)
   model_cfg = transformer.TransformerConfig.from_config(config.model)
   logging.info("mesh: %s", mesh_lib.describe(mesh))
   train_loader, val = _loaders(config, model_cfg, mesh, workdir)

@@ -1,7 +1,7 @@
 """Training with an outer optimizer: R replicas on the `replica` mesh axis, each its own inner run.
 
-The run's arrays get a leading [R] dim sharded on `replica` (DESIGN principle 2: the
-DiLoCo view `[replica, ...]` of the same parameters); each replica may itself be
+The run's arrays get a leading [R] dim sharded on `replica` (one model, many
+layouts: the DiLoCo view `[replica, ...]` of the same parameters); each replica may itself be
 sharded over data/fsdp/tensor. The inner step is the plain `train_step`, vmapped
 over replicas (replica r takes rows r*B/R.. of the global batch), so inner optimizer
 states stay per replica and are never averaged. Every `sync_every` steps the loop
@@ -25,6 +25,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxsys import mesh as mesh_lib
+from jaxsys.kernels import sharded
 from jaxsys.models import transformer
 from jaxsys.optim import outer as outer_lib
 from jaxsys.optim.co2 import co2
@@ -229,11 +230,12 @@ def make_replica_setup(config, model_cfg: transformer.TransformerConfig, mesh: M
   batch_sh = mesh_lib.batch_sharding(mesh)
   replicated = NamedSharding(mesh, PartitionSpec())
   opts = step_lib.compiler_options(model_cfg, mesh)
-  train_fn = jax.jit(
+  inner_step = sharded.under_mesh(  # Pallas kernels split over the mesh inside the vmap
       lambda s, b: replica_train_step(s, b, model_cfg=model_cfg, optimizer=optimizer,
                                       replicas=replicas,
-                                      accum_steps=config.optimizer.grad_accum_steps),
-      in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated), donate_argnums=0,
+                                      accum_steps=config.optimizer.grad_accum_steps), mesh)
+  train_fn = jax.jit(
+      inner_step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated), donate_argnums=0,
       compiler_options=opts)
   sync = make_sync(outer, mesh)
 
@@ -246,10 +248,7 @@ def make_replica_setup(config, model_cfg: transformer.TransformerConfig, mesh: M
   sync_train_fn = None
   if outer.name == "co2":
     sync_train_fn = jax.jit(
-        lambda s, b: replica_train_step(sync_state(s), b, model_cfg=model_cfg,
-                                        optimizer=optimizer, replicas=replicas,
-                                        accum_steps=config.optimizer.grad_accum_steps),
-        in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated),
+        lambda s, b: inner_step(sync_state(s), b), in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated),
         donate_argnums=0, compiler_options=opts)
   one_params, one_opt = _one_replica((abstract.params, abstract.opt_state))
   one_sh = state_lib.state_shardings(
