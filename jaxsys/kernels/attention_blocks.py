@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from jaxsys.kernels.attention_inputs import check_inputs
+from jaxsys.kernels import backends
+from jaxsys.kernels.attention_inputs import check_inputs, static_scale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,8 +100,17 @@ def pad_segment_ids(q_seg, kv_seg, padded_t: int, padded_s: int):
   return pad(q_seg, padded_t), pad(kv_seg, padded_s)
 
 
-def check_pallas_inputs(who: str, q, k, v, q_segment_ids, kv_segment_ids, dtypes: tuple):
-  """Shape, dtype and segment-id checks of a Pallas entry point; returns (q_seg, kv_seg)."""
+class EntryArgs(NamedTuple):
+  """A Pallas entry point's checked arguments."""
+  q_seg: jax.Array | None
+  kv_seg: jax.Array | None
+  interpret: Any  # as `backends.resolve_interpret` returns it
+  scale: float
+
+
+def check_pallas_inputs(who: str, flavor: str, q, k, v, q_segment_ids, kv_segment_ids,
+                        dtypes: tuple, *, interpret, sm_scale) -> EntryArgs:
+  """Shape, dtype and segment-id checks of a Pallas entry point, its interpret mode and scale."""
   if (q_segment_ids is None) != (kv_segment_ids is None):
     raise ValueError(
         f"{who}: pass both q_segment_ids and kv_segment_ids or neither; got "
@@ -113,7 +123,8 @@ def check_pallas_inputs(who: str, q, k, v, q_segment_ids, kv_segment_ids, dtypes
     if x.dtype != q.dtype or x.dtype not in dtypes:
       raise ValueError(f"{who}: q, k, v must share one dtype of {names}; "
                        f"got {name}.dtype={x.dtype} (q.dtype={q.dtype})")
-  return q_seg, kv_seg
+  return EntryArgs(q_seg, kv_seg, backends.resolve_interpret(who, flavor, interpret),
+                   static_scale(sm_scale, q.shape[-1], who))
 
 
 def check_block(who: str, name: str, value, valid: Callable[[int], bool], rule: str) -> int:

@@ -31,7 +31,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxsys.kernels import backends
-from jaxsys.kernels.attention_inputs import static_scale
 from jaxsys.kernels.attention_blocks import (FlashConfig, check_block, check_pallas_inputs,
                                            flash_vjp, padded_ids_and_ranges)
 
@@ -304,15 +303,14 @@ def pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
   blocks), any D (padded to a power of two >= 16 only when needed). `interpret` as in
   `backends.resolve_interpret`: None interprets on CPU and compiles Triton on GPU.
   """
-  q_seg, kv_seg = check_pallas_inputs("pallas_attention", q, k, v, q_segment_ids,
-                                       kv_segment_ids, _DTYPES)
-  interpret = backends.resolve_interpret("pallas_attention", "gpu", interpret)
+  q_seg, kv_seg, interpret, scale = check_pallas_inputs(
+      "pallas_attention", "gpu", q, k, v, q_segment_ids, kv_segment_ids, _DTYPES,
+      interpret=interpret, sm_scale=sm_scale)
   b, t, hq, d = q.shape
   s, hkv = k.shape[1], k.shape[2]
   default_q, default_k = default_blocks(t, s, d)
   block_q = _check_block("block_q", default_q if block_q is None else block_q)
   block_k = _check_block("block_k", default_k if block_k is None else block_k)
-  scale = static_scale(sm_scale, d, "pallas_attention")
 
   if t == 0 or s == 0:  # no query or no key: every row is empty
     return jnp.zeros(q.shape, q.dtype)

@@ -41,8 +41,6 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxsys.kernels import backends
-from jaxsys.kernels.attention_inputs import static_scale
 from jaxsys.kernels.backends import (ARBITRARY as _ARBITRARY, PARALLEL as _PARALLEL,
                                     SQUEEZED as _SQUEEZED,
                                     TpuParams as _CompilerParams, pltpu)
@@ -459,9 +457,9 @@ def pallas_tpu_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
   kernels (e.g. to `jax.export` for TPU from a CPU host); a `pltpu.InterpretParams`
   simulates the TPU pipeline (VMEM, block copies, grid order).
   """
-  q_seg, kv_seg = check_pallas_inputs("pallas_tpu_attention", q, k, v, q_segment_ids,
-                                       kv_segment_ids, _DTYPES)
-  interpret = backends.resolve_interpret("pallas_tpu_attention", "tpu", interpret)
+  q_seg, kv_seg, interpret, scale = check_pallas_inputs(
+      "pallas_tpu_attention", "tpu", q, k, v, q_segment_ids, kv_segment_ids, _DTYPES,
+      interpret=interpret, sm_scale=sm_scale)
   b, t, hq, d = q.shape
   s, hkv = k.shape[1], k.shape[2]
   default_q, default_k = default_blocks(t, s, d)
@@ -469,7 +467,6 @@ def pallas_tpu_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
                          NUM_SUBLANES, "TPU sublanes")
   block_k = _check_block("block_k", default_k if block_k is None else block_k,
                          NUM_LANES, "TPU lanes: keys lie on the lanes of the score tile")
-  scale = static_scale(sm_scale, d, "pallas_tpu_attention")
 
   if t == 0 or s == 0:  # no query or no key: every row is empty
     return jnp.zeros(q.shape, q.dtype)
