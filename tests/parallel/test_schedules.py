@@ -1,0 +1,295 @@
+"""Tests for jaxsys.parallel.schedules: pure numpy, no devices."""
+
+import itertools
+import pathlib
+import subprocess
+import sys
+from fractions import Fraction
+
+import numpy as np
+from absl.testing import absltest, parameterized
+
+from jaxsys.parallel import schedules as sched_lib
+from jaxsys.parallel.schedules import BACKWARD, FORWARD, IDLE, make_schedule
+
+# (name, stages, microbatches, virtual_stages): small, odd and uneven shapes included.
+_CASES = (
+    [("gpipe", p, m, 1) for p, m in [(1, 1), (1, 3), (2, 1), (3, 2), (4, 4), (4, 8), (3, 7)]]
+    + [("1f1b", p, m, 1) for p, m in [(1, 1), (1, 4), (2, 2), (3, 5), (4, 4), (4, 8), (8, 9)]]
+    + [("interleaved_1f1b", p, m, v)
+       for p, m, v in [(1, 2, 1), (1, 3, 3), (2, 2, 2), (2, 6, 3), (3, 3, 2), (3, 9, 4),
+                       (4, 4, 2), (4, 8, 1), (4, 8, 2), (4, 12, 4), (8, 16, 2)]])
+
+
+def _named(cases):
+  return [(f"{n}_p{p}_m{m}_v{v}", n, p, m, v) for n, p, m, v in cases]
+
+
+def _replay(sched: sched_lib.Schedule) -> None:
+  """Walks the ticks as an executor would, moving symbolic values through every buffer.
+
+  Values: ("act", mb, g) is chunk g's output activation, ("grad", mb, g) the gradient with
+  respect to it, ("res", mb, g) chunk g's residuals. At each tick: arrivals sent the tick
+  before are written at act_recv / grad_recv; each action reads its inputs (act_in, grad_in,
+  res_slot) and writes its residuals; the head writes at the end of the tick; slots read in
+  the tick are free only after it. Writing into a slot that holds a value (or is being read
+  this tick), reading the wrong value, or leaving anything behind fails.
+  """
+  p, v, G = sched.stages, sched.virtual_stages, sched.chunks
+  training = bool(np.any(sched.kind == BACKWARD))
+  busy = object()  # a slot read this tick: not writable until the tick ends
+  res = [[None] * sched.res_slots for _ in range(p)]
+  act = [[None] * sched.act_slots for _ in range(p)]
+  grad = [[None] * sched.grad_slots for _ in range(p)]
+
+  def write(buf, s, slot, value, what):
+    assert 0 <= slot < len(buf[s]), f"{what}: slot {slot} outside [0, {len(buf[s])})"
+    assert buf[s][slot] is None, f"{what}: slot {slot} on stage {s} still holds {buf[s][slot]}"
+    buf[s][slot] = value
+
+  def read(buf, s, slot, value, what, reading):
+    assert 0 <= slot < len(buf[s]), f"{what}: slot {slot} outside [0, {len(buf[s])})"
+    assert buf[s][slot] == value, f"{what}: slot {slot} on stage {s} holds {buf[s][slot]}"
+    buf[s][slot] = busy
+    reading.append((buf, s, slot))
+
+  sent_act, sent_grad = {}, {}  # destination stage -> value, sent last tick
+  for t in range(sched.ticks):
+    what = f"tick {t}"
+    # Arrivals: exactly the stages something was sent to, nothing else.
+    for name, sent, recv, buf in (("act", sent_act, sched.act_recv, act),
+                                  ("grad", sent_grad, sched.grad_recv, grad)):
+      got = {s for s in range(p) if recv[t, s] >= 0}
+      assert got == set(sent), f"{what}: {name} arrives at {sorted(got)}, sent {sorted(sent)}"
+      for s, value in sent.items():
+        write(buf, s, int(recv[t, s]), value, f"{what} {name}_recv")
+    sent_act, sent_grad, reading = {}, {}, []
+    embed = embed_grad = head = -1
+    for s in range(p):
+      k, mb, vi = (int(x[t, s]) for x in (sched.kind, sched.microbatch, sched.virtual))
+      here = f"{what} stage {s}"
+      if k == IDLE:
+        assert (mb, vi, sched.res_slot[t, s], sched.act_in[t, s], sched.grad_in[t, s]) == (
+            -1, -1, -1, -1, -1), here
+        continue
+      assert 0 <= mb < sched.microbatches and 0 <= vi < v, here
+      g = vi * p + s
+      if k == FORWARD:
+        assert sched.grad_in[t, s] == -1, here
+        if g == 0:
+          assert sched.act_in[t, s] == -1, here
+          embed = mb
+        else:
+          read(act, s, int(sched.act_in[t, s]), ("act", mb, g - 1), f"{here} act_in", reading)
+        if training:
+          write(res, s, int(sched.res_slot[t, s]), ("res", mb, g), f"{here} res_slot")
+        else:
+          assert sched.res_slot[t, s] == -1, here
+        if g < G - 1:
+          sent_act[(s + 1) % p] = ("act", mb, g)
+        else:
+          head = mb
+      else:
+        assert k == BACKWARD and training and sched.act_in[t, s] == -1, here
+        read(res, s, int(sched.res_slot[t, s]), ("res", mb, g), f"{here} res_slot", reading)
+        read(grad, s, int(sched.grad_in[t, s]), ("grad", mb, g), f"{here} grad_in", reading)
+        if g > 0:
+          sent_grad[(s - 1) % p] = ("grad", mb, g - 1)
+        else:
+          embed_grad = mb
+    assert sched.embed_microbatch[t] == embed, what
+    assert sched.embed_grad_microbatch[t] == embed_grad, what
+    assert sched.head_microbatch[t] == head, what
+    if head >= 0 and training:
+      write(grad, (G - 1) % p, int(sched.head_slot[t]), ("grad", head, G - 1), f"{what} head")
+    else:
+      assert sched.head_slot[t] == -1, what
+    for buf, s, slot in reading:
+      buf[s][slot] = None
+  assert not sent_act and not sent_grad, "messages sent on the last tick"
+  for buf in res + act + grad:
+    assert all(x is None for x in buf), f"left in a buffer: {buf}"
+
+
+class RequiredNumbersTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      ("gpipe", "gpipe", 1, Fraction(3, 11), 22, 8),
+      ("1f1b", "1f1b", 1, Fraction(3, 11), 22, 4),
+      ("interleaved", "interleaved_1f1b", 2, Fraction(3, 19), 38, None),
+  )
+  def test_p4_m8(self, name, v, bubble, ticks, in_flight):
+    sched = make_schedule(name, stages=4, microbatches=8, virtual_stages=v)
+    self.assertEqual(sched.ticks, ticks)
+    self.assertAlmostEqual(sched.bubble_fraction, float(bubble), places=12)
+    self.assertAlmostEqual(sched.useful_fraction, 1 - float(bubble), places=12)
+    if in_flight is not None:
+      self.assertEqual(sched.max_in_flight, in_flight)
+    self.assertEqual(sched.res_slots, sched.max_in_flight)
+
+  def test_interleaved_formula_grid(self):
+    for p, v in itertools.product((2, 4, 8), (1, 2, 4)):
+      for m in range(p, 33, p):
+        sched = make_schedule("interleaved_1f1b", stages=p, microbatches=m, virtual_stages=v)
+        with self.subTest(p=p, m=m, v=v):
+          self.assertEqual(sched.ticks, 2 * (v * m + p - 1))
+          self.assertAlmostEqual(sched.bubble_fraction, (p - 1) / (v * m + p - 1), places=12)
+
+  def test_gpipe_1f1b_formula_grid(self):
+    for name, p in itertools.product(("gpipe", "1f1b"), (1, 2, 3, 4, 8)):
+      for m in range(1 if name == "gpipe" else p, 33):
+        sched = make_schedule(name, stages=p, microbatches=m)
+        with self.subTest(name=name, p=p, m=m):
+          self.assertEqual(sched.ticks, 2 * (m + p - 1))
+          self.assertAlmostEqual(sched.bubble_fraction, (p - 1) / (m + p - 1), places=12)
+          self.assertEqual(sched.max_in_flight, m if name == "gpipe" else p)
+          self.assertEqual(sched.res_slots, sched.max_in_flight)
+
+  def test_interleaved_v1_is_1f1b(self):
+    for p, m in [(1, 3), (2, 4), (4, 8), (8, 16)]:
+      a = make_schedule("interleaved_1f1b", stages=p, microbatches=m, virtual_stages=1)
+      b = make_schedule("1f1b", stages=p, microbatches=m)
+      for field in ("kind", "microbatch", "virtual", "res_slot", "act_recv", "act_in",
+                    "grad_recv", "grad_in", "head_slot", "head_microbatch"):
+        np.testing.assert_array_equal(getattr(a, field), getattr(b, field), err_msg=field)
+
+  def test_one_stage(self):
+    for name in ("gpipe", "1f1b", "interleaved_1f1b"):
+      sched = make_schedule(name, stages=1, microbatches=3)
+      self.assertEqual((sched.ticks, sched.bubble_fraction), (6, 0.0))
+      self.assertEqual(sched.act_slots, 1)
+    one = make_schedule("1f1b", stages=1, microbatches=3)
+    np.testing.assert_array_equal(one.kind[:, 0], [FORWARD, BACKWARD] * 3)
+    np.testing.assert_array_equal(one.microbatch[:, 0], [0, 0, 1, 1, 2, 2])
+
+
+class StructureTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(*_named(_CASES))
+  def test_every_chunk_once_and_on_time(self, name, p, m, v):
+    sched = make_schedule(name, stages=p, microbatches=m, virtual_stages=v)
+    G = p * v
+    self.assertEqual(sched.chunks, G)
+    for arr in (sched.kind, sched.microbatch, sched.virtual, sched.res_slot, sched.act_recv,
+                sched.act_in, sched.grad_recv, sched.grad_in):
+      self.assertEqual((arr.shape, arr.dtype), ((sched.ticks, p), np.int32))
+    for arr in (sched.head_slot, sched.head_microbatch, sched.embed_microbatch,
+                sched.embed_grad_microbatch):
+      self.assertEqual((arr.shape, arr.dtype), ((sched.ticks,), np.int32))
+    when = {}  # (kind, mb, g) -> tick
+    for t, s in itertools.product(range(sched.ticks), range(p)):
+      k = int(sched.kind[t, s])
+      if k == IDLE:
+        continue
+      g = int(sched.chunk[t, s])
+      self.assertEqual(g % p, s)  # chunk g runs on stage g % p
+      key = (k, int(sched.microbatch[t, s]), g)
+      self.assertNotIn(key, when)
+      when[key] = t
+    expected = {(k, mb, g) for k in (FORWARD, BACKWARD) for mb in range(m) for g in range(G)}
+    self.assertEqual(set(when), expected)
+    for mb, g in itertools.product(range(m), range(G)):
+      f, b = when[(FORWARD, mb, g)], when[(BACKWARD, mb, g)]
+      self.assertLess(f, b)
+      if g > 0:  # the input activation arrives one tick after it was sent
+        self.assertGreaterEqual(f, when[(FORWARD, mb, g - 1)] + 1)
+      if g < G - 1:  # the output gradient likewise
+        self.assertGreaterEqual(b, when[(BACKWARD, mb, g + 1)] + 1)
+      else:  # the head runs at the end of the last forward's tick
+        self.assertGreaterEqual(b, f + 1)
+    # Every stage is busy 2*v*m ticks.
+    np.testing.assert_array_equal(np.sum(sched.kind != IDLE, axis=0), 2 * v * m)
+
+  @parameterized.named_parameters(*_named(_CASES))
+  def test_replay(self, name, p, m, v):
+    _replay(make_schedule(name, stages=p, microbatches=m, virtual_stages=v))
+
+  @parameterized.named_parameters(*_named(_CASES))
+  def test_replay_forward_only(self, name, p, m, v):
+    full = make_schedule(name, stages=p, microbatches=m, virtual_stages=v)
+    fwd = full.forward_only()
+    _replay(fwd)
+    self.assertFalse(np.any(fwd.kind == BACKWARD))
+    self.assertEqual(int(np.sum(fwd.kind == FORWARD)), m * p * v)
+    self.assertEqual(fwd.ticks, v * m + p - 1)
+    self.assertEqual((fwd.res_slots, fwd.grad_slots, fwd.max_in_flight), (0, 0, 0))
+    for arr in (fwd.res_slot, fwd.grad_recv, fwd.grad_in, fwd.head_slot,
+                fwd.embed_grad_microbatch):
+      np.testing.assert_array_equal(arr, -1)
+    # The same per-stage order of forwards.
+    for s in range(p):
+      order = lambda x: [(int(x.microbatch[t, s]), int(x.virtual[t, s]))
+                         for t in range(x.ticks) if x.kind[t, s] == FORWARD]
+      self.assertEqual(order(fwd), order(full))
+
+  def test_interleaved_megatron_order(self):
+    # Stage 0, p=2, m=4, v=2: warmup (2-0-1)*2 + (2-1)*2 = 4 forwards, microbatch groups of 2.
+    sched = make_schedule("interleaved_1f1b", stages=2, microbatches=4, virtual_stages=2)
+    ops = [("F" if sched.kind[t, 0] == FORWARD else "B", int(sched.microbatch[t, 0]),
+            int(sched.virtual[t, 0])) for t in range(sched.ticks) if sched.kind[t, 0] != IDLE]
+    self.assertEqual(ops[:6], [("F", 0, 0), ("F", 1, 0), ("F", 0, 1), ("F", 1, 1),
+                               ("F", 2, 0), ("B", 0, 1)])
+    self.assertEqual(ops[-2:], [("B", 2, 0), ("B", 3, 0)])
+
+  def test_tables_read_only(self):
+    sched = make_schedule("1f1b", stages=2, microbatches=2)
+    with self.assertRaises(ValueError):
+      sched.kind[0, 0] = 2
+
+  def test_chart_and_summary(self):
+    sched = make_schedule("interleaved_1f1b", stages=2, microbatches=2, virtual_stages=2)
+    self.assertEqual(sched.summary(), "schedule=interleaved_1f1b stages=2 microbatches=2 "
+                     f"virtual=2 ticks={sched.ticks} bubble={1 / 5:.3f} "
+                     f"max_in_flight={sched.max_in_flight}")
+    lines = sched.chart().splitlines()
+    self.assertEqual(lines[0], sched.summary())
+    self.assertLen(lines, 3)
+    self.assertTrue(lines[1].startswith("stage 0 | F0a F1a F0b F1b"))
+    self.assertEqual(len(lines[2].split("|")[1].split()), sched.ticks)
+    self.assertIn("b1a", lines[1])
+    self.assertIn("F1", make_schedule("gpipe", stages=2, microbatches=2).chart())
+
+
+class ErrorTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      ("unknown", "foo", 4, 8, 1,
+       "pipeline.schedule='foo' is unknown; valid: gpipe, 1f1b, interleaved_1f1b"),
+      ("stages_zero", "gpipe", 0, 8, 1, "mesh axis stage has size 0"),
+      ("stages_float", "gpipe", 2.0, 8, 1, "mesh axis stage has size 2.0"),
+      ("microbatches_zero", "gpipe", 2, 0, 1, "pipeline.microbatches=0 is invalid"),
+      ("microbatches_bool", "gpipe", 1, True, 1, "pipeline.microbatches=True is invalid"),
+      ("1f1b_few", "1f1b", 4, 2, 1,
+       "pipeline.microbatches=2 is fewer than the 4 stages; 1f1b needs microbatches >= stages"),
+      ("interleaved_few", "interleaved_1f1b", 4, 2, 2,
+       "pipeline.microbatches=2 is fewer than the 4 stages; interleaved_1f1b needs"),
+      ("interleaved_multiple", "interleaved_1f1b", 4, 6, 2,
+       "pipeline.microbatches=6 is not a multiple of the 4 stages"),
+      ("virtual_zero", "interleaved_1f1b", 4, 8, 0, "pipeline.virtual_stages=0 is invalid"),
+      ("virtual_gpipe", "gpipe", 4, 8, 2,
+       "pipeline.virtual_stages=2 needs pipeline.schedule=interleaved_1f1b"),
+      ("virtual_1f1b", "1f1b", 4, 8, 2,
+       "pipeline.virtual_stages=2 needs pipeline.schedule=interleaved_1f1b"),
+  )
+  def test_errors(self, name, stages, microbatches, virtual, fragment):
+    with self.assertRaises(ValueError) as cm:
+      make_schedule(name, stages=stages, microbatches=microbatches, virtual_stages=virtual)
+    msg = str(cm.exception)
+    self.assertIn(fragment, msg)
+    self.assertNotIn("\n", msg)
+
+  def test_gpipe_allows_fewer_microbatches_than_stages(self):
+    self.assertEqual(make_schedule("gpipe", stages=4, microbatches=2).ticks, 2 * (2 + 4 - 1))
+
+
+class ImportTest(absltest.TestCase):
+
+  def test_no_jax(self):
+    code = ("import sys; import jaxsys.parallel.schedules; "
+            "sys.exit('jax' in sys.modules or 'jax.numpy' in sys.modules)")
+    root = pathlib.Path(sched_lib.__file__).parents[2]
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root)
+
+
+if __name__ == "__main__":
+  absltest.main()
