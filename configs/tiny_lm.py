@@ -88,4 +88,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       # co2: a setting outside its stability bound is refused unless this is True (then a
       # warning), e.g. the authors' outer_staleness_penalty=1.0 (jaxsys/optim/co2.py)
       outer_allow_unstable=False))
+  # Pipeline parallelism over the mesh's `stage` axis (jaxsys/parallel/pipeline.py): none,
+  # gpipe, 1f1b or interleaved_1f1b, e.g. --config.mesh=stage=4,data=2
+  # --config.pipeline.schedule=1f1b --config.pipeline.microbatches=8
+  # --config.pipeline.vocab_parallel=true (embedding and output layer split over stages;
+  # vocab_algorithm 2 syncs once per microbatch, 1 is the paper's naive baseline).
+  c.pipeline = ml_collections.ConfigDict(dict(
+      schedule="none", microbatches=4, virtual_stages=1, vocab_parallel=False, vocab_algorithm=2))
   return c

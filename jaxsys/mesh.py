@@ -50,8 +50,7 @@ _VALID_SIZES = "a positive int or -1"
 # work, so training refuses it (`check_axes_claimed`); a strategy that lands claims its
 # axis with `claim_axis`.
 _CLAIMED: set[str] = {"replica", "data", "fsdp", "tensor"}
-_UNCLAIMED_WHY = {"stage": "pipeline parallelism is not implemented",
-                  "context": "context parallelism is not implemented"}
+_UNCLAIMED_WHY = {"context": "context parallelism is not implemented"}
 
 # ---------------------------------------------------------------------------
 # Mesh specs

@@ -197,16 +197,23 @@ class DecoderLayers(nnx.Module):
 
   def __call__(self, x_BTD, positions_BT, segment_ids_BT, cfg: TransformerConfig,
                attention_fn: Callable):
-    layer = functools.partial(block, cfg=cfg, attention_fn=attention_fn)
-    if REMAT_POLICIES[cfg.remat] is not None:
-      layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat])
+    return apply_layers(cfg, self.stacked(), x_BTD, positions_BT, segment_ids_BT, attention_fn)
 
-    def body(x, p):
-      return layer(p, x, positions_BT, segment_ids_BT), None
 
-    unroll = cfg.n_layers <= UNROLL_MAX_LAYERS
-    x_BTD, _ = jax.lax.scan(body, x_BTD, self.stacked(), unroll=unroll)
-    return x_BTD
+def apply_layers(cfg: TransformerConfig, stacked: dict[str, jax.Array], x_BTD, positions_BT,
+                 segment_ids_BT, attention_fn: Callable):
+  """`block` over a stack of layers (leading axis of every `stacked` leaf): all of the
+  model's, or one pipeline stage's chunk of them."""
+  layer = functools.partial(block, cfg=cfg, attention_fn=attention_fn)
+  if REMAT_POLICIES[cfg.remat] is not None:
+    layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat])
+
+  def body(x, p):
+    return layer(p, x, positions_BT, segment_ids_BT), None
+
+  depth = jax.tree.leaves(stacked)[0].shape[0]
+  x_BTD, _ = jax.lax.scan(body, x_BTD, stacked, unroll=depth <= UNROLL_MAX_LAYERS)
+  return x_BTD
 
 
 class Transformer(nnx.Module):

@@ -24,6 +24,8 @@ from jaxsys.kernels.backends import IMPLS
 from jaxsys.models.transformer import REMAT_POLICIES
 from jaxsys.optim.noloco import check_group_size
 from jaxsys.optim.inner import OPTIMIZERS
+from jaxsys.parallel import pipeline
+from jaxsys.train import pipelined  # noqa: F401  (claims the stage axis)
 from jaxsys.train import replicas as replicas_lib
 
 
@@ -144,6 +146,12 @@ FIELDS: dict[str, Rule] = {
     "optimizer.outer_staleness_penalty": optional(number(0, lo_open=True), _ALGORITHM_DEFAULT),
     "optimizer.outer_momentum_clip": optional(number(0, lo_open=True), "no clipping"),
     "optimizer.outer_allow_unstable": BOOL,
+    "pipeline.schedule": one_of(*pipeline.SCHEDULES),
+    "pipeline.microbatches": integer(1),
+    "pipeline.virtual_stages": integer(1),
+    "pipeline.vocab_parallel": BOOL,
+    "pipeline.vocab_algorithm": Rule(lambda v: _is_int(v) and v in (1, 2),
+                                     "1 or 2 (the Vocabulary Parallelism paper's algorithms)"),
 }
 
 
@@ -203,6 +211,24 @@ RELATIONS: tuple[Relation, ...] = (
     Relation(("mesh axis replica", "optimizer.outer"), lambda r, outer: r == 1 or outer != "none",
              "be 1 without an outer optimizer (optimizer.outer=diloco, noloco or co2); "
              "for data parallelism use a data axis"),
+    Relation(("mesh axis stage", "pipeline.schedule"), lambda p, sched: p == 1 or sched != "none",
+             "be 1 without a pipeline (pipeline.schedule=gpipe, 1f1b or interleaved_1f1b)"),
+    Relation(("pipeline.vocab_parallel", "mesh axis stage", "pipeline.schedule"),
+             lambda vp, p, sched: not vp or (p > 1 and sched != "none"),
+             "be False without a pipeline over a stage axis larger than 1"),
+    Relation(("model.n_layers", "mesh axis stage", "pipeline.virtual_stages", "pipeline.schedule"),
+             lambda n, p, v, sched: sched == "none" or n % (p * v) == 0,
+             "split evenly into (mesh axis stage) x pipeline.virtual_stages chunks"),
+    Relation(("data.batch_size", "pipeline.microbatches", "mesh shards of 'batch'",
+              "pipeline.schedule"),
+             lambda b, m, shards, sched: sched == "none" or (b % m == 0 and (b // m) % shards == 0),
+             "split into pipeline.microbatches equal microbatches that divide over the mesh axes "
+             "that shard the batch"),
+    Relation(("optimizer.grad_accum_steps", "pipeline.schedule"),
+             lambda a, sched: a == 1 or sched == "none",
+             "be 1 with a pipeline (pipeline.microbatches splits the batch)"),
+    Relation(("optimizer.outer", "pipeline.schedule"), lambda o, sched: o == "none" or sched == "none",
+             "be none with a pipeline (outer optimizers over pipelined replicas are not built yet)"),
     Relation(("optimizer.outer_group_size", "optimizer.outer", "mesh axis replica"),
              lambda g, outer, r: outer != "noloco" or _groups_replicas(g, r),
              "be 2 (random pairs, for an even replica count) or the replica count (one group)"),
@@ -245,6 +271,7 @@ def _derived(mesh) -> dict[str, Any]:
   shards = {f"mesh shards of {name!r}": _shards(mesh, name)
             for name in ("batch", *_SHARDED_FIELDS.values())}
   return {**shards, "mesh axis replica": dict(mesh.shape).get("replica", 1),
+          "mesh axis stage": dict(mesh.shape).get("stage", 1),
           "processes": jax.process_count()}
 
 
@@ -294,5 +321,9 @@ def check_config(config, workdir: Any = None) -> None:
     error = relation.error(values)
     if error:
       raise ValueError(error)
+  if values["pipeline.schedule"] != "none":  # the schedule's own checks (e.g. 1f1b's m >= p)
+    pipeline.make_schedule(values["pipeline.schedule"], stages=values["mesh axis stage"],
+                           microbatches=values["pipeline.microbatches"],
+                           virtual_stages=values["pipeline.virtual_stages"])
   if workdir is not None:
     check_workdir(workdir)

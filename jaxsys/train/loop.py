@@ -32,6 +32,7 @@ from jaxsys.models import transformer
 from jaxsys.optim import outer as outer_lib
 from jaxsys.optim.inner import make_schedule
 from jaxsys.train import config_check
+from jaxsys.train import pipelined
 from jaxsys.train import replicas as replicas_lib
 from jaxsys.train import step as step_lib
 
@@ -233,9 +234,13 @@ def _set_up(config, workdir: str) -> _Parts:
   train_loader, val = _loaders(config, model_cfg, mesh, workdir)
   meta = {"model": dataclasses.asdict(model_cfg), "config": config.to_dict()}
   outer = replicas_lib.make_outer_optimizer(config.optimizer)
-  if outer is None:  # plain data parallel
-    setup = step_lib.make_train_setup(config, model_cfg, mesh)
-    param_sh, eval_params, sync_every = setup.state_sh.params, (lambda p: p), 0
+  if outer is None:  # data parallel, optionally pipelined over `stage`
+    if config.pipeline.schedule == "none":
+      setup = step_lib.make_train_setup(config, model_cfg, mesh)
+    else:
+      setup = pipelined.make_pipeline_setup(config, model_cfg, mesh)
+      logging.info("pipeline: %s", setup.schedule.summary())
+    param_sh, eval_params, sync_every = setup.param_sh, setup.eval_params, 0
     comm_bytes = lambda s: s * replicas_lib.dp_bytes_per_step(setup.abstract.params, mesh)
   else:
     setup = replicas_lib.make_replica_setup(config, model_cfg, mesh, outer)
@@ -263,9 +268,13 @@ def _restore_or_init(parts: _Parts, config, ckpt: Checkpointer):
                      f"{saved.get('outer')} but the config asks for {parts.meta.get('outer')}; "
                      "use another --workdir or a matching --config")
   setup = parts.setup
-  target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                        setup.abstract, setup.state_sh)
-  state, data_state = ckpt.restore(latest, target)
+  if parts.outer is None:
+    state, data_state = ckpt.restore(latest, setup.saved_target())
+    state = setup.from_saved(state)
+  else:
+    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          setup.abstract, setup.state_sh)
+    state, data_state = ckpt.restore(latest, target)
   parts.train_loader.set_state(data_state)
   logging.info("resumed from %s at step %d", ckpt.directory, latest)
   return state
@@ -284,12 +293,11 @@ def _fresh_state(parts: _Parts, config):
     raise ValueError(f"init_from={config.init_from!r} holds no checkpoint; it must be a run's "
                      "workdir or its checkpoints dir, or '' to start from random parameters")
   logging.info("init_from: parameters of step %d in %s", saved.step, saved.directory)
-  if parts.outer is None:
-    start = lambda s, p: s.replace(params=p, opt_state=setup.optimizer.init(p))
-  else:
-    start = lambda s, p: replicas_lib.start_from_params(s.step, p, setup.optimizer, parts.outer,
-                                                        setup.replicas)
   params = jax.device_put(saved.one(), parts.param_sh)
+  if parts.outer is None:
+    return setup.start_from(state, params)
+  start = lambda s, p: replicas_lib.start_from_params(s.step, p, setup.optimizer, parts.outer,
+                                                      setup.replicas)
   return jax.jit(start, out_shardings=setup.state_sh, donate_argnums=0)(state, params)
 
 
@@ -392,7 +400,8 @@ class _Loop:
       self._log()
     self._flush_sync()
     _check_finite_params(self.state.params, self.step, self.ckpt)
-    self.ckpt.save(self.step, self.state, data=self.parts.train_loader.get_state(),
+    saved = self.state if self.parts.outer else self.parts.setup.to_saved(self.state)
+    self.ckpt.save(self.step, saved, data=self.parts.train_loader.get_state(),
                    meta=self.parts.meta, force=True)
     self.saved_step = self.step
 

@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxsys import mesh as mesh_lib
 from jaxsys.kernels import sharded
 from jaxsys.models import transformer
+from jaxsys.parallel import pipeline
 from jaxsys.optim.inner import make_optimizer
 from jaxsys.train import state as state_lib
 from jaxsys.train.state import TrainState
@@ -32,11 +33,6 @@ def token_losses(cfg: transformer.TransformerConfig, params, batch: Batch) -> ja
   """`cross_entropy` of the model's logits."""
   logits = transformer.apply(cfg, params, batch["inputs"], batch["positions"], batch["segment_ids"])
   return cross_entropy(logits, batch)
-
-
-def _microbatches(batch: Batch, n: int) -> Batch:
-  """[B, ...] -> [n, B/n, ...], microbatch i taking rows i, i+n, ... so each stays evenly sharded."""
-  return jax.tree.map(lambda x: x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1), batch)
 
 
 def train_step(state: TrainState, batch: Batch, *, model_cfg: transformer.TransformerConfig,
@@ -59,7 +55,13 @@ def train_step(state: TrainState, batch: Batch, *, model_cfg: transformer.Transf
       (l, n), g = grad_fn(state.params, mb)
       return jax.tree.map(jnp.add, carry, (l, n, g)), None
     zeros = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, state.params))
-    (total, count, grads), _ = jax.lax.scan(body, zeros, _microbatches(batch, accum_steps))
+    (total, count, grads), _ = jax.lax.scan(body, zeros, pipeline.split_microbatches(batch, accum_steps))
+  return apply_gradients(state, optimizer, total, count, grads)
+
+
+def apply_gradients(state: TrainState, optimizer: optax.GradientTransformation, total, count,
+                    grads) -> tuple[TrainState, dict[str, jax.Array]]:
+  """The optimizer step from gradients of the summed token loss `total` over `count` tokens."""
   denom = jnp.maximum(count, 1.0)
   grads = jax.tree.map(lambda g: g / denom, grads)
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -133,10 +135,38 @@ class TrainSetup:
   batch_sh: NamedSharding
   train_fn: Callable
 
+  @property
+  def param_sh(self) -> Any:
+    """Shardings of the canonical parameters, as evals read them."""
+    return self.state_sh.params
+
+  def eval_params(self, params):
+    """state.params -> the canonical parameters evals score."""
+    return params
+
   def init_state(self, seed: int) -> TrainState:
     """A fresh state created directly in its shardings."""
     return jax.jit(lambda: state_lib.init_train_state(self.model_cfg, self.optimizer, seed),
                    out_shardings=self.state_sh)()
+
+  # A run's state may be a view of the canonical arrays (a pipeline's stages); checkpoints
+  # and evals always see the canonical form. Here the two are the same.
+
+  def saved_target(self) -> TrainState:
+    """The canonical state's abstract leaves with shardings: what a checkpoint restores into."""
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        self.abstract, self.state_sh)
+
+  def to_saved(self, state: TrainState) -> TrainState:
+    return state
+
+  def from_saved(self, state: TrainState) -> TrainState:
+    return state
+
+  def start_from(self, state: TrainState, params) -> TrainState:
+    """`state` restarted at canonical `params` with a fresh optimizer state (init_from)."""
+    start = lambda s, p: s.replace(params=p, opt_state=self.optimizer.init(p))
+    return jax.jit(start, out_shardings=self.state_sh, donate_argnums=0)(state, params)
 
 
 def make_train_setup(config, model_cfg: transformer.TransformerConfig, mesh) -> TrainSetup:

@@ -1,0 +1,382 @@
+"""Pipeline parallelism: one SPMD executor that runs any schedule over the `stage` mesh axis.
+
+The layout is a view of the model's stacked layers: `[layers, ...]` reshaped to
+`[virtual, stage, layers/chunk, ...]`, so global chunk g = virtual * stages + stage
+holds layers g*chunk .. (g+1)*chunk - 1 and lives on stage g % stages (`to_stages`,
+`from_stages`; no data moves for `virtual=1`). A schedule (`schedules.py`) is data: for
+every tick and stage, forward, backward or idle, with the buffer slots each action reads
+and writes. `pipeline_loss_and_grads` walks its ticks in one `lax.scan` inside a
+`jax.shard_map` over `stage` (data/fsdp/tensor stay automatic within each stage):
+
+  arrivals -> embed phase -> compute (forward | backward | idle) -> head phase
+           -> embed-gradient phase -> ppermute activations to stage+1, gradients to stage-1
+
+A forward keeps its chunk's `jax.vjp` residuals in a slot of a buffer of
+`schedule.res_slots` entries (1F1B: `stages`, GPipe: `microbatches`), minus the parameters,
+which the backward takes from the live weights. The head (final norm, output layer,
+cross-entropy) and the input embedding run in phases all stages join, on the ticks the
+schedule says, so vocabulary parallelism (`vocab.py`: both split over `stage`) runs
+inside the schedule rather than after it. Without it the first and last stage own the
+(replicated) vocabulary layers and the other stages skip those phases.
+
+Loss and gradients are those of the summed token loss; the caller divides once by the
+token count, so the step equals the unpipelined one.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import PartitionSpec as P
+
+from jaxsys.models import transformer
+from jaxsys.parallel import schedules, vocab
+from jaxsys.parallel.schedules import BACKWARD, FORWARD, Schedule, make_schedule  # noqa: F401
+
+AXIS = "stage"
+SCHEDULES = ("none", "gpipe", "1f1b", "interleaved_1f1b")
+VOCAB_PARAMS = ("embedding", "unembedding")
+
+Batch = dict[str, jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """How the canonical parameters are viewed for a pipeline of `stages` x `virtual` chunks."""
+  stages: int
+  virtual: int
+  vocab_size: int
+  vocab_parallel: bool
+
+  @property
+  def chunks(self) -> int:
+    return self.stages * self.virtual
+
+  @property
+  def padded_vocab(self) -> int:
+    return vocab.padded_vocab(self.vocab_size, self.stages) if self.vocab_parallel else self.vocab_size
+
+  def leaf_to_stages(self, name: str, x):
+    """One canonical leaf (named by its last key) in the pipeline view."""
+    if name == "layers":
+      return x.reshape(self.virtual, self.stages, x.shape[0] // self.chunks, *x.shape[1:])
+    pad = self.padded_vocab - self.vocab_size
+    if name == "embedding" and pad:
+      return jnp.pad(x, ((0, pad), (0, 0)))
+    if name == "unembedding" and pad:
+      return jnp.pad(x, ((0, 0), (0, pad)))
+    return x
+
+  def leaf_from_stages(self, name: str, x):
+    """The inverse of `leaf_to_stages`: the canonical leaf, vocabulary padding dropped."""
+    if name == "layers":
+      return x.reshape(x.shape[0] * x.shape[1] * x.shape[2], *x.shape[3:])
+    if name == "embedding":
+      return x[:self.vocab_size]
+    if name == "unembedding":
+      return x[:, :self.vocab_size]
+    return x
+
+  def logical_axes(self, axes: dict[str, Any]) -> dict[str, Any]:
+    """The parameters' logical axes in the pipeline view (`stage` names the stage dim)."""
+    out = dict(axes)
+    out["layers"] = {k: (None, "stage", *a) for k, a in axes["layers"].items()}
+    return out
+
+  def rules(self, rules):
+    """Logical rules of the view: with vocabulary parallelism the vocab dim splits over `stage`."""
+    return ((("vocab", AXIS),) if self.vocab_parallel else ()) + tuple(rules)
+
+
+def _kind(path) -> str:
+  """'layers' for a stacked-layer leaf, else the parameter's own name."""
+  keys = [getattr(k, "key", None) for k in path]
+  return "layers" if "layers" in keys else str(keys[-1])
+
+
+def to_stages(layout: Layout, params):
+  """Canonical parameters (or any tree of the same keys, such as Adam's moments) -> the view."""
+  return jax.tree_util.tree_map_with_path(lambda p, x: layout.leaf_to_stages(_kind(p), x), params)
+
+
+def from_stages(layout: Layout, params):
+  return jax.tree_util.tree_map_with_path(lambda p, x: layout.leaf_from_stages(_kind(p), x), params)
+
+
+def check_layout(stages: int, virtual: int, n_layers: int) -> None:
+  if n_layers % (stages * virtual):
+    raise ValueError(f"model.n_layers={n_layers} does not split into {stages} stages x "
+                     f"pipeline.virtual_stages={virtual} chunks; use n_layers a multiple of "
+                     f"{stages * virtual} or another stage axis / virtual_stages")
+
+
+# ---------------------------------------------------------------------------
+# The executor
+# ---------------------------------------------------------------------------
+
+
+def split_microbatches(batch: Batch, n: int) -> Batch:
+  """[B, ...] -> [n, B/n, ...], microbatch i taking rows i, i+n, ... so each stays evenly sharded."""
+  return jax.tree.map(lambda x: x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1), batch)
+
+
+def _take(tree, i):
+  return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), tree)
+
+
+def _put(tree, i, value):
+  return jax.tree.map(lambda x, v: jax.lax.dynamic_update_index_in_dim(x, v, i, 0), tree, value)
+
+
+def _add_at(tree, i, value):
+  return _put(tree, i, jax.tree.map(jnp.add, _take(tree, i), value))
+
+
+def _trash(slot, size: int):
+  """Slot -1 (nothing to write) goes to the extra last entry, so writes need no branch."""
+  return jnp.where(slot < 0, size, slot)
+
+
+class _Chunk:
+  """A chunk's forward with its vjp residuals split off, and the backward that consumes them."""
+
+  def __init__(self, cfg: transformer.TransformerConfig, attention_fn: Callable):
+    self.cfg, self.attention_fn = cfg, attention_fn
+
+  def _vjp(self, params, x, mb: Batch):
+    def run(params, x):
+      return transformer.apply_layers(self.cfg, params, x, mb["positions"], mb["segment_ids"],
+                                      self.attention_fn)
+    y, vjp_fn = jax.vjp(run, params, x)
+    leaves, treedef = jax.tree.flatten(vjp_fn)
+    # Residuals that ARE the weights are not stored: the backward reads the live ones.
+    weight_ids = {id(w) for w in jax.tree.leaves(params)}
+    stored = [i for i, leaf in enumerate(leaves) if id(leaf) not in weight_ids]
+    return y, leaves, treedef, stored
+
+  def residual_shapes(self, params, x, mb: Batch):
+    def shapes(params, x, mb):
+      _, leaves, _, stored = self._vjp(params, x, mb)
+      return [leaves[i] for i in stored]
+    return jax.eval_shape(shapes, params, x, mb)
+
+  def forward(self, params, x, mb: Batch):
+    y, leaves, _, stored = self._vjp(params, x, mb)
+    return y, [leaves[i] for i in stored]
+
+  def backward(self, params, residuals, dy, mb: Batch):
+    # A fresh trace gives this trace's weights and the vjp's structure; its forward is
+    # dead code (only its weight leaves are read) and XLA removes it.
+    _, leaves, treedef, stored = self._vjp(params, jnp.zeros_like(dy), mb)
+    for i, r in zip(stored, residuals):
+      leaves[i] = r
+    return jax.tree.unflatten(treedef, leaves)(dy)
+
+
+def _losses(logits, mb: Batch):
+  return optax.softmax_cross_entropy_with_integer_labels(logits, mb["targets"]) * mb["loss_mask"]
+
+
+class _VocabLayers:
+  """Input embedding and head (final norm, output layer, summed cross-entropy) per microbatch.
+
+  Replicated: stage 0 embeds, the last stage runs the head; others skip (per-device
+  branch). Vocabulary-parallel: every stage runs its vocab shard and one collective joins them.
+  """
+
+  def __init__(self, cfg, layout: Layout, algorithm: int):
+    self.cfg, self.layout, self.algorithm = cfg, layout, algorithm
+    self.last = layout.stages - 1
+
+  def embed(self, params, tokens, stage):
+    cfg = self.cfg
+    if self.layout.vocab_parallel:
+      return vocab.embed(params["embedding"], tokens, axis=AXIS, dtype=jnp.dtype(cfg.dtype))
+    return jax.lax.cond(stage == 0, lambda: transformer.embed(cfg, params["embedding"], tokens),
+                        lambda: jnp.zeros(tokens.shape + (cfg.d_model,), cfg.dtype))
+
+  def embed_grad(self, params, dx, tokens, stage):
+    """Gradient of the embedding (replicated: on stage 0 only; else the local shard)."""
+    if self.layout.vocab_parallel:
+      dx = vocab.broadcast_from(dx, 0, axis=AXIS)
+      return vocab.embed_grad(dx, tokens, vocab_shard_size=params["embedding"].shape[0], axis=AXIS)
+    _, vjp = jax.vjp(lambda e: transformer.embed(self.cfg, e, tokens), params["embedding"])
+    return jax.lax.cond(stage == 0, lambda: vjp(dx)[0],
+                        lambda: jnp.zeros_like(params["embedding"]))
+
+  def _head_params(self, params):
+    return {k: params[k] for k in ("final_norm", "unembedding", "embedding") if k in params
+            if k != "embedding" or self.cfg.tie_embeddings}
+
+  def head(self, params, y, mb: Batch, stage):
+    """(loss sum, d loss / d y, gradients of the head's parameters) for one microbatch."""
+    cfg = self.cfg
+    head_params = self._head_params(params)
+    if not self.layout.vocab_parallel:
+      def loss(hp, y):
+        logits = transformer.unembed(cfg, y, hp["final_norm"], hp.get("embedding"),
+                                     hp.get("unembedding"))
+        return jnp.sum(_losses(logits, mb))
+
+      def run():
+        value, (dhp, dy) = jax.value_and_grad(loss, argnums=(0, 1))(head_params, y)
+        return value, dy, dhp
+      skip = lambda: jax.tree.map(jnp.zeros_like, (jnp.zeros((), jnp.float32), y, head_params))
+      return jax.lax.cond(stage == self.last, run, skip)
+
+    y = vocab.broadcast_from(y, self.last, axis=AXIS)
+    h, norm_vjp = jax.vjp(lambda y, s: transformer.rms_norm(y, s, cfg.norm_eps), y,
+                          head_params["final_norm"])
+    if cfg.tie_embeddings:
+      scale = cfg.d_model ** -0.5
+      w = head_params["embedding"].T * scale
+    else:
+      w = head_params["unembedding"]
+    value, dh, dw = vocab.output_layer(h, w, mb["targets"], mb["loss_mask"],
+                                       vocab_size=cfg.vocab_size, axis=AXIS,
+                                       algorithm=self.algorithm, dtype=jnp.dtype(cfg.dtype))
+    dy, dnorm = norm_vjp(dh.astype(h.dtype))
+    # Every stage computed the same norm gradient: keep one copy, the sum over stages adds them.
+    grads = {"final_norm": jnp.where(stage == self.last, dnorm, 0.0)}
+    if cfg.tie_embeddings:
+      grads["embedding"] = dw.T * scale
+    else:
+      grads["unembedding"] = dw
+    return value, dy, grads
+
+
+def pipeline_loss_and_grads(cfg: transformer.TransformerConfig, schedule: Schedule,
+                            layout: Layout, params, batch: Batch, *, mesh,
+                            vocab_algorithm: int = 2, attention_fn: Callable | None = None):
+  """(summed token loss, gradients of it in the pipeline view) of `batch` run by `schedule`.
+
+  `params` are in the `to_stages` view; `batch` is [B, T] arrays with B divisible by
+  schedule.microbatches. Divide loss and gradients by the token count for the mean.
+  """
+  _, attention_fn = transformer.default_inputs(cfg, batch["inputs"], None, attention_fn)
+  mbs = split_microbatches(batch, schedule.microbatches)
+  tables = {k: jnp.asarray(getattr(schedule, k)) for k in (
+      "kind", "microbatch", "virtual", "res_slot", "act_recv", "act_in", "grad_recv", "grad_in")}
+  tick_tables = {k: jnp.asarray(getattr(schedule, k)) for k in (
+      "embed_microbatch", "embed_grad_microbatch", "head_microbatch", "head_slot")}
+  chunk = _Chunk(cfg, attention_fn)
+  vl = _VocabLayers(cfg, layout, vocab_algorithm)
+  p = layout.stages
+  G = layout.chunks
+
+  def per_stage(params, mbs):
+    stage = jax.lax.axis_index(AXIS)
+    layers = jax.tree.map(lambda x: x[:, 0], params["layers"])  # [virtual, chunk, ...]
+    vocab_params = {k: v for k, v in params.items() if k != "layers"}
+    Bm, T = mbs["inputs"].shape[1:]
+    act = jax.ShapeDtypeStruct((Bm, T, cfg.d_model), jnp.dtype(cfg.dtype))
+    first_mb = _take(mbs, 0)
+    res_shapes = chunk.residual_shapes(_take(layers, 0), act, first_mb)
+
+    def buffer(n, like):
+      return jnp.zeros((n + 1, *like.shape), like.dtype)  # +1: the trash slot
+
+    zero_act = jnp.zeros(act.shape, act.dtype)
+    carry = dict(
+        act_inbox=buffer(schedule.act_slots, act), grad_inbox=buffer(schedule.grad_slots, act),
+        residuals=[buffer(schedule.res_slots, r) for r in res_shapes],
+        arrive_f=zero_act, arrive_b=zero_act, send_f=zero_act, send_b=zero_act,
+        x0=zero_act, dx0=zero_act, head_in=zero_act,
+        layer_grads=jax.tree.map(jnp.zeros_like, layers),
+        vocab_grads=jax.tree.map(jnp.zeros_like, vocab_params),
+        loss=jnp.zeros((), jnp.float32))
+
+    def tick(c, rows):
+      mine = {k: rows[k][stage] for k in tables}
+      c = dict(c)
+      c["act_inbox"] = _put(c["act_inbox"], _trash(mine["act_recv"], schedule.act_slots),
+                            c["arrive_f"])
+      c["grad_inbox"] = _put(c["grad_inbox"], _trash(mine["grad_recv"], schedule.grad_slots),
+                             c["arrive_b"])
+      emb_mb = rows["embed_microbatch"]
+      c["x0"] = jax.lax.cond(
+          emb_mb >= 0,
+          lambda: vl.embed(vocab_params, _take(mbs, emb_mb)["inputs"], stage),
+          lambda: c["x0"])
+
+      mb_index, virtual = mine["microbatch"], mine["virtual"]
+      g = virtual * p + stage
+      mb = _take(mbs, jnp.maximum(mb_index, 0))
+      chunk_params = _take(layers, jnp.maximum(virtual, 0))
+
+      def forward(c):
+        x = jnp.where(g == 0, c["x0"], _take(c["act_inbox"], mine["act_in"]))
+        y, res = chunk.forward(chunk_params, x, mb)
+        c = dict(c, send_f=y, head_in=jnp.where(g == G - 1, y, c["head_in"]))
+        c["residuals"] = _put(c["residuals"], mine["res_slot"], res)
+        return c
+
+      def backward(c):
+        dy = _take(c["grad_inbox"], mine["grad_in"])
+        res = _take(c["residuals"], mine["res_slot"])
+        dparams, dx = chunk.backward(chunk_params, res, dy, mb)
+        c = dict(c, send_b=dx, dx0=jnp.where(g == 0, dx, c["dx0"]))
+        c["layer_grads"] = _add_at(c["layer_grads"], virtual, dparams)
+        return c
+
+      c = jax.lax.switch(mine["kind"], [lambda c: c, forward, backward], c)
+
+      head_mb = rows["head_microbatch"]
+
+      def head(c):
+        value, dy, dhp = vl.head(vocab_params, c["head_in"], _take(mbs, head_mb), stage)
+        c = dict(c, loss=c["loss"] + value)
+        c["grad_inbox"] = _put(c["grad_inbox"], _trash(
+            jnp.where(stage == p - 1, rows["head_slot"], -1), schedule.grad_slots), dy)
+        c["vocab_grads"] = {k: v + dhp[k] if k in dhp else v for k, v in c["vocab_grads"].items()}
+        return c
+      c = jax.lax.cond(head_mb >= 0, head, lambda c: c, c)
+
+      emb_grad_mb = rows["embed_grad_microbatch"]
+
+      def embed_grad(c):
+        d = vl.embed_grad(vocab_params, c["dx0"], _take(mbs, emb_grad_mb)["inputs"], stage)
+        grads = dict(c["vocab_grads"], embedding=c["vocab_grads"]["embedding"] + d)
+        return dict(c, vocab_grads=grads)
+      c = jax.lax.cond(emb_grad_mb >= 0, embed_grad, lambda c: c, c)
+
+      c["arrive_f"] = jax.lax.ppermute(c["send_f"], AXIS, [(i, (i + 1) % p) for i in range(p)])
+      c["arrive_b"] = jax.lax.ppermute(c["send_b"], AXIS, [(i, (i - 1) % p) for i in range(p)])
+      return c, None
+
+    xs = {**tables, **tick_tables}
+    c, _ = jax.lax.scan(tick, carry, xs)
+    layer_grads = jax.tree.map(lambda x: x[:, None], c["layer_grads"])
+    vocab_grads = {k: (v if layout.vocab_parallel and k in VOCAB_PARAMS
+                       else jax.lax.psum(v, AXIS)) for k, v in c["vocab_grads"].items()}
+    # Replicated head: only the last stage added loss; parallel: every stage holds the total.
+    loss = c["loss"] if layout.vocab_parallel else jax.lax.psum(c["loss"], AXIS)
+    return loss, {**vocab_grads, "layers": layer_grads}
+
+  param_specs = _param_specs(layout, params)
+  fn = jax.shard_map(per_stage, mesh=mesh, in_specs=(param_specs, P()),
+                     out_specs=(P(), param_specs), axis_names={AXIS},
+                     # Per-stage branches mix stage-varying and uniform values everywhere;
+                     # the executor's collectives are explicit, none is differentiated.
+                     check_vma=False)
+  return fn(params, mbs)
+
+
+def _param_specs(layout: Layout, params):
+  """shard_map specs over `stage` only: layers on their stage dim, vocab layers when parallel."""
+  def spec(path, x):
+    kind = _kind(path)
+    if kind == "layers":
+      return P(None, AXIS)
+    if layout.vocab_parallel and kind == "embedding":
+      return P(AXIS)
+    if layout.vocab_parallel and kind == "unembedding":
+      return P(None, AXIS)
+    return P()
+  return jax.tree_util.tree_map_with_path(spec, params)

@@ -1,0 +1,150 @@
+"""A pipelined run's train step and state: the stage view of the parameters, stepped by the
+pipeline executor, saved and evaluated in the canonical `[layers, ...]` form.
+
+The state holds parameters and optimizer moments in `pipeline.to_stages` form (layers
+`[virtual, stage, layers/chunk, ...]` split over `stage`, vocabulary padded and split over
+`stage` with vocabulary parallelism), so a step moves no weights. `to_saved` and
+`from_saved` convert the whole state at checkpoint time, which is why a run resumes
+under any schedule, any stage count, or none.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxsys import mesh as mesh_lib
+from jaxsys.kernels import sharded
+from jaxsys.models import transformer
+from jaxsys.optim.inner import make_optimizer
+from jaxsys.parallel import pipeline
+from jaxsys.train import state as state_lib
+from jaxsys.train import step as step_lib
+from jaxsys.train.state import TrainState
+
+mesh_lib.claim_axis(pipeline.AXIS)
+
+
+def pipelined_train_step(state: TrainState, batch: step_lib.Batch, *,
+                         model_cfg: transformer.TransformerConfig,
+                         optimizer: optax.GradientTransformation, schedule: pipeline.Schedule,
+                         layout: pipeline.Layout, mesh, vocab_algorithm: int = 2):
+  """`step.train_step` with the gradients from `pipeline_loss_and_grads`."""
+  total, grads = pipeline.pipeline_loss_and_grads(model_cfg, schedule, layout, state.params, batch,
+                                                  mesh=mesh, vocab_algorithm=vocab_algorithm)
+  return step_lib.apply_gradients(state, optimizer, total, jnp.sum(batch["loss_mask"]), grads)
+
+
+def _map_state(layout_fn, layout: pipeline.Layout, state: TrainState) -> TrainState:
+  # Parameters and every optimizer leaf of the same keys (Adam's moments) change view;
+  # counts and the step have no such keys and pass through.
+  return state.replace(params=layout_fn(layout, state.params),
+                       opt_state=layout_fn(layout, state.opt_state))
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineSetup(step_lib.TrainSetup):
+  """`step.TrainSetup` over the stage view, with the conversions to and from the canonical form."""
+  layout: pipeline.Layout = None
+  schedule: pipeline.Schedule = None
+  canonical: TrainState = None  # abstract canonical state
+  canonical_sh: TrainState = None  # its shardings on this mesh (layers split over `stage`)
+
+  @property
+  def param_sh(self):
+    return self.canonical_sh.params
+
+  @functools.cached_property
+  def _to_canonical(self):
+    return jax.jit(functools.partial(_map_state, pipeline.from_stages, self.layout),
+                   out_shardings=self.canonical_sh)
+
+  @functools.cached_property
+  def _from_canonical(self):
+    return jax.jit(functools.partial(_map_state, pipeline.to_stages, self.layout),
+                   out_shardings=self.state_sh)
+
+  @functools.cached_property
+  def _params_to_canonical(self):
+    return jax.jit(functools.partial(pipeline.from_stages, self.layout),
+                   out_shardings=self.canonical_sh.params)
+
+  def eval_params(self, params):
+    return self._params_to_canonical(params)
+
+  def saved_target(self) -> TrainState:
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        self.canonical, self.canonical_sh)
+
+  def to_saved(self, state: TrainState) -> TrainState:
+    return self._to_canonical(state)
+
+  def from_saved(self, state: TrainState) -> TrainState:
+    return self._from_canonical(state)
+
+  def init_state(self, seed: int) -> TrainState:
+    """The canonical fresh state of `seed`, in the stage view: the same numbers as unpipelined."""
+    init = lambda: _map_state(pipeline.to_stages, self.layout,
+                              state_lib.init_train_state(self.model_cfg, self.optimizer, seed))
+    return jax.jit(init, out_shardings=self.state_sh)()
+
+  def start_from(self, state: TrainState, params) -> TrainState:
+    def start(s, p):
+      p = pipeline.to_stages(self.layout, p)
+      return s.replace(params=p, opt_state=self.optimizer.init(p))
+    return jax.jit(start, out_shardings=self.state_sh, donate_argnums=0)(state, params)
+
+
+def make_layout(config, model_cfg: transformer.TransformerConfig, mesh) -> pipeline.Layout:
+  stages = dict(mesh.shape).get(pipeline.AXIS, 1)
+  virtual = config.pipeline.virtual_stages
+  pipeline.check_layout(stages, virtual, model_cfg.n_layers)
+  return pipeline.Layout(stages=stages, virtual=virtual, vocab_size=model_cfg.vocab_size,
+                         vocab_parallel=bool(config.pipeline.vocab_parallel))
+
+
+def stage_state_shardings(abstract: TrainState, model_cfg, optimizer, layout: pipeline.Layout,
+                          mesh) -> TrainState:
+  """Shardings of the stage-view state: the view's logical axes through the view's rules."""
+  axes = layout.logical_axes(transformer.param_axes(model_cfg))
+  rules = layout.rules(mesh_lib.DEFAULT_RULES)
+  param_sh = mesh_lib.logical_to_sharding(axes, mesh, rules, shapes=abstract.params)
+  replicated = NamedSharding(mesh, PartitionSpec())
+  opt_sh = optax.tree_map_params(optimizer, lambda _, sh: sh, abstract.opt_state, param_sh,
+                                 transform_non_params=lambda _: replicated,
+                                 is_leaf=lambda x: isinstance(x, NamedSharding))
+  return TrainState(step=replicated, params=param_sh, opt_state=opt_sh)
+
+
+# Canonical layers split over `stage` in contiguous blocks: for one chunk per stage that is
+# the stage view's own placement, so saving moves no data between devices.
+CANONICAL_RULES = (("layers", pipeline.AXIS),) + tuple(mesh_lib.DEFAULT_RULES)
+
+
+def make_pipeline_setup(config, model_cfg: transformer.TransformerConfig, mesh) -> PipelineSetup:
+  """The pipelined train step of `config` on `mesh` and its state views."""
+  layout = make_layout(config, model_cfg, mesh)
+  schedule = pipeline.make_schedule(config.pipeline.schedule, stages=layout.stages,
+                                    microbatches=config.pipeline.microbatches,
+                                    virtual_stages=layout.virtual)
+  optimizer = make_optimizer(config.optimizer, config.total_steps)
+  canonical = state_lib.abstract_train_state(model_cfg, optimizer, config.seed)
+  canonical_sh = state_lib.state_shardings(canonical, model_cfg, optimizer, mesh, CANONICAL_RULES)
+  abstract = jax.eval_shape(functools.partial(_map_state, pipeline.to_stages, layout), canonical)
+  state_sh = stage_state_shardings(abstract, model_cfg, optimizer, layout, mesh)
+  batch_sh = mesh_lib.batch_sharding(mesh)
+  fn = functools.partial(pipelined_train_step, model_cfg=model_cfg, optimizer=optimizer,
+                         schedule=schedule, layout=layout, mesh=mesh,
+                         vocab_algorithm=config.pipeline.vocab_algorithm)
+  replicated = NamedSharding(mesh, PartitionSpec())
+  train_fn = jax.jit(sharded.under_mesh(fn, mesh), in_shardings=(state_sh, batch_sh),
+                     out_shardings=(state_sh, replicated), donate_argnums=0,
+                     compiler_options=step_lib.compiler_options(model_cfg, mesh))
+  return PipelineSetup(model_cfg, optimizer, abstract, state_sh, batch_sh, train_fn,
+                       layout=layout, schedule=schedule, canonical=canonical,
+                       canonical_sh=canonical_sh)
