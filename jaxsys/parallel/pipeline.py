@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxsys.models import transformer
 from jaxsys.parallel import schedules, vocab
-from jaxsys.parallel.schedules import BACKWARD, FORWARD, Schedule, make_schedule  # noqa: F401
+from jaxsys.parallel.schedules import BACKWARD, FORWARD, IDLE, Schedule, make_schedule  # noqa: F401
 
 AXIS = "stage"
 SCHEDULES = ("none", "gpipe", "1f1b", "interleaved_1f1b")
@@ -211,8 +211,8 @@ class _VocabLayers:
                         lambda: jnp.zeros_like(params["embedding"]))
 
   def _head_params(self, params):
-    return {k: params[k] for k in ("final_norm", "unembedding", "embedding") if k in params
-            if k != "embedding" or self.cfg.tie_embeddings}
+    names = ("final_norm", "embedding" if self.cfg.tie_embeddings else "unembedding")
+    return {k: params[k] for k in names}
 
   def head(self, params, y, mb: Batch, stage):
     """(loss sum, d loss / d y, gradients of the head's parameters) for one microbatch."""
@@ -233,31 +233,26 @@ class _VocabLayers:
     y = vocab.broadcast_from(y, self.last, axis=AXIS)
     h, norm_vjp = jax.vjp(lambda y, s: transformer.rms_norm(y, s, cfg.norm_eps), y,
                           head_params["final_norm"])
-    if cfg.tie_embeddings:
-      scale = cfg.d_model ** -0.5
-      w = head_params["embedding"].T * scale
-    else:
-      w = head_params["unembedding"]
-    value, dh, dw = vocab.output_layer(h, w, mb["targets"], mb["loss_mask"],
-                                       vocab_size=cfg.vocab_size, axis=AXIS,
-                                       algorithm=self.algorithm, dtype=jnp.dtype(cfg.dtype))
+    name = "embedding" if cfg.tie_embeddings else "unembedding"
+    output_layer = vocab.output_layer_tied if cfg.tie_embeddings else vocab.output_layer
+    value, dh, dw = output_layer(h, head_params[name], mb["targets"], mb["loss_mask"],
+                                 vocab_size=cfg.vocab_size, axis=AXIS, algorithm=self.algorithm,
+                                 dtype=jnp.dtype(cfg.dtype))
     dy, dnorm = norm_vjp(dh.astype(h.dtype))
     # Every stage computed the same norm gradient: keep one copy, the sum over stages adds them.
-    grads = {"final_norm": jnp.where(stage == self.last, dnorm, 0.0)}
-    if cfg.tie_embeddings:
-      grads["embedding"] = dw.T * scale
-    else:
-      grads["unembedding"] = dw
-    return value, dy, grads
+    return value, dy, {"final_norm": jnp.where(stage == self.last, dnorm, 0.0), name: dw}
 
 
 def pipeline_loss_and_grads(cfg: transformer.TransformerConfig, schedule: Schedule,
                             layout: Layout, params, batch: Batch, *, mesh,
-                            vocab_algorithm: int = 2, attention_fn: Callable | None = None):
+                            vocab_algorithm: int = 2, attention_fn: Callable | None = None,
+                            with_counts: bool = False):
   """(summed token loss, gradients of it in the pipeline view) of `batch` run by `schedule`.
 
   `params` are in the `to_stages` view; `batch` is [B, T] arrays with B divisible by
   schedule.microbatches. Divide loss and gradients by the token count for the mean.
+  `with_counts` adds a third output, the ticks each stage actually spent in each branch,
+  [stages, 3] for (idle, forward, backward): the executed bubble, counted by the program.
   """
   _, attention_fn = transformer.default_inputs(cfg, batch["inputs"], None, attention_fn)
   mbs = split_microbatches(batch, schedule.microbatches)
@@ -290,7 +285,7 @@ def pipeline_loss_and_grads(cfg: transformer.TransformerConfig, schedule: Schedu
         x0=zero_act, dx0=zero_act, head_in=zero_act,
         layer_grads=jax.tree.map(jnp.zeros_like, layers),
         vocab_grads=jax.tree.map(jnp.zeros_like, vocab_params),
-        loss=jnp.zeros((), jnp.float32))
+        loss=jnp.zeros((), jnp.float32), counts=jnp.zeros((3,), jnp.int32))
 
     def tick(c, rows):
       mine = {k: rows[k][stage] for k in tables}
@@ -325,7 +320,14 @@ def pipeline_loss_and_grads(cfg: transformer.TransformerConfig, schedule: Schedu
         c["layer_grads"] = _add_at(c["layer_grads"], virtual, dparams)
         return c
 
-      c = jax.lax.switch(mine["kind"], [lambda c: c, forward, backward], c)
+      def counted(branch, kind):
+        def run(c):
+          c = branch(c)
+          return dict(c, counts=c["counts"].at[kind].add(1))
+        return run
+
+      c = jax.lax.switch(mine["kind"], [counted(lambda c: c, IDLE), counted(forward, FORWARD),
+                                        counted(backward, BACKWARD)], c)
 
       head_mb = rows["head_microbatch"]
 
@@ -357,15 +359,16 @@ def pipeline_loss_and_grads(cfg: transformer.TransformerConfig, schedule: Schedu
                        else jax.lax.psum(v, AXIS)) for k, v in c["vocab_grads"].items()}
     # Replicated head: only the last stage added loss; parallel: every stage holds the total.
     loss = c["loss"] if layout.vocab_parallel else jax.lax.psum(c["loss"], AXIS)
-    return loss, {**vocab_grads, "layers": layer_grads}
+    return loss, {**vocab_grads, "layers": layer_grads}, c["counts"][None]
 
   param_specs = _param_specs(layout, params)
   fn = jax.shard_map(per_stage, mesh=mesh, in_specs=(param_specs, P()),
-                     out_specs=(P(), param_specs), axis_names={AXIS},
+                     out_specs=(P(), param_specs, P(AXIS)), axis_names={AXIS},
                      # Per-stage branches mix stage-varying and uniform values everywhere;
                      # the executor's collectives are explicit, none is differentiated.
                      check_vma=False)
-  return fn(params, mbs)
+  loss, grads, counts = fn(params, mbs)
+  return (loss, grads, counts) if with_counts else (loss, grads)
 
 
 def _param_specs(layout: Layout, params):
