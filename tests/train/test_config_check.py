@@ -48,6 +48,10 @@ class FieldsTest(parameterized.TestCase):
                           optimizer__outer_group_size=4)),
       ("warmup_is_schedule", dict(total_steps=4, optimizer__warmup_steps=4)),
       ("size_one_stage", dict(mesh="stage=1,data=-1")),
+      ("pipeline", dict(mesh="stage=2,data=-1", pipeline__schedule="1f1b",
+                        pipeline__vocab_parallel=True)),
+      ("interleaved", dict(mesh="stage=2,tensor=2,data=2", pipeline__schedule="interleaved_1f1b",
+                           pipeline__virtual_stages=2, model__n_layers=4)),
       ("all_sharded", dict(mesh="replica=2,fsdp=2,tensor=2", optimizer__outer="co2")),
   )
   def test_valid(self, overrides):
@@ -103,6 +107,11 @@ class FieldsTest(parameterized.TestCase):
       ("compression", dict(optimizer__outer_compression="int4"),
        "optimizer.outer_compression='int4' is unknown; valid: none, bf16, int8, fp8"),
       ("group_size", dict(optimizer__outer_group_size=1), "optimizer.outer_group_size=1 is invalid"),
+      ("schedule", dict(pipeline__schedule="zb-h1"), "pipeline.schedule='zb-h1' is unknown; valid: "
+       "none, gpipe, 1f1b, interleaved_1f1b"),
+      ("microbatches", dict(pipeline__microbatches=0), "pipeline.microbatches=0 is invalid"),
+      ("vocab_algorithm", dict(pipeline__vocab_algorithm=3), "pipeline.vocab_algorithm=3 is "
+       "invalid; it must be 1 or 2"),
       ("allow_change", dict(allow_model_change="rope_theta,d_model"),
        "allow_model_change='rope_theta,d_model' is invalid; it must be '' or a comma-separated "
        "subset of rope_theta, norm_eps, dtype"),
@@ -169,8 +178,37 @@ class RelationsTest(parameterized.TestCase):
        "shards of 'kv_heads'=4; it must divide over the mesh axes that shard 'kv_heads'"),
       ("d_model", dict(mesh="fsdp=-1", model__d_model=36, model__head_dim=8),
        "model.d_model=36 is invalid with mesh shards of 'embed'=8"),
-      ("stage", dict(mesh="stage=2,data=-1"), "mesh axis stage=2 is not used by any strategy yet "
-       "(pipeline parallelism is not implemented); use a replica, data, fsdp or tensor axis"),
+      ("stage_without_pipeline", dict(mesh="stage=2,data=-1"), "mesh axis stage=2 is invalid "
+       "with pipeline.schedule='none'; it must be 1 without a pipeline"),
+      ("stage_layers", dict(mesh="stage=4,data=-1", pipeline__schedule="1f1b"),
+       "model.n_layers=2 is invalid with mesh axis stage=4, pipeline.virtual_stages=1, "
+       "pipeline.schedule='1f1b'; it must split evenly into (mesh axis stage) x "
+       "pipeline.virtual_stages chunks"),
+      ("virtual_layers", dict(mesh="stage=2,data=-1", pipeline__schedule="interleaved_1f1b",
+                              pipeline__virtual_stages=2),
+       "model.n_layers=2 is invalid with mesh axis stage=2, pipeline.virtual_stages=2"),
+      ("microbatches_1f1b", dict(mesh="stage=2,data=-1", pipeline__schedule="1f1b",
+                                 pipeline__microbatches=1),
+       "pipeline.microbatches=1 is fewer than the 2 stages; 1f1b needs microbatches >= stages"),
+      ("microbatch_shards", dict(mesh="stage=2,data=-1", pipeline__schedule="gpipe",
+                                 pipeline__microbatches=8),
+       "data.batch_size=16 is invalid with pipeline.microbatches=8, mesh shards of 'batch'=4, "
+       "pipeline.schedule='gpipe'; it must split into pipeline.microbatches equal microbatches "
+       "that divide over the mesh axes that shard the batch"),
+      ("vocab_parallel_without_stage", dict(pipeline__vocab_parallel=True),
+       "pipeline.vocab_parallel=True is invalid with mesh axis stage=1, "
+       "pipeline.schedule='none'; it must be False without a pipeline"),
+      ("virtual_gpipe", dict(mesh="stage=2,data=-1", pipeline__schedule="gpipe",
+                             pipeline__virtual_stages=2, model__n_layers=4),
+       "pipeline.virtual_stages=2 needs pipeline.schedule=interleaved_1f1b"),
+      ("pipeline_accum", dict(mesh="stage=2,data=-1", pipeline__schedule="gpipe",
+                              optimizer__grad_accum_steps=2),
+       "optimizer.grad_accum_steps=2 is invalid with pipeline.schedule='gpipe'; it must be 1 "
+       "with a pipeline"),
+      ("pipeline_outer", dict(mesh="replica=2,stage=2,data=-1", pipeline__schedule="gpipe",
+                              optimizer__outer="diloco"),
+       "optimizer.outer='diloco' is invalid with pipeline.schedule='gpipe'; it must be none "
+       "with a pipeline"),
       ("context", dict(mesh="data=2,context=-1"), "mesh axis context=4 is not used by any "
        "strategy yet (context parallelism is not implemented)"),
       ("replica_without_outer", dict(mesh="replica=2,data=-1"), "mesh axis replica=2 is invalid "
