@@ -150,15 +150,16 @@ class _Chunk:
     self.cfg, self.attention_fn = cfg, attention_fn
 
   def _vjp(self, params, x, mb: Batch):
-    def run(params, x):
-      return transformer.apply_layers(self.cfg, params, x, mb["positions"], mb["segment_ids"],
-                                      self.attention_fn)
-    y, vjp_fn = jax.vjp(run, params, x)
+    y, vjp_fn = jax.vjp(lambda params, x: self.apply(params, x, mb), params, x)
     leaves, treedef = jax.tree.flatten(vjp_fn)
     # Residuals that ARE the weights are not stored: the backward reads the live ones.
     weight_ids = {id(w) for w in jax.tree.leaves(params)}
     stored = [i for i, leaf in enumerate(leaves) if id(leaf) not in weight_ids]
     return y, leaves, treedef, stored
+
+  def apply(self, params, x, mb: Batch):
+    return transformer.apply_layers(self.cfg, params, x, mb["positions"], mb["segment_ids"],
+                                    self.attention_fn)
 
   def residual_shapes(self, params, x, mb: Batch):
     def shapes(params, x, mb):
@@ -214,15 +215,34 @@ class _VocabLayers:
     names = ("final_norm", "embedding" if self.cfg.tie_embeddings else "unembedding")
     return {k: params[k] for k in names}
 
+  def loss(self, params, y, mb: Batch, stage):
+    """The head's loss sum alone (evaluation)."""
+    cfg = self.cfg
+    head_params = self._head_params(params)
+    if not self.layout.vocab_parallel:
+      return jax.lax.cond(stage == self.last,
+                          lambda: jnp.sum(_losses(self._logits(head_params, y), mb)),
+                          lambda: jnp.zeros((), jnp.float32))
+    h = transformer.rms_norm(vocab.broadcast_from(y, self.last, axis=AXIS),
+                             head_params["final_norm"], cfg.norm_eps)
+    name = "embedding" if cfg.tie_embeddings else "unembedding"
+    output_layer = vocab.output_layer_tied if cfg.tie_embeddings else vocab.output_layer
+    # Algorithm 1 computes the input gradient after the loss; unused here, XLA drops it.
+    return output_layer(h, head_params[name], mb["targets"], mb["loss_mask"],
+                        vocab_size=cfg.vocab_size, axis=AXIS, algorithm=1,
+                        dtype=jnp.dtype(cfg.dtype))[0]
+
+  def _logits(self, head_params, y):
+    return transformer.unembed(self.cfg, y, head_params["final_norm"],
+                               head_params.get("embedding"), head_params.get("unembedding"))
+
   def head(self, params, y, mb: Batch, stage):
     """(loss sum, d loss / d y, gradients of the head's parameters) for one microbatch."""
     cfg = self.cfg
     head_params = self._head_params(params)
     if not self.layout.vocab_parallel:
       def loss(hp, y):
-        logits = transformer.unembed(cfg, y, hp["final_norm"], hp.get("embedding"),
-                                     hp.get("unembedding"))
-        return jnp.sum(_losses(logits, mb))
+        return jnp.sum(_losses(self._logits(hp, y), mb))
 
       def run():
         value, (dhp, dy) = jax.value_and_grad(loss, argnums=(0, 1))(head_params, y)
@@ -254,6 +274,22 @@ def pipeline_loss_and_grads(cfg: transformer.TransformerConfig, schedule: Schedu
   `with_counts` adds a third output, the ticks each stage actually spent in each branch,
   [stages, 3] for (idle, forward, backward): the executed bubble, counted by the program.
   """
+  loss, grads, counts = _execute(cfg, schedule, layout, params, batch, mesh=mesh, train=True,
+                                 vocab_algorithm=vocab_algorithm, attention_fn=attention_fn)
+  return (loss, grads, counts) if with_counts else (loss, grads)
+
+
+def pipeline_loss(cfg: transformer.TransformerConfig, schedule: Schedule, layout: Layout, params,
+                  batch: Batch, *, mesh, attention_fn: Callable | None = None) -> jax.Array:
+  """The summed token loss of `batch`, forward only (evaluation), by `schedule.forward_only()`."""
+  loss, _, _ = _execute(cfg, schedule.forward_only(), layout, params, batch, mesh=mesh,
+                        train=False, vocab_algorithm=1, attention_fn=attention_fn)
+  return loss
+
+
+def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, mesh, train: bool,
+             vocab_algorithm: int, attention_fn):
+  """Runs `schedule`'s ticks; without `train` only forwards and the head's loss."""
   _, attention_fn = transformer.default_inputs(cfg, batch["inputs"], None, attention_fn)
   mbs = split_microbatches(batch, schedule.microbatches)
   tables = {k: jnp.asarray(getattr(schedule, k)) for k in (
@@ -271,29 +307,31 @@ def pipeline_loss_and_grads(cfg: transformer.TransformerConfig, schedule: Schedu
     vocab_params = {k: v for k, v in params.items() if k != "layers"}
     Bm, T = mbs["inputs"].shape[1:]
     act = jax.ShapeDtypeStruct((Bm, T, cfg.d_model), jnp.dtype(cfg.dtype))
-    first_mb = _take(mbs, 0)
-    res_shapes = chunk.residual_shapes(_take(layers, 0), act, first_mb)
 
     def buffer(n, like):
       return jnp.zeros((n + 1, *like.shape), like.dtype)  # +1: the trash slot
 
     zero_act = jnp.zeros(act.shape, act.dtype)
-    carry = dict(
-        act_inbox=buffer(schedule.act_slots, act), grad_inbox=buffer(schedule.grad_slots, act),
-        residuals=[buffer(schedule.res_slots, r) for r in res_shapes],
-        arrive_f=zero_act, arrive_b=zero_act, send_f=zero_act, send_b=zero_act,
-        x0=zero_act, dx0=zero_act, head_in=zero_act,
-        layer_grads=jax.tree.map(jnp.zeros_like, layers),
-        vocab_grads=jax.tree.map(jnp.zeros_like, vocab_params),
-        loss=jnp.zeros((), jnp.float32), counts=jnp.zeros((3,), jnp.int32))
+    carry = dict(act_inbox=buffer(schedule.act_slots, act), arrive_f=zero_act, send_f=zero_act,
+                 x0=zero_act, head_in=zero_act, loss=jnp.zeros((), jnp.float32),
+                 counts=jnp.zeros((3,), jnp.int32))
+    if train:
+      res_shapes = chunk.residual_shapes(_take(layers, 0), act, _take(mbs, 0))
+      carry.update(
+          grad_inbox=buffer(schedule.grad_slots, act),
+          residuals=[buffer(schedule.res_slots, r) for r in res_shapes],
+          arrive_b=zero_act, send_b=zero_act, dx0=zero_act,
+          layer_grads=jax.tree.map(jnp.zeros_like, layers),
+          vocab_grads=jax.tree.map(jnp.zeros_like, vocab_params))
 
     def tick(c, rows):
       mine = {k: rows[k][stage] for k in tables}
       c = dict(c)
       c["act_inbox"] = _put(c["act_inbox"], _trash(mine["act_recv"], schedule.act_slots),
                             c["arrive_f"])
-      c["grad_inbox"] = _put(c["grad_inbox"], _trash(mine["grad_recv"], schedule.grad_slots),
-                             c["arrive_b"])
+      if train:
+        c["grad_inbox"] = _put(c["grad_inbox"], _trash(mine["grad_recv"], schedule.grad_slots),
+                               c["arrive_b"])
       emb_mb = rows["embed_microbatch"]
       c["x0"] = jax.lax.cond(
           emb_mb >= 0,
@@ -307,10 +345,12 @@ def pipeline_loss_and_grads(cfg: transformer.TransformerConfig, schedule: Schedu
 
       def forward(c):
         x = jnp.where(g == 0, c["x0"], _take(c["act_inbox"], mine["act_in"]))
-        y, res = chunk.forward(chunk_params, x, mb)
-        c = dict(c, send_f=y, head_in=jnp.where(g == G - 1, y, c["head_in"]))
-        c["residuals"] = _put(c["residuals"], mine["res_slot"], res)
-        return c
+        if train:
+          y, res = chunk.forward(chunk_params, x, mb)
+          c = dict(c, residuals=_put(c["residuals"], mine["res_slot"], res))
+        else:
+          y = chunk.apply(chunk_params, x, mb)
+        return dict(c, send_f=y, head_in=jnp.where(g == G - 1, y, c["head_in"]))
 
       def backward(c):
         dy = _take(c["grad_inbox"], mine["grad_in"])
@@ -326,19 +366,28 @@ def pipeline_loss_and_grads(cfg: transformer.TransformerConfig, schedule: Schedu
           return dict(c, counts=c["counts"].at[kind].add(1))
         return run
 
-      c = jax.lax.switch(mine["kind"], [counted(lambda c: c, IDLE), counted(forward, FORWARD),
-                                        counted(backward, BACKWARD)], c)
+      branches = [counted(lambda c: c, IDLE), counted(forward, FORWARD)]
+      if train:
+        branches.append(counted(backward, BACKWARD))
+      c = jax.lax.switch(mine["kind"], branches, c)
 
       head_mb = rows["head_microbatch"]
 
       def head(c):
-        value, dy, dhp = vl.head(vocab_params, c["head_in"], _take(mbs, head_mb), stage)
+        mb = _take(mbs, head_mb)
+        if not train:
+          return dict(c, loss=c["loss"] + vl.loss(vocab_params, c["head_in"], mb, stage))
+        value, dy, dhp = vl.head(vocab_params, c["head_in"], mb, stage)
         c = dict(c, loss=c["loss"] + value)
         c["grad_inbox"] = _put(c["grad_inbox"], _trash(
             jnp.where(stage == p - 1, rows["head_slot"], -1), schedule.grad_slots), dy)
         c["vocab_grads"] = {k: v + dhp[k] if k in dhp else v for k, v in c["vocab_grads"].items()}
         return c
       c = jax.lax.cond(head_mb >= 0, head, lambda c: c, c)
+
+      c["arrive_f"] = jax.lax.ppermute(c["send_f"], AXIS, [(i, (i + 1) % p) for i in range(p)])
+      if not train:
+        return c, None
 
       emb_grad_mb = rows["embed_grad_microbatch"]
 
@@ -347,28 +396,26 @@ def pipeline_loss_and_grads(cfg: transformer.TransformerConfig, schedule: Schedu
         grads = dict(c["vocab_grads"], embedding=c["vocab_grads"]["embedding"] + d)
         return dict(c, vocab_grads=grads)
       c = jax.lax.cond(emb_grad_mb >= 0, embed_grad, lambda c: c, c)
-
-      c["arrive_f"] = jax.lax.ppermute(c["send_f"], AXIS, [(i, (i + 1) % p) for i in range(p)])
       c["arrive_b"] = jax.lax.ppermute(c["send_b"], AXIS, [(i, (i - 1) % p) for i in range(p)])
       return c, None
 
-    xs = {**tables, **tick_tables}
-    c, _ = jax.lax.scan(tick, carry, xs)
+    c, _ = jax.lax.scan(tick, carry, {**tables, **tick_tables})
+    # Replicated head: only the last stage added loss; parallel: every stage holds the total.
+    loss = c["loss"] if layout.vocab_parallel else jax.lax.psum(c["loss"], AXIS)
+    if not train:
+      return loss, None, c["counts"][None]
     layer_grads = jax.tree.map(lambda x: x[:, None], c["layer_grads"])
     vocab_grads = {k: (v if layout.vocab_parallel and k in VOCAB_PARAMS
                        else jax.lax.psum(v, AXIS)) for k, v in c["vocab_grads"].items()}
-    # Replicated head: only the last stage added loss; parallel: every stage holds the total.
-    loss = c["loss"] if layout.vocab_parallel else jax.lax.psum(c["loss"], AXIS)
     return loss, {**vocab_grads, "layers": layer_grads}, c["counts"][None]
 
   param_specs = _param_specs(layout, params)
   fn = jax.shard_map(per_stage, mesh=mesh, in_specs=(param_specs, P()),
-                     out_specs=(P(), param_specs, P(AXIS)), axis_names={AXIS},
+                     out_specs=(P(), param_specs if train else None, P(AXIS)), axis_names={AXIS},
                      # Per-stage branches mix stage-varying and uniform values everywhere;
                      # the executor's collectives are explicit, none is differentiated.
                      check_vma=False)
-  loss, grads, counts = fn(params, mbs)
-  return (loss, grads, counts) if with_counts else (loss, grads)
+  return fn(params, mbs)
 
 
 def _param_specs(layout: Layout, params):

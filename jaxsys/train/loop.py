@@ -207,8 +207,8 @@ class _Parts:
   val: Validation
   setup: Any  # step.TrainSetup, or replicas.ReplicaSetup with an outer optimizer
   outer: outer_lib.OuterOptimizer | None
-  param_sh: Any  # one model's parameters, as evals read them
-  eval_params: Callable  # state.params -> the parameters evals score
+  param_sh: Any  # one model's canonical parameters (init_from reads into them)
+  eval_params: Callable  # state.params -> the parameters eval_fn scores
   eval_fn: Callable  # (those parameters, batch) -> eval sums
   sync_every: int  # 0 without an outer optimizer
   comm_bytes: Callable[[int], float]  # bytes one worker has sent after that many steps
@@ -237,20 +237,24 @@ def _set_up(config, workdir: str) -> _Parts:
   if outer is None:  # data parallel, optionally pipelined over `stage`
     if config.pipeline.schedule == "none":
       setup = step_lib.make_train_setup(config, model_cfg, mesh)
+      per_step = replicas_lib.dp_bytes_per_step(setup.abstract.params, mesh)
     else:
       setup = pipelined.make_pipeline_setup(config, model_cfg, mesh)
-      logging.info("pipeline: %s", setup.schedule.summary())
-    param_sh, eval_params, sync_every = setup.param_sh, setup.eval_params, 0
-    comm_bytes = lambda s: s * replicas_lib.dp_bytes_per_step(setup.abstract.params, mesh)
+      per_step = setup.bytes_per_step()
+      logging.info("pipeline: %s; %d bytes sent per device per step", setup.schedule.summary(),
+                   per_step)
+    param_sh, eval_params, sync_every = setup.param_sh, (lambda p: p), 0
+    eval_fn = setup.jit_eval_step(val.token_bytes)
+    comm_bytes = lambda s: s * per_step
   else:
     setup = replicas_lib.make_replica_setup(config, model_cfg, mesh, outer)
     param_sh, eval_params, sync_every = setup.param_sh, setup.eval_params, outer.sync_every
+    eval_fn = step_lib.jit_eval_step(model_cfg, param_sh, setup.batch_sh, val.token_bytes)
     comm_bytes = lambda s: (s // sync_every) * setup.bytes_per_sync
     meta["outer"] = {"view": "replica", "name": outer.name, "replicas": setup.replicas,
                      "sync_every": sync_every}
     logging.info("outer optimizer %s over %d replicas, sync every %d steps, %d bytes sent per "
                  "replica per sync", outer.name, setup.replicas, sync_every, setup.bytes_per_sync)
-  eval_fn = step_lib.jit_eval_step(model_cfg, param_sh, setup.batch_sh, val.token_bytes)
   return _Parts(model_cfg, train_loader, val, setup, outer, param_sh, eval_params, eval_fn,
                 sync_every, comm_bytes, meta)
 

@@ -1,5 +1,5 @@
-"""A pipelined run's train step and state: the stage view of the parameters, stepped by the
-pipeline executor, saved and evaluated in the canonical `[layers, ...]` form.
+"""A pipelined run's train step, eval step and state: the stage view of the parameters,
+stepped and evaluated by the pipeline executor, saved in the canonical `[layers, ...]` form.
 
 The state holds parameters and optimizer moments in `pipeline.to_stages` form (layers
 `[virtual, stage, layers/chunk, ...]` split over `stage`, vocabulary padded and split over
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+import math
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxsys import mesh as mesh_lib
 from jaxsys.kernels import sharded
 from jaxsys.models import transformer
+from jaxsys.optim import outer as outer_lib
 from jaxsys.optim.inner import make_optimizer
 from jaxsys.parallel import pipeline
 from jaxsys.train import state as state_lib
@@ -54,6 +55,8 @@ class PipelineSetup(step_lib.TrainSetup):
   schedule: pipeline.Schedule = None
   canonical: TrainState = None  # abstract canonical state
   canonical_sh: TrainState = None  # its shardings on this mesh (layers split over `stage`)
+  batch_size: int = 0
+  seq_len: int = 0
 
   @property
   def param_sh(self):
@@ -69,13 +72,33 @@ class PipelineSetup(step_lib.TrainSetup):
     return jax.jit(functools.partial(_map_state, pipeline.to_stages, self.layout),
                    out_shardings=self.state_sh)
 
-  @functools.cached_property
-  def _params_to_canonical(self):
-    return jax.jit(functools.partial(pipeline.from_stages, self.layout),
-                   out_shardings=self.canonical_sh.params)
+  def jit_eval_step(self, token_bytes):
+    """Eval sums of the stage-view parameters, by the schedule's forwards: no weight moves."""
+    table = jnp.asarray(token_bytes, jnp.float32)
 
-  def eval_params(self, params):
-    return self._params_to_canonical(params)
+    def eval_step(params, batch):
+      loss_sum = pipeline.pipeline_loss(self.model_cfg, self.schedule, self.layout, params, batch,
+                                        mesh=self.batch_sh.mesh)
+      return step_lib.eval_sums_of_loss(loss_sum, batch, table)
+    mesh = self.batch_sh.mesh
+    return jax.jit(sharded.under_mesh(eval_step, mesh),
+                   in_shardings=(self.state_sh.params, self.batch_sh),
+                   out_shardings=NamedSharding(mesh, PartitionSpec()),
+                   compiler_options=step_lib.compiler_options(self.model_cfg, mesh))
+
+  def bytes_per_step(self) -> int:
+    """Bytes one device sends per step: the ring all-reduce of its stage's gradients over the
+    batch axes, plus the activation and the gradient it passes to its neighbours every tick
+    (the executor sends both each tick, idle or not). Vocabulary collectives are not counted."""
+    mesh = self.batch_sh.mesh
+    stage_share = lambda sh: mesh.shape[pipeline.AXIS] if pipeline.AXIS in str(sh.spec) else 1
+    grads = sum(math.prod(x.shape) * x.dtype.itemsize // stage_share(sh)
+                for x, sh in zip(jax.tree.leaves(self.abstract.params),
+                                 jax.tree.leaves(self.state_sh.params)))
+    shards = math.prod(mesh.shape.get(a, 1) for a in ("replica", "data", "fsdp"))
+    rows = self.batch_size // self.schedule.microbatches // shards
+    activation = rows * self.seq_len * self.model_cfg.d_model * jnp.dtype(self.model_cfg.dtype).itemsize
+    return outer_lib.ring_allreduce_bytes(grads, shards) + 2 * self.schedule.ticks * activation
 
   def saved_target(self) -> TrainState:
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
@@ -147,4 +170,5 @@ def make_pipeline_setup(config, model_cfg: transformer.TransformerConfig, mesh) 
                      compiler_options=step_lib.compiler_options(model_cfg, mesh))
   return PipelineSetup(model_cfg, optimizer, abstract, state_sh, batch_sh, train_fn,
                        layout=layout, schedule=schedule, canonical=canonical,
-                       canonical_sh=canonical_sh)
+                       canonical_sh=canonical_sh, batch_size=config.data.batch_size,
+                       seq_len=config.data.seq_len)

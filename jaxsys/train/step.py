@@ -80,9 +80,14 @@ def eval_step(params, batch: Batch, *, model_cfg: transformer.TransformerConfig,
 
 def eval_sums(logits: jax.Array, batch: Batch, token_bytes: jax.Array) -> dict[str, jax.Array]:
   """Sums over a batch: loss (nats), scored tokens, and the UTF-8 bytes those tokens stand for."""
-  losses = cross_entropy(logits, batch)
+  return eval_sums_of_loss(jnp.sum(cross_entropy(logits, batch)), batch, token_bytes)
+
+
+def eval_sums_of_loss(loss_sum: jax.Array, batch: Batch, token_bytes: jax.Array
+                      ) -> dict[str, jax.Array]:
+  """`eval_sums` from the batch's summed loss, however it was computed."""
   mask = batch["loss_mask"]
-  return {"loss_sum": jnp.sum(losses), "tokens": jnp.sum(mask),
+  return {"loss_sum": loss_sum, "tokens": jnp.sum(mask),
           "bytes": jnp.sum(token_bytes[batch["targets"]] * mask)}
 
 
@@ -137,12 +142,12 @@ class TrainSetup:
 
   @property
   def param_sh(self) -> Any:
-    """Shardings of the canonical parameters, as evals read them."""
+    """Shardings of the canonical parameters."""
     return self.state_sh.params
 
-  def eval_params(self, params):
-    """state.params -> the canonical parameters evals score."""
-    return params
+  def jit_eval_step(self, token_bytes) -> Callable:
+    """(state.params, batch) -> eval sums, jitted."""
+    return jit_eval_step(self.model_cfg, self.param_sh, self.batch_sh, token_bytes)
 
   def init_state(self, seed: int) -> TrainState:
     """A fresh state created directly in its shardings."""

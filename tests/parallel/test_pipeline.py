@@ -178,3 +178,21 @@ def test_vocab_layer_bytes_per_device(vocab_parallel, make_config):
   whole = 2 * model_cfg.vocab_size * model_cfg.d_model * 4  # embedding + output layer, f32
   padded = 2 * setup.layout.padded_vocab * model_cfg.d_model * 4
   assert per_device == (padded // 4 if vocab_parallel else whole)
+
+
+@pytest.mark.parametrize("mesh_spec,name,virtual,vocab_parallel", [
+    ("stage=2,data=4", "1f1b", 1, False), ("stage=4,tensor=2", "interleaved_1f1b", 1, True),
+    ("stage=2,data=4", "interleaved_1f1b", 2, True)])
+def test_forward_only_loss(mesh_spec, name, virtual, vocab_parallel):
+  """Evaluation runs the schedule's forwards only and gives the unpipelined loss."""
+  cfg, params, batch, ref_loss, _ = _reference(False)
+  mesh = mesh_lib.make_mesh(mesh_spec)
+  stages = dict(mesh.shape)["stage"]
+  layout = pipeline.Layout(stages=stages, virtual=virtual, vocab_size=cfg.vocab_size,
+                           vocab_parallel=vocab_parallel)
+  schedule = pipeline.make_schedule(name, stages=stages, microbatches=4, virtual_stages=virtual)
+  fn = jax.jit(lambda p, b: pipeline.pipeline_loss(cfg, schedule, layout, p, b, mesh=mesh))
+  staged = pipeline.to_stages(layout, params)
+  np.testing.assert_allclose(fn(staged, batch), ref_loss, rtol=1e-5)
+  hlo = fn.lower(staged, batch).compile().as_text()
+  assert "all-gather" not in hlo  # no stage gathers another's layers
