@@ -25,19 +25,19 @@ token count, so the step equals the unpipelined one.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
 from jaxsys.models import transformer
-from jaxsys.parallel import schedules, vocab
-from jaxsys.parallel.schedules import BACKWARD, FORWARD, IDLE, Schedule, make_schedule  # noqa: F401
+from jaxsys.parallel import vocab
+from jaxsys.parallel.schedules import BACKWARD, FORWARD, IDLE, Schedule, make_schedule
+
+__all__ = ["make_schedule", "Schedule", "Layout", "to_stages", "from_stages",
+           "pipeline_loss_and_grads", "pipeline_loss", "split_microbatches"]
 
 AXIS = "stage"
 SCHEDULES = ("none", "gpipe", "1f1b", "interleaved_1f1b")

@@ -243,6 +243,9 @@ def _set_up(config, workdir: str) -> _Parts:
       per_step = setup.bytes_per_step()
       logging.info("pipeline: %s; %d bytes sent per device per step", setup.schedule.summary(),
                    per_step)
+      if setup.schedule.ticks <= 48:  # the chart of a longer one is too wide to read
+        logging.info("pipeline ticks (F forward, b backward, . idle):\n%s",
+                     setup.schedule.chart())
     param_sh, eval_params, sync_every = setup.param_sh, (lambda p: p), 0
     eval_fn = setup.jit_eval_step(val.token_bytes)
     comm_bytes = lambda s: s * per_step

@@ -134,14 +134,9 @@ def make_layout(config, model_cfg: transformer.TransformerConfig, mesh) -> pipel
 def stage_state_shardings(abstract: TrainState, model_cfg, optimizer, layout: pipeline.Layout,
                           mesh) -> TrainState:
   """Shardings of the stage-view state: the view's logical axes through the view's rules."""
-  axes = layout.logical_axes(transformer.param_axes(model_cfg))
-  rules = layout.rules(mesh_lib.DEFAULT_RULES)
-  param_sh = mesh_lib.logical_to_sharding(axes, mesh, rules, shapes=abstract.params)
-  replicated = NamedSharding(mesh, PartitionSpec())
-  opt_sh = optax.tree_map_params(optimizer, lambda _, sh: sh, abstract.opt_state, param_sh,
-                                 transform_non_params=lambda _: replicated,
-                                 is_leaf=lambda x: isinstance(x, NamedSharding))
-  return TrainState(step=replicated, params=param_sh, opt_state=opt_sh)
+  return state_lib.state_shardings(abstract, model_cfg, optimizer, mesh,
+                                   layout.rules(mesh_lib.DEFAULT_RULES),
+                                   layout.logical_axes(transformer.param_axes(model_cfg)))
 
 
 # Canonical layers split over `stage` in contiguous blocks: for one chunk per stage that is

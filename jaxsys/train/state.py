@@ -31,10 +31,14 @@ def init_train_state(model_cfg: transformer.TransformerConfig, optimizer: optax.
 
 def state_shardings(abstract_state: TrainState, model_cfg: transformer.TransformerConfig,
                     optimizer: optax.GradientTransformation, mesh: Mesh,
-                    rules=mesh_lib.DEFAULT_RULES) -> TrainState:
-  """NamedShardings for every leaf: parameters (and their optimizer moments) by logical axes."""
-  param_sh = mesh_lib.logical_to_sharding(transformer.param_axes(model_cfg), mesh, rules,
-                                          shapes=abstract_state.params)
+                    rules=mesh_lib.DEFAULT_RULES, axes=None) -> TrainState:
+  """NamedShardings for every leaf: parameters (and their optimizer moments) by logical axes.
+
+  `axes`: the parameters' logical axes when the state holds a view of the canonical
+  parameters (default: the model's own, `transformer.param_axes`).
+  """
+  axes = transformer.param_axes(model_cfg) if axes is None else axes
+  param_sh = mesh_lib.logical_to_sharding(axes, mesh, rules, shapes=abstract_state.params)
   replicated = NamedSharding(mesh, PartitionSpec())
   # Optimizer moments mirror the parameter tree; counts and other scalars are replicated.
   opt_sh = optax.tree_map_params(optimizer, lambda _, sh: sh, abstract_state.opt_state, param_sh,
