@@ -1,0 +1,554 @@
+r"""Pipeline and vocabulary parallelism on simulated devices: bubbles, FLOPs, memory, balance.
+
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 taskset -c 1 \
+      python -m experiments.bench_pipeline --out=/tmp/bench_pipeline.json \
+      --chart=docs/pipeline_schedules.png
+
+(The script sets 8 simulated CPU devices itself when XLA_FLAGS does not name a count.)
+It prints three markdown tables and writes every number to --out:
+
+1. Schedules (gpipe, 1f1b, interleaved_1f1b with 2 virtual stages) on meshes
+   stage=p, data=8/p, for every p in --stages and m in --microbatches: the schedule's
+   theoretical bubble (idle stage-ticks / all stage-ticks of its table), the MEASURED
+   bubble (one executed step of `pipeline_loss_and_grads(..., with_counts=True)`, which
+   counts inside the executed `lax.switch` branches), and layer FLOPs executed per device
+   over useful layer FLOPs. XLA's `cost_analysis` counts a while loop's body ONCE
+   (whatever the trip count) and a conditional as its costliest branch, so the whole
+   pipelined program's number says nothing about executed work (it is recorded as
+   `xla_whole_program_flops`). Instead the chunk forward and backward (the executor's own
+   `_Chunk`) are compiled on their own for their per-call FLOPs and multiplied by the
+   executed counts; useful = the cost analysis of the unpipelined forward + backward of all
+   layers on the same per-device rows, divided by p. Each device gets one row per
+   microbatch (a microbatch is 8/p rows split over data). MaxText's GPipe computes through
+   the bubble; its ratio would be (m + p - 1) / m.
+2. Memory at p=4 (stage=4, data=2), fixed microbatch size: compiled temp bytes per device of
+   loss + gradients for gpipe / 1f1b / interleaved, and the residual buffer the executor
+   keeps for the backward (schedule.res_slots x one slot's residual bytes).
+3. Vocabulary layers at p=4 (stage=4, data=2): per-device parameter + AdamW bytes of the
+   stage-view train state (abstract: jax.eval_shape, `sharding.shard_shape` per leaf,
+   nothing allocated) with vocabulary parallelism (VP) and without, and the MPMD placement
+   (embedding on stage 0, output layer on the last stage) computed from the same leaves;
+   per-device FLOPs of one microbatch's vocabulary work (VP: `vocab.output_layer` under
+   shard_map; replicated: norm + output layer + cross-entropy forward and backward, which
+   only the last stage runs) beside one stage's transformer layers.
+"""
+from __future__ import annotations
+
+import os
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + " --xla_force_host_platform_device_count=8").strip()
+
+import dataclasses
+import functools
+import json
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from configs import tiny_lm
+from jaxsys import mesh as mesh_lib
+from jaxsys.data import packing
+from jaxsys.models import transformer
+from jaxsys.optim.inner import make_optimizer
+from jaxsys.parallel import pipeline, vocab
+from jaxsys.train import pipelined
+from jaxsys.train import state as state_lib
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+VOCAB_KINDS = ("embedding", "unembedding", "final_norm")
+
+_STAGES = flags.DEFINE_list("stages", ["2", "4", "8"], "Stages p (mesh stage=p, data=8/p).")
+_MICROBATCHES = flags.DEFINE_list("microbatches", ["4", "8", "16", "32"], "Microbatches m.")
+_SCHEDULES = flags.DEFINE_list("schedules", list(SCHEDULES), "Schedules of tables 1 and 2.")
+_SKIP = flags.DEFINE_list("skip", [], "p:m pairs to leave out of the schedule grid, e.g. 8:32.")
+_D_MODEL = flags.DEFINE_integer("d_model", 64, "Schedule/memory model width.")
+_N_LAYERS = flags.DEFINE_integer("n_layers", 16, "Schedule/memory model layers (a multiple of 2p).")
+_SEQ = flags.DEFINE_integer("seq", 32, "Schedule grid sequence length.")
+_MEM_STAGES = flags.DEFINE_integer("mem_stages", 4, "Memory table: stages p (data=8/p).")
+_MEM_MICROBATCHES = flags.DEFINE_list("mem_microbatches", ["4", "8", "16"], "Memory table: m.")
+_MEM_SEQ = flags.DEFINE_integer("mem_seq", 256, "Memory table: sequence length.")
+_MEM_ROWS = flags.DEFINE_integer("mem_rows", 1, "Memory table: rows per device per microbatch.")
+_VOCABS = flags.DEFINE_list("vocabs", ["32768", "65536", "131072", "262144"], "Vocabulary sizes.")
+_V_D_MODEL = flags.DEFINE_integer("vocab_d_model", 1024, "Vocabulary table: model width.")
+_V_LAYERS = flags.DEFINE_integer("vocab_layers", 4, "Vocabulary table: layers (one per stage).")
+_V_D_FF = flags.DEFINE_integer("vocab_d_ff", 4096, "Vocabulary table: MLP width.")
+_V_HEADS = flags.DEFINE_integer("vocab_heads", 16, "Vocabulary table: heads (= kv heads).")
+_V_SEQ = flags.DEFINE_integer("vocab_seq", 1024, "Vocabulary table: tokens per microbatch.")
+_V_STAGES = flags.DEFINE_integer("vocab_stages", 4, "Vocabulary table: stages p (data=8/p).")
+_PARTS = flags.DEFINE_list("parts", ["schedules", "memory", "vocab"], "Which tables to make.")
+_OUT = flags.DEFINE_string("out", "/tmp/bench_pipeline.json", "JSON file with every number.")
+_CHART = flags.DEFINE_string("chart", "", "If set, a PNG of the p=4, m=8 schedules' tick charts.")
+
+
+def log(msg: str) -> None:
+  print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def flops(compiled) -> float:
+  ca = compiled.cost_analysis()
+  ca = ca[0] if isinstance(ca, (list, tuple)) else ca
+  return float(ca.get("flops", 0.0))
+
+
+def small_model(*, d_model: int = 64, n_layers: int = 16, vocab_size: int = 256,
+                n_heads: int = 4, n_kv_heads: int = 2, d_ff: int | None = None,
+                ) -> transformer.TransformerConfig:
+  return transformer.TransformerConfig(
+      vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
+      n_kv_heads=n_kv_heads, d_ff=d_ff or 2 * d_model, attention_impl="xla")
+
+
+def make_mesh(stages: int):
+  return mesh_lib.make_mesh(f"stage={stages},data={jax.device_count() // stages}")
+
+
+def batch(rows: int, seq: int, vocab_size: int, seed: int = 0):
+  b = packing.random_packed_batch(rows, seq, docs_per_row=2, vocab_size=vocab_size, seed=seed)
+  return {k: jnp.asarray(v) for k, v in b.items()}
+
+
+def _abstract_batch(rows: int, seq: int):
+  i32 = jax.ShapeDtypeStruct((rows, seq), jnp.int32)
+  return {"inputs": i32, "targets": i32, "positions": i32, "segment_ids": i32,
+          "loss_mask": jax.ShapeDtypeStruct((rows, seq), jnp.float32)}
+
+
+def _abstract_layers(cfg, n_layers: int):
+  cfg = dataclasses.replace(cfg, n_layers=n_layers)
+  return jax.eval_shape(lambda: transformer.init_params(cfg, jax.random.key(0)))["layers"]
+
+
+@functools.lru_cache(maxsize=None)
+def chunk_flops(cfg, layers_per_chunk: int, rows: int, seq: int) -> dict[str, float]:
+  """Per-call FLOPs of the executor's chunk forward and backward (one device, `rows` rows).
+
+  Compiled for ONE layer and multiplied by the chunk's layers: a chunk deeper than
+  transformer.UNROLL_MAX_LAYERS is a `lax.scan`, whose body cost_analysis counts once.
+  """
+  mb = _abstract_batch(rows, seq)
+  _, attention_fn = transformer.default_inputs(cfg, mb["inputs"], None, None)
+  chunk = pipeline._Chunk(cfg, attention_fn)  # the executor's own forward/backward
+  x = jax.ShapeDtypeStruct((rows, seq, cfg.d_model), jnp.dtype(cfg.dtype))
+  # The residual bytes of one slot are those of the whole chunk (scanned or not).
+  res_bytes = sum(int(np.prod(r.shape)) * r.dtype.itemsize
+                  for r in chunk.residual_shapes(_abstract_layers(cfg, layers_per_chunk), x, mb))
+  params = _abstract_layers(cfg, 1)
+  res = chunk.residual_shapes(params, x, mb)
+  fwd = jax.jit(chunk.forward).lower(params, x, mb).compile()
+  bwd = jax.jit(chunk.backward).lower(params, res, x, mb).compile()
+  return {"forward": flops(fwd) * layers_per_chunk, "backward": flops(bwd) * layers_per_chunk,
+          "residual_bytes": res_bytes}
+
+
+@functools.lru_cache(maxsize=None)
+def unpipelined_layer_flops(cfg, rows: int, seq: int) -> tuple[float, float]:
+  """(forward, forward + backward) FLOPs of all layers, unpipelined, on one device's rows
+  (whole batch, plain autodiff; one layer compiled, times n_layers, as in `chunk_flops`)."""
+  mb = _abstract_batch(rows, seq)
+  _, attention_fn = transformer.default_inputs(cfg, mb["inputs"], None, None)
+  params = _abstract_layers(cfg, 1)
+  x = jax.ShapeDtypeStruct((rows, seq, cfg.d_model), jnp.dtype(cfg.dtype))
+
+  def loss(params, x, mb):
+    y = transformer.apply_layers(cfg, params, x, mb["positions"], mb["segment_ids"], attention_fn)
+    return jnp.sum(y)
+  fwd = flops(jax.jit(loss).lower(params, x, mb).compile())
+  both = flops(jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, x, mb).compile())
+  return cfg.n_layers * fwd, cfg.n_layers * both
+
+
+def _pipelined_fn(cfg, schedule, layout, mesh, with_counts=True):
+  return jax.jit(lambda p, b: pipeline.pipeline_loss_and_grads(
+      cfg, schedule, layout, p, b, mesh=mesh, with_counts=with_counts))
+
+
+def grid(stages_list, microbatches_list, skip=(), names=SCHEDULES
+         ) -> list[tuple[str, int, int, int]]:
+  """(schedule, p, m, v) of the schedule table, in the order they run."""
+  out = []
+  for p in stages_list:
+    for m in microbatches_list:
+      if (p, m) in skip:
+        continue
+      for name in names:
+        v = 2 if name == "interleaved_1f1b" else 1
+        if name != "gpipe" and m < p:
+          continue
+        if name == "interleaved_1f1b" and m % p:
+          continue
+        out.append((name, p, m, v))
+  return out
+
+
+def schedule_rows(cfg, stages_list, microbatches_list, *, seq: int, skip=(),
+                  names=SCHEDULES) -> list[dict]:
+  """Table 1: theoretical and measured bubble, executed over useful layer FLOPs per device."""
+  rows_out = []
+  configs = grid(stages_list, microbatches_list, skip, names)
+  chunk_cache, useful_cache = {}, {}
+  params = transformer.init_params(cfg, jax.random.key(0))
+  for i, (name, p, m, v) in enumerate(configs):
+    if cfg.n_layers % (p * v):
+      raise ValueError(f"--n_layers={cfg.n_layers} does not split into {p} x {v} chunks")
+    t0 = time.perf_counter()
+    mesh = make_mesh(p)
+    data = dict(mesh.shape)["data"]
+    schedule = pipeline.make_schedule(name, stages=p, microbatches=m, virtual_stages=v)
+    layout = pipeline.Layout(stages=p, virtual=v, vocab_size=cfg.vocab_size, vocab_parallel=False)
+    staged = pipeline.to_stages(layout, params)
+    b = batch(m * data, seq, cfg.vocab_size, seed=m)
+    compiled = _pipelined_fn(cfg, schedule, layout, mesh).lower(staged, b).compile()
+    _, _, counts = compiled(staged, b)
+    counts = np.asarray(counts)  # [p, 3]: idle, forward, backward ticks per stage
+    key = cfg.n_layers // (p * v)
+    if key not in chunk_cache:
+      chunk_cache[key] = chunk_flops(cfg, key, 1, seq)
+    cf = chunk_cache[key]
+    if m not in useful_cache:
+      useful_cache[m] = unpipelined_layer_flops(cfg, m, seq)
+    executed = counts[:, 1] * cf["forward"] + counts[:, 2] * cf["backward"]
+    useful_fwd, useful = (x / p for x in useful_cache[m])
+    theory_idle = np.sum(schedule.kind == pipeline.IDLE, axis=0)
+    row = dict(
+        schedule=name, stages=p, microbatches=m, virtual=v, data=data, ticks=schedule.ticks,
+        bubble_theory=schedule.bubble_fraction,
+        bubble_measured=float(counts[:, 0].sum() / counts.sum()),
+        idle_ticks_per_stage_measured=counts[:, 0].tolist(),
+        idle_ticks_per_stage_theory=theory_idle.tolist(),
+        forward_ticks_per_stage=counts[:, 1].tolist(),
+        backward_ticks_per_stage=counts[:, 2].tolist(),
+        chunk_forward_flops=cf["forward"], chunk_backward_flops=cf["backward"],
+        executed_layer_flops_per_device=float(executed.max()),
+        useful_layer_flops_per_device=float(useful),
+        flops_ratio=float(executed.max() / useful),
+        forward_flops_ratio=float((counts[:, 1] * cf["forward"]).max() / useful_fwd),
+        backward_flops_ratio=float((counts[:, 2] * cf["backward"]).max() / (useful - useful_fwd)),
+        maxtext_gpipe_ratio=(m + p - 1) / m,
+        xla_whole_program_flops=flops(compiled),
+        max_in_flight=schedule.max_in_flight, res_slots=schedule.res_slots,
+        seconds=time.perf_counter() - t0)
+    rows_out.append(row)
+    log(f"schedules {i + 1}/{len(configs)}: {name} p={p} m={m} bubble "
+        f"{row['bubble_theory']:.4f} measured {row['bubble_measured']:.4f} FLOPs x"
+        f"{row['flops_ratio']:.3f} ({row['seconds']:.1f}s)")
+  return rows_out
+
+
+def memory_rows(cfg, stages: int, microbatches_list, *, seq: int, rows: int,
+                names=SCHEDULES) -> list[dict]:
+  """Table 2: compiled temp bytes per device and residual-buffer bytes, fixed microbatch size."""
+  out = []
+  mesh = make_mesh(stages)
+  data = dict(mesh.shape)["data"]
+  params = jax.eval_shape(lambda: transformer.init_params(cfg, jax.random.key(0)))
+  for m in microbatches_list:
+    for name in names:
+      t0 = time.perf_counter()
+      v = 2 if name == "interleaved_1f1b" else 1
+      schedule = pipeline.make_schedule(name, stages=stages, microbatches=m, virtual_stages=v)
+      layout = pipeline.Layout(stages=stages, virtual=v, vocab_size=cfg.vocab_size,
+                               vocab_parallel=False)
+      staged = jax.eval_shape(functools.partial(pipeline.to_stages, layout), params)
+      b = _abstract_batch(m * rows * data, seq)
+      compiled = _pipelined_fn(cfg, schedule, layout, mesh, False).lower(staged, b).compile()
+      mem = compiled.memory_analysis()
+      slot = chunk_flops(cfg, cfg.n_layers // (stages * v), rows, seq)["residual_bytes"]
+      out.append(dict(schedule=name, stages=stages, microbatches=m, virtual=v,
+                      rows_per_device_per_microbatch=rows, seq=seq,
+                      temp_bytes=int(mem.temp_size_in_bytes),
+                      argument_bytes=int(mem.argument_size_in_bytes),
+                      output_bytes=int(mem.output_size_in_bytes),
+                      res_slots=schedule.res_slots, residual_slot_bytes=slot,
+                      residual_bytes=schedule.res_slots * slot,
+                      seconds=time.perf_counter() - t0))
+      log(f"memory {name} p={stages} m={m}: temp {out[-1]['temp_bytes'] / 2**20:.2f} MiB, "
+          f"residuals {out[-1]['residual_bytes'] / 2**20:.2f} MiB")
+  return out
+
+
+def _leaf_kind(path) -> str:
+  keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+  if "layers" in keys:
+    return "layers"
+  for k in reversed(keys):
+    if k in VOCAB_KINDS:
+      return k
+  return "other"
+
+
+def state_bytes_by_kind(cfg, layout, mesh, optimizer) -> dict[str, int]:
+  """Per-device bytes of the stage-view train state (parameters + optimizer), by leaf kind."""
+  canonical = state_lib.abstract_train_state(cfg, optimizer)
+  abstract = jax.eval_shape(lambda s: s.replace(params=pipeline.to_stages(layout, s.params),
+                                                opt_state=pipeline.to_stages(layout, s.opt_state)),
+                            canonical)
+  shardings = pipelined.stage_state_shardings(abstract, cfg, optimizer, layout, mesh)
+  out = {k: 0 for k in ("layers", *VOCAB_KINDS, "other")}
+  leaves = jax.tree_util.tree_flatten_with_path(abstract)[0]
+  for (path, leaf), sh in zip(leaves, jax.tree.leaves(shardings)):
+    shape = sh.shard_shape(leaf.shape)
+    out[_leaf_kind(path)] += int(np.prod(shape, dtype=np.int64)) * leaf.dtype.itemsize
+  return out
+
+
+def head_flops_replicated(cfg, tokens: int) -> float:
+  """Norm + output layer + cross-entropy, forward and backward, one device (the last stage)."""
+  y = jax.ShapeDtypeStruct((1, tokens, cfg.d_model), jnp.float32)
+  norm = jax.ShapeDtypeStruct((cfg.d_model,), jnp.float32)
+  w = jax.ShapeDtypeStruct((cfg.d_model, cfg.vocab_size), jnp.float32)
+  tgt = jax.ShapeDtypeStruct((1, tokens), jnp.int32)
+
+  def loss(norm, w, y, tgt):
+    logits = transformer.unembed(cfg, y, norm, None, w)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    return jnp.sum(lse - jnp.take_along_axis(logits, tgt[..., None], -1)[..., 0])
+  return flops(jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(norm, w, y, tgt).compile())
+
+
+def head_flops_vp(cfg, stages: int, tokens: int) -> float:
+  """`vocab.output_layer` (forward and backward, Algorithm 2) per device under shard_map."""
+  mesh = jax.make_mesh((stages,), ("stage",), devices=jax.devices()[:stages])
+  vs = vocab.padded_vocab(cfg.vocab_size, stages)
+  rep, split = NamedSharding(mesh, P()), NamedSharding(mesh, P(None, "stage"))
+  h = jax.ShapeDtypeStruct((1, tokens, cfg.d_model), jnp.float32, sharding=rep)
+  w = jax.ShapeDtypeStruct((cfg.d_model, vs), jnp.float32, sharding=split)
+  tgt = jax.ShapeDtypeStruct((1, tokens), jnp.int32, sharding=rep)
+  mask = jax.ShapeDtypeStruct((1, tokens), jnp.float32, sharding=rep)
+  fn = jax.shard_map(functools.partial(vocab.output_layer, vocab_size=cfg.vocab_size, axis="stage"),
+                     mesh=mesh, in_specs=(P(), P(None, "stage"), P(), P()),
+                     out_specs=(P(), P(), P(None, "stage")), check_vma=False)
+  return flops(jax.jit(fn).lower(h, w, tgt, mask).compile())
+
+
+def vocab_rows(vocabs, *, d_model, n_layers, d_ff, heads, stages, tokens) -> list[dict]:
+  """Table 3: per-stage parameter + optimizer bytes and vocabulary FLOPs, VP vs replicated."""
+  out = []
+  mesh = make_mesh(stages)
+  optimizer = make_optimizer(tiny_lm.get_config().optimizer, 1000)
+  layer_cfg = transformer.TransformerConfig(vocab_size=256, d_model=d_model, n_layers=n_layers,
+                                            n_heads=heads, n_kv_heads=heads, d_ff=d_ff,
+                                            attention_impl="xla")
+  stage_layer = chunk_flops(layer_cfg, n_layers // stages, 1, tokens)
+  stage_layer_flops = stage_layer["forward"] + stage_layer["backward"]
+  for V in vocabs:
+    t0 = time.perf_counter()
+    cfg = dataclasses.replace(layer_cfg, vocab_size=V)
+    by = {}
+    for vp in (True, False):
+      layout = pipeline.Layout(stages=stages, virtual=1, vocab_size=V, vocab_parallel=vp)
+      by[vp] = state_bytes_by_kind(cfg, layout, mesh, optimizer)
+    vocab_b = lambda d: sum(d[k] for k in VOCAB_KINDS)
+    # SPMD: every device of every stage holds the same shard shapes.
+    vp_stage = [by[True]["layers"] + vocab_b(by[True]) + by[True]["other"]] * stages
+    spmd_stage = [by[False]["layers"] + vocab_b(by[False]) + by[False]["other"]] * stages
+    rep = by[False]
+    mpmd_stage = [rep["layers"] + rep["other"]] * stages
+    mpmd_stage[0] += rep["embedding"]
+    mpmd_stage[-1] += rep["unembedding"] + rep["final_norm"]
+    head_rep = head_flops_replicated(cfg, tokens)
+    head_vp = head_flops_vp(cfg, stages, tokens)
+    vp_flops = [stage_layer_flops + head_vp] * stages
+    mpmd_flops = [stage_layer_flops] * stages
+    mpmd_flops[-1] += head_rep
+    out.append(dict(
+        vocab=V, stages=stages, d_model=d_model, n_layers=n_layers, d_ff=d_ff,
+        tokens_per_microbatch=tokens,
+        bytes_by_kind_vp=by[True], bytes_by_kind_replicated=rep,
+        vocab_layer_bytes_vp=vocab_b(by[True]), vocab_layer_bytes_replicated=vocab_b(rep),
+        stage_bytes_vp=vp_stage, stage_bytes_spmd_replicated=spmd_stage,
+        stage_bytes_mpmd=mpmd_stage,
+        vp_max_over_min=max(vp_stage) / min(vp_stage),
+        mpmd_max_over_min=max(mpmd_stage) / min(mpmd_stage),
+        stage_layer_flops=stage_layer_flops, head_flops_replicated=head_rep,
+        head_flops_vp_per_device=head_vp, stage_flops_vp=vp_flops, stage_flops_mpmd=mpmd_flops,
+        seconds=time.perf_counter() - t0))
+    log(f"vocab {V}: VP stage bytes {vp_stage[0] / 2**20:.1f} MiB; MPMD "
+        f"{[round(b / 2**20, 1) for b in mpmd_stage]} MiB ({out[-1]['seconds']:.1f}s)")
+  return out
+
+
+# ---------------------------------------------------------------------------
+# Tables and chart
+# ---------------------------------------------------------------------------
+
+
+def _mib(b: float) -> str:
+  return f"{b / 2**20:,.2f}"
+
+
+def schedule_table(rows) -> str:
+  """One row per (p, m): each schedule's bubble, theory / measured; FLOPs ratios; in flight."""
+  lines = ["| p | m | bubble GPipe | bubble 1F1B | bubble interleaved v=2 | executed / useful "
+           "layer FLOPs (fwd, bwd) | MaxText GPipe (m+p-1)/m | max in flight G / 1 / i |",
+           "|---:|---:|---:|---:|---:|---|---:|---|"]
+  keys = sorted({(r["stages"], r["microbatches"]) for r in rows})
+  for p, m in keys:
+    by = {r["schedule"]: r for r in rows if (r["stages"], r["microbatches"]) == (p, m)}
+    cell = lambda n: (f"{by[n]['bubble_theory']:.4f} / {by[n]['bubble_measured']:.4f}"
+                      if n in by else "-")
+    span = lambda k: (f"{min(r[k] for r in by.values()):.3f}" if len({round(r[k], 3) for r in
+                      by.values()}) == 1 else f"{min(r[k] for r in by.values()):.3f}-"
+                      f"{max(r[k] for r in by.values()):.3f}")
+    inflight = " / ".join(str(by[n]["max_in_flight"]) if n in by else "-" for n in SCHEDULES)
+    lines.append(f"| {p} | {m} | {cell('gpipe')} | {cell('1f1b')} | {cell('interleaved_1f1b')} | "
+                 f"{span('flops_ratio')} ({span('forward_flops_ratio')}, "
+                 f"{span('backward_flops_ratio')}) | {(m + p - 1) / m:.3f} | {inflight} |")
+  return "\n".join(lines)
+
+
+def memory_table(rows) -> str:
+  lines = ["| m | schedule | temp MiB / device | x GPipe | residual slots | residual MiB "
+           "| x GPipe |",
+           "|---:|---|---:|---:|---:|---:|---:|"]
+  gp = {r["microbatches"]: r for r in rows if r["schedule"] == "gpipe"}
+  for r in rows:
+    g = gp.get(r["microbatches"])
+    ratio = lambda k: f"{r[k] / g[k]:.3f}" if g else "-"
+    lines.append(f"| {r['microbatches']} | {r['schedule']} | {_mib(r['temp_bytes'])} | "
+                 f"{ratio('temp_bytes')} | {r['res_slots']} | {_mib(r['residual_bytes'])} | "
+                 f"{ratio('residual_bytes')} |")
+  return "\n".join(lines)
+
+
+def vocab_table(rows) -> str:
+  lines = ["| vocab | vocab layers MiB / device: VP / replicated | stage MiB, VP (max/min) | "
+           "stage MiB, MPMD first / middle / last (max/min) | output layer GFLOP / device: VP / "
+           "last stage without VP | one stage's layers GFLOP | stage GFLOP max/min: VP / MPMD |",
+           "|---:|---:|---:|---:|---:|---:|---:|"]
+  for r in rows:
+    mp = r["stage_bytes_mpmd"]
+    fv, fm = r["stage_flops_vp"], r["stage_flops_mpmd"]
+    lines.append(
+        f"| {r['vocab']:,} | {_mib(r['vocab_layer_bytes_vp'])} / "
+        f"{_mib(r['vocab_layer_bytes_replicated'])} | {_mib(max(r['stage_bytes_vp']))} "
+        f"({r['vp_max_over_min']:.3f}) | {_mib(mp[0])} / {_mib(mp[1])} / {_mib(mp[-1])} "
+        f"({r['mpmd_max_over_min']:.2f}) | {r['head_flops_vp_per_device'] / 1e9:.1f} / "
+        f"{r['head_flops_replicated'] / 1e9:.1f} | {r['stage_layer_flops'] / 1e9:.1f} | "
+        f"{max(fv) / min(fv):.2f} / {max(fm) / min(fm):.2f} |")
+  return "\n".join(lines)
+
+
+def draw_schedules(schedules_list, path: str | None = None, axes=None):
+  """Tick-by-stage charts: color = microbatch, solid = forward, hatched light = backward.
+
+  The x axis is time in units of one stage's full forward: an interleaved chunk-tick
+  (1/v of a stage's layers) is drawn 1/v wide, so the charts compare in time.
+  """
+  import matplotlib
+  if path:
+    matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  from matplotlib.patches import Patch
+
+  if axes is None:
+    width = max(s.ticks / s.virtual_stages for s in schedules_list) * 0.4 + 1.5
+    fig, axes = plt.subplots(len(schedules_list), 1, figsize=(width, 1.3 * sum(
+        s.stages for s in schedules_list) / 2 + 0.6 * len(schedules_list)), squeeze=False)
+    axes = axes[:, 0]
+  else:
+    fig = axes[0].figure
+  cmap = plt.get_cmap("tab10" if max(s.microbatches for s in schedules_list) <= 10 else "tab20")
+  tmax = max(s.ticks / s.virtual_stages for s in schedules_list)
+  for ax, s in zip(axes, schedules_list):
+    for t in range(s.ticks):
+      for st in range(s.stages):
+        k = int(s.kind[t, st])
+        if k == pipeline.IDLE:
+          continue
+        mb, v = int(s.microbatch[t, st]), int(s.virtual[t, st])
+        color = cmap(mb % cmap.N)
+        fwd = k == pipeline.FORWARD
+        w = 1 / s.virtual_stages
+        ax.add_patch(plt.Rectangle((t * w, st), w, 1, facecolor=color, alpha=1.0 if fwd else 0.45,
+                                   hatch=None if fwd else "///", edgecolor="white", lw=0.6))
+        label = f"{mb}" + (chr(ord("a") + v) if s.virtual_stages > 1 else "")
+        ax.text((t + 0.5) * w, st + 0.5, label, ha="center", va="center", fontsize=6)
+    ax.set_xlim(0, tmax)
+    ax.set_ylim(s.stages, 0)
+    ax.set_yticks(np.arange(s.stages) + 0.5, [f"stage {i}" for i in range(s.stages)], fontsize=7)
+    ax.set_xlabel("time (one stage's forward of a microbatch = 1)", fontsize=7)
+    ax.tick_params(axis="x", labelsize=7)
+    name = s.name + (f" (v={s.virtual_stages})" if s.virtual_stages > 1 else "")
+    ticks = (f"{s.ticks} ticks" if s.virtual_stages == 1
+             else f"{s.ticks} ticks of 1/{s.virtual_stages}")
+    ax.set_title(f"{name}: p={s.stages}, m={s.microbatches}, {ticks}, bubble "
+                 f"{s.bubble_fraction:.3f}, max in flight {s.max_in_flight}", fontsize=8)
+  axes[0].legend(handles=[Patch(facecolor="grey", label="forward"),
+                          Patch(facecolor="grey", alpha=0.45, hatch="///", label="backward")],
+                 loc="upper right", fontsize=7, ncol=2)
+  fig.tight_layout()
+  if path:
+    fig.savefig(path, dpi=130)
+  return fig
+
+
+def run(parts, *, stages_list, microbatches_list, skip=(), names=SCHEDULES, mem_names=SCHEDULES,
+        d_model=64, n_layers=16, seq=32,
+        mem_stages=4, mem_microbatches=(4, 8, 16), mem_seq=256, mem_rows=1,
+        vocabs=(), vocab_kw=None, out_path=None, chart_path=None) -> dict[str, Any]:
+  """Every table of `parts`; writes the JSON to `out_path` and returns it."""
+  t0 = time.perf_counter()
+  cfg = small_model(d_model=d_model, n_layers=n_layers)
+  result: dict[str, Any] = dict(
+      devices=jax.device_count(), backend=jax.default_backend(), jax_version=jax.__version__,
+      model=dataclasses.asdict(cfg), seq=seq, argv=sys.argv,
+      notes="bubble = idle stage-ticks / all stage-ticks; FLOPs from XLA cost_analysis (while "
+            "bodies counted once, so per-call chunk FLOPs x executed counts); bytes per device.")
+  if chart_path:
+    draw_schedules([pipeline.make_schedule(n, stages=4, microbatches=8,
+                                           virtual_stages=2 if n == "interleaved_1f1b" else 1)
+                    for n in SCHEDULES], chart_path)
+    result["chart"] = chart_path
+  if "schedules" in parts:
+    result["schedules"] = schedule_rows(cfg, stages_list, microbatches_list, seq=seq, skip=skip,
+                                        names=names)
+  if "memory" in parts:
+    result["memory"] = memory_rows(cfg, mem_stages, mem_microbatches, seq=mem_seq, rows=mem_rows,
+                                   names=mem_names)
+  if "vocab" in parts:
+    result["vocab"] = vocab_rows(vocabs, **(vocab_kw or {}))
+  result["seconds"] = time.perf_counter() - t0
+  if out_path:
+    with open(out_path, "w") as f:
+      json.dump(result, f, indent=1)
+  return result
+
+
+def tables(result) -> str:
+  parts = []
+  if "schedules" in result:
+    parts.append(schedule_table(result["schedules"]))
+  if "memory" in result:
+    parts.append(memory_table(result["memory"]))
+  if "vocab" in result:
+    parts.append(vocab_table(result["vocab"]))
+  return "\n\n".join(parts)
+
+
+def main(argv):
+  del argv
+  ints = lambda xs: [int(x) for x in xs]
+  skip = tuple(tuple(int(y) for y in s.split(":")) for s in _SKIP.value)
+  result = run(
+      _PARTS.value, stages_list=ints(_STAGES.value), microbatches_list=ints(_MICROBATCHES.value),
+      skip=skip, names=_SCHEDULES.value, mem_names=_SCHEDULES.value, d_model=_D_MODEL.value,
+      n_layers=_N_LAYERS.value, seq=_SEQ.value,
+      mem_stages=_MEM_STAGES.value, mem_microbatches=ints(_MEM_MICROBATCHES.value),
+      mem_seq=_MEM_SEQ.value, mem_rows=_MEM_ROWS.value, vocabs=ints(_VOCABS.value),
+      vocab_kw=dict(d_model=_V_D_MODEL.value, n_layers=_V_LAYERS.value, d_ff=_V_D_FF.value,
+                    heads=_V_HEADS.value, stages=_V_STAGES.value, tokens=_V_SEQ.value),
+      out_path=_OUT.value, chart_path=_CHART.value or None)
+  print(tables(result))
+  log(f"wrote {_OUT.value} ({result['seconds']:.0f}s)")
+
+
+if __name__ == "__main__":
+  app.run(main)
