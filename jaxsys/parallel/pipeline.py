@@ -33,7 +33,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from jaxsys.models import transformer
-from jaxsys.parallel import vocab
+from jaxsys.parallel import dependence, vocab
 from jaxsys.parallel.schedules import BACKWARD, FORWARD, IDLE, Schedule, make_schedule
 
 __all__ = ["make_schedule", "Schedule", "Layout", "to_stages", "from_stages",
@@ -144,38 +144,52 @@ def _trash(slot, size: int):
 
 
 class _Chunk:
-  """A chunk's forward with its vjp residuals split off, and the backward that consumes them."""
+  """A chunk's forward with its vjp residuals split off, and the backward that consumes them.
+
+  Only residuals that depend on the microbatch are stored; those that are functions of
+  the weights alone (the weights themselves, reshaped or transposed weights) are
+  recomputed by the backward from the live weights, so a residual slot never holds a
+  copy of the stage's weights.
+  """
 
   def __init__(self, cfg: transformer.TransformerConfig, attention_fn: Callable):
     self.cfg, self.attention_fn = cfg, attention_fn
-
-  def _vjp(self, params, x, mb: Batch):
-    y, vjp_fn = jax.vjp(lambda params, x: self.apply(params, x, mb), params, x)
-    leaves, treedef = jax.tree.flatten(vjp_fn)
-    # Residuals that ARE the weights are not stored: the backward reads the live ones.
-    weight_ids = {id(w) for w in jax.tree.leaves(params)}
-    stored = [i for i, leaf in enumerate(leaves) if id(leaf) not in weight_ids]
-    return y, leaves, treedef, stored
+    self._stored: list[int] | None = None
 
   def apply(self, params, x, mb: Batch):
     return transformer.apply_layers(self.cfg, params, x, mb["positions"], mb["segment_ids"],
                                     self.attention_fn)
 
+  def _vjp(self, params, x, mb: Batch):
+    y, vjp_fn = jax.vjp(lambda params, x: self.apply(params, x, mb), params, x)
+    leaves, treedef = jax.tree.flatten(vjp_fn)
+    return y, leaves, treedef
+
+  def _residuals(self, params, x, mb: Batch):
+    return self._vjp(params, x, mb)[1]
+
+  def _stored_indices(self, params, x, mb: Batch) -> list[int]:
+    if self._stored is None:  # the same for every call: one analysis per executor
+      shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (params, x, mb))
+      data = dependence.depends_on(self._residuals, shapes, (False, True, True))
+      self._stored = [i for i, d in enumerate(data) if d]
+    return self._stored
+
   def residual_shapes(self, params, x, mb: Batch):
-    def shapes(params, x, mb):
-      _, leaves, _, stored = self._vjp(params, x, mb)
-      return [leaves[i] for i in stored]
-    return jax.eval_shape(shapes, params, x, mb)
+    """Shapes of the residuals a forward stores."""
+    leaves = jax.eval_shape(self._residuals, params, x, mb)
+    return [leaves[i] for i in self._stored_indices(params, x, mb)]
 
   def forward(self, params, x, mb: Batch):
-    y, leaves, _, stored = self._vjp(params, x, mb)
-    return y, [leaves[i] for i in stored]
+    y, leaves, _ = self._vjp(params, x, mb)
+    return y, [leaves[i] for i in self._stored_indices(params, x, mb)]
 
   def backward(self, params, residuals, dy, mb: Batch):
-    # A fresh trace gives this trace's weights and the vjp's structure; its forward is
-    # dead code (only its weight leaves are read) and XLA removes it.
-    _, leaves, treedef, stored = self._vjp(params, jnp.zeros_like(dy), mb)
-    for i, r in zip(stored, residuals):
+    # A fresh trace gives the vjp's structure and the weight-only residuals from the live
+    # weights; the rest of its forward is dead code, which XLA removes.
+    x = jnp.zeros_like(dy)
+    _, leaves, treedef = self._vjp(params, x, mb)
+    for i, r in zip(self._stored_indices(params, x, mb), residuals):
       leaves[i] = r
     return jax.tree.unflatten(treedef, leaves)(dy)
 

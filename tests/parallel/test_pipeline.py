@@ -196,3 +196,17 @@ def test_forward_only_loss(mesh_spec, name, virtual, vocab_parallel):
   np.testing.assert_allclose(fn(staged, batch), ref_loss, rtol=1e-5)
   hlo = fn.lower(staged, batch).compile().as_text()
   assert "all-gather" not in hlo  # no stage gathers another's layers
+
+
+def test_residual_slots_hold_no_weights():
+  """Stored residuals scale with the microbatch: none is a (reshaped) copy of a weight."""
+  from jaxsys.kernels import attention
+  params = transformer.init_params(CFG, jax.random.key(0))["layers"]
+
+  def stored_bytes(rows):
+    chunk = pipeline._Chunk(CFG, functools.partial(attention.attention, impl="xla"))
+    x = jax.ShapeDtypeStruct((rows, 16, CFG.d_model), jnp.float32)
+    mb = {k: jax.ShapeDtypeStruct((rows, 16), jnp.int32) for k in ("positions", "segment_ids")}
+    return sum(r.size * r.dtype.itemsize for r in chunk.residual_shapes(params, x, mb))
+
+  assert stored_bytes(4) == 2 * stored_bytes(2)
