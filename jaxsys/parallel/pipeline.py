@@ -154,7 +154,7 @@ class _Chunk:
 
   def __init__(self, cfg: transformer.TransformerConfig, attention_fn: Callable):
     self.cfg, self.attention_fn = cfg, attention_fn
-    self._stored: list[int] | None = None
+    self._stored: dict[Any, list[int]] = {}
 
   def apply(self, params, x, mb: Batch):
     return transformer.apply_layers(self.cfg, params, x, mb["positions"], mb["segment_ids"],
@@ -169,11 +169,12 @@ class _Chunk:
     return self._vjp(params, x, mb)[1]
 
   def _stored_indices(self, params, x, mb: Batch) -> list[int]:
-    if self._stored is None:  # the same for every call: one analysis per executor
-      shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (params, x, mb))
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (params, x, mb))
+    key = (jax.tree.structure(shapes), tuple((a.shape, a.dtype) for a in jax.tree.leaves(shapes)))
+    if key not in self._stored:  # one analysis per argument shapes, not per call
       data = dependence.depends_on(self._residuals, shapes, (False, True, True))
-      self._stored = [i for i, d in enumerate(data) if d]
-    return self._stored
+      self._stored[key] = [i for i, d in enumerate(data) if d]
+    return self._stored[key]
 
   def residual_shapes(self, params, x, mb: Batch):
     """Shapes of the residuals a forward stores."""
