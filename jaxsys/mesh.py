@@ -49,7 +49,7 @@ _VALID_SIZES = "a positive int or -1"
 # default rules). An axis larger than 1 that no strategy has claimed would only duplicate
 # work, so training refuses it (`check_axes_claimed`); a strategy that lands claims its
 # axis with `claim_axis`.
-_CLAIMED: set[str] = {"replica", "data", "fsdp", "tensor"}
+_CLAIMED: set[str] = {"replica", "data", "stage", "fsdp", "tensor"}
 _UNCLAIMED_WHY = {"context": "context parallelism is not implemented"}
 
 # ---------------------------------------------------------------------------

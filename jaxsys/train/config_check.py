@@ -25,7 +25,6 @@ from jaxsys.models.transformer import REMAT_POLICIES
 from jaxsys.optim.noloco import check_group_size
 from jaxsys.optim.inner import OPTIMIZERS
 from jaxsys.parallel import pipeline
-from jaxsys.train import pipelined  # noqa: F401  (claims the stage axis)
 from jaxsys.train import replicas as replicas_lib
 
 

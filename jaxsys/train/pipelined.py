@@ -28,9 +28,6 @@ from jaxsys.train import state as state_lib
 from jaxsys.train import step as step_lib
 from jaxsys.train.state import TrainState
 
-mesh_lib.claim_axis(pipeline.AXIS)
-
-
 def pipelined_train_step(state: TrainState, batch: step_lib.Batch, *,
                          model_cfg: transformer.TransformerConfig,
                          optimizer: optax.GradientTransformation, schedule: pipeline.Schedule,
