@@ -70,21 +70,27 @@ def _stop_requests() -> Iterator[Callable[[int], bool]]:
     signal.signal(signal.SIGTERM, previous)
 
 
-def _batch_block(sharding: NamedSharding, batch_size: int) -> int:
-  """Which contiguous block of a global batch's rows this process's devices hold.
+def _batch_block(sharding: NamedSharding, batch_size: int) -> tuple[int, int]:
+  """(index, count): the global batch is `count` contiguous row blocks and this process's
+  devices hold block `index`.
 
   The loader reads exactly that block, so assembling the global batch moves no row
-  between hosts and the step needs no reordering.
+  between hosts and the step needs no reordering. Processes whose devices hold the same
+  rows (a pipeline whose stages span hosts: the batch is replicated over `stage`) read
+  the same block.
   """
   rows = [index[0] for index in sharding.addressable_devices_indices_map((batch_size, 1)).values()]
   lo = min(r.start or 0 for r in rows)
   hi = max(batch_size if r.stop is None else r.stop for r in rows)
-  size = batch_size // jax.process_count()
-  if hi - lo != size or lo % size:
+  size = hi - lo
+  covered = set()
+  for r in rows:
+    covered.update(range(r.start or 0, batch_size if r.stop is None else r.stop))
+  if len(covered) != size or batch_size % size or lo % size or batch_size // size > jax.process_count():
     raise ValueError(f"mesh {mesh_lib.describe(sharding.mesh)} gives process {jax.process_index()} "
-                     f"batch rows [{lo}, {hi}) of {batch_size}, not one block of {size}; the "
-                     "batch axes must order the devices by process")
-  return lo // size
+                     f"batch rows [{lo}, {hi}) of {batch_size}, not one of {jax.process_count()} "
+                     "equal blocks or fewer; the batch axes must order the devices by process")
+  return lo // size, batch_size // size
 
 
 @jax.jit
@@ -172,10 +178,10 @@ class Validation:
     self.model_cfg, self.steps = model_cfg, config.eval_steps
     self.batch_sh = mesh_lib.batch_sharding(mesh)
     batch = config.data.batch_size // config.optimizer.grad_accum_steps
+    block, blocks = _batch_block(self.batch_sh, batch)
     self.loader = make_loader(config.data, "val", batch_size=batch, seed=config.seed,
                               shuffle=False, repeat=False, tokenizer=tokenizer,
-                              process_index=_batch_block(self.batch_sh, batch),
-                              process_count=jax.process_count(), workdir=workdir)
+                              process_index=block, process_count=blocks, workdir=workdir)
     self.start = self.loader.get_state()
     self.token_bytes = self.loader.tokenizer.token_bytes()
 
@@ -217,9 +223,9 @@ class _Parts:
 
 def _loaders(config, model_cfg, mesh, workdir: str) -> tuple[Loader, Validation]:
   batch = config.data.batch_size
+  block, blocks = _batch_block(mesh_lib.batch_sharding(mesh), batch)
   train = make_loader(config.data, "train", batch_size=batch, seed=config.seed,
-                      process_index=_batch_block(mesh_lib.batch_sharding(mesh), batch),
-                      process_count=jax.process_count(), workdir=workdir)
+                      process_index=block, process_count=blocks, workdir=workdir)
   if train.tokenizer.vocab_size > model_cfg.vocab_size:
     raise ValueError(f"model.vocab_size={model_cfg.vocab_size} is smaller than the "
                      f"{config.data.tokenizer} tokenizer's {train.tokenizer.vocab_size} tokens")

@@ -79,6 +79,21 @@ def test_two_processes_match_one(small_corpus, tmp_path):
   assert Checkpointer(str(tmp_path / "multi" / "checkpoints")).all_steps() == [4]
 
 
+def test_pipeline_across_two_processes_matches_one_unpipelined(small_corpus, tmp_path):
+  """Stage 0 on one process, stage 1 on the other: activations, gradients and the vocabulary
+  collectives cross processes; both read the whole batch (it is replicated over stage)."""
+  run_single(_base_flags(small_corpus, "--config.mesh=data=8"), tmp_path / "single")
+  outputs = run_two_processes(_base_flags(small_corpus, "--config.mesh=stage=2,data=4",
+                                          "--config.pipeline.schedule=1f1b",
+                                          "--config.pipeline.microbatches=2",
+                                          "--config.pipeline.vocab_parallel=true"),
+                              tmp_path / "multi")
+  assert all("local batch 16 of 16" in err for _, err in outputs)  # each holds one whole stage
+  a, b = _losses(tmp_path / "single"), _losses(tmp_path / "multi")
+  assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+  np.testing.assert_allclose([b[s] for s in a], [a[s] for s in a], rtol=1e-5)
+
+
 def test_sigterm_to_one_process_stops_both_at_one_step(small_corpus, tmp_path):
   """Only process 1 gets SIGTERM: both agree on a step, save it together and exit 75."""
   flags = ["--config=configs/tiny_lm.py:size=test", f"--config.data.source={small_corpus}",

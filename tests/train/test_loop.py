@@ -100,15 +100,28 @@ def test_nan_stops_without_saving(make_config, tmp_path):
   chex.assert_trees_all_equal(_restore_params(str(tmp_path), 2)["params"], good)
 
 
+class _Rows:
+  """A sharding whose local devices hold the given row slices (as one process would see)."""
+
+  def __init__(self, slices, mesh):
+    self.slices, self.mesh = slices, mesh
+
+  def addressable_devices_indices_map(self, shape):
+    return {i: (s, slice(None)) for i, s in enumerate(self.slices)}
+
+
 def test_batch_block_is_the_rows_of_this_process(monkeypatch):
   """The loader reads the one contiguous block of batch rows this process's devices hold."""
-  sharding = mesh_lib.batch_sharding(mesh_lib.make_mesh("data=-1"))
-  assert loop._batch_block(sharding, 16) == 0  # pylint: disable=protected-access
-  # Seen as one of two processes, these 8 devices would hold both blocks: refused.
+  mesh = mesh_lib.make_mesh("data=-1")
+  assert loop._batch_block(mesh_lib.batch_sharding(mesh), 16) == (0, 1)  # pylint: disable=protected-access
   monkeypatch.setattr(jax, "process_count", lambda: 2)
+  # Process 1 of 2 holding rows 8..15: block 1 of 2.
+  assert loop._batch_block(_Rows([slice(8, 12), slice(12, 16)], mesh), 16) == (1, 2)  # pylint: disable=protected-access
+  # Every process holding every row (stages across hosts): all read the whole batch.
+  assert loop._batch_block(_Rows([slice(0, 8), slice(8, 16)], mesh), 16) == (0, 1)  # pylint: disable=protected-access
   with pytest.raises(ValueError, match=r"^mesh data=8 .* gives process 0 batch rows \[0, 16\) "
-                                       r"of 16, not one block of 8; [^\n]*$"):
-    loop._batch_block(sharding, 16)  # pylint: disable=protected-access
+                                       r"of 16, not one of 2 equal blocks or fewer; [^\n]*$"):
+    loop._batch_block(_Rows([slice(0, 4), slice(12, 16)], mesh), 16)  # pylint: disable=protected-access
 
 
 def _files(root):
