@@ -12,12 +12,14 @@ and writes. `pipeline_loss_and_grads` walks its ticks in one `lax.scan` inside a
            -> embed-gradient phase -> ppermute activations to stage+1, gradients to stage-1
 
 A forward keeps its chunk's `jax.vjp` residuals in a slot of a buffer of
-`schedule.res_slots` entries (1F1B: `stages`, GPipe: `microbatches`), minus the parameters,
-which the backward takes from the live weights. The head (final norm, output layer,
+`schedule.res_slots` entries (1F1B: `stages`, GPipe: `microbatches`): only residuals that
+depend on the microbatch (`dependence.py`); the weight-only ones (the weights, reshaped
+weights) the backward recomputes from the live weights. The head (final norm, output layer,
 cross-entropy) and the input embedding run in phases all stages join, on the ticks the
 schedule says, so vocabulary parallelism (`vocab.py`: both split over `stage`) runs
 inside the schedule rather than after it. Without it the first and last stage own the
-(replicated) vocabulary layers and the other stages skip those phases.
+(replicated) vocabulary layers and the other stages skip those phases. Evaluation
+(`pipeline_loss`) runs the schedule's forwards only.
 
 Loss and gradients are those of the summed token loss; the caller divides once by the
 token count, so the step equals the unpipelined one.
