@@ -1,0 +1,205 @@
+"""Hybrid Data Parallelism planner: which devices run which sequence in which micro-step.
+
+ByteScale's HDP (arXiv 2502.21231, Sec. 4-5) pools the data- and context-parallel ranks.
+Data-aware sharding: a sequence of L <= tokens_per_device tokens runs whole on one device
+(several may share a device); a longer one runs on a ring of c devices, c the smallest
+power of two >= ceil(L / tokens_per_device) (so c <= 2 * that), an aligned group of device
+ids [k*c, (k+1)*c), so a `data = N/c, context = c` view of the same devices runs it.
+
+Within one micro-step a device serves one ring size only (the executor runs one compiled
+program per ring size over its view of the devices), and a ring of c > 1 holds one
+sequence: two sequences that both need c devices hold more than c * tokens_per_device / 2
+tokens each, so they never fit one ring together. The token lower bound on micro-steps is
+therefore ceil((sum of ring sizes of long sequences + short tokens / tokens_per_device) /
+num_devices).
+
+DP-Balance adapted to lock-step SPMD: ByteScale evens each rank's total cost over its own
+micro-batches; here all devices run each micro-step together, so a step lasts as long as
+its most loaded device and the plan costs sum_m max_d cost[m, d]. The greedy is LPT-like:
+rings first (largest c, then heaviest), then short sequences heaviest first; each goes
+where it raises that sum the least; ties go, for a ring, to the step whose maximum is
+closest above its cost (best fit), for a short sequence to the emptiest cell, then to the
+earliest step. Heavy work thus fills a step side by side and light work fills the gaps
+under each step's maximum, evening every device's cost within the step. The plan uses the
+fewest micro-steps, from the token lower bound up, in which this greedy places everything.
+
+Example:
+  steps = plan([9000, 300, 5000, 120], num_devices=4, tokens_per_device=4096)
+  # [[(0, (0, 1, 2, 3))], [(2, (0, 1)), (1, (2,)), (3, (3,))]]
+  summary(steps, [9000, 300, 5000, 120], num_devices=4, tokens_per_device=4096).imbalance
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+# Forward FLOPs of one transformer layer, d = d_model: causal attention computes half of
+# QK^T and of PV, 2 * d FLOPs per token pair; the matmuls (q, k, v, o: 4 d^2, MLP 4x:
+# 8 d^2 weights) 2 * 12 d^2 FLOPs per token. Attention overtakes the matmuls at L = 12 d.
+DEFAULT_D_MODEL = 1024
+ATTENTION_FLOPS_PER_PAIR = 2  # times d_model
+LINEAR_FLOPS_PER_TOKEN = 24  # times d_model ** 2
+
+Plan = list[list[tuple[int, tuple[int, ...]]]]
+
+
+def sequence_cost(length, *, d_model: int = DEFAULT_D_MODEL):
+  """Forward FLOPs of one layer on a sequence: 2 d L^2 (causal attention) + 24 d^2 L.
+
+  Works on ints and numpy arrays. A ring of c devices gives each device cost / c (the
+  zigzag layout evens the causal work); ring communication is not counted.
+  """
+  length = np.asarray(length, np.float64) if not isinstance(length, int) else float(length)
+  return ATTENTION_FLOPS_PER_PAIR * d_model * length * length + (
+      LINEAR_FLOPS_PER_TOKEN * d_model * d_model * length)
+
+
+def ring_size(length: int, tokens_per_device: int) -> int:
+  """Devices a sequence is split over: smallest power of two >= ceil(length / tokens)."""
+  need = -(-int(length) // tokens_per_device)
+  return 1 << max(need - 1, 0).bit_length()
+
+
+def _check(lengths: Sequence[int], num_devices: int, tokens_per_device: int) -> np.ndarray:
+  """The lengths as int64, after one-line errors for every bad argument."""
+  if not isinstance(tokens_per_device, (int, np.integer)) or tokens_per_device < 1:
+    raise ValueError(f"tokens_per_device={tokens_per_device!r}: must be an int >= 1 "
+                     "(the tokens one device holds in a micro-step)")
+  if (not isinstance(num_devices, (int, np.integer)) or num_devices < 1
+      or num_devices & (num_devices - 1)):
+    raise ValueError(f"num_devices={num_devices!r}: must be a power of two (1, 2, 4, ...); "
+                     "rings are aligned power-of-two groups, so every ring size c needs a "
+                     "data = N/c, context = c view of the devices")
+  arr = np.asarray(lengths)
+  if arr.size and (arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer)):
+    raise ValueError(f"lengths: must be a flat sequence of ints, got dtype {arr.dtype} "
+                     f"shape {arr.shape}")
+  arr = arr.astype(np.int64).reshape(-1)
+  pool = num_devices * tokens_per_device
+  for i, n in enumerate(arr):
+    if n < 1:
+      raise ValueError(f"lengths[{i}]={n}: a sequence needs at least 1 token")
+    if n > pool:
+      raise ValueError(
+          f"document {i} has {n} tokens, more than the pool holds (num_devices * "
+          f"tokens_per_device = {num_devices} * {tokens_per_device} = {pool}); lower "
+          f"data.max_len to <= {pool} or set data.truncate_long=true")
+  return arr
+
+
+def _place(lengths, rings, costs, steps, num_devices, tokens_per_device):
+  """The greedy for a fixed number of micro-steps: entries, or None where it cannot fit."""
+  n_dev, cap = num_devices, tokens_per_device
+  cell_cost = np.zeros((steps, n_dev))
+  cell_tokens = np.zeros((steps, n_dev), np.int64)
+  ring_of = np.zeros((steps, n_dev), np.int64)  # 0: free, else the ring size served
+  step_max = np.zeros(steps)
+  entries: list[list[tuple[int, tuple[int, ...]]]] = [[] for _ in range(steps)]
+
+  long_ids = [i for i in range(len(lengths)) if rings[i] > 1]
+  long_ids.sort(key=lambda i: (-rings[i], -costs[i] / rings[i], i))
+  for i in long_ids:
+    c = int(rings[i])
+    per_cost = costs[i] / c
+    groups_free = (ring_of.reshape(steps, n_dev // c, c) == 0).all(axis=2)  # [M, N/c]
+    if not groups_free.any():
+      return None
+    raise_by = np.broadcast_to(np.maximum(0.0, per_cost - step_max)[:, None],
+                               groups_free.shape)
+    best = np.min(np.where(groups_free, raise_by, np.inf))
+    cand = groups_free & (raise_by <= best * (1 + 1e-12) + 1e-9)
+    # Ties: the step whose maximum is closest above (best fit), then the earliest.
+    flat = np.argmin(np.where(cand, step_max[:, None], np.inf))
+    m, k = np.unravel_index(flat, cand.shape)
+    devs = tuple(range(k * c, (k + 1) * c))
+    cell_cost[m, list(devs)] = per_cost
+    cell_tokens[m, list(devs)] = -(-int(lengths[i]) // c)
+    ring_of[m, list(devs)] = c
+    step_max[m] = max(step_max[m], per_cost)
+    entries[m].append((i, devs))
+
+  short_ids = [i for i in range(len(lengths)) if rings[i] == 1]
+  short_ids.sort(key=lambda i: (-costs[i], i))
+  for i in short_ids:
+    fits = (ring_of <= 1) & (cell_tokens + lengths[i] <= cap)
+    if not fits.any():
+      return None
+    new_cost = cell_cost + costs[i]
+    raise_by = np.maximum(0.0, new_cost - step_max[:, None])
+    # Least raise of sum_m max_d; ties: the emptiest cell (evens the step), the earliest.
+    best = np.min(np.where(fits, raise_by, np.inf))
+    cand = fits & (raise_by <= best * (1 + 1e-12) + 1e-9)
+    flat = np.argmin(np.where(cand, new_cost, np.inf))
+    m, d = np.unravel_index(flat, cand.shape)
+    cell_cost[m, d] = new_cost[m, d]
+    cell_tokens[m, d] += lengths[i]
+    ring_of[m, d] = 1
+    step_max[m] = max(step_max[m], cell_cost[m, d])
+    entries[m].append((i, (int(d),)))
+  return entries
+
+
+def min_steps(lengths: Sequence[int], *, num_devices: int, tokens_per_device: int) -> int:
+  """The token lower bound on micro-steps (rings hold their devices whole)."""
+  arr = _check(lengths, num_devices, tokens_per_device)
+  rings = np.array([ring_size(n, tokens_per_device) for n in arr], np.int64)
+  slots = rings[rings > 1].sum() * tokens_per_device + arr[rings == 1].sum()
+  return int(-(-int(slots) // (num_devices * tokens_per_device)))
+
+
+def plan(lengths: Sequence[int], *, num_devices: int, tokens_per_device: int,
+         d_model: int = DEFAULT_D_MODEL) -> Plan:
+  """Micro-steps of (sequence index, device ids) entries; see the module docstring."""
+  arr = _check(lengths, num_devices, tokens_per_device)
+  if not arr.size:
+    return []
+  rings = np.array([ring_size(n, tokens_per_device) for n in arr], np.int64)
+  costs = sequence_cost(arr, d_model=d_model)
+  steps = min_steps(arr, num_devices=num_devices, tokens_per_device=tokens_per_device)
+  while True:  # terminates: with one step per sequence everything fits
+    entries = _place(arr, rings, costs, steps, num_devices, tokens_per_device)
+    if entries is not None:
+      break
+    steps += 1
+  # Drop steps the greedy left empty, then order each step's entries by device.
+  return [sorted(step, key=lambda e: (e[1][0], e[0])) for step in entries if step]
+
+
+@dataclasses.dataclass(frozen=True)
+class Summary:
+  """A plan's load, per micro-step and device.
+
+  tokens, cost [steps, devices]: tokens held and forward FLOPs per layer (sequence_cost).
+  step_imbalance [steps]: most loaded device's cost over the mean, per micro-step.
+  imbalance: sum_m max_d cost / sum_m mean_d cost, lock-step time over perfect balance.
+  utilisation: real tokens / (steps * devices * tokens_per_device), no padding counted.
+  """
+  tokens: np.ndarray
+  cost: np.ndarray
+  step_imbalance: np.ndarray
+  imbalance: float
+  utilisation: float
+
+
+def summary(steps: Plan, lengths: Sequence[int], *, num_devices: int, tokens_per_device: int,
+            d_model: int = DEFAULT_D_MODEL) -> Summary:
+  """Per-device tokens and cost of a plan (any plan of this format, e.g. a baseline's)."""
+  arr = _check(lengths, num_devices, tokens_per_device)
+  tokens = np.zeros((len(steps), num_devices), np.int64)
+  cost = np.zeros((len(steps), num_devices))
+  for m, step in enumerate(steps):
+    for i, devs in step:
+      c = len(devs)
+      tokens[m, list(devs)] += -(-int(arr[i]) // c)
+      cost[m, list(devs)] += sequence_cost(int(arr[i]), d_model=d_model) / c
+  mean = cost.mean(axis=1) if len(steps) else np.zeros(0)
+  step_imb = np.divide(cost.max(axis=1, initial=0.0), mean, out=np.ones_like(mean),
+                       where=mean > 0)
+  total_mean = mean.sum()
+  imbalance = float(cost.max(axis=1, initial=0.0).sum() / total_mean) if total_mean else 1.0
+  slots = len(steps) * num_devices * tokens_per_device
+  util = float(arr.sum() / slots) if slots else 1.0
+  return Summary(tokens, cost, step_imb, imbalance, util)
