@@ -1,0 +1,195 @@
+"""Context parallelism: layouts, and ring attention against unsharded reference attention."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jaxsys.data import packing
+from jaxsys.kernels.attention import attention
+from jaxsys.parallel import context
+
+AXIS = "context"
+# Compile time dominates: skip XLA's expensive passes (same HLO, same numerics in f32).
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def _mesh(n):
+  return jax.sharding.Mesh(np.array(jax.devices()[:n]), (AXIS,))
+
+
+# Layouts.
+
+@pytest.mark.parametrize("layout", context.LAYOUTS)
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_round_trip(layout, n):
+  x = np.arange(2 * 3 * 16 * n).reshape(2, 16 * n, 3)
+  laid = context.to_layout(x, n, layout)
+  np.testing.assert_array_equal(context.from_layout(laid, n, layout), x)
+  # Same along another axis, negative axes included.
+  y = np.swapaxes(x, 1, 2)
+  np.testing.assert_array_equal(
+      context.from_layout(context.to_layout(y, n, layout, axis=-1), n, layout, axis=-1), y)
+  np.testing.assert_array_equal(context.to_layout(y, n, layout, axis=-1), np.swapaxes(laid, 1, 2))
+
+
+def test_zigzag_assignment():
+  # T=8 over n=2: 4 chunks of 2; device 0 holds chunks 0 and 3, device 1 chunks 1 and 2.
+  laid = np.asarray(context.to_layout(np.arange(8)[None], 2, "zigzag"))
+  np.testing.assert_array_equal(laid[0], [0, 1, 6, 7, 2, 3, 4, 5])
+  # n=4, T=16: device i holds chunks i and 7-i, each of 2 tokens.
+  shards = np.asarray(context.to_layout(np.arange(16)[None], 4, "zigzag"))[0].reshape(4, 4)
+  for i in range(4):
+    np.testing.assert_array_equal(shards[i], [2 * i, 2 * i + 1, 2 * (7 - i), 2 * (7 - i) + 1])
+  np.testing.assert_array_equal(context.to_layout(np.arange(8)[None], 2, "contiguous")[0],
+                                np.arange(8))
+
+
+@pytest.mark.parametrize("layout", context.LAYOUTS)
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_shard_positions_follow_layout(layout, n):
+  t = 4 * n
+  laid = np.asarray(context.to_layout(np.arange(t)[None], n, layout))[0]
+  got = np.concatenate([np.asarray(context.shard_positions(i, n, t // n, layout))
+                        for i in range(n)])
+  np.testing.assert_array_equal(got, laid)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_zigzag_balances_causal_work(n):
+  """Unmasked causal (query, key) pairs per device: zigzag even, contiguous not."""
+  t = 16 * n
+
+  def work(layout):
+    pos = np.asarray(context.to_layout(np.arange(t)[None], n, layout))[0].reshape(n, -1)
+    return np.array([np.sum(p[:, None] >= np.arange(t)[None, :]) for p in pos])
+
+  zig, cont = work("zigzag"), work("contiguous")
+  assert zig.sum() == cont.sum() == t * (t + 1) // 2
+  assert zig.max() == zig.min()
+  assert cont.max() / cont.mean() > 1.4  # about 2 - 1/n
+
+
+@pytest.mark.parametrize("fn", [context.to_layout, context.from_layout])
+def test_layout_errors(fn):
+  x = np.zeros((1, 12))
+  with pytest.raises(ValueError, match=r"unknown layout 'striped'; valid: contiguous, zigzag"):
+    fn(x, 2, "striped")
+  with pytest.raises(ValueError, match=r"length 12 is not divisible by 8 \(zigzag .*n=4"):
+    fn(x, 4, "zigzag")
+  with pytest.raises(ValueError, match=r"length 12 is not divisible by 5 \(contiguous .*n=5"):
+    fn(x, 5, "contiguous")
+  fn(x, 3, "zigzag")  # 12 = 2 * 3 * 2: fine
+
+
+# Ring attention.
+
+def _inputs(b, t, hq, hkv, d, seed=0):
+  rng = np.random.default_rng(seed)
+  normal = lambda *shape: rng.standard_normal(shape, dtype=np.float32)
+  return normal(b, t, hq, d), normal(b, t, hkv, d), normal(b, t, hkv, d), normal(b, t, hq, d), rng
+
+
+def _value_and_grads(fn, q, k, v, cotangent):
+  def run(q, k, v, cotangent):
+    def loss(q, k, v):
+      out = fn(q, k, v)
+      return jnp.sum(out.astype(jnp.float32) * cotangent), out
+
+    (_, out), grads = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(q, k, v)
+    return out, grads
+
+  return jax.jit(run).lower(q, k, v, cotangent).compile(FAST_COMPILE)(q, k, v, cotangent)
+
+
+def _ring_fn(n, layout, segs, check_vma=False, **kw):
+  """(q, k, v) in original order -> ring attention's output in original order."""
+  to = functools.partial(context.to_layout, n=n, layout=layout)
+  seq = P(None, AXIS)
+
+  def local(q, k, v, *ids):
+    seg = None if not ids else (ids[0] if len(ids) == 1 else tuple(ids))
+    return context.ring_attention(q, k, v, axis_name=AXIS, segment_ids=seg, layout=layout, **kw)
+
+  ids = () if segs is None else tuple(to(jnp.asarray(s)) for s in segs)
+  sharded = jax.shard_map(local, mesh=_mesh(n), in_specs=(seq,) * (3 + len(ids)),
+                          out_specs=seq, check_vma=check_vma)
+  return lambda q, k, v: context.from_layout(sharded(to(q), to(k), to(v), *ids), n, layout)
+
+
+def _check(n, layout, causal, seg_kind, hq, hkv, b=2, t=32, d=8, check_vma=False, seed=0):
+  q, k, v, cotangent, rng = _inputs(b, t, hq, hkv, d, seed)
+  if seg_kind is None:
+    segs = ref_segs = None
+  else:
+    # Documents of 1-17 tokens, so many cross shard (and zigzag chunk) boundaries.
+    ids = packing.random_packed_batch(b, t, doc_lengths=(1, 3, 5, 9, 17), seed=rng)["segment_ids"]
+    if seg_kind == "single":
+      segs, ref_segs = (ids,), ids
+    else:
+      # A pair whose kv ids skip some documents: those queries have nothing to attend to.
+      kv_ids = np.where(ids % 3 == 2, -1, ids).astype(ids.dtype)
+      segs = ref_segs = (ids, kv_ids)
+  ring = _ring_fn(n, layout, segs, check_vma=check_vma, causal=causal)
+  ref = lambda q, k, v: attention(q, k, v, segment_ids=ref_segs, causal=causal, impl="reference")
+  got = _value_and_grads(ring, q, k, v, cotangent)
+  want = _value_and_grads(ref, q, k, v, cotangent)
+  for name, g, w in zip(("out", "dq", "dk", "dv"), (got[0], *got[1]), (want[0], *want[1])):
+    w = np.asarray(w)
+    assert np.all(np.isfinite(np.asarray(g))), name
+    np.testing.assert_allclose(np.asarray(g), w, rtol=1e-5,
+                               atol=1e-5 * max(1.0, float(np.abs(w).max())), err_msg=name)
+
+
+CASES = [
+    # n, layout, causal, segments, hq, hkv
+    (2, "contiguous", True, None, 4, 4),
+    (2, "zigzag", False, "single", 4, 2),
+    (4, "zigzag", True, "single", 4, 2),
+    (4, "contiguous", True, "single", 4, 4),
+    (4, "contiguous", False, None, 4, 2),
+    (4, "zigzag", True, "pair", 4, 2),
+    (8, "zigzag", True, "single", 4, 2),
+    (8, "contiguous", True, "pair", 4, 1),
+    (8, "zigzag", False, None, 2, 2),
+]
+
+
+@pytest.mark.parametrize("n,layout,causal,seg_kind,hq,hkv", CASES)
+def test_ring_matches_reference(n, layout, causal, seg_kind, hq, hkv):
+  _check(n, layout, causal, seg_kind, hq, hkv, t=64 if n == 8 else 32)
+
+
+def test_ring_under_check_vma():
+  _check(4, "zigzag", True, "single", 4, 2, check_vma=True)
+
+
+def test_explicit_positions_equal_derived():
+  """Passing the layout's global positions is the same as letting the ring derive them."""
+  n, t = 4, 32
+  q, k, v, cotangent, _ = _inputs(1, t, 4, 2, 8)
+  pos = context.to_layout(jnp.arange(t)[None], n, "zigzag")
+  to = functools.partial(context.to_layout, n=n, layout="zigzag")
+
+  def local(q, k, v, pos):
+    return context.ring_attention(q, k, v, axis_name=AXIS, positions=pos)
+
+  sharded = jax.shard_map(local, mesh=_mesh(n), in_specs=(P(None, AXIS),) * 4,
+                          out_specs=P(None, AXIS), check_vma=False)
+  got = context.from_layout(sharded(to(q), to(k), to(v), pos), n, "zigzag")
+  want = attention(q, k, v, causal=True, impl="reference")
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_ring_errors():
+  q = jnp.zeros((1, 4, 2, 8))
+  with pytest.raises(ValueError, match=r"unknown layout 'striped'; valid: contiguous, zigzag"):
+    context.ring_attention(q, q, q, axis_name=AXIS, layout="striped")
+  with pytest.raises(ValueError, match=r"unknown impl 'cudnn'; valid: auto, einsum"):
+    context.ring_attention(q, q, q, axis_name=AXIS, impl="cudnn")
+  with pytest.raises(ValueError, match=r"zigzag needs an even shard length; got T/n=3"):
+    odd = jnp.zeros((1, 6, 2, 8))
+    jax.shard_map(lambda x: context.ring_attention(x, x, x, axis_name=AXIS), mesh=_mesh(2),
+                  in_specs=P(None, AXIS), out_specs=P(None, AXIS), check_vma=False)(odd)
