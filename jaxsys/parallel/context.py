@@ -10,8 +10,11 @@ contiguous tokens of the *reordered* sequence `to_layout(x, n, layout)`:
 `ring_attention` runs inside `jax.shard_map`: the local K/V block, its segment ids and
 its global token positions travel around the ring with `lax.ppermute` (n-1 hops); each
 step attends the local queries to the visiting block (causal masking by global
-position, so any layout works) and partial outputs are merged by log-sum-exp. Blocks
-with no unmasked pair (causal future, disjoint segments) are skipped with `lax.cond`.
+position, so any layout works) and partial outputs are merged by log-sum-exp. A
+`lax.switch` on the block's mask (`visit_kind`) skips blocks with no unmasked pair
+(causal future, disjoint segments) and computes only half a block where all unmasked
+pairs lie in it: zigzag's off-diagonal causal steps, so each device does (n+1)/2 blocks
+of work where contiguous does 1 to n.
 
 The backward is a `jax.custom_vjp` and also a ring: the K/V blocks go round again with
 their dk/dv accumulators, which arrive home after n hops; each step recomputes the
@@ -153,6 +156,32 @@ def _mask(cfg: _Config, q_seg, q_pos, kv_seg, kv_pos):
   return mask
 
 
+def _slices(t: int) -> list[tuple[slice, slice]]:
+  """(query, key) slices a step computes for `visit_kind` 1, 2, 3 (0 computes nothing)."""
+  full = slice(None)
+  if t < 2 or t % 2:
+    return [(full, full)]
+  return [(full, full), (full, slice(0, t // 2)), (slice(t // 2, t), full)]
+
+
+def visit_kind(mask) -> jax.Array:
+  """What a ring step must compute for a [B, T, S] block mask: 0 nothing (fully masked),
+  1 the whole block, 2 all queries against the first half of the keys, 3 the second half
+  of the queries against all keys.
+
+  Under a causal mask, zigzag's off-diagonal steps need only half a block: a kv block
+  from an earlier device is seen only through its first chunk, one from a later device
+  only by the second query chunk. Derived from the mask, so it is right for any layout.
+  """
+  t, s = mask.shape[1], mask.shape[2]
+  any_ = jnp.any(mask)
+  if t < 2 or s < 2 or t % 2 or s % 2:
+    return any_.astype(jnp.int32)
+  kv_first = ~jnp.any(mask[:, :, s // 2:])
+  q_second = ~jnp.any(mask[:, :t // 2, :])
+  return jnp.where(~any_, 0, jnp.where(kv_first, 2, jnp.where(q_second, 3, 1))).astype(jnp.int32)
+
+
 def _scores(cfg, q5, k):
   """q5 [B, T, Hkv, G, D] f32, k [B, S, Hkv, D] -> scaled scores [B, Hkv, G, T, S]."""
   return jnp.einsum("btkgd,bskd->bkgts", q5, k.astype(jnp.float32)) * cfg.scale
@@ -209,12 +238,13 @@ def _forward(cfg, q, k, v, q_seg, kv_seg, pos):
     k_blk, v_blk, seg_blk, pos_blk = kv
     mask = _mask(cfg, q_seg, pos, seg_blk, pos_blk)
 
-    def visit(_):
-      return _merge(out, lse, *_block_forward(cfg, q5, k_blk, v_blk, mask))
+    def visit(qs, ks):
+      o_b, l_b = _block_forward(cfg, q5[:, qs], k_blk[:, ks], v_blk[:, ks], mask[:, qs, ks])
+      o_m, l_m = _merge(out[:, qs], lse[..., qs], o_b, l_b)
+      return out.at[:, qs].set(o_m), lse.at[..., qs].set(l_m)
 
-    # Causal future blocks and disjoint segments contribute nothing: skip their compute.
-    return jax.lax.cond(jnp.any(mask), visit, lambda _: (out, lse), None)
-
+    branches = [lambda: (out, lse)] + [functools.partial(visit, *sl) for sl in _slices(t)]
+    return jax.lax.switch(visit_kind(mask), branches)
   carry = (_varying(cfg, jnp.zeros(q5.shape, jnp.float32)),
            _varying(cfg, jnp.full((b, hkv, hq // hkv, t), -jnp.inf, jnp.float32)))
   kv = tuple(_varying(cfg, x) for x in (k, v, kv_seg, pos))
@@ -254,17 +284,19 @@ def _ring_bwd(cfg, res, d_out):
     k_blk, v_blk, seg_blk, pos_blk, dk, dv = kv
     mask = _mask(cfg, q_seg, pos, seg_blk, pos_blk)
 
-    def visit(_):
-      m3 = mask[:, None, None] & jnp.isfinite(lse)[..., None]
-      p = jnp.where(m3, jnp.exp(_scores(cfg, q5, k_blk) - lse_safe[..., None]), 0.0)
-      dp = jnp.einsum("btkgd,bskd->bkgts", do5, f32(v_blk))
-      ds = p * (dp - delta[..., None]) * cfg.scale
-      dq_blk = jnp.einsum("bkgts,bskd->btkgd", ds, f32(k_blk))
-      dk_blk = jnp.einsum("bkgts,btkgd->bskd", ds, q5)
-      dv_blk = jnp.einsum("bkgts,btkgd->bskd", p, do5)
-      return dq + dq_blk, dk + dk_blk, dv + dv_blk
+    def visit(qs, ks):
+      lse_q = lse[..., qs]
+      m3 = mask[:, qs, ks][:, None, None] & jnp.isfinite(lse_q)[..., None]
+      kb, vb = f32(k_blk[:, ks]), f32(v_blk[:, ks])
+      p = jnp.where(m3, jnp.exp(_scores(cfg, q5[:, qs], kb) - lse_safe[..., qs, None]), 0.0)
+      dp = jnp.einsum("btkgd,bskd->bkgts", do5[:, qs], vb)
+      ds = p * (dp - delta[..., qs, None]) * cfg.scale
+      return (dq.at[:, qs].add(jnp.einsum("bkgts,bskd->btkgd", ds, kb)),
+              dk.at[:, ks].add(jnp.einsum("bkgts,btkgd->bskd", ds, q5[:, qs])),
+              dv.at[:, ks].add(jnp.einsum("bkgts,btkgd->bskd", p, do5[:, qs])))
 
-    return jax.lax.cond(jnp.any(mask), visit, lambda _: (dq, dk, dv), None)
+    branches = [lambda: (dq, dk, dv)] + [functools.partial(visit, *sl) for sl in _slices(t)]
+    return jax.lax.switch(visit_kind(mask), branches)
 
   zeros_kv = _varying(cfg, jnp.zeros(k.shape, jnp.float32))
   kv = tuple(_varying(cfg, x) for x in (k, v, kv_seg, pos, zeros_kv, zeros_kv))

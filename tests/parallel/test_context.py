@@ -72,6 +72,22 @@ def test_zigzag_balances_causal_work(n):
   assert cont.max() / cont.mean() > 1.4  # about 2 - 1/n
 
 
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_ring_steps_compute_balanced_work(n):
+  """The blocks the ring computes under a causal mask (visit_kind, in block units):
+  zigzag (n+1)/2 on every device, contiguous 1 on the first device to n on the last."""
+  local = 8
+  cost = np.array([0.0, 1.0, 0.5, 0.5])  # nothing, whole block, half, half
+
+  def work(layout):
+    pos = [np.asarray(context.shard_positions(i, n, local, layout)) for i in range(n)]
+    kind = lambda i, j: int(context.visit_kind(jnp.asarray(pos[i][:, None] >= pos[j][None])[None]))
+    return np.array([sum(cost[kind(i, j)] for j in range(n)) for i in range(n)])
+
+  np.testing.assert_array_equal(work("zigzag"), np.full(n, (n + 1) / 2))
+  np.testing.assert_array_equal(work("contiguous"), np.arange(1, n + 1))
+
+
 @pytest.mark.parametrize("fn", [context.to_layout, context.from_layout])
 def test_layout_errors(fn):
   x = np.zeros((1, 12))
