@@ -135,8 +135,10 @@ def _ring_fn(n, layout, segs, check_vma=False, **kw):
   return lambda q, k, v: context.from_layout(sharded(to(q), to(k), to(v), *ids), n, layout)
 
 
-def _check(n, layout, causal, seg_kind, hq, hkv, b=2, t=32, d=8, check_vma=False, seed=0):
+def _check(n, layout, causal, seg_kind, hq, hkv, b=2, t=32, d=8, check_vma=False, seed=0,
+           dtype=np.float32, tol=1e-5):
   q, k, v, cotangent, rng = _inputs(b, t, hq, hkv, d, seed)
+  q, k, v = (x.astype(dtype) for x in (q, k, v))
   if seg_kind is None:
     segs = ref_segs = None
   else:
@@ -151,12 +153,15 @@ def _check(n, layout, causal, seg_kind, hq, hkv, b=2, t=32, d=8, check_vma=False
   ring = _ring_fn(n, layout, segs, check_vma=check_vma, causal=causal)
   ref = lambda q, k, v: attention(q, k, v, segment_ids=ref_segs, causal=causal, impl="reference")
   got = _value_and_grads(ring, q, k, v, cotangent)
-  want = _value_and_grads(ref, q, k, v, cotangent)
+  # The truth is f32 reference attention, whatever the inputs' dtype.
+  f32 = lambda x: np.asarray(x, np.float32)
+  want = _value_and_grads(ref, f32(q), f32(k), f32(v), cotangent)
   for name, g, w in zip(("out", "dq", "dk", "dv"), (got[0], *got[1]), (want[0], *want[1])):
-    w = np.asarray(w)
-    assert np.all(np.isfinite(np.asarray(g))), name
-    np.testing.assert_allclose(np.asarray(g), w, rtol=1e-5,
-                               atol=1e-5 * max(1.0, float(np.abs(w).max())), err_msg=name)
+    assert g.dtype == dtype, (name, g.dtype)
+    g, w = f32(g), np.asarray(w)
+    assert np.all(np.isfinite(g)), name
+    np.testing.assert_allclose(g, w, rtol=tol, atol=tol * max(1.0, float(np.abs(w).max())),
+                               err_msg=name)
 
 
 CASES = [
@@ -180,6 +185,11 @@ def test_ring_matches_reference(n, layout, causal, seg_kind, hq, hkv):
 
 def test_ring_under_check_vma():
   _check(4, "zigzag", True, "single", 4, 2, check_vma=True)
+
+
+def test_ring_bfloat16():
+  """bf16 in, bf16 out and grads; blocks are computed and merged in f32."""
+  _check(4, "zigzag", True, "single", 4, 2, dtype=jnp.bfloat16, tol=2e-2)
 
 
 def test_explicit_positions_equal_derived():
