@@ -21,8 +21,8 @@ their dk/dv accumulators, which arrive home after n hops; each step recomputes t
 block's probabilities from q, k, the saved output and log-sum-exp (FlashAttention-2),
 so residuals are O(T/n) per device, never O(T).
 
-Per-block compute is plain f32 einsum for now (the visiting block is [T/n, T/n] scores);
-the flash kernels of jaxsys.kernels are not used per step yet.
+Per-step compute is plain f32 einsum over chunks of query rows (one ~2 MiB score tile
+at a time, TILE_ELEMENTS), not yet the flash kernels of jaxsys.kernels.
 
 Example:
   fn = jax.shard_map(functools.partial(ring_attention, axis_name="context"), mesh=mesh,
@@ -182,6 +182,30 @@ def visit_kind(mask) -> jax.Array:
   return jnp.where(~any_, 0, jnp.where(kv_first, 2, jnp.where(q_second, 3, 1))).astype(jnp.int32)
 
 
+# f32 score elements per row chunk of a ring step (~2 MiB): bounds a step's temporaries
+# independently of T/n, as attention_xla's tiles do.
+TILE_ELEMENTS = 1 << 19
+
+
+def _rows_per_chunk(rows: int, cols: int, heads: int) -> int:
+  """The largest divisor of `rows` whose [heads, chunk, cols] tile fits TILE_ELEMENTS."""
+  target = max(1, TILE_ELEMENTS // max(1, heads * cols))
+  return max(c for c in range(1, min(rows, target) + 1) if rows % c == 0)
+
+
+def _split(x, axis: int, c: int):
+  """x with `axis` of length r -> [r / c, ...x with that axis c long...]."""
+  shape = x.shape
+  x = x.reshape(*shape[:axis], shape[axis] // c, c, *shape[axis + 1:])
+  return jnp.moveaxis(x, axis, 0)
+
+
+def _join(y, axis: int):
+  """Inverse of _split: [nc, ...c at axis...] -> [...nc * c at axis...]."""
+  y = jnp.moveaxis(y, 0, axis)
+  return y.reshape(*y.shape[:axis], y.shape[axis] * y.shape[axis + 1], *y.shape[axis + 2:])
+
+
 def _scores(cfg, q5, k):
   """q5 [B, T, Hkv, G, D] f32, k [B, S, Hkv, D] -> scaled scores [B, Hkv, G, T, S]."""
   return jnp.einsum("btkgd,bskd->bkgts", q5, k.astype(jnp.float32)) * cfg.scale
@@ -239,7 +263,13 @@ def _forward(cfg, q, k, v, q_seg, kv_seg, pos):
     mask = _mask(cfg, q_seg, pos, seg_blk, pos_blk)
 
     def visit(qs, ks):
-      o_b, l_b = _block_forward(cfg, q5[:, qs], k_blk[:, ks], v_blk[:, ks], mask[:, qs, ks])
+      kb, vb, mq = k_blk[:, ks], v_blk[:, ks], mask[:, qs, ks]
+      qb = q5[:, qs]
+      c = _rows_per_chunk(qb.shape[1], kb.shape[1], b * hq)
+      # Query rows in chunks, so a step's scores are one ~2 MiB tile, not [T/n, T/n].
+      o_b, l_b = jax.lax.map(lambda xs: _block_forward(cfg, xs[0], kb, vb, xs[1]),
+                             (_split(qb, 1, c), _split(mq, 1, c)))
+      o_b, l_b = _join(o_b, 1), _join(l_b, 3)
       o_m, l_m = _merge(out[:, qs], lse[..., qs], o_b, l_b)
       return out.at[:, qs].set(o_m), lse.at[..., qs].set(l_m)
 
@@ -278,22 +308,32 @@ def _ring_bwd(cfg, res, d_out):
   do5 = f32(d_out).reshape(b, t, hkv, g, d)
   # delta = rowsum(dO * O), [B, Hkv, G, T] like lse.
   delta = jnp.sum(do5 * f32(out).reshape(b, t, hkv, g, d), axis=-1).transpose(0, 2, 3, 1)
-  lse_safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
 
   def step(dq, kv):
     k_blk, v_blk, seg_blk, pos_blk, dk, dv = kv
     mask = _mask(cfg, q_seg, pos, seg_blk, pos_blk)
 
     def visit(qs, ks):
-      lse_q = lse[..., qs]
-      m3 = mask[:, qs, ks][:, None, None] & jnp.isfinite(lse_q)[..., None]
       kb, vb = f32(k_blk[:, ks]), f32(v_blk[:, ks])
-      p = jnp.where(m3, jnp.exp(_scores(cfg, q5[:, qs], kb) - lse_safe[..., qs, None]), 0.0)
-      dp = jnp.einsum("btkgd,bskd->bkgts", do5[:, qs], vb)
-      ds = p * (dp - delta[..., qs, None]) * cfg.scale
-      return (dq.at[:, qs].add(jnp.einsum("bkgts,bskd->btkgd", ds, kb)),
-              dk.at[:, ks].add(jnp.einsum("bkgts,btkgd->bskd", ds, q5[:, qs])),
-              dv.at[:, ks].add(jnp.einsum("bkgts,btkgd->bskd", p, do5[:, qs])))
+      c = _rows_per_chunk(q5[:, qs].shape[1], kb.shape[1], b * hq)
+
+      def rows(acc, xs):
+        # One chunk of query rows: its dq, and its share of the block's dk, dv.
+        q_c, do_c, m_c, lse_c, delta_c = xs
+        m3 = m_c[:, None, None] & jnp.isfinite(lse_c)[..., None]
+        lse_c = jnp.where(jnp.isfinite(lse_c), lse_c, 0.0)
+        p = jnp.where(m3, jnp.exp(_scores(cfg, q_c, kb) - lse_c[..., None]), 0.0)
+        dp = jnp.einsum("btkgd,bskd->bkgts", do_c, vb)
+        ds = p * (dp - delta_c[..., None]) * cfg.scale
+        dk_c = jnp.einsum("bkgts,btkgd->bskd", ds, q_c)
+        dv_c = jnp.einsum("bkgts,btkgd->bskd", p, do_c)
+        return (acc[0] + dk_c, acc[1] + dv_c), jnp.einsum("bkgts,bskd->btkgd", ds, kb)
+
+      xs = (_split(q5[:, qs], 1, c), _split(do5[:, qs], 1, c), _split(mask[:, qs, ks], 1, c),
+            _split(lse[..., qs], 3, c), _split(delta[..., qs], 3, c))
+      zero = _varying(cfg, jnp.zeros(kb.shape, jnp.float32))
+      (dk_b, dv_b), dq_b = jax.lax.scan(rows, (zero, zero), xs)
+      return dq.at[:, qs].add(_join(dq_b, 1)), dk.at[:, ks].add(dk_b), dv.at[:, ks].add(dv_b)
 
     branches = [lambda: (dq, dk, dv)] + [functools.partial(visit, *sl) for sl in _slices(t)]
     return jax.lax.switch(visit_kind(mask), branches)

@@ -183,6 +183,13 @@ def test_ring_matches_reference(n, layout, causal, seg_kind, hq, hkv):
   _check(n, layout, causal, seg_kind, hq, hkv, t=64 if n == 8 else 32)
 
 
+@pytest.mark.parametrize("tile", [1, 200])
+def test_ring_row_chunks(monkeypatch, tile):
+  """Steps cut query rows into chunks (1 row; several) when a block's tile is too big."""
+  monkeypatch.setattr(context, "TILE_ELEMENTS", tile)
+  _check(4, "zigzag", True, "pair", 4, 2, b=1, check_vma=tile == 1)
+
+
 def test_ring_under_check_vma():
   _check(4, "zigzag", True, "single", 4, 2, check_vma=True)
 
