@@ -260,21 +260,28 @@ def _forward(cfg, q, k, v, q_seg, kv_seg, pos):
   def step(carry, kv):
     out, lse = carry
     k_blk, v_blk, seg_blk, pos_blk = kv
-    mask = _mask(cfg, q_seg, pos, seg_blk, pos_blk)
+    mask = _mask(cfg, q_seg, pos, seg_blk, pos_blk)  # only reduced, in visit_kind
 
     def visit(qs, ks):
-      kb, vb, mq = k_blk[:, ks], v_blk[:, ks], mask[:, qs, ks]
+      kb, vb, kseg, kpos = k_blk[:, ks], v_blk[:, ks], seg_blk[:, ks], pos_blk[:, ks]
       qb = q5[:, qs]
       c = _rows_per_chunk(qb.shape[1], kb.shape[1], b * hq)
+
+      def rows(xs):
+        # The mask is rebuilt per chunk: a [T/n, T/n] one would outweigh the score tile.
+        q_c, qseg_c, qpos_c = xs
+        return _block_forward(cfg, q_c, kb, vb, _mask(cfg, qseg_c, qpos_c, kseg, kpos))
+
       # Query rows in chunks, so a step's scores are one ~2 MiB tile, not [T/n, T/n].
-      o_b, l_b = jax.lax.map(lambda xs: _block_forward(cfg, xs[0], kb, vb, xs[1]),
-                             (_split(qb, 1, c), _split(mq, 1, c)))
+      o_b, l_b = jax.lax.map(rows, (_split(qb, 1, c), _split(q_seg[:, qs], 1, c),
+                                    _split(pos[:, qs], 1, c)))
       o_b, l_b = _join(o_b, 1), _join(l_b, 3)
       o_m, l_m = _merge(out[:, qs], lse[..., qs], o_b, l_b)
       return out.at[:, qs].set(o_m), lse.at[..., qs].set(l_m)
 
     branches = [lambda: (out, lse)] + [functools.partial(visit, *sl) for sl in _slices(t)]
     return jax.lax.switch(visit_kind(mask), branches)
+
   carry = (_varying(cfg, jnp.zeros(q5.shape, jnp.float32)),
            _varying(cfg, jnp.full((b, hkv, hq // hkv, t), -jnp.inf, jnp.float32)))
   kv = tuple(_varying(cfg, x) for x in (k, v, kv_seg, pos))
@@ -311,16 +318,18 @@ def _ring_bwd(cfg, res, d_out):
 
   def step(dq, kv):
     k_blk, v_blk, seg_blk, pos_blk, dk, dv = kv
-    mask = _mask(cfg, q_seg, pos, seg_blk, pos_blk)
+    mask = _mask(cfg, q_seg, pos, seg_blk, pos_blk)  # only reduced, in visit_kind
 
     def visit(qs, ks):
       kb, vb = f32(k_blk[:, ks]), f32(v_blk[:, ks])
+      kseg, kpos = seg_blk[:, ks], pos_blk[:, ks]
       c = _rows_per_chunk(q5[:, qs].shape[1], kb.shape[1], b * hq)
 
       def rows(acc, xs):
         # One chunk of query rows: its dq, and its share of the block's dk, dv.
-        q_c, do_c, m_c, lse_c, delta_c = xs
-        m3 = m_c[:, None, None] & jnp.isfinite(lse_c)[..., None]
+        q_c, do_c, qseg_c, qpos_c, lse_c, delta_c = xs
+        m3 = _mask(cfg, qseg_c, qpos_c, kseg, kpos)[:, None, None]
+        m3 &= jnp.isfinite(lse_c)[..., None]
         lse_c = jnp.where(jnp.isfinite(lse_c), lse_c, 0.0)
         p = jnp.where(m3, jnp.exp(_scores(cfg, q_c, kb) - lse_c[..., None]), 0.0)
         dp = jnp.einsum("btkgd,bskd->bkgts", do_c, vb)
@@ -329,8 +338,8 @@ def _ring_bwd(cfg, res, d_out):
         dv_c = jnp.einsum("bkgts,btkgd->bskd", p, do_c)
         return (acc[0] + dk_c, acc[1] + dv_c), jnp.einsum("bkgts,bskd->btkgd", ds, kb)
 
-      xs = (_split(q5[:, qs], 1, c), _split(do5[:, qs], 1, c), _split(mask[:, qs, ks], 1, c),
-            _split(lse[..., qs], 3, c), _split(delta[..., qs], 3, c))
+      xs = (_split(q5[:, qs], 1, c), _split(do5[:, qs], 1, c), _split(q_seg[:, qs], 1, c),
+            _split(pos[:, qs], 1, c), _split(lse[..., qs], 3, c), _split(delta[..., qs], 3, c))
       zero = _varying(cfg, jnp.zeros(kb.shape, jnp.float32))
       (dk_b, dv_b), dq_b = jax.lax.scan(rows, (zero, zero), xs)
       return dq.at[:, qs].add(_join(dq_b, 1)), dk.at[:, ks].add(dk_b), dv.at[:, ks].add(dv_b)
@@ -347,7 +356,8 @@ def _ring_bwd(cfg, res, d_out):
     # The accumulators travel with their block, so each ends where its block started.
     return dq, _rotate(cfg, (*kv[:4], dk, dv))
 
-  dq, kv = jax.lax.fori_loop(0, cfg.n - 1, body, (_varying(cfg, jnp.zeros(q5.shape, jnp.float32)), kv))
+  dq = _varying(cfg, jnp.zeros(q5.shape, jnp.float32))
+  dq, kv = jax.lax.fori_loop(0, cfg.n - 1, body, (dq, kv))
   dq, dk, dv = step(dq, kv)
   dk, dv = _rotate(cfg, (dk, dv))  # the last hop home
   return (dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
