@@ -10,10 +10,9 @@ from jax.sharding import PartitionSpec as P
 from jaxsys.data import packing
 from jaxsys.kernels.attention import attention
 from jaxsys.parallel import context
+from tests.kernels.attention_testing import value_and_grads
 
 AXIS = "context"
-# Compile time dominates: skip XLA's expensive passes (same HLO, same numerics in f32).
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
 def _mesh(n):
@@ -108,18 +107,6 @@ def _inputs(b, t, hq, hkv, d, seed=0):
   return normal(b, t, hq, d), normal(b, t, hkv, d), normal(b, t, hkv, d), normal(b, t, hq, d), rng
 
 
-def _value_and_grads(fn, q, k, v, cotangent):
-  def run(q, k, v, cotangent):
-    def loss(q, k, v):
-      out = fn(q, k, v)
-      return jnp.sum(out.astype(jnp.float32) * cotangent), out
-
-    (_, out), grads = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(q, k, v)
-    return out, grads
-
-  return jax.jit(run).lower(q, k, v, cotangent).compile(FAST_COMPILE)(q, k, v, cotangent)
-
-
 def _ring_fn(n, layout, segs, check_vma=False, **kw):
   """(q, k, v) in original order -> ring attention's output in original order."""
   to = functools.partial(context.to_layout, n=n, layout=layout)
@@ -152,10 +139,10 @@ def _check(n, layout, causal, seg_kind, hq, hkv, b=2, t=32, d=8, check_vma=False
       segs = ref_segs = (ids, kv_ids)
   ring = _ring_fn(n, layout, segs, check_vma=check_vma, causal=causal)
   ref = lambda q, k, v: attention(q, k, v, segment_ids=ref_segs, causal=causal, impl="reference")
-  got = _value_and_grads(ring, q, k, v, cotangent)
+  got = value_and_grads(ring, q, k, v, cotangent)
   # The truth is f32 reference attention, whatever the inputs' dtype.
   f32 = lambda x: np.asarray(x, np.float32)
-  want = _value_and_grads(ref, f32(q), f32(k), f32(v), cotangent)
+  want = value_and_grads(ref, f32(q), f32(k), f32(v), cotangent)
   for name, g, w in zip(("out", "dq", "dk", "dv"), (got[0], *got[1]), (want[0], *want[1])):
     assert g.dtype == dtype, (name, g.dtype)
     g, w = f32(g), np.asarray(w)
