@@ -242,12 +242,17 @@ class _VocabLayers:
                           lambda: jnp.zeros((), jnp.float32))
     h = transformer.rms_norm(vocab.broadcast_from(y, self.last, axis=AXIS),
                              head_params["final_norm"], cfg.norm_eps)
+    # Algorithm 1 computes the input gradient after the loss; unused here, XLA drops it.
+    return self._output_layer(head_params, h, mb, algorithm=1)[1]
+
+  def _output_layer(self, head_params, h, mb: Batch, algorithm: int):
+    """(output weight's name, loss sum, dh, d weight shard) of the vocab-parallel output layer."""
+    cfg = self.cfg
     name = "embedding" if cfg.tie_embeddings else "unembedding"
     output_layer = vocab.output_layer_tied if cfg.tie_embeddings else vocab.output_layer
-    # Algorithm 1 computes the input gradient after the loss; unused here, XLA drops it.
-    return output_layer(h, head_params[name], mb["targets"], mb["loss_mask"],
-                        vocab_size=cfg.vocab_size, axis=AXIS, algorithm=1,
-                        dtype=jnp.dtype(cfg.dtype))[0]
+    return name, *output_layer(h, head_params[name], mb["targets"], mb["loss_mask"],
+                               vocab_size=cfg.vocab_size, axis=AXIS, algorithm=algorithm,
+                               dtype=jnp.dtype(cfg.dtype))
 
   def _logits(self, head_params, y):
     return transformer.unembed(self.cfg, y, head_params["final_norm"],
@@ -270,11 +275,7 @@ class _VocabLayers:
     y = vocab.broadcast_from(y, self.last, axis=AXIS)
     h, norm_vjp = jax.vjp(lambda y, s: transformer.rms_norm(y, s, cfg.norm_eps), y,
                           head_params["final_norm"])
-    name = "embedding" if cfg.tie_embeddings else "unembedding"
-    output_layer = vocab.output_layer_tied if cfg.tie_embeddings else vocab.output_layer
-    value, dh, dw = output_layer(h, head_params[name], mb["targets"], mb["loss_mask"],
-                                 vocab_size=cfg.vocab_size, axis=AXIS, algorithm=self.algorithm,
-                                 dtype=jnp.dtype(cfg.dtype))
+    name, value, dh, dw = self._output_layer(head_params, h, mb, self.algorithm)
     dy, dnorm = norm_vjp(dh.astype(h.dtype))
     # Every stage computed the same norm gradient: keep one copy, the sum over stages adds them.
     return value, dy, {"final_norm": jnp.where(stage == self.last, dnorm, 0.0), name: dw}
