@@ -65,7 +65,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   c.data = ml_collections.ConfigDict(dict(
       source="stdlib", tokenizer="byte", vocab_size=256, seq_len=seq_len, batch_size=batch,
-      num_threads=2))
+      num_threads=2,
+      # Whole documents of up to max_len tokens instead of packed rows (for parallel.hdp);
+      # a longer document is an error unless truncate_long (then counted in the log).
+      variable_length=False, max_len=4 * seq_len, truncate_long=False))
 
   c.optimizer = ml_collections.ConfigDict(dict(
       # warmup_steps follows total_steps (5%, rounded up) unless set; it must not exceed the
@@ -93,6 +96,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # --config.pipeline.schedule=1f1b --config.pipeline.microbatches=8
   # --config.pipeline.vocab_parallel=true (embedding and output layer split over stages;
   # vocab_algorithm 2 syncs once per microbatch, 1 is the paper's naive baseline).
+  # Context parallelism: a `context` mesh axis > 1 splits every sequence over it and runs
+  # ring attention (jaxsys/parallel/context.py), e.g. --config.mesh=data=2,context=4;
+  # context_layout zigzag evens the causal work, contiguous is the naive order.
+  # hdp: Hybrid Data Parallelism (jaxsys/parallel/hdp.py) over a data-only mesh, for
+  # data.variable_length=true: each document on as many devices as its length needs,
+  # data.seq_len tokens per device per micro-step, data.batch_size * data.seq_len tokens
+  # per step.
+  c.parallel = ml_collections.ConfigDict(dict(context_layout="zigzag", hdp=False))
   c.pipeline = ml_collections.ConfigDict(dict(
       schedule="none", microbatches=4, virtual_stages=1, vocab_parallel=False, vocab_algorithm=2))
   return c

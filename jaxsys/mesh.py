@@ -45,13 +45,6 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 
 _VALID_SIZES = "a positive int or -1"
 
-# Mesh axes some training strategy uses (replica: outer optimizers; data, fsdp, tensor: the
-# default rules). An axis larger than 1 that no strategy has claimed would only duplicate
-# work, so training refuses it (`check_axes_claimed`); a strategy that lands claims its
-# axis with `claim_axis`.
-_CLAIMED: set[str] = {"replica", "data", "stage", "fsdp", "tensor"}
-_UNCLAIMED_WHY = {"context": "context parallelism is not implemented"}
-
 # ---------------------------------------------------------------------------
 # Mesh specs
 # ---------------------------------------------------------------------------
@@ -165,26 +158,6 @@ def make_mesh(spec: MeshSpec, devices: Sequence[jax.Device] | None = None) -> Me
   devices = list(jax.devices() if devices is None else devices)
   shape = _fill(axes, len(devices), f"mesh {_format(axes)}")
   return _mesh(_device_grid(shape, devices), [n for n, _ in axes])
-
-
-def claim_axis(axis: str) -> None:
-  """Records that a strategy uses mesh axis `axis`, so runs may give it a size > 1."""
-  if axis not in AXIS_NAMES:
-    raise ValueError(f"claim_axis: unknown axis {axis!r}; valid axes are {', '.join(AXIS_NAMES)}")
-  _CLAIMED.add(axis)
-
-
-def check_axes_claimed(mesh: Mesh) -> None:
-  """Refuses a mesh axis of size > 1 that no strategy uses (it would duplicate all work)."""
-  for name, size in mesh.shape.items():
-    if size > 1 and name not in _CLAIMED:
-      why = _UNCLAIMED_WHY.get(name, "no strategy claims it")
-      raise ValueError(f"mesh axis {name}={size} is not used by any strategy yet ({why}); "
-                       f"use a {_or_list([a for a in AXIS_NAMES if a in _CLAIMED])} axis")
-
-
-def _or_list(names: Sequence[str]) -> str:
-  return ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else names[0]
 
 
 # ---------------------------------------------------------------------------

@@ -118,35 +118,6 @@ class MakeMeshTest(parameterized.TestCase):
                      "data=2 x tensor=4 (8 cpu devices)")
 
 
-class AxisClaimsTest(parameterized.TestCase):
-
-  @parameterized.named_parameters(
-      ("context", "context=2,data=-1", "context=2", "context parallelism"),
-      ("context_filled", "data=2,context=-1", "context=4", "context parallelism"),
-      ("context_among_others", "data=2,context=2,tensor=2", "context=2", "context parallelism"),
-  )
-  def test_unclaimed_axis_refused(self, spec, axis, what):
-    with self.assertRaises(ValueError) as cm:
-      mesh_lib.check_axes_claimed(mesh_lib.make_mesh(spec))
-    self.assertEqual(str(cm.exception),
-                     f"mesh axis {axis} is not used by any strategy yet ({what} is not "
-                     "implemented); use a replica, data, stage, fsdp or tensor axis")
-
-  @parameterized.parameters("data=2,fsdp=2,tensor=2", "replica=2,data=-1", "stage=2,data=-1",
-                            "stage=1,context=1,data=-1")
-  def test_claimed_or_size_one_axes_pass(self, spec):
-    mesh_lib.check_axes_claimed(mesh_lib.make_mesh(spec))
-
-  def test_a_strategy_lifts_the_refusal_by_claiming_its_axis(self):
-    with mock.patch.object(mesh_lib, "_CLAIMED", set(mesh_lib._CLAIMED)):
-      mesh_lib.claim_axis("context")
-      mesh_lib.check_axes_claimed(mesh_lib.make_mesh("context=2,data=-1"))
-    with self.assertRaisesRegex(ValueError, "mesh axis context=2"):  # the claim was undone
-      mesh_lib.check_axes_claimed(mesh_lib.make_mesh("context=2,data=-1"))
-    with self.assertRaisesRegex(ValueError, r"claim_axis: unknown axis 'pipe'"):
-      mesh_lib.claim_axis("pipe")
-
-
 class HybridMeshTest(parameterized.TestCase):
 
   def test_dcn_data_ici_fsdp(self):

@@ -10,7 +10,8 @@ jitted with shardings, as the train step is), else the one in the operands' type
 Explicit axes its operand's type names, then the Auto axes the logical-axis rules of
 `jaxsys.mesh` give it (`batch`, `heads`, `mlp`); an axis that does not divide the dim is
 left out (the dim is replicated over it), as is every axis already manual.
-Context parallelism (ring attention over `context`) plugs in here.
+Context parallelism plugs in here too: `sharded_context_attention` also splits the
+sequence over one axis and runs a ring kernel (jaxsys.parallel.context) across it.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import math
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import AxisType, PartitionSpec as P
 
 from jaxsys import mesh as mesh_lib
@@ -156,6 +158,37 @@ def sharded_attention(kernel: Callable, q, k, v, q_segment_ids, kv_segment_ids, 
     return kernel(q, k, v, q_segment_ids=q_ids, kv_segment_ids=kv_ids, **kw)
 
   return _shard_map(per_shard, mesh, args, specs, qkv)
+
+
+def sharded_context_attention(kernel: Callable, q, k, v, q_segment_ids, kv_segment_ids,
+                              positions, *, axis: str, **kw):
+  """kernel(q, k, v, axis_name=axis, segment_ids=..., positions=..., **kw) with the sequence
+  split over mesh axis `axis` (which must divide T), batch and heads as `sharded_attention`.
+
+  The kernel is a ring over `axis` (`jaxsys.parallel.context.ring_attention`): positions
+  [B, T] are the tokens' causal keys, which travel with them around the ring.
+  """
+  mesh = _mesh(q, k, v)
+  if axis not in _free(mesh):
+    raise ValueError(f"sharded_context_attention: mesh axis {axis!r} is not a free axis of "
+                     f"the mesh {dict(mesh.shape)}")
+  if q.shape[1] % mesh.shape[axis] or k.shape[1] != q.shape[1]:
+    raise ValueError(f"sharded_context_attention: sequence length {q.shape[1]} (keys "
+                     f"{k.shape[1]}) must be equal and divisible by {axis}={mesh.shape[axis]}")
+  batch, _, heads, _ = attention_spec(mesh, q, k)
+  if axis in _names(batch) + _names(heads):  # the sequence claims it first
+    raise ValueError(f"sharded_context_attention: axis {axis!r} also splits batch or heads")
+  qkv = P(batch, axis, heads, None)
+  tokens = P(batch, axis)
+  if q_segment_ids is None:
+    q_segment_ids = kv_segment_ids = jnp.zeros(q.shape[:2], jnp.int32)
+  positions = jnp.broadcast_to(jnp.asarray(positions, jnp.int32), q.shape[:2])
+
+  def per_shard(q, k, v, q_ids, kv_ids, pos):
+    return kernel(q, k, v, axis_name=axis, segment_ids=(q_ids, kv_ids), positions=pos, **kw)
+
+  args = [q, k, v, q_segment_ids, kv_segment_ids, positions]
+  return _shard_map(per_shard, mesh, args, [qkv] * 3 + [tokens] * 3, qkv)
 
 
 def qmatmul_specs(mesh, x, qw) -> tuple[P, P, P]:

@@ -24,7 +24,7 @@ from jaxsys.kernels.backends import IMPLS
 from jaxsys.models.transformer import REMAT_POLICIES
 from jaxsys.optim.noloco import check_group_size
 from jaxsys.optim.inner import OPTIMIZERS
-from jaxsys.parallel import pipeline
+from jaxsys.parallel import context, pipeline
 from jaxsys.train import replicas as replicas_lib
 
 
@@ -120,6 +120,11 @@ FIELDS: dict[str, Rule] = {
     "data.seq_len": integer(1),
     "data.batch_size": integer(1),
     "data.num_threads": integer(0, meaning="0: load in the training thread"),
+    "data.variable_length": BOOL,
+    "data.max_len": integer(1),
+    "data.truncate_long": BOOL,
+    "parallel.context_layout": one_of(*context.LAYOUTS),
+    "parallel.hdp": BOOL,
     "optimizer.name": one_of(*OPTIMIZERS),
     "optimizer.learning_rate": number(0, lo_open=True),
     "optimizer.warmup_steps": integer(0),
@@ -228,6 +233,26 @@ RELATIONS: tuple[Relation, ...] = (
              "be 1 with a pipeline (pipeline.microbatches splits the batch)"),
     Relation(("optimizer.outer", "pipeline.schedule"), lambda o, sched: o == "none" or sched == "none",
              "be none with a pipeline (outer optimizers over pipelined replicas are not built yet)"),
+    Relation(("data.seq_len", "mesh axis context", "parallel.context_layout"),
+             lambda t, n, layout: t % (2 * n if layout == "zigzag" else n) == 0,
+             "divide into the layout's chunks: 2 x (mesh axis context) for zigzag, "
+             "(mesh axis context) for contiguous"),
+    Relation(("mesh axis context", "pipeline.schedule"), lambda n, sched: n == 1 or sched == "none",
+             "be 1 with a pipeline (ring attention inside pipeline stages is not built yet)"),
+    Relation(("mesh axis context", "optimizer.outer"), lambda n, outer: n == 1 or outer == "none",
+             "be 1 with an outer optimizer (ring attention inside replicas is not built yet)"),
+    Relation(("parallel.hdp", "data.variable_length"), lambda hdp, var: hdp == var,
+             "equal data.variable_length (HDP trains whole documents; whole documents train "
+             "only with HDP)"),
+    Relation(("parallel.hdp", "mesh axes other than data"), lambda hdp, others: not hdp or not others,
+             "be False on this mesh: HDP regroups a data-only mesh into data=N/c,context=c "
+             "views, so its other axes must be 1 (use --config.mesh=data=-1)"),
+    Relation(("data.max_len", "data.seq_len", "devices", "parallel.hdp"),
+             lambda m, t, n, hdp: not hdp or m <= n * t,
+             "fit the device pool: at most devices x data.seq_len tokens (data.seq_len is "
+             "each device's share in a micro-step)"),
+    Relation(("optimizer.grad_accum_steps", "parallel.hdp"), lambda a, hdp: a == 1 or not hdp,
+             "be 1 with HDP (its micro-steps already accumulate gradients)"),
     Relation(("optimizer.outer_group_size", "optimizer.outer", "mesh axis replica"),
              lambda g, outer, r: outer != "noloco" or _groups_replicas(g, r),
              "be 2 (random pairs, for an even replica count) or the replica count (one group)"),
@@ -271,6 +296,10 @@ def _derived(mesh) -> dict[str, Any]:
             for name in ("batch", *_SHARDED_FIELDS.values())}
   return {**shards, "mesh axis replica": dict(mesh.shape).get("replica", 1),
           "mesh axis stage": dict(mesh.shape).get("stage", 1),
+          "mesh axis context": dict(mesh.shape).get("context", 1),
+          "mesh axes other than data": ",".join(a for a, n in mesh.shape.items()
+                                                if a != "data" and n > 1),
+          "devices": mesh.size,
           "processes": jax.process_count()}
 
 
@@ -309,7 +338,6 @@ def check_config(config, workdir: Any = None) -> None:
     if error:
       raise ValueError(error)
   mesh = mesh_lib.make_mesh(values["mesh"])
-  mesh_lib.check_axes_claimed(mesh)
   # The outer algorithm's own checks (e.g. CO2's stability bound), before any work.
   replicas_lib.make_outer_optimizer(ml_collections.ConfigDict(
       {k.partition(".")[2]: v for k, v in values.items() if k.startswith("optimizer.")}))

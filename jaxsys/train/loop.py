@@ -79,7 +79,9 @@ def _batch_block(sharding: NamedSharding, batch_size: int) -> tuple[int, int]:
   rows (a pipeline whose stages span hosts: the batch is replicated over `stage`) read
   the same block.
   """
-  rows = [index[0] for index in sharding.addressable_devices_indices_map((batch_size, 1)).values()]
+  # Any length works for the rows; the mesh size divides over whatever splits the sequence.
+  shape = (batch_size, sharding.mesh.size)
+  rows = [index[0] for index in sharding.addressable_devices_indices_map(shape).values()]
   lo = min(r.start or 0 for r in rows)
   hi = max(batch_size if r.stop is None else r.stop for r in rows)
   size = hi - lo

@@ -13,8 +13,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxsys import mesh as mesh_lib
 from jaxsys.kernels import sharded
+from jaxsys.kernels.attention_inputs import segment_pair
 from jaxsys.models import transformer
-from jaxsys.parallel import pipeline
+from jaxsys.parallel import context, pipeline
 from jaxsys.optim.inner import make_optimizer
 from jaxsys.train import state as state_lib
 from jaxsys.train.state import TrainState
@@ -29,22 +30,48 @@ def cross_entropy(logits: jax.Array, batch: Batch) -> jax.Array:
   return losses * batch["loss_mask"]
 
 
-def token_losses(cfg: transformer.TransformerConfig, params, batch: Batch) -> jax.Array:
-  """`cross_entropy` of the model's logits."""
-  logits = transformer.apply(cfg, params, batch["inputs"], batch["positions"], batch["segment_ids"])
+def token_losses(cfg: transformer.TransformerConfig, params, batch: Batch,
+                 context_layout: str | None = None) -> jax.Array:
+  """`cross_entropy` of the model's logits; with a `context_layout`, the sequence is split
+  over the mesh's `context` axis in that layout (see `context_parallel`)."""
+  attention_fn = None
+  if context_layout is not None:
+    batch, attention_fn = context_parallel(batch, context_layout)
+  logits = transformer.apply(cfg, params, batch["inputs"], batch["positions"],
+                             batch["segment_ids"], attention_fn)
   return cross_entropy(logits, batch)
 
 
+def context_parallel(batch: Batch, layout: str, axis: str = "context"
+                     ) -> tuple[Batch, Callable]:
+  """The batch reordered into `layout` over mesh axis `axis`, and the ring attention_fn.
+
+  Every field moves with its token, so per-token losses (summed) are unchanged; the
+  documents' positions go round the ring with the keys as causal keys, so masking stays
+  exact in any order, and the layout only decides how the causal work is balanced.
+  Called while tracing under a mesh (`sharded.under_mesh`).
+  """
+  n = jax.sharding.get_abstract_mesh().shape[axis]
+  laid = {k: context.to_layout(x, n, layout, axis=1) for k, x in batch.items()}
+
+  def attention_fn(q, k, v, *, segment_ids=None, causal=True):
+    q_seg, kv_seg = segment_pair(segment_ids)
+    return sharded.sharded_context_attention(context.ring_attention, q, k, v, q_seg, kv_seg,
+                                             laid["positions"], axis=axis, causal=causal,
+                                             layout=layout)
+  return laid, attention_fn
+
+
 def train_step(state: TrainState, batch: Batch, *, model_cfg: transformer.TransformerConfig,
-               optimizer: optax.GradientTransformation, accum_steps: int = 1
-               ) -> tuple[TrainState, dict[str, jax.Array]]:
+               optimizer: optax.GradientTransformation, accum_steps: int = 1,
+               context_layout: str | None = None) -> tuple[TrainState, dict[str, jax.Array]]:
   """One optimizer step on `batch`, split into `accum_steps` microbatches.
 
   Gradients are of the summed token loss and divided by the total token count at
   the end, so accumulation gives exactly the gradient of the whole batch.
   """
   def loss_sum(params, mb):
-    losses = token_losses(model_cfg, params, mb)
+    losses = token_losses(model_cfg, params, mb, context_layout)
     return jnp.sum(losses), jnp.sum(mb["loss_mask"])
 
   grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
@@ -71,11 +98,10 @@ def apply_gradients(state: TrainState, optimizer: optax.GradientTransformation, 
 
 
 def eval_step(params, batch: Batch, *, model_cfg: transformer.TransformerConfig,
-              token_bytes: jax.Array) -> dict[str, jax.Array]:
-  """`eval_sums` of the model's logits."""
-  logits = transformer.apply(model_cfg, params, batch["inputs"], batch["positions"],
-                             batch["segment_ids"])
-  return eval_sums(logits, batch, token_bytes)
+              token_bytes: jax.Array, context_layout: str | None = None) -> dict[str, jax.Array]:
+  """`eval_sums` of the model's per-token losses."""
+  losses = token_losses(model_cfg, params, batch, context_layout)
+  return eval_sums_of_loss(jnp.sum(losses), batch, token_bytes)
 
 
 def eval_sums(logits: jax.Array, batch: Batch, token_bytes: jax.Array) -> dict[str, jax.Array]:
@@ -111,21 +137,29 @@ def compiler_options(model_cfg: transformer.TransformerConfig, mesh) -> dict[str
   return None
 
 
+def context_layout_of(mesh, layout: str) -> str | None:
+  """`layout` where the mesh has a `context` axis larger than 1, else None (no ring)."""
+  return layout if dict(mesh.shape).get("context", 1) > 1 else None
+
+
 def jit_train_step(model_cfg, optimizer, state_sh: TrainState, batch_sh: NamedSharding,
-                   accum_steps: int = 1) -> Callable:
+                   accum_steps: int = 1, context_layout: str = "zigzag") -> Callable:
   """`train_step` jitted with explicit shardings; the input state's buffers are donated."""
   replicated = NamedSharding(batch_sh.mesh, PartitionSpec())
-  fn = functools.partial(train_step, model_cfg=model_cfg, optimizer=optimizer, accum_steps=accum_steps)
+  fn = functools.partial(train_step, model_cfg=model_cfg, optimizer=optimizer, accum_steps=accum_steps,
+                         context_layout=context_layout_of(batch_sh.mesh, context_layout))
   fn = sharded.under_mesh(fn, batch_sh.mesh)  # Pallas kernels split over the mesh
   return jax.jit(fn, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated),
                  donate_argnums=0, compiler_options=compiler_options(model_cfg, batch_sh.mesh))
 
 
-def jit_eval_step(model_cfg, param_sh: Any, batch_sh: NamedSharding, token_bytes) -> Callable:
+def jit_eval_step(model_cfg, param_sh: Any, batch_sh: NamedSharding, token_bytes,
+                  context_layout: str = "zigzag") -> Callable:
   replicated = NamedSharding(batch_sh.mesh, PartitionSpec())
   table = jnp.asarray(token_bytes, jnp.float32)
-  fn = sharded.under_mesh(functools.partial(eval_step, model_cfg=model_cfg, token_bytes=table),
-                          batch_sh.mesh)
+  fn = functools.partial(eval_step, model_cfg=model_cfg, token_bytes=table,
+                         context_layout=context_layout_of(batch_sh.mesh, context_layout))
+  fn = sharded.under_mesh(fn, batch_sh.mesh)
   return jax.jit(fn, in_shardings=(param_sh, batch_sh), out_shardings=replicated,
                  compiler_options=compiler_options(model_cfg, batch_sh.mesh))
 
@@ -139,6 +173,7 @@ class TrainSetup:
   state_sh: TrainState
   batch_sh: NamedSharding
   train_fn: Callable
+  context_layout: str = "zigzag"  # the sequence order over a `context` axis, if any
 
   @property
   def param_sh(self) -> Any:
@@ -147,7 +182,8 @@ class TrainSetup:
 
   def jit_eval_step(self, token_bytes) -> Callable:
     """(state.params, batch) -> eval sums, jitted."""
-    return jit_eval_step(self.model_cfg, self.param_sh, self.batch_sh, token_bytes)
+    return jit_eval_step(self.model_cfg, self.param_sh, self.batch_sh, token_bytes,
+                         self.context_layout)
 
   def init_state(self, seed: int) -> TrainState:
     """A fresh state created directly in its shardings."""
@@ -180,6 +216,7 @@ def make_train_setup(config, model_cfg: transformer.TransformerConfig, mesh) -> 
   abstract = state_lib.abstract_train_state(model_cfg, optimizer, config.seed)
   state_sh = state_lib.state_shardings(abstract, model_cfg, optimizer, mesh)
   batch_sh = mesh_lib.batch_sharding(mesh)
+  layout = config.parallel.context_layout
   train_fn = jit_train_step(model_cfg, optimizer, state_sh, batch_sh,
-                            config.optimizer.grad_accum_steps)
-  return TrainSetup(model_cfg, optimizer, abstract, state_sh, batch_sh, train_fn)
+                            config.optimizer.grad_accum_steps, layout)
+  return TrainSetup(model_cfg, optimizer, abstract, state_sh, batch_sh, train_fn, layout)

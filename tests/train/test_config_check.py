@@ -53,6 +53,10 @@ class FieldsTest(parameterized.TestCase):
       ("interleaved", dict(mesh="stage=2,tensor=2,data=2", pipeline__schedule="interleaved_1f1b",
                            pipeline__virtual_stages=2, model__n_layers=4)),
       ("all_sharded", dict(mesh="replica=2,fsdp=2,tensor=2", optimizer__outer="co2")),
+      ("context", dict(mesh="data=2,context=-1")),
+      ("context_contiguous", dict(mesh="context=8", data__seq_len=72,
+                                  parallel__context_layout="contiguous")),
+      ("hdp", dict(data__variable_length=True, parallel__hdp=True, data__max_len=512)),
   )
   def test_valid(self, overrides):
     config_check.check_config(_config(**overrides))
@@ -107,6 +111,8 @@ class FieldsTest(parameterized.TestCase):
       ("compression", dict(optimizer__outer_compression="int4"),
        "optimizer.outer_compression='int4' is unknown; valid: none, bf16, int8, fp8"),
       ("group_size", dict(optimizer__outer_group_size=1), "optimizer.outer_group_size=1 is invalid"),
+      ("layout", dict(parallel__context_layout="striped"),
+       "parallel.context_layout='striped' is unknown; valid: contiguous, zigzag"),
       ("schedule", dict(pipeline__schedule="zb-h1"), "pipeline.schedule='zb-h1' is unknown; valid: "
        "none, gpipe, 1f1b, interleaved_1f1b"),
       ("microbatches", dict(pipeline__microbatches=0), "pipeline.microbatches=0 is invalid"),
@@ -209,8 +215,23 @@ class RelationsTest(parameterized.TestCase):
                               optimizer__outer="diloco"),
        "optimizer.outer='diloco' is invalid with pipeline.schedule='gpipe'; it must be none "
        "with a pipeline"),
-      ("context", dict(mesh="data=2,context=-1"), "mesh axis context=4 is not used by any "
-       "strategy yet (context parallelism is not implemented)"),
+      ("context_chunks", dict(mesh="data=2,context=-1", data__seq_len=36),
+       "data.seq_len=36 is invalid with mesh axis context=4, parallel.context_layout='zigzag'; "
+       "it must divide into the layout's chunks: 2 x (mesh axis context) for zigzag"),
+      ("context_pipeline", dict(mesh="stage=2,context=2,data=-1", pipeline__schedule="gpipe"),
+       "mesh axis context=2 is invalid with pipeline.schedule='gpipe'; it must be 1 with a "
+       "pipeline"),
+      ("context_outer", dict(mesh="replica=2,context=2,data=-1", optimizer__outer="diloco"),
+       "mesh axis context=2 is invalid with optimizer.outer='diloco'; it must be 1 with an "
+       "outer optimizer"),
+      ("hdp_packed", dict(parallel__hdp=True), "parallel.hdp=True is invalid with "
+       "data.variable_length=False; it must equal data.variable_length"),
+      ("hdp_mesh", dict(mesh="data=4,tensor=2", data__variable_length=True, parallel__hdp=True),
+       "parallel.hdp=True is invalid with mesh axes other than data='tensor'; it must be False "
+       "on this mesh: HDP regroups a data-only mesh"),
+      ("hdp_pool", dict(data__variable_length=True, parallel__hdp=True, data__max_len=513),
+       "data.max_len=513 is invalid with data.seq_len=64, devices=8, parallel.hdp=True; it "
+       "must fit the device pool: at most devices x data.seq_len tokens"),
       ("replica_without_outer", dict(mesh="replica=2,data=-1"), "mesh axis replica=2 is invalid "
        "with optimizer.outer='none'; it must be 1 without an outer optimizer"),
       ("outer_without_replica", dict(optimizer__outer="co2"), "optimizer.outer='co2' needs a mesh "
