@@ -77,8 +77,8 @@ class DocumentLoader:
   `num_tokens` (their tokens, after truncation), `lengths` (int64 [num_docs] sequence
   lengths = tokens - 1, in split order), `doc_ids` (int64 [num_docs] each kept document's
   index in `paths`), `paths` (the split's document list), `truncated` and
-  `truncated_tokens` (documents cut to max_len and tokens dropped), `dropped` (documents
-  with < 2 tokens, plus empty and non-UTF-8 files).
+  `truncated_tokens` (documents cut to max_len and tokens dropped), `dropped` (files of
+  the split with < 2 tokens or not UTF-8).
   """
 
   def __init__(self, docs: list[np.ndarray], doc_ids: np.ndarray, *, meta: dict[str, Any], tokenizer,
