@@ -2,7 +2,9 @@
 
 Block skipping: tile (i, j) of q block i and kv block j is visited iff it may hold an
 unmasked pair: both blocks hold a real token, their [min, max] segment ids overlap and
-(when causal) the last real query of block i reaches the first key of block j. A loop
+(when causal) the last real query of block i reaches the first key of block j; with
+explicit per-token causal keys (positions), the block's largest query key reaches its
+kv block's smallest. A loop
 visits the span from the first to the last such tile: exact for packed (increasing)
 ids, a safe superset otherwise, and the visited tiles are masked element-wise.
 
@@ -39,16 +41,21 @@ class FlashConfig:
 
 
 def visitable_blocks(q_ids_BIQ, kv_ids_BJK, *, t: int, s: int, num_q_blocks: int,
-                     num_kv_blocks: int, block_q: int, block_k: int, causal: bool) -> jax.Array:
+                     num_kv_blocks: int, block_q: int, block_k: int, causal: bool,
+                     q_pos_BIQ=None, kv_pos_BJK=None) -> jax.Array:
   """Bool [B, nq, nk] ([1, nq, nk] without ids): tiles that may hold an unmasked pair.
 
   q_ids_BIQ [B, nq, block_q] and kv_ids_BJK [B, nk, block_k] are the edge-padded
-  segment ids cut into blocks (or both None); t, s the real lengths.
+  segment ids cut into blocks (or both None); t, s the real lengths. q_pos_BIQ,
+  kv_pos_BJK (both or neither): edge-padded per-token causal keys, query i sees key j
+  iff q_pos[i] >= kv_pos[j]; None means positions 0..t-1 aligned to the end of 0..s-1.
   """
   real_q = jnp.arange(num_q_blocks) * block_q < t
   real_k = jnp.arange(num_kv_blocks) * block_k < s
   ok = (real_q[:, None] & real_k[None, :])[None]
-  if causal:
+  if causal and q_pos_BIQ is not None:
+    ok = ok & (q_pos_BIQ.max(-1)[:, :, None] >= kv_pos_BJK.min(-1)[:, None, :])
+  elif causal:
     last_q = jnp.minimum(jnp.arange(num_q_blocks) * block_q + block_q - 1, t - 1)
     first_k = jnp.arange(num_kv_blocks) * block_k
     ok &= ((last_q[:, None] + (s - t)) >= first_k[None, :])[None]

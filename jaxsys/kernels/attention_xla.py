@@ -24,6 +24,14 @@ k and q are also kept transposed (once, outside the loops) and the backward work
 transposed tiles [block_k, M], so all five backward matmuls and both forward ones are
 canonical.
 
+Callers that merge partial results (ring attention, jaxsys.parallel.context) use the
+two lower-level entries: `forward_with_lse` returns the f32 output and per-row
+logsumexp (-inf for rows with nothing to attend to), `backward_from_lse` takes dO and
+a logsumexp and delta computed elsewhere (the whole row's, not this call's) and returns
+f32 dq, dk, dv. Both also take per-token causal keys (q_positions, kv_positions: query
+i sees key j iff q_positions[i] >= kv_positions[j]), which need not be monotone; tiles
+are then skipped by their min/max keys, as for segment ids.
+
 Blocks default to `default_blocks(B * Hq)`, sized by measurement so one score tile is
 about 2 MiB; sequences are split into near-equal blocks, so padding stays under one
 block (padded keys are masked, padded rows dropped). When T <= block_q and S <= block_k
@@ -65,6 +73,13 @@ class _Config(NamedTuple):
   causal: bool
   scale: float
   has_segments: bool
+  has_positions: bool = False  # causal by per-token keys, not by index
+
+
+class _Keys(NamedTuple):
+  """One side's per-token keys cut into blocks, [n, B, block] int32 (edge-padded), or None."""
+  seg: jax.Array | None
+  pos: jax.Array | None
 
 
 def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
@@ -80,41 +95,136 @@ def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
   """
   if q_segment_ids is None and kv_segment_ids is not None:
     raise ValueError("xla_attention: kv_segment_ids given without q_segment_ids; pass both")
-  if q_segment_ids is None:
+  cfg, q_IBKMD, k_JBKSD, v_JBKSD, q_keys, kv_keys = _prepare(
+      "xla_attention", q, k, v, q_segment_ids, kv_segment_ids, None, None, causal, sm_scale,
+      block_q, block_k)
+  return _from_q_blocks(cfg, _flash(cfg, q_IBKMD, k_JBKSD, v_JBKSD, q_keys, kv_keys))
+
+
+def forward_with_lse(q, k, v, *, q_segment_ids=None, kv_segment_ids=None, q_positions=None,
+                     kv_positions=None, causal: bool = True, sm_scale: float | None = None,
+                     block_q: int | None = None, block_k: int | None = None):
+  """(out [B,T,Hq,D] f32, lse [B,T,Hq] f32): the blockwise forward, not differentiable.
+
+  lse is -inf for rows with nothing to attend to (their output is 0), so partial
+  results over disjoint key sets merge by log-sum-exp. Segment ids as `xla_attention`
+  (both or neither); q_positions [B,T], kv_positions [B,S] (both or neither, used when
+  causal): per-token causal keys replacing the end-aligned index.
+  """
+  cfg, q_IBKMD, k_JBKSD, v_JBKSD, q_keys, kv_keys = _prepare(
+      "forward_with_lse", q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_positions,
+      causal, sm_scale, block_q, block_k)
+  out, lse = _forward(cfg, q_IBKMD, k_JBKSD, v_JBKSD, q_keys, kv_keys)
+  return _from_q_blocks(cfg, out), _from_q_blocks(cfg, lse[..., None])[..., 0]
+
+
+def backward_from_lse(q, k, v, d_out, lse, delta, *, q_segment_ids=None, kv_segment_ids=None,
+                      q_positions=None, kv_positions=None, causal: bool = True,
+                      sm_scale: float | None = None, block_q: int | None = None,
+                      block_k: int | None = None):
+  """f32 (dq, dk, dv) of the attention of q to these keys, given the row statistics.
+
+  d_out [B,T,Hq,D]; lse, delta [B,T,Hq] f32: the logsumexp of each query row's scores
+  and rowsum(dO * O) of its output, both over all the keys the row attends to (which
+  may be more than k holds). lse must be finite: pass 0 for rows with no key at all.
+  Other arguments as `forward_with_lse`.
+  """
+  cfg, q_IBKMD, k_JBKSD, v_JBKSD, q_keys, kv_keys = _prepare(
+      "backward_from_lse", q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_positions,
+      causal, sm_scale, block_q, block_k)
+  if d_out.shape != q.shape or lse.shape != q.shape[:3] or delta.shape != q.shape[:3]:
+    raise ValueError(f"backward_from_lse: d_out must be q's shape {q.shape} and lse, delta "
+                     f"[B, T, Hq]={q.shape[:3]}; got d_out{d_out.shape} lse{lse.shape} "
+                     f"delta{delta.shape}")
+  rows = lambda x: _to_q_blocks(cfg, x[..., None].astype(jnp.float32))[..., 0]
+  dq, dk, dv = _backward(cfg, q_IBKMD, k_JBKSD, v_JBKSD, q_keys, kv_keys, rows(lse),
+                         _to_q_blocks(cfg, d_out.astype(q.dtype)), rows(delta))
+  return _from_q_blocks(cfg, dq), _from_kv_blocks(cfg, dk), _from_kv_blocks(cfg, dv)
+
+
+def visited_tiles(q, k, *, q_segment_ids=None, kv_segment_ids=None, q_positions=None,
+                  kv_positions=None, causal: bool = True, block_q: int | None = None,
+                  block_k: int | None = None) -> tuple[jax.Array, tuple[int, int]]:
+  """(tiles the forward's loops visit, (block_q, block_k) used): the work a call does.
+
+  q, k may be jax.ShapeDtypeStruct; other arguments as `forward_with_lse`. One tile is
+  [B, Hq, block_q, block_k] scores; the backward visits the same tiles.
+  """
+  cfg, q_keys, kv_keys = _plan("visited_tiles", q, k, k, q_segment_ids, kv_segment_ids,
+                               q_positions, kv_positions, causal, None, block_q, block_k)
+  (lo, hi), _ = _block_ranges(cfg, q_keys, kv_keys)
+  return jnp.sum(hi - lo), (cfg.bq, cfg.bk)
+
+
+def _prepare(who, q, k, v, q_seg, kv_seg, q_pos, kv_pos, causal, sm_scale, block_q, block_k):
+  """Checks the arguments; (cfg, q, k, v in block layout, q keys, kv keys)."""
+  cfg, q_keys, kv_keys = _plan(who, q, k, v, q_seg, kv_seg, q_pos, kv_pos, causal, sm_scale,
+                               block_q, block_k)
+  return cfg, _to_q_blocks(cfg, q), _to_kv_blocks(cfg, k), _to_kv_blocks(cfg, v), q_keys, kv_keys
+
+
+def _plan(who, q, k, v, q_seg, kv_seg, q_pos, kv_pos, causal, sm_scale, block_q, block_k):
+  """Checks the arguments (shapes only); (cfg, q keys, kv keys)."""
+  if q_seg is None:
     segment_ids = None
-  elif kv_segment_ids is None:
-    segment_ids = q_segment_ids
+  elif kv_seg is None:
+    segment_ids = q_seg
   else:
-    segment_ids = (q_segment_ids, kv_segment_ids)
+    segment_ids = (q_seg, kv_seg)
   q_seg, kv_seg = check_inputs(q, k, v, segment_ids)
   b, t, hq, d = q.shape
+  s, hkv = k.shape[1], k.shape[2]
+  if (q_pos is None) != (kv_pos is None):
+    raise ValueError(f"{who}: pass both q_positions and kv_positions or neither")
+  for name, pos, n in (("q_positions", q_pos, t), ("kv_positions", kv_pos, s)):
+    if pos is not None and (pos.shape != (b, n) or not jnp.issubdtype(pos.dtype, jnp.integer)):
+      raise ValueError(f"{who}: {name} must be an integer array of shape {(b, n)}; "
+                       f"got {pos.dtype}{pos.shape}")
   auto_q, auto_k = default_blocks(b * hq)
   block_q = auto_q if block_q is None else block_q
   block_k = auto_k if block_k is None else block_k
   for name, block in (("block_q", block_q), ("block_k", block_k)):
     if not isinstance(block, int) or block < 1:
-      raise ValueError(f"xla_attention: {name} must be a positive int or None; got {block!r}")
-  s, hkv = k.shape[1], k.shape[2]
-  g = hq // hkv
-  scale = static_scale(sm_scale, d, "xla_attention")
+      raise ValueError(f"{who}: {name} must be a positive int or None; got {block!r}")
   bq, nq = _balanced_block(t, block_q)
   bk, nk = _balanced_block(s, block_k)
-  cfg = _Config(b, hkv, g, t, s, bq, bk, nq, nk, bool(causal), scale, q_seg is not None)
+  has_positions = bool(causal) and q_pos is not None
+  cfg = _Config(b, hkv, hq // hkv, t, s, bq, bk, nq, nk, bool(causal),
+                static_scale(sm_scale, d, who), q_seg is not None, has_positions)
+  # Edge padding keeps the per-block key ranges tight; padded keys are masked by index.
+  blocked = lambda x, n, size: (None if x is None else _pad(x.astype(jnp.int32), 1, n * size, "edge")
+                                .reshape(b, n, size).swapaxes(0, 1))
+  q_keys = _Keys(blocked(q_seg, nq, bq), blocked(q_pos if has_positions else None, nq, bq))
+  kv_keys = _Keys(blocked(kv_seg, nk, bk), blocked(kv_pos if has_positions else None, nk, bk))
+  return cfg, q_keys, kv_keys
 
-  q_IBKMD = (_pad(q, 1, nq * bq).reshape(b, nq, bq, hkv, g, d).transpose(1, 0, 3, 4, 2, 5)
-             .reshape(nq, b, hkv, g * bq, d))
-  k_JBKSD, v_JBKSD = ((_pad(x, 1, nk * bk).reshape(b, nk, bk, hkv, d).transpose(1, 0, 3, 2, 4)
-                       .reshape(nk, b, hkv, bk, d)) for x in (k, v))
-  if q_seg is None:
-    qseg_IBQ = kvseg_JBS = None
-  else:
-    # Edge padding keeps the per-block id ranges tight; padded keys are masked by position.
-    qseg_IBQ = _pad(q_seg.astype(jnp.int32), 1, nq * bq, "edge").reshape(b, nq, bq).swapaxes(0, 1)
-    kvseg_JBS = _pad(kv_seg.astype(jnp.int32), 1, nk * bk, "edge").reshape(b, nk, bk).swapaxes(0, 1)
-  out_IBKMD = _flash(cfg, q_IBKMD, k_JBKSD, v_JBKSD, qseg_IBQ, kvseg_JBS)
-  out = (out_IBKMD.reshape(nq, b, hkv, g, bq, d).transpose(1, 0, 4, 2, 3, 5)
-         .reshape(b, nq * bq, hq, d))
-  return out[:, :t]
+
+def _to_q_blocks(cfg: _Config, x):
+  """[B, T, Hq, D] -> [nq, B, Hkv, M, D] (M = G * bq, the G heads' rows stacked)."""
+  b, nq, bq, hkv, g = cfg.b, cfg.nq, cfg.bq, cfg.hkv, cfg.g
+  d = x.shape[-1]
+  return (_pad(x, 1, nq * bq).reshape(b, nq, bq, hkv, g, d).transpose(1, 0, 3, 4, 2, 5)
+          .reshape(nq, b, hkv, g * bq, d))
+
+
+def _from_q_blocks(cfg: _Config, x):
+  """Inverse of _to_q_blocks, padded rows dropped."""
+  d = x.shape[-1]
+  x = x.reshape(cfg.nq, cfg.b, cfg.hkv, cfg.g, cfg.bq, d).transpose(1, 0, 4, 2, 3, 5)
+  return x.reshape(cfg.b, cfg.nq * cfg.bq, cfg.hkv * cfg.g, d)[:, :cfg.t]
+
+
+def _to_kv_blocks(cfg: _Config, x):
+  """[B, S, Hkv, D] -> [nk, B, Hkv, bk, D]."""
+  d = x.shape[-1]
+  return (_pad(x, 1, cfg.nk * cfg.bk).reshape(cfg.b, cfg.nk, cfg.bk, cfg.hkv, d)
+          .transpose(1, 0, 3, 2, 4))
+
+
+def _from_kv_blocks(cfg: _Config, x):
+  """Inverse of _to_kv_blocks, padded keys dropped."""
+  x = x.transpose(1, 0, 3, 2, 4)
+  return x.reshape(cfg.b, cfg.nk * cfg.bk, cfg.hkv, x.shape[-1])[:, :cfg.s]
 
 
 def default_blocks(rows: int) -> tuple[int, int]:
@@ -146,28 +256,29 @@ def _pad(x: jax.Array, axis: int, size: int, mode: str = "constant") -> jax.Arra
 
 
 def _index(x, i):
-  return None if x is None else jax.lax.dynamic_index_in_dim(x, i, axis=0, keepdims=False)
+  """Block i of x (a tree whose leaves may be None)."""
+  return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, axis=0, keepdims=False), x)
 
 
 # ----------------------------------------------------------------------------- masks, ranges
 
 
-def _tile_mask(cfg: _Config, i, j, qseg_BQ, kvseg_BS) -> jax.Array | None:
-  """Bool [B|1, bq, bk] (True = attend) for q block i and kv block j; None if all True."""
-  mask = None
-  kv_pos = j * cfg.bk + jnp.arange(cfg.bk)
+def _tile_mask(cfg: _Config, i, j, q_keys: _Keys, kv_keys: _Keys) -> jax.Array | None:
+  """Bool [B|1, bq|1, bk] (True = attend) for q block i and kv block j; None if all True.
+
+  q_keys, kv_keys: block i's / block j's keys, [B, bq] / [B, bk] (or None)."""
+  parts = []
+  kv_idx = j * cfg.bk + jnp.arange(cfg.bk)
   if cfg.nk * cfg.bk != cfg.s:  # padded keys exist (only in the last block, but cheap)
-    mask = jnp.broadcast_to((kv_pos < cfg.s)[None, :], (cfg.bq, cfg.bk))
-  if cfg.causal:
-    q_pos = i * cfg.bq + jnp.arange(cfg.bq)
-    c = (q_pos[:, None] + (cfg.s - cfg.t)) >= kv_pos[None, :]
-    mask = c if mask is None else mask & c
-  if mask is not None:
-    mask = mask[None]
+    parts.append((kv_idx < cfg.s)[None, None, :])
+  if cfg.has_positions:
+    parts.append(q_keys.pos[:, :, None] >= kv_keys.pos[:, None, :])
+  elif cfg.causal:
+    q_idx = i * cfg.bq + jnp.arange(cfg.bq)
+    parts.append(((q_idx[:, None] + (cfg.s - cfg.t)) >= kv_idx[None, :])[None])
   if cfg.has_segments:
-    same = qseg_BQ[:, :, None] == kvseg_BS[:, None, :]
-    mask = same if mask is None else mask & same
-  return mask
+    parts.append(q_keys.seg[:, :, None] == kv_keys.seg[:, None, :])
+  return functools.reduce(jnp.logical_and, parts) if parts else None
 
 
 def _masked(cfg: _Config, s_BKMS, mask_BQS):
@@ -175,7 +286,8 @@ def _masked(cfg: _Config, s_BKMS, mask_BQS):
   if mask_BQS is None:
     return s_BKMS
   s = s_BKMS.reshape(cfg.b, cfg.hkv, cfg.g, cfg.bq, cfg.bk)
-  s = jnp.where(mask_BQS[:, None, None], s, -jnp.inf)
+  mask = jnp.broadcast_to(mask_BQS, (mask_BQS.shape[0], cfg.bq, cfg.bk))
+  s = jnp.where(mask[:, None, None], s, -jnp.inf)
   return s.reshape(s_BKMS.shape)
 
 
@@ -184,11 +296,12 @@ def _masked_t(cfg: _Config, s_BKSM, mask_BQS):
   if mask_BQS is None:
     return s_BKSM
   s = s_BKSM.reshape(cfg.b, cfg.hkv, cfg.bk, cfg.g, cfg.bq)
-  s = jnp.where(mask_BQS.swapaxes(1, 2)[:, None, :, None, :], s, -jnp.inf)
+  mask = jnp.broadcast_to(mask_BQS, (mask_BQS.shape[0], cfg.bq, cfg.bk))
+  s = jnp.where(mask.swapaxes(1, 2)[:, None, :, None, :], s, -jnp.inf)
   return s.reshape(s_BKSM.shape)
 
 
-def _block_ranges(cfg: _Config, qseg_IBQ, kvseg_JBS):
+def _block_ranges(cfg: _Config, q_keys: _Keys, kv_keys: _Keys):
   """Loop bounds: per q block [lo, hi) over kv blocks; per kv block [lo, hi) over q blocks.
 
   The batch rows share one loop, so a tile is visited if it is visitable
@@ -196,9 +309,29 @@ def _block_ranges(cfg: _Config, qseg_IBQ, kvseg_JBS):
   """
   swap = lambda x: None if x is None else x.swapaxes(0, 1)
   allowed = visitable_blocks(
-      swap(qseg_IBQ), swap(kvseg_JBS), t=cfg.t, s=cfg.s, num_q_blocks=cfg.nq,
-      num_kv_blocks=cfg.nk, block_q=cfg.bq, block_k=cfg.bk, causal=cfg.causal).any(0)
+      swap(q_keys.seg), swap(kv_keys.seg), t=cfg.t, s=cfg.s, num_q_blocks=cfg.nq,
+      num_kv_blocks=cfg.nk, block_q=cfg.bq, block_k=cfg.bk, causal=cfg.causal,
+      q_pos_BIQ=swap(q_keys.pos), kv_pos_BJK=swap(kv_keys.pos)).any(0)
   return spans(allowed), spans(allowed.T)
+
+
+def _vma(x) -> frozenset:
+  """The manual mesh axes x varies over (empty outside shard_map or without check_vma)."""
+  aval = jax.typeof(x)
+  mat = getattr(aval, "manual_axis_type", None)
+  return mat.varying if mat is not None else getattr(aval, "vma", frozenset())
+
+
+def _vary_like(tree, *refs):
+  """tree's leaves marked varying over every manual mesh axis the refs vary over, so loop
+  carries started from constants type-check inside shard_map (check_vma); else a no-op."""
+  axes = frozenset().union(*(_vma(r) for r in jax.tree.leaves(refs)))
+
+  def cast(x):
+    missing = tuple(sorted(axes - _vma(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+  return jax.tree.map(cast, tree)
 
 
 def _loop(lo, hi, n: int, body, init):
@@ -217,20 +350,20 @@ def _finite_or_zero(x):
   return jnp.where(x == -jnp.inf, 0.0, x)
 
 
-def _forward(cfg: _Config, q_IBKMD, k_JBKSD, v_JBKSD, qseg_IBQ, kvseg_JBS):
-  """(out [nq, B, Hkv, M, D] f32, lse [nq, B, Hkv, M] f32)."""
-  (lo_I, hi_I), _ = _block_ranges(cfg, qseg_IBQ, kvseg_JBS)
+def _forward(cfg: _Config, q_IBKMD, k_JBKSD, v_JBKSD, q_keys: _Keys, kv_keys: _Keys):
+  """(out [nq, B, Hkv, M, D] f32, lse [nq, B, Hkv, M] f32, -inf for empty rows)."""
+  (lo_I, hi_I), _ = _block_ranges(cfg, q_keys, kv_keys)
   kT_JBKDS = k_JBKSD.swapaxes(-1, -2)
   b, kh, m_rows, d = q_IBKMD.shape[1:]
 
   def q_block(_, xs):
-    i, q_BKMD, qseg_BQ, lo, hi = xs
+    i, q_BKMD, qk, lo, hi = xs
 
     def kv_block(j, carry):
       m, l, acc = carry
       s = jnp.einsum("bkmd,bkds->bkms", q_BKMD, _index(kT_JBKDS, j),
                      preferred_element_type=jnp.float32) * cfg.scale
-      s = _masked(cfg, s, _tile_mask(cfg, i, j, qseg_BQ, _index(kvseg_JBS, j)))
+      s = _masked(cfg, s, _tile_mask(cfg, i, j, qk, _index(kv_keys, j)))
       m_new = jnp.maximum(m, s.max(-1))
       m_safe = _finite_or_zero(m_new)
       p = jnp.exp(s - m_safe[..., None])
@@ -240,16 +373,17 @@ def _forward(cfg: _Config, q_IBKMD, k_JBKSD, v_JBKSD, qseg_IBQ, kvseg_JBS):
                       preferred_element_type=jnp.float32)
       return m_new, alpha * l + p.sum(-1), alpha[..., None] * acc + pv
 
-    init = (jnp.full((b, kh, m_rows), -jnp.inf, jnp.float32),
-            jnp.zeros((b, kh, m_rows), jnp.float32), jnp.zeros((b, kh, m_rows, d), jnp.float32))
+    init = _vary_like((jnp.full((b, kh, m_rows), -jnp.inf, jnp.float32),
+                       jnp.zeros((b, kh, m_rows), jnp.float32),
+                       jnp.zeros((b, kh, m_rows, d), jnp.float32)), xs, k_JBKSD, v_JBKSD, kv_keys)
     m, l, acc = _loop(lo, hi, cfg.nk, kv_block, init)
-    empty = l == 0  # nothing to attend to: output 0, lse 0 (its scores are all -inf)
+    empty = l == 0  # nothing to attend to: output 0, lse -inf
     safe_l = jnp.where(empty, 1.0, l)
     out = acc * (1.0 / safe_l)[..., None]
-    lse = jnp.where(empty, 0.0, _finite_or_zero(m) + jnp.log(safe_l))
+    lse = jnp.where(empty, -jnp.inf, _finite_or_zero(m) + jnp.log(safe_l))
     return None, (out, lse)
 
-  xs = (jnp.arange(cfg.nq, dtype=jnp.int32), q_IBKMD, qseg_IBQ, lo_I, hi_I)
+  xs = (jnp.arange(cfg.nq, dtype=jnp.int32), q_IBKMD, q_keys, lo_I, hi_I)
   if cfg.nq == 1:
     out, lse = q_block(None, jax.tree.map(lambda x: x[0], xs))[1]
     return out[None], lse[None]
@@ -259,27 +393,28 @@ def _forward(cfg: _Config, q_IBKMD, k_JBKSD, v_JBKSD, qseg_IBQ, kvseg_JBS):
 # ----------------------------------------------------------------------------- backward
 
 
-def _backward(cfg: _Config, q_IBKMD, k_JBKSD, v_JBKSD, qseg_IBQ, kvseg_JBS, lse_IBKM, do_IBKMD,
-              delta_IBKM):
+def _backward(cfg: _Config, q_IBKMD, k_JBKSD, v_JBKSD, q_keys: _Keys, kv_keys: _Keys, lse_IBKM,
+              do_IBKMD, delta_IBKM):
   """kv blocks outer (dk, dv accumulate locally), the q blocks that see them inner.
 
   Works on transposed tiles [B, Hkv, bk, M] so every matmul is canonical; dq is carried
-  transposed, [nq, B, Hkv, D, M], and updated in place one q block at a time.
+  transposed, [nq, B, Hkv, D, M], and updated in place one q block at a time. lse must
+  be finite (0 for empty rows).
   """
-  _, (lo_J, hi_J) = _block_ranges(cfg, qseg_IBQ, kvseg_JBS)
+  _, (lo_J, hi_J) = _block_ranges(cfg, q_keys, kv_keys)
   qT_IBKDM = q_IBKMD.swapaxes(-1, -2)
   doT_IBKDM = do_IBKMD.swapaxes(-1, -2)
   kT_JBKDS = k_JBKSD.swapaxes(-1, -2)
 
   def kv_block(dqT, xs):
-    j, k_BKSD, kT_BKDS, v_BKSD, kvseg_BS, lo, hi = xs
+    j, k_BKSD, kT_BKDS, v_BKSD, kvk, lo, hi = xs
 
     def q_block(i, carry):
       dqT, dk, dv = carry
       q_BKMD, do_BKMD = _index(q_IBKMD, i), _index(do_IBKMD, i)
       sT = jnp.einsum("bksd,bkdm->bksm", k_BKSD, _index(qT_IBKDM, i),
                       preferred_element_type=jnp.float32) * cfg.scale
-      sT = _masked_t(cfg, sT, _tile_mask(cfg, i, j, _index(qseg_IBQ, i), kvseg_BS))
+      sT = _masked_t(cfg, sT, _tile_mask(cfg, i, j, _index(q_keys, i), kvk))
       # Masked scores are -inf and lse is finite, so masked p are exact zeros.
       pT = jnp.exp(sT - _index(lse_IBKM, i)[..., None, :])
       dv = dv + jnp.einsum("bksm,bkmd->bksd", pT.astype(do_BKMD.dtype), do_BKMD,
@@ -294,12 +429,14 @@ def _backward(cfg: _Config, q_IBKMD, k_JBKSD, v_JBKSD, qseg_IBQ, kvseg_JBS, lse_
       dqT = jax.lax.dynamic_update_index_in_dim(dqT, _index(dqT, i) + dqT_i, i, axis=0)
       return dqT, dk, dv
 
-    init = (dqT, jnp.zeros(k_BKSD.shape, jnp.float32), jnp.zeros(v_BKSD.shape, jnp.float32))
+    init = (dqT, *_vary_like((jnp.zeros(k_BKSD.shape, jnp.float32),) * 2, xs, dqT, q_IBKMD,
+                             do_IBKMD, q_keys, lse_IBKM))
     dqT, dk, dv = _loop(lo, hi, cfg.nq, q_block, init)
     return dqT, (dk, dv)
 
-  dqT0 = jnp.zeros(qT_IBKDM.shape, jnp.float32)
-  xs = (jnp.arange(cfg.nk, dtype=jnp.int32), k_JBKSD, kT_JBKDS, v_JBKSD, kvseg_JBS, lo_J, hi_J)
+  dqT0 = _vary_like(jnp.zeros(qT_IBKDM.shape, jnp.float32), q_IBKMD, k_JBKSD, v_JBKSD, do_IBKMD,
+                    q_keys, kv_keys, lse_IBKM, lo_J, hi_J)
+  xs = (jnp.arange(cfg.nk, dtype=jnp.int32), k_JBKSD, kT_JBKDS, v_JBKSD, kv_keys, lo_J, hi_J)
   if cfg.nk == 1:
     dqT, (dk, dv) = kv_block(dqT0, jax.tree.map(lambda x: x[0], xs))
     dk, dv = dk[None], dv[None]
@@ -311,10 +448,10 @@ def _backward(cfg: _Config, q_IBKMD, k_JBKSD, v_JBKSD, qseg_IBQ, kvseg_JBS, lse_
 # ----------------------------------------------------------------------------- custom vjp
 
 
-def _single_tile(cfg: _Config, q_BKMD, k_BKSD, v_BKSD, qseg_BQ, kvseg_BS):
+def _single_tile(cfg: _Config, q_BKMD, k_BKSD, v_BKSD, q_keys: _Keys, kv_keys: _Keys):
   """The whole problem as one tile, no loop: out f32 [B,Hkv,M,D], normalised p f32 [B,Hkv,M,S]."""
   s = jnp.einsum("bkmd,bksd->bkms", q_BKMD, k_BKSD, preferred_element_type=jnp.float32) * cfg.scale
-  s = _masked(cfg, s, _tile_mask(cfg, 0, 0, qseg_BQ, kvseg_BS))
+  s = _masked(cfg, s, _tile_mask(cfg, 0, 0, q_keys, kv_keys))
   p = jnp.exp(s - _finite_or_zero(s.max(-1))[..., None])
   l = p.sum(-1)
   p = p * jnp.where(l == 0, 0.0, 1.0 / jnp.where(l == 0, 1.0, l))[..., None]
@@ -336,8 +473,8 @@ def _one_tile(cfg: _Config) -> bool:
   return cfg.nq == 1 and cfg.nk == 1
 
 
-def _first(x):
-  return None if x is None else x[0]
+def _first(keys: _Keys) -> _Keys:
+  return jax.tree.map(lambda x: x[0], keys)
 
 
 # ----------------------------------------------------------------------------- custom vjp
@@ -358,7 +495,8 @@ def _flash_fwd(cfg, q, k, v, qseg, kvseg):
     out, p_or_lse = _single_tile(cfg, q[0], k[0], v[0], _first(qseg), _first(kvseg))
     out = out[None]
   else:
-    out, p_or_lse = _forward(cfg, q, k, v, qseg, kvseg)
+    out, lse = _forward(cfg, q, k, v, qseg, kvseg)
+    p_or_lse = _finite_or_zero(lse)  # empty rows: 0, so their masked p are exact zeros
   out = out.astype(q.dtype)
   return out, (q, k, v, qseg, kvseg, out, p_or_lse)
 

@@ -39,10 +39,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsys.kernels.attention_inputs import check_inputs, segment_pair, static_scale
+from jaxsys.kernels import attention_xla
+from jaxsys.kernels.attention_inputs import check_inputs, static_scale
 
 LAYOUTS = ("contiguous", "zigzag")
-IMPLS = ("auto", "einsum")
+# Each step needs per-token causal keys and the row logsumexp in and out, which only
+# the blockwise XLA kernel exposes; "auto" therefore means it on every backend.
+IMPLS = ("auto", "xla")
 
 
 def _check_layout(layout: str, who: str) -> None:
@@ -110,7 +113,6 @@ class _Config(NamedTuple):
   n: int
   causal: bool
   scale: float
-  has_segments: bool
 
 
 def ring_attention(q, k, v, *, axis_name, segment_ids=None, causal: bool = True,
@@ -119,9 +121,11 @@ def ring_attention(q, k, v, *, axis_name, segment_ids=None, causal: bool = True,
   """Attention over a sequence sharded on `axis_name` (call inside jax.shard_map).
 
   q [B, T/n, Hq, D], k/v [B, T/n, Hkv, D] local shards in `layout` order; segment_ids
-  [B, T/n] or a (q_ids, kv_ids) pair. positions: global token indices of the local
-  shard ([T/n] or [B, T/n]), used for causal masking; None derives them from the
-  device's axis index and `layout`. Returns the local [B, T/n, Hq, D] in q.dtype.
+  [B, T/n] or a (q_ids, kv_ids) pair. positions: per-token causal keys of the local
+  shard ([T/n] or [B, T/n] ints; query i sees key j iff positions[i] >= positions[j],
+  any order, e.g. restarting at each packed document); None derives global token
+  indices from the device's axis index and `layout`. impl: "auto" or "xla" (see the
+  module docstring). Returns the local [B, T/n, Hq, D] in q.dtype.
   """
   _check_layout(layout, "ring_attention")
   if impl not in IMPLS:
@@ -132,107 +136,69 @@ def ring_attention(q, k, v, *, axis_name, segment_ids=None, causal: bool = True,
     raise ValueError(f"ring_attention: q and k/v shards must have equal length; "
                      f"got q{q.shape} k{k.shape}")
   n = jax.lax.axis_size(axis_name)
-  if positions is None:
-    if layout == "zigzag" and t % 2:
-      raise ValueError(f"ring_attention: zigzag needs an even shard length; got T/n={t}")
-    positions = shard_positions(jax.lax.axis_index(axis_name), n, t, layout)
-  positions = jnp.broadcast_to(jnp.asarray(positions, jnp.int32), (b, t))
-  has_segments = q_seg is not None
-  if not has_segments:
-    # Placeholders keep one custom_vjp signature; the mask ignores them.
-    q_seg = kv_seg = jnp.zeros((b, t), jnp.int32)
-  cfg = _Config(axis_name, int(n), bool(causal), static_scale(sm_scale, d, "ring_attention"),
-                has_segments)
-  return _ring(cfg, q, k, v, q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32), positions)
+  pos = None
+  if causal:
+    if positions is None:
+      if layout == "zigzag" and t % 2:
+        raise ValueError(f"ring_attention: zigzag needs an even shard length; got T/n={t}")
+      positions = shard_positions(jax.lax.axis_index(axis_name), n, t, layout)
+    positions = jnp.asarray(positions)
+    if positions.shape not in ((t,), (b, t)) or not jnp.issubdtype(positions.dtype, jnp.integer):
+      raise ValueError(f"ring_attention: positions must be integers of shape {(t,)} or "
+                       f"{(b, t)}; got {positions.dtype}{positions.shape}")
+    pos = jnp.broadcast_to(positions.astype(jnp.int32), (b, t))
+  as_ids = lambda x: None if x is None else x.astype(jnp.int32)
+  cfg = _Config(axis_name, int(n), bool(causal), static_scale(sm_scale, d, "ring_attention"))
+  return _ring(cfg, q, k, v, (as_ids(q_seg), pos), (as_ids(kv_seg), pos))
 
 
-def _mask(cfg: _Config, q_seg, q_pos, kv_seg, kv_pos):
-  """[B, T, S] bool: which (query, key) pairs may attend."""
-  mask = jnp.ones((q_seg.shape[0], q_seg.shape[1], kv_seg.shape[1]), bool)
-  if cfg.causal:
-    mask &= q_pos[:, :, None] >= kv_pos[:, None, :]
-  if cfg.has_segments:
-    mask &= q_seg[:, :, None] == kv_seg[:, None, :]
-  return mask
+def _kernel_keys(q_keys, kv_keys) -> dict:
+  """The blockwise kernel's keyword arguments for these (segment ids, positions) pairs."""
+  return dict(q_segment_ids=q_keys[0], kv_segment_ids=kv_keys[0], q_positions=q_keys[1],
+              kv_positions=kv_keys[1])
 
 
-def _slices(t: int) -> list[tuple[slice, slice]]:
-  """(query, key) slices a step computes for `visit_kind` 1, 2, 3 (0 computes nothing)."""
-  full = slice(None)
-  if t < 2 or t % 2:
-    return [(full, full)]
-  return [(full, full), (full, slice(0, t // 2)), (slice(t // 2, t), full)]
+def may_attend(q_keys, kv_keys) -> jax.Array:
+  """Scalar bool: may some query attend to some key of the visiting block?
 
-
-def visit_kind(mask) -> jax.Array:
-  """What a ring step must compute for a [B, T, S] block mask: 0 nothing (fully masked),
-  1 the whole block, 2 all queries against the first half of the keys, 3 the second half
-  of the queries against all keys.
-
-  Under a causal mask, zigzag's off-diagonal steps need only half a block: a kv block
-  from an earlier device is seen only through its first chunk, one from a later device
-  only by the second query chunk. Derived from the mask, so it is right for any layout.
+  From per-row min/max of the keys (the kernel's tile test applied to the whole block),
+  so a False step is skipped whole; a True one still skips the kernel's empty tiles.
   """
-  t, s = mask.shape[1], mask.shape[2]
-  any_ = jnp.any(mask)
-  if t < 2 or s < 2 or t % 2 or s % 2:
-    return any_.astype(jnp.int32)
-  kv_first = ~jnp.any(mask[:, :, s // 2:])
-  q_second = ~jnp.any(mask[:, :t // 2, :])
-  return jnp.where(~any_, 0, jnp.where(kv_first, 2, jnp.where(q_second, 3, 1))).astype(jnp.int32)
+  ok = True
+  (q_seg, q_pos), (kv_seg, kv_pos) = q_keys, kv_keys
+  if q_pos is not None:
+    ok = ok & (q_pos.max(-1) >= kv_pos.min(-1))
+  if q_seg is not None:
+    ok = ok & (q_seg.min(-1) <= kv_seg.max(-1)) & (q_seg.max(-1) >= kv_seg.min(-1))
+  return jnp.any(jnp.asarray(ok))
 
 
-# f32 score elements per row chunk of a ring step (~2 MiB): bounds a step's temporaries
-# independently of T/n, as attention_xla's tiles do.
-TILE_ELEMENTS = 1 << 19
-
-
-def _rows_per_chunk(rows: int, cols: int, heads: int) -> int:
-  """The largest divisor of `rows` whose [heads, chunk, cols] tile fits TILE_ELEMENTS."""
-  target = max(1, TILE_ELEMENTS // max(1, heads * cols))
-  return max(c for c in range(1, min(rows, target) + 1) if rows % c == 0)
-
-
-def _split(x, axis: int, c: int):
-  """x with `axis` of length r -> [r / c, ...x with that axis c long...]."""
-  shape = x.shape
-  x = x.reshape(*shape[:axis], shape[axis] // c, c, *shape[axis + 1:])
-  return jnp.moveaxis(x, axis, 0)
-
-
-def _join(y, axis: int):
-  """Inverse of _split: [nc, ...c at axis...] -> [...nc * c at axis...]."""
-  y = jnp.moveaxis(y, 0, axis)
-  return y.reshape(*y.shape[:axis], y.shape[axis] * y.shape[axis + 1], *y.shape[axis + 2:])
-
-
-def _scores(cfg, q5, k):
-  """q5 [B, T, Hkv, G, D] f32, k [B, S, Hkv, D] -> scaled scores [B, Hkv, G, T, S]."""
-  return jnp.einsum("btkgd,bskd->bkgts", q5, k.astype(jnp.float32)) * cfg.scale
-
-
-def _block_forward(cfg, q5, k, v, mask):
-  """One visiting block: (normalised partial output [B,T,Hkv,G,D], lse [B,Hkv,G,T])."""
-  m3 = mask[:, None, None]
-  s = jnp.where(m3, _scores(cfg, q5, k), -jnp.inf)
-  row_max = jnp.max(s, axis=-1)
-  row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-  p = jnp.where(m3, jnp.exp(s - row_max[..., None]), 0.0)
-  denom = jnp.sum(p, axis=-1)
-  out = jnp.einsum("bkgts,bskd->btkgd", p, v.astype(jnp.float32))
-  out = out / jnp.where(denom == 0, 1.0, denom).transpose(0, 3, 1, 2)[..., None]
-  lse = jnp.where(denom > 0, row_max + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)
-  return out, lse
+def ring_tiles(n: int, local: int, layout: str, *, batch: int = 1, heads: int = 1,
+               causal: bool = True) -> tuple[np.ndarray, tuple[int, int]]:
+  """(tiles [n, n], (block_q, block_k)): score tiles the kernel visits on device i for the
+  block of device j in a ring over one sequence of n * local tokens (positions=None, no
+  segment ids); a step `may_attend` skips counts 0. Forward and backward alike.
+  """
+  q = jax.ShapeDtypeStruct((batch, local, heads, 1), jnp.float32)
+  pos = [jnp.broadcast_to(shard_positions(i, n, local, layout), (batch, local)) if causal
+         else None for i in range(n)]
+  tiles = np.zeros((n, n), np.int64)
+  for i in range(n):
+    for j in range(n):
+      keys = (None, pos[i]), (None, pos[j])
+      if bool(may_attend(*keys)):
+        tiles[i, j] = int(attention_xla.visited_tiles(q, q, causal=causal,
+                                                      **_kernel_keys(*keys))[0])
+  return tiles, attention_xla.visited_tiles(q, q, causal=False)[1]
 
 
 def _merge(out_a, lse_a, out_b, lse_b):
-  """Log-sum-exp merge of two partial results; rows masked in both stay (0, -inf)."""
+  """Log-sum-exp merge of two partial results ([B,T,H,D], [B,T,H]); empty rows stay (0, -inf)."""
   lse = jnp.logaddexp(lse_a, lse_b)
   safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
   w_a = jnp.where(jnp.isfinite(lse_a), jnp.exp(lse_a - safe), 0.0)
   w_b = jnp.where(jnp.isfinite(lse_b), jnp.exp(lse_b - safe), 0.0)
-  tr = lambda w: w.transpose(0, 3, 1, 2)[..., None]  # [B,Hkv,G,T] -> [B,T,Hkv,G,1]
-  return out_a * tr(w_a) + out_b * tr(w_b), lse
+  return out_a * w_a[..., None] + out_b * w_b[..., None], lse
 
 
 def _varying(cfg, x):
@@ -252,116 +218,77 @@ def _rotate(cfg, tree):
   return jax.tree.map(lambda x: jax.lax.ppermute(x, cfg.axis_name, perm), tree)
 
 
-def _forward(cfg, q, k, v, q_seg, kv_seg, pos):
-  b, t, hq, d = q.shape
-  hkv = k.shape[2]
-  q5 = q.astype(jnp.float32).reshape(b, t, hkv, hq // hkv, d)
-
-  def step(carry, kv):
-    out, lse = carry
-    k_blk, v_blk, seg_blk, pos_blk = kv
-    mask = _mask(cfg, q_seg, pos, seg_blk, pos_blk)  # only reduced, in visit_kind
-
-    def visit(qs, ks):
-      kb, vb, kseg, kpos = k_blk[:, ks], v_blk[:, ks], seg_blk[:, ks], pos_blk[:, ks]
-      qb = q5[:, qs]
-      c = _rows_per_chunk(qb.shape[1], kb.shape[1], b * hq)
-
-      def rows(xs):
-        # The mask is rebuilt per chunk: a [T/n, T/n] one would outweigh the score tile.
-        q_c, qseg_c, qpos_c = xs
-        return _block_forward(cfg, q_c, kb, vb, _mask(cfg, qseg_c, qpos_c, kseg, kpos))
-
-      # Query rows in chunks, so a step's scores are one ~2 MiB tile, not [T/n, T/n].
-      o_b, l_b = jax.lax.map(rows, (_split(qb, 1, c), _split(q_seg[:, qs], 1, c),
-                                    _split(pos[:, qs], 1, c)))
-      o_b, l_b = _join(o_b, 1), _join(l_b, 3)
-      o_m, l_m = _merge(out[:, qs], lse[..., qs], o_b, l_b)
-      return out.at[:, qs].set(o_m), lse.at[..., qs].set(l_m)
-
-    branches = [lambda: (out, lse)] + [functools.partial(visit, *sl) for sl in _slices(t)]
-    return jax.lax.switch(visit_kind(mask), branches)
-
-  carry = (_varying(cfg, jnp.zeros(q5.shape, jnp.float32)),
-           _varying(cfg, jnp.full((b, hkv, hq // hkv, t), -jnp.inf, jnp.float32)))
-  kv = tuple(_varying(cfg, x) for x in (k, v, kv_seg, pos))
-
+def _ring_loop(cfg, step, carry, kv):
+  """Runs step(carry, kv) on the local block and the n - 1 visiting ones; the final carry
+  and kv (the block that visited last, one hop short of home)."""
   def body(_, state):
     carry, kv = state
-    return step(carry, kv), _rotate(cfg, kv)
+    carry, kv = step(carry, kv)
+    return carry, _rotate(cfg, kv)
 
   carry, kv = jax.lax.fori_loop(0, cfg.n - 1, body, (carry, kv))
-  out, lse = step(carry, kv)
-  return out.reshape(b, t, hq, d).astype(q.dtype), lse
+  return step(carry, kv)
+
+
+def _forward(cfg, q, k, v, q_keys, kv_keys):
+  """(out [B,T,Hq,D] q.dtype, lse [B,T,Hq] f32, -inf for rows with no key anywhere)."""
+  kernel = functools.partial(attention_xla.forward_with_lse, causal=cfg.causal,
+                             sm_scale=cfg.scale)
+
+  def step(carry, kv):
+    k_blk, v_blk, keys = kv
+
+    def visit(out, lse):
+      o, l = kernel(q, k_blk, v_blk, **_kernel_keys(q_keys, keys))
+      return _merge(out, lse, o, l)
+
+    carry = jax.lax.cond(may_attend(q_keys, keys), visit, lambda *c: c, *carry)
+    return carry, kv
+
+  b, t, hq, d = q.shape
+  carry = (_varying(cfg, jnp.zeros((b, t, hq, d), jnp.float32)),
+           _varying(cfg, jnp.full((b, t, hq), -jnp.inf, jnp.float32)))
+  kv = jax.tree.map(lambda x: _varying(cfg, x), (k, v, kv_keys))
+  (out, lse), _ = _ring_loop(cfg, step, carry, kv)
+  return out.astype(q.dtype), lse
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring(cfg, q, k, v, q_seg, kv_seg, pos):
-  return _forward(cfg, q, k, v, q_seg, kv_seg, pos)[0]
+def _ring(cfg, q, k, v, q_keys, kv_keys):
+  return _forward(cfg, q, k, v, q_keys, kv_keys)[0]
 
 
-def _ring_fwd(cfg, q, k, v, q_seg, kv_seg, pos):
-  out, lse = _forward(cfg, q, k, v, q_seg, kv_seg, pos)
-  return out, (q, k, v, q_seg, kv_seg, pos, out, lse)
+def _ring_fwd(cfg, q, k, v, q_keys, kv_keys):
+  out, lse = _forward(cfg, q, k, v, q_keys, kv_keys)
+  return out, (q, k, v, q_keys, kv_keys, out, lse)
 
 
 def _ring_bwd(cfg, res, d_out):
-  q, k, v, q_seg, kv_seg, pos, out, lse = res
-  b, t, hq, d = q.shape
-  hkv = k.shape[2]
-  g = hq // hkv
+  q, k, v, q_keys, kv_keys, out, lse = res
   f32 = lambda x: x.astype(jnp.float32)
-  q5 = f32(q).reshape(b, t, hkv, g, d)
-  do5 = f32(d_out).reshape(b, t, hkv, g, d)
-  # delta = rowsum(dO * O), [B, Hkv, G, T] like lse.
-  delta = jnp.sum(do5 * f32(out).reshape(b, t, hkv, g, d), axis=-1).transpose(0, 2, 3, 1)
+  delta = jnp.sum(f32(d_out) * f32(out), axis=-1)  # rowsum(dO * O) [B, T, Hq]
+  # Rows with no key anywhere: every score is masked, so lse 0 makes their p exact zeros.
+  lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
+  kernel = functools.partial(attention_xla.backward_from_lse, causal=cfg.causal,
+                             sm_scale=cfg.scale)
 
   def step(dq, kv):
-    k_blk, v_blk, seg_blk, pos_blk, dk, dv = kv
-    mask = _mask(cfg, q_seg, pos, seg_blk, pos_blk)  # only reduced, in visit_kind
+    k_blk, v_blk, keys, dk, dv = kv
 
-    def visit(qs, ks):
-      kb, vb = f32(k_blk[:, ks]), f32(v_blk[:, ks])
-      kseg, kpos = seg_blk[:, ks], pos_blk[:, ks]
-      c = _rows_per_chunk(q5[:, qs].shape[1], kb.shape[1], b * hq)
+    def visit(dq, dk, dv):
+      g_q, g_k, g_v = kernel(q, k_blk, v_blk, d_out, lse, delta, **_kernel_keys(q_keys, keys))
+      return dq + g_q, dk + g_k, dv + g_v
 
-      def rows(acc, xs):
-        # One chunk of query rows: its dq, and its share of the block's dk, dv.
-        q_c, do_c, qseg_c, qpos_c, lse_c, delta_c = xs
-        m3 = _mask(cfg, qseg_c, qpos_c, kseg, kpos)[:, None, None]
-        m3 &= jnp.isfinite(lse_c)[..., None]
-        lse_c = jnp.where(jnp.isfinite(lse_c), lse_c, 0.0)
-        p = jnp.where(m3, jnp.exp(_scores(cfg, q_c, kb) - lse_c[..., None]), 0.0)
-        dp = jnp.einsum("btkgd,bskd->bkgts", do_c, vb)
-        ds = p * (dp - delta_c[..., None]) * cfg.scale
-        dk_c = jnp.einsum("bkgts,btkgd->bskd", ds, q_c)
-        dv_c = jnp.einsum("bkgts,btkgd->bskd", p, do_c)
-        return (acc[0] + dk_c, acc[1] + dv_c), jnp.einsum("bkgts,bskd->btkgd", ds, kb)
-
-      xs = (_split(q5[:, qs], 1, c), _split(do5[:, qs], 1, c), _split(q_seg[:, qs], 1, c),
-            _split(pos[:, qs], 1, c), _split(lse[..., qs], 3, c), _split(delta[..., qs], 3, c))
-      zero = _varying(cfg, jnp.zeros(kb.shape, jnp.float32))
-      (dk_b, dv_b), dq_b = jax.lax.scan(rows, (zero, zero), xs)
-      return dq.at[:, qs].add(_join(dq_b, 1)), dk.at[:, ks].add(dk_b), dv.at[:, ks].add(dv_b)
-
-    branches = [lambda: (dq, dk, dv)] + [functools.partial(visit, *sl) for sl in _slices(t)]
-    return jax.lax.switch(visit_kind(mask), branches)
+    dq, dk, dv = jax.lax.cond(may_attend(q_keys, keys), visit, lambda *g: g, dq, dk, dv)
+    # The accumulators travel with their block, so each ends where its block started.
+    return dq, (k_blk, v_blk, keys, dk, dv)
 
   zeros_kv = _varying(cfg, jnp.zeros(k.shape, jnp.float32))
-  kv = tuple(_varying(cfg, x) for x in (k, v, kv_seg, pos, zeros_kv, zeros_kv))
-
-  def body(_, state):
-    dq, kv = state
-    dq, dk, dv = step(dq, kv)
-    # The accumulators travel with their block, so each ends where its block started.
-    return dq, _rotate(cfg, (*kv[:4], dk, dv))
-
-  dq = _varying(cfg, jnp.zeros(q5.shape, jnp.float32))
-  dq, kv = jax.lax.fori_loop(0, cfg.n - 1, body, (dq, kv))
-  dq, dk, dv = step(dq, kv)
+  kv = jax.tree.map(lambda x: _varying(cfg, x), (k, v, kv_keys)) + (zeros_kv, zeros_kv)
+  dq = _varying(cfg, jnp.zeros(q.shape, jnp.float32))
+  dq, (*_, dk, dv) = _ring_loop(cfg, step, dq, kv)
   dk, dv = _rotate(cfg, (dk, dv))  # the last hop home
-  return (dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
-          None, None, None)
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)

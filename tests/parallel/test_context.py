@@ -8,6 +8,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxsys.data import packing
+from jaxsys.kernels import attention_xla
 from jaxsys.kernels.attention import attention
 from jaxsys.parallel import context
 from tests.kernels.attention_testing import value_and_grads
@@ -72,19 +73,21 @@ def test_zigzag_balances_causal_work(n):
 
 
 @pytest.mark.parametrize("n", [2, 4, 8])
-def test_ring_steps_compute_balanced_work(n):
-  """The blocks the ring computes under a causal mask (visit_kind, in block units):
-  zigzag (n+1)/2 on every device, contiguous 1 on the first device to n on the last."""
-  local = 8
-  cost = np.array([0.0, 1.0, 0.5, 0.5])  # nothing, whole block, half, half
-
-  def work(layout):
-    pos = [np.asarray(context.shard_positions(i, n, local, layout)) for i in range(n)]
-    kind = lambda i, j: int(context.visit_kind(jnp.asarray(pos[i][:, None] >= pos[j][None])[None]))
-    return np.array([sum(cost[kind(i, j)] for j in range(n)) for i in range(n)])
-
-  np.testing.assert_array_equal(work("zigzag"), np.full(n, (n + 1) / 2))
-  np.testing.assert_array_equal(work("contiguous"), np.arange(1, n + 1))
+def test_ring_tiles_balanced_by_zigzag(n):
+  """Score tiles the kernel visits per device under a causal mask (block_q x block_k =
+  4 x 8 here): zigzag equal on every device, contiguous growing with the device index."""
+  local, bq, bk = 32, 4, 8
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(attention_xla, "default_blocks", lambda rows: (bq, bk))
+    zig, block = context.ring_tiles(n, local, "zigzag")
+    cont, _ = context.ring_tiles(n, local, "contiguous")
+    full, _ = context.ring_tiles(n, local, "zigzag", causal=False)
+  assert block == (bq, bk)
+  np.testing.assert_array_equal(full, np.full((n, n), (local // bq) * (local // bk)))
+  zig, cont = zig.sum(1), cont.sum(1)
+  # The same total (diagonal tiles hold the causal boundary: a little over half of all).
+  assert zig.max() == zig.min() and zig.sum() == cont.sum()
+  assert np.all(np.diff(cont) > 0) and cont.max() > 1.4 * zig.max()
 
 
 @pytest.mark.parametrize("fn", [context.to_layout, context.from_layout])
@@ -170,11 +173,11 @@ def test_ring_matches_reference(n, layout, causal, seg_kind, hq, hkv):
   _check(n, layout, causal, seg_kind, hq, hkv, t=64 if n == 8 else 32)
 
 
-@pytest.mark.parametrize("tile", [1, 200])
-def test_ring_row_chunks(monkeypatch, tile):
-  """Steps cut query rows into chunks (1 row; several) when a block's tile is too big."""
-  monkeypatch.setattr(context, "TILE_ELEMENTS", tile)
-  _check(4, "zigzag", True, "pair", 4, 2, b=1, check_vma=tile == 1)
+@pytest.mark.parametrize("blocks", [(4, 8), (8, 4)])
+def test_ring_steps_on_many_tiles(monkeypatch, blocks):
+  """Each step's kernel runs on several tiles, skipping some by positions and segments."""
+  monkeypatch.setattr(attention_xla, "default_blocks", lambda rows: blocks)
+  _check(4, "zigzag", True, "pair", 4, 2, b=1, t=64, check_vma=blocks == (4, 8))
 
 
 def test_ring_under_check_vma():
@@ -207,7 +210,7 @@ def test_ring_errors():
   q = jnp.zeros((1, 4, 2, 8))
   with pytest.raises(ValueError, match=r"unknown layout 'striped'; valid: contiguous, zigzag"):
     context.ring_attention(q, q, q, axis_name=AXIS, layout="striped")
-  with pytest.raises(ValueError, match=r"unknown impl 'cudnn'; valid: auto, einsum"):
+  with pytest.raises(ValueError, match=r"unknown impl 'cudnn'; valid: auto, xla"):
     context.ring_attention(q, q, q, axis_name=AXIS, impl="cudnn")
   with pytest.raises(ValueError, match=r"zigzag needs an even shard length; got T/n=3"):
     odd = jnp.zeros((1, 6, 2, 8))
