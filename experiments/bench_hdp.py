@@ -1,0 +1,255 @@
+r"""Hybrid Data Parallelism (HDP) against a static context-parallel mesh.
+
+  python -m experiments.bench_hdp --part=sim --chart=docs/hdp_sim.png
+
+--part=sim: the cost-model simulation (jaxsys/parallel/hdp_sim.py) at 8..1024 devices.
+The compute rates are fitted on this machine's CPU (attention impl="xla" and a matmul,
+about 10 s); each global batch holds devices * tokens_per_device * batch_steps tokens
+drawn from one length distribution (the stdlib's byte lengths, or a long tail shaped
+like ByteScale's data); every seed draws another batch. Two settings:
+  cpu:   the fitted CPU rates, --link_gbps (default 100 GB/s, NVLink-class) links;
+  accel: the same rates scaled so the matmuls run at --accel_tflops (attention keeps its
+         fitted cost relative to the matmuls), --accel_link_gbps links (default 25 GB/s,
+         a 200 Gb/s InfiniBand port): an accelerator where ring traffic is not free.
+It prints a markdown table (speed-ups: median [min, max] over seeds) and draws the chart.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+import numpy as np
+from absl import app, flags
+
+from jaxsys.parallel import hdp, hdp_sim
+
+PARTS = ("sim",)
+DISTRIBUTIONS = ("long_tail", "stdlib")
+
+_PART = flags.DEFINE_enum("part", "sim", PARTS, "Which benchmark to run.")
+_DEVICES = flags.DEFINE_list("devices", ["8", "16", "32", "64", "128", "256", "512", "1024"],
+                             "Device counts N (powers of two).")
+_SEEDS = flags.DEFINE_integer("seeds", 3, "Global batches (seeds) per point.")
+_TPD = flags.DEFINE_integer("tokens_per_device", 32768, "Tokens one device holds per micro-step.")
+_BATCH_STEPS = flags.DEFINE_integer("batch_steps", 4, "Global batch = N * tpd * this tokens.")
+_MAX_LEN = flags.DEFINE_integer("max_len", 262144, "Longest sequence (static ring size).")
+_LINK = flags.DEFINE_float("link_gbps", 100.0, "cpu setting: link GB/s per direction.")
+_ACCEL_TFLOPS = flags.DEFINE_float("accel_tflops", 400.0, "accel setting: matmul TFLOP/s.")
+_ACCEL_LINK = flags.DEFINE_float("accel_link_gbps", 25.0, "accel setting: link GB/s.")
+_CHART = flags.DEFINE_string("chart", "", "Write the speed-up chart here (PNG).")
+_OUT = flags.DEFINE_string("out", "", "Write every number here (JSON).")
+
+
+def settings(fit: hdp_sim.Fit, *, link_gbps: float, accel_tflops: float,
+             accel_link_gbps: float) -> dict:
+  """The two simulated machines, by name (see the module docstring)."""
+  cpu = dataclasses.replace(fit.model, link_bytes_per_s=link_gbps * 1e9)
+  speedup = accel_tflops * 1e12 * fit.model.sec_per_linear_flop
+  accel = dataclasses.replace(cpu.scaled(speedup), link_bytes_per_s=accel_link_gbps * 1e9)
+  return {"cpu": cpu, "accel": accel}
+
+
+def length_pool(name: str, max_len: int) -> np.ndarray:
+  """Lengths a batch is drawn from: the stdlib's, or 200,000 long-tail samples."""
+  if name == "stdlib":
+    return hdp_sim.stdlib_lengths(max_len)
+  if name == "long_tail":
+    return hdp_sim.long_tail_lengths(200_000, seed=1234, max_len=max_len)
+  raise ValueError(f"distribution={name!r}: must be one of {DISTRIBUTIONS}")
+
+
+def run_sim(models: dict, *, devices, seeds: int, tokens_per_device: int, batch_steps: int,
+            max_len: int, distributions=DISTRIBUTIONS) -> list[dict]:
+  """One row per (distribution, N, setting, seed): times relative to the lower bound."""
+  rows = []
+  for dist in distributions:
+    pool = length_pool(dist, max_len)
+    for n in devices:
+      for seed in range(seeds):
+        lengths = hdp_sim.sample_batch(pool, n * tokens_per_device * batch_steps, seed)
+        for setting, model in models.items():
+          r = hdp_sim.simulate(lengths, num_devices=n, tokens_per_device=tokens_per_device,
+                               model=model, max_len=max_len, seed=seed)
+          bound, h = r["bound"], r["hdp"]
+          rows.append(dict(
+              distribution=dist, devices=n, setting=setting, seed=seed,
+              sequences=int(lengths.size), tokens=int(lengths.sum()),
+              min_steps=hdp.min_steps(lengths, num_devices=n,
+                                      tokens_per_device=tokens_per_device),
+              **{f"{k}_{f}": getattr(r[k], f) for k in ("hdp", "static_loader", "static_sorted")
+                 for f in ("time", "steps", "imbalance", "padding")},
+              bound=bound, per_rank=r["per_rank"],
+              speedup_loader=r["static_loader"].time / h.time,
+              speedup_sorted=r["static_sorted"].time / h.time,
+              hdp_over_bound=h.time / bound, per_rank_over_bound=r["per_rank"] / bound))
+  return rows
+
+
+def _spread(values) -> str:
+  """median [min, max]"""
+  v = np.asarray(values)
+  return f"{np.median(v):.2f} [{v.min():.2f}, {v.max():.2f}]"
+
+
+def sim_table(rows: list[dict]) -> str:
+  """Markdown: one line per (distribution, setting, N), spread over seeds."""
+  head = ("| distribution | setting | N | sequences | HDP steps (min) / static | "
+          "HDP speed-up vs static, loader order | vs static, cost-sorted | HDP / bound | "
+          "per-rank HDP / bound | HDP imbalance | padding HDP / static |\n"
+          "|---|---|---:|---:|---|---|---|---|---|---:|---|")
+  lines = [head]
+  keys = sorted({(r["distribution"], r["setting"], r["devices"]) for r in rows},
+                key=lambda k: (DISTRIBUTIONS.index(k[0]) if k[0] in DISTRIBUTIONS else 9,
+                               k[1], k[2]))
+  for dist, setting, n in keys:
+    rs = [r for r in rows if (r["distribution"], r["setting"], r["devices"]) == (dist, setting, n)]
+    col = lambda k: [r[k] for r in rs]
+    lines.append(
+        f"| {dist} | {setting} | {n} | {np.mean(col('sequences')):.0f} | "
+        f"{np.mean(col('hdp_steps')):.1f} ({np.mean(col('min_steps')):.1f}) / "
+        f"{np.mean(col('static_loader_steps')):.1f} | {_spread(col('speedup_loader'))} | "
+        f"{_spread(col('speedup_sorted'))} | {_spread(col('hdp_over_bound'))} | "
+        f"{_spread(col('per_rank_over_bound'))} | {np.mean(col('hdp_imbalance')):.2f} | "
+        f"{np.mean(col('hdp_padding')):.2f} / {np.mean(col('static_loader_padding')):.2f} |")
+  return "\n".join(lines)
+
+
+def plot_sim(rows: list[dict], path: str | None = None, *, setting: str | None = None):
+  """Speed-up over static CP and time over the bound against N; returns the figure."""
+  import matplotlib
+  if path:
+    matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
+  styles = {"cpu": "-", "accel": "--"}
+  colors = {"long_tail": "tab:red", "stdlib": "tab:blue"}
+  for (dist, st) in sorted({(r["distribution"], r["setting"]) for r in rows}):
+    if setting and st != setting:
+      continue
+    ns = sorted({r["devices"] for r in rows if r["distribution"] == dist})
+    for ax, key in ((ax1, "speedup_loader"), (ax2, "hdp_over_bound")):
+      vals = [[r[key] for r in rows if (r["distribution"], r["setting"], r["devices"]) ==
+               (dist, st, n)] for n in ns]
+      med = [np.median(v) for v in vals]
+      ax.plot(ns, med, styles.get(st, ":"), color=colors.get(dist), marker="o",
+              label=f"{dist}, {st}")
+      ax.fill_between(ns, [min(v) for v in vals], [max(v) for v in vals],
+                      color=colors.get(dist), alpha=0.15)
+      if key == "hdp_over_bound":
+        pr = [np.median([r["per_rank_over_bound"] for r in rows
+                         if (r["distribution"], r["setting"], r["devices"]) == (dist, st, n)])
+              for n in ns]
+        ax.plot(ns, pr, ":", color=colors.get(dist), marker="x",
+                label=f"{dist}, {st}: per-rank")
+  for ax in (ax1, ax2):
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("devices N")
+    ax.grid(alpha=0.3)
+  ax1.axhline(2.0, color="gray", lw=0.8)
+  ax1.set_ylabel("static CP (loader order) time / HDP time")
+  ax1.set_title("HDP speed-up over a static data x context mesh")
+  ax2.axhline(1.3, color="gray", lw=0.8)
+  ax2.set_ylabel("time / lower bound")
+  ax2.set_title("Lock-step HDP (o) and per-rank HDP (x) over the bound")
+  ax2.legend(fontsize=7)
+  fig.tight_layout()
+  if path:
+    fig.savefig(path, dpi=110)
+  return fig
+
+
+def entry_times(groups, *, num_devices: int, tokens_per_device: int,
+                model: hdp_sim.CostModel):
+  """Per micro-step: (sequence label, devices, seconds on each device) bars to draw."""
+  out = []
+  for step in groups:
+    bars = []
+    for label, group_lengths, devs in step:
+      c = len(devs)
+      if c == 1:  # short sequences: real tokens only; the padding is drawn as the gap
+        secs = float(3.0 * model.n_layers * (model.attention(group_lengths[0])
+                                             + model.linear(group_lengths[0])))
+      else:
+        secs = hdp_sim.group_time(model, group_lengths, c, tokens_per_device)
+      bars.append((label, devs, secs))
+    out.append(bars)
+  return out
+
+
+def draw_plan(ax, groups, *, num_devices: int, tokens_per_device: int,
+              model: hdp_sim.CostModel, title: str, n_labels: int):
+  """Device-by-time chart: one column per micro-step (as wide as its slowest device).
+
+  groups: per step, (label, lengths, device ids); a colour per label; rings (heavy) are
+  hatched, single-device sequences (light) plain; white is idle or padding.
+  """
+  import matplotlib.pyplot as plt
+
+  cmap = plt.get_cmap("tab20")
+  bars = entry_times(groups, num_devices=num_devices, tokens_per_device=tokens_per_device,
+                     model=model)
+  t0 = 0.0
+  for step in bars:
+    used = np.zeros(num_devices)
+    for label, devs, secs in step:
+      for d in devs:
+        ax.barh(d, secs, left=t0 + used[d], height=0.8, color=cmap(label % 20),
+                hatch="//" if len(devs) > 1 else None, edgecolor="black", linewidth=0.3)
+        used[d] += secs
+    t0 += used.max(initial=0.0)
+    ax.axvline(t0, color="black", lw=1)
+  ax.set_yticks(range(num_devices))
+  ax.set_ylabel("device")
+  ax.set_xlabel("simulated seconds (lines: micro-step ends)")
+  ax.set_title(f"{title}: {t0:.3g} s, {len(bars)} micro-steps")
+  ax.invert_yaxis()
+  return t0
+
+
+def sim_part(argv_devices, *, seeds, tokens_per_device, batch_steps, max_len, link_gbps,
+             accel_tflops, accel_link_gbps, chart, out, distributions=DISTRIBUTIONS,
+             fit_kwargs=None) -> dict:
+  """The --part=sim benchmark: fit, simulate, print the table, draw, save."""
+  start = time.perf_counter()
+  fit = hdp_sim.fit_cost_model(**(fit_kwargs or {}))
+  print(f"fitted on this CPU: {fit.model.sec_per_attention_flop:.3e} s per attention FLOP "
+        f"(R^2 {fit.attention_r2:.4f}), {fit.model.sec_per_linear_flop:.3e} s per linear "
+        f"FLOP (R^2 {fit.linear_r2:.4f}); fit took {time.perf_counter() - start:.1f} s")
+  models = settings(fit, link_gbps=link_gbps, accel_tflops=accel_tflops,
+                    accel_link_gbps=accel_link_gbps)
+  rows = run_sim(models, devices=argv_devices, seeds=seeds,
+                 tokens_per_device=tokens_per_device, batch_steps=batch_steps,
+                 max_len=max_len, distributions=distributions)
+  print(sim_table(rows))
+  print(f"total {time.perf_counter() - start:.1f} s")
+  if chart:
+    plot_sim(rows, chart)
+  result = dict(fit=dict(attention_r2=fit.attention_r2, linear_r2=fit.linear_r2,
+                         models={k: dataclasses.asdict(m) for k, m in models.items()}),
+                rows=rows)
+  if out:
+    with open(out, "w") as f:
+      json.dump(result, f, indent=1, default=float)
+  return result
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  devices = []
+  for v in _DEVICES.value:
+    n = int(v)
+    if n < 1 or n & (n - 1):
+      raise app.UsageError(f"--devices: {v} is not a power of two")
+    devices.append(n)
+  if _PART.value == "sim":
+    sim_part(devices, seeds=_SEEDS.value, tokens_per_device=_TPD.value,
+             batch_steps=_BATCH_STEPS.value, max_len=_MAX_LEN.value,
+             link_gbps=_LINK.value, accel_tflops=_ACCEL_TFLOPS.value,
+             accel_link_gbps=_ACCEL_LINK.value, chart=_CHART.value, out=_OUT.value)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,452 @@
+"""A cost model and lock-step simulator for HDP against a static context-parallel mesh.
+
+Three ways to run one global batch of variable-length sequences on N devices, each
+holding at most `tokens_per_device` (tpd) tokens per micro-step:
+
+  hdp:    `hdp.plan` (a sequence on a ring of just as many devices as its length needs).
+  static: one `data = N/c_max, context = c_max` mesh, c_max sized for the dataset's longest
+          sequence (a static mesh must be); sequences packed first-fit decreasing into rows
+          of c_max * tpd tokens, each row on a ring of c_max, N/c_max rows per micro-step.
+  bound:  total compute / N plus the ring communication the long sequences cannot avoid.
+
+Timing model per device and micro-step (every layer alike, times n_layers):
+  attention forward  A = sec_per_attention_flop * 2 d L^2 per sequence (causal; a ring of
+                     c gives each member A / c, the zigzag layout evens it),
+  linear forward     Lin = sec_per_linear_flop * 24 d^2 * tokens,
+  one ring hop       h = 2 (K and V) * share tokens * kv_dim * bytes / link bandwidth;
+  a ring of c > 1 runs its local block then c - 1 hops, forward and (twice the compute and
+  twice the bytes) backward, so
+    overlap=True  (ring attention: the next K/V block moves while this one computes):
+        3 * (Lin + A/c + (c - 1) * max(A/c, h))
+    overlap=False: 3 * (Lin + A + (c - 1) * h)
+  and a device holding short sequences (c = 1) spends 3 * sum(Lin + A).
+Steps are lock-step SPMD: a micro-step lasts as long as its slowest device.
+
+Example:
+  model = fit_cost_model()               # ~10 s of CPU timing
+  lengths = long_tail_lengths(2000, seed=0)
+  result = simulate(lengths, num_devices=64, tokens_per_device=32768, model=model)
+  result["static"].time / result["hdp"].time
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from jaxsys.parallel import hdp
+
+Plan = hdp.Plan
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+  """Seconds of one device's work; compute rates fitted, link bandwidth stated.
+
+  sec_per_attention_flop / sec_per_linear_flop: fitted (`fit_cost_model`); FLOPs counted
+    as hdp.sequence_cost does (2 d L^2 causal attention, 24 d^2 per token linear).
+  link_bytes_per_s: one direction of one ring link; 100e9 is NVLink-class, 25e9 a
+    200 Gb/s InfiniBand port.
+  d_model, n_layers, kv_dim (width of K, and of V, per token), bytes_per_element: the
+    simulated model (default: a 7B-class model, d 4096, 32 layers, MHA, bf16).
+  overlap: ring hops overlap the attention compute (max per hop) or add to it.
+  pad_compute: fixed-shape programs compute and send their padding (every device runs
+    tpd tokens through the matmuls; a hop carries tpd tokens), as jax SPMD programs do.
+  """
+  sec_per_attention_flop: float
+  sec_per_linear_flop: float
+  link_bytes_per_s: float = 100e9
+  d_model: int = 4096
+  n_layers: int = 32
+  kv_dim: int = 4096
+  bytes_per_element: int = 2
+  overlap: bool = True
+  pad_compute: bool = True
+
+  def __post_init__(self):
+    for name in ("sec_per_attention_flop", "sec_per_linear_flop", "link_bytes_per_s"):
+      value = getattr(self, name)
+      if not value > 0:
+        raise ValueError(f"CostModel.{name}={value!r}: must be > 0")
+    for name in ("d_model", "n_layers", "kv_dim", "bytes_per_element"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value < 1:
+        raise ValueError(f"CostModel.{name}={value!r}: must be an int >= 1")
+
+  def attention(self, length):
+    """Forward seconds of one layer's causal attention over a whole sequence."""
+    length = np.asarray(length, np.float64)
+    return (self.sec_per_attention_flop * hdp.ATTENTION_FLOPS_PER_PAIR * self.d_model
+            * length * length)
+
+  def linear(self, tokens):
+    """Forward seconds of one layer's matmuls (qkvo + 4x MLP) over `tokens` tokens."""
+    return (self.sec_per_linear_flop * hdp.LINEAR_FLOPS_PER_TOKEN * self.d_model ** 2
+            * np.asarray(tokens, np.float64))
+
+  def hop(self, share_tokens):
+    """Seconds to pass one device's K and V blocks to the next ring member."""
+    return 2.0 * share_tokens * self.kv_dim * self.bytes_per_element / self.link_bytes_per_s
+
+  def ring_member(self, attention, linear, share_tokens, ring):
+    """Forward + backward seconds, all layers, of one ring member (see the module doc)."""
+    if ring == 1:
+      return 3.0 * self.n_layers * (linear + attention)
+    h = self.hop(share_tokens)
+    if self.overlap:
+      layer = linear + attention / ring + (ring - 1) * max(attention / ring, h)
+    else:
+      layer = linear + attention + (ring - 1) * h
+    return 3.0 * self.n_layers * layer
+
+  def scaled(self, compute_speedup: float) -> CostModel:
+    """The same model on a device `compute_speedup` times faster; links unchanged."""
+    if not compute_speedup > 0:
+      raise ValueError(f"compute_speedup={compute_speedup!r}: must be > 0")
+    return dataclasses.replace(
+        self, sec_per_attention_flop=self.sec_per_attention_flop / compute_speedup,
+        sec_per_linear_flop=self.sec_per_linear_flop / compute_speedup)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fit:
+  """A fitted CostModel and how well the lines fit (R^2 of time against FLOPs)."""
+  model: CostModel
+  attention_r2: float
+  linear_r2: float
+  points: dict
+
+
+def _min_time(fn, *args, repeats: int) -> float:
+  """Best of `repeats` wall times after one warm-up (compile) call."""
+  fn(*args).block_until_ready()
+  best = math.inf
+  for _ in range(repeats):
+    start = time.perf_counter()
+    fn(*args).block_until_ready()
+    best = min(best, time.perf_counter() - start)
+  return best
+
+
+def _line_fit(flops, seconds):
+  """Least squares seconds = a * flops + b: (a, b, R^2)."""
+  x, y = np.asarray(flops, np.float64), np.asarray(seconds, np.float64)
+  design = np.stack([x, np.ones_like(x)], axis=1)
+  (a, b), *_ = np.linalg.lstsq(design, y, rcond=None)
+  resid = y - (a * x + b)
+  r2 = 1.0 - float(resid @ resid) / float(((y - y.mean()) ** 2).sum())
+  return float(a), float(b), r2
+
+
+def fit_cost_model(*, lengths=(512, 1024, 1536, 2048), token_counts=(512, 1024, 2048, 4096),
+                   heads: int = 4, head_dim: int = 64, repeats: int = 3,
+                   **model_kwargs) -> Fit:
+  """Times this machine's attention (impl="xla", causal) and a [T, d] x [d, 4d] matmul.
+
+  The slopes of least-squares lines of seconds against FLOPs (2 d L^2 for attention,
+  8 d^2 T for the matmul) become the per-FLOP rates; the intercepts (dispatch overhead)
+  are dropped. Nothing is cached. `model_kwargs` go to CostModel (link, d_model, ...).
+  """
+  import jax
+  import jax.numpy as jnp
+
+  from jaxsys.kernels import attention as attention_lib
+
+  d = heads * head_dim
+  attn = jax.jit(lambda q, k, v: attention_lib.attention(q, k, v, causal=True, impl="xla"))
+  key = jax.random.PRNGKey(0)
+  a_flops, a_secs = [], []
+  for length in lengths:
+    q = jax.random.normal(key, (1, length, heads, head_dim), jnp.float32)
+    a_secs.append(_min_time(attn, q, q, q, repeats=repeats))
+    a_flops.append(hdp.ATTENTION_FLOPS_PER_PAIR * d * length * length)
+  matmul = jax.jit(lambda x, w: x @ w)
+  w = jax.random.normal(key, (d, 4 * d), jnp.float32)
+  m_flops, m_secs = [], []
+  for tokens in token_counts:
+    x = jax.random.normal(key, (tokens, d), jnp.float32)
+    m_secs.append(_min_time(matmul, x, w, repeats=repeats))
+    m_flops.append(2 * tokens * d * 4 * d)
+  a_slope, _, a_r2 = _line_fit(a_flops, a_secs)
+  m_slope, _, m_r2 = _line_fit(m_flops, m_secs)
+  if a_slope <= 0 or m_slope <= 0:
+    raise RuntimeError(f"fit_cost_model: non-positive slope (attention {a_slope:.3g}, linear "
+                       f"{m_slope:.3g} s/FLOP); the machine was too busy to time, rerun")
+  points = dict(attention=list(zip(a_flops, a_secs)), linear=list(zip(m_flops, m_secs)))
+  model = CostModel(sec_per_attention_flop=a_slope, sec_per_linear_flop=m_slope, **model_kwargs)
+  return Fit(model, a_r2, m_r2, points)
+
+
+# ----------------------------------------------------------------------- length samples
+
+
+def stdlib_lengths(max_len: int | None = 262144) -> np.ndarray:
+  """Byte-tokenizer lengths of the interpreter's stdlib .py files (jaxsys.data.corpus).
+
+  Sorted by path; documents longer than `max_len` are truncated to it, as
+  data.truncate_long does (None keeps them whole).
+  """
+  from jaxsys.data import corpus, tokenizer
+
+  tok = tokenizer.ByteTokenizer()
+  docs = corpus.read_documents(corpus.list_documents("stdlib", "all"))
+  lengths = np.array([tok.encode(doc).size for doc in docs], np.int64)
+  return lengths if max_len is None else np.minimum(lengths, max_len)
+
+
+# ByteScale (arXiv 2502.21231, Sec. 2, Fig. 2) describes its Byted and GitHub data as
+# skewed: about 80% of samples hold <= 4K tokens while a long tail reaches the context
+# limit and carries most tokens. Matched here: 80% of samples in a log-normal body
+# (median 1K, clipped to [32, 4096]); 20% from a truncated Pareto on [4K, max_len] whose
+# token mass falls as L^-1/2 (alpha = 0.5). At max_len 256K that puts ~64% of tokens in
+# sequences > 32K (the stdlib's byte lengths: 64% too) and ~87% in sequences > 4K.
+_BODY_FRACTION = 0.8
+_BODY_MEDIAN = 1024
+_BODY_SIGMA = 1.0
+_TAIL_START = 4096
+_TAIL_ALPHA = 0.5
+
+
+def long_tail_lengths(n: int, seed: int, max_len: int = 262144) -> np.ndarray:
+  """n lengths shaped like ByteScale's long-tailed data (see the constants above)."""
+  if n < 0:
+    raise ValueError(f"n={n}: must be >= 0")
+  if max_len <= _TAIL_START:
+    raise ValueError(f"max_len={max_len}: must be > {_TAIL_START} (the tail starts there)")
+  rng = np.random.default_rng(seed)
+  body = np.exp(rng.normal(math.log(_BODY_MEDIAN), _BODY_SIGMA, n))
+  body = np.clip(body, 32, _TAIL_START)
+  # Inverse CDF of a Pareto(alpha) truncated to [a, b].
+  a, b, alpha = _TAIL_START, max_len, _TAIL_ALPHA
+  u = rng.random(n)
+  tail = (a ** -alpha - u * (a ** -alpha - b ** -alpha)) ** (-1.0 / alpha)
+  lengths = np.where(rng.random(n) < _BODY_FRACTION, body, tail)
+  return np.clip(np.round(lengths), 1, max_len).astype(np.int64)
+
+
+def sample_batch(pool: np.ndarray, tokens: int, seed: int) -> np.ndarray:
+  """Lengths drawn from `pool` (with replacement) until they hold >= `tokens` tokens."""
+  pool = np.asarray(pool, np.int64)
+  if pool.size == 0 or tokens < 1:
+    raise ValueError(f"sample_batch: need a non-empty pool and tokens >= 1, got "
+                     f"{pool.size} lengths and tokens={tokens}")
+  rng = np.random.default_rng(seed)
+  draws = rng.choice(pool, size=max(16, int(2 * tokens / pool.mean()) + 16))
+  while draws.sum() < tokens:
+    draws = np.concatenate([draws, rng.choice(pool, size=draws.size)])
+  return draws[:int(np.searchsorted(np.cumsum(draws), tokens)) + 1]
+
+
+# ----------------------------------------------------------------------------- strategies
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+  """One strategy on one batch.
+
+  time: seconds (lock-step: sum over micro-steps of the slowest device).
+  per_rank_time: max over devices of its own summed time, what a schedule that let each
+    device run its own micro-steps (ByteScale's per-rank micro-batches) would need.
+  device_time [steps, devices]; imbalance: sum of step maxima / sum of step means;
+  padding: 1 - real tokens / (steps * devices * tpd).
+  """
+  name: str
+  time: float
+  steps: int
+  imbalance: float
+  padding: float
+  per_rank_time: float
+  device_time: np.ndarray
+
+
+def group_time(model: CostModel, group_lengths, ring: int, tokens_per_device: int) -> float:
+  """Seconds of one member of a ring of `ring` running the packed `group_lengths`."""
+  real = int(np.sum(group_lengths))
+  share = tokens_per_device if model.pad_compute else -(-real // ring)
+  attention = float(np.sum(model.attention(np.asarray(group_lengths)))) / ring
+  return model.ring_member(attention, float(model.linear(share)), share, ring)
+
+
+def device_times(groups: list[list[tuple[Sequence[int], tuple[int, ...]]]], *,
+                 num_devices: int, tokens_per_device: int, model: CostModel) -> np.ndarray:
+  """[steps, devices] seconds; a step is a list of (lengths packed together, device ids).
+
+  A one-device group may appear several times on a device (short sequences side by side);
+  with pad_compute its linear work is counted once, over tpd tokens.
+  """
+  out = np.zeros((len(groups), num_devices))
+  for m, step in enumerate(groups):
+    short = [[] for _ in range(num_devices)]
+    for group_lengths, devs in step:
+      if len(devs) == 1:
+        short[devs[0]].extend(int(n) for n in group_lengths)
+      else:
+        out[m, list(devs)] += group_time(model, group_lengths, len(devs), tokens_per_device)
+    for d, lens in enumerate(short):
+      if lens:
+        out[m, d] += group_time(model, lens, 1, tokens_per_device)
+      elif model.pad_compute and not out[m, d]:
+        # An idle device of a fixed-shape program still runs tpd padding tokens.
+        out[m, d] = group_time(model, [], 1, tokens_per_device)
+  return out
+
+
+def _result(name, times, real_tokens, num_devices, tokens_per_device) -> Result:
+  steps = times.shape[0]
+  maxima, means = times.max(axis=1, initial=0.0), times.mean(axis=1) if steps else np.zeros(0)
+  imbalance = float(maxima.sum() / means.sum()) if means.sum() else 1.0
+  slots = steps * num_devices * tokens_per_device
+  return Result(name, float(maxima.sum()), steps, imbalance,
+                1.0 - real_tokens / slots if slots else 0.0,
+                float(times.sum(axis=0).max(initial=0.0)), times)
+
+
+def hdp_groups(steps: Plan, lengths) -> list:
+  """An hdp.plan as device_times groups: each sequence its own group."""
+  return [[([int(lengths[i])], devs) for i, devs in step] for step in steps]
+
+
+def simulate_hdp(lengths, *, num_devices: int, tokens_per_device: int,
+                 model: CostModel) -> Result:
+  """HDP: hdp.plan (costs with the model's d_model) timed by the cost model."""
+  lengths = np.asarray(lengths, np.int64)
+  steps = hdp.plan(lengths, num_devices=num_devices, tokens_per_device=tokens_per_device,
+                   d_model=model.d_model)
+  times = device_times(hdp_groups(steps, lengths), num_devices=num_devices,
+                       tokens_per_device=tokens_per_device, model=model)
+  return _result("hdp", times, int(lengths.sum()), num_devices, tokens_per_device)
+
+
+def pack_rows(lengths, row_tokens: int) -> list[list[int]]:
+  """First-fit decreasing: sequence indices per row of at most `row_tokens` tokens."""
+  lengths = np.asarray(lengths, np.int64)
+  if lengths.size and lengths.max() > row_tokens:
+    raise ValueError(f"a sequence of {int(lengths.max())} tokens does not fit a row of "
+                     f"{row_tokens}; size the static ring for the longest sequence")
+  order = sorted(range(lengths.size), key=lambda i: (-lengths[i], i))
+  free = np.zeros(0, np.int64)
+  rows: list[list[int]] = []
+  for i in order:
+    fits = np.flatnonzero(free >= lengths[i])
+    if fits.size:
+      r = int(fits[0])
+    else:
+      r = len(rows)
+      rows.append([])
+      free = np.append(free, row_tokens)
+    rows[r].append(i)
+    free[r] -= lengths[i]
+  return rows
+
+
+def static_ring(max_len: int, num_devices: int, tokens_per_device: int) -> int:
+  """c_max: the ring a static mesh needs for the dataset's longest sequence."""
+  c = hdp.ring_size(int(max_len), tokens_per_device)
+  if c > num_devices:
+    raise ValueError(f"max_len={max_len} needs a ring of {c} devices at tokens_per_device="
+                     f"{tokens_per_device}, more than num_devices={num_devices}")
+  return c
+
+
+def simulate_static(lengths, *, num_devices: int, tokens_per_device: int, model: CostModel,
+                    max_len: int, order: str = "loader", seed: int = 0) -> Result:
+  """Static CP: FFD rows of c_max * tpd tokens, N / c_max rows per lock-step micro-step.
+
+  order: "loader" (rows in a seeded random order, as a data loader hands them out) or
+  "sorted" (rows by cost, heaviest first, so heavy rows share micro-steps: the best
+  grouping a static lock-step mesh can do).
+  """
+  if order not in ("loader", "sorted"):
+    raise ValueError(f"order={order!r}: must be 'loader' or 'sorted'")
+  lengths = np.asarray(lengths, np.int64)
+  c = static_ring(max_len, num_devices, tokens_per_device)
+  rows = pack_rows(lengths, c * tokens_per_device)
+  if order == "loader":
+    rows = [rows[k] for k in np.random.default_rng(seed).permutation(len(rows))]
+  else:
+    cost = [float(np.sum(hdp.sequence_cost(lengths[r], d_model=model.d_model))) for r in rows]
+    rows = [rows[k] for k in np.argsort(cost, kind="stable")[::-1]]
+  per_step = num_devices // c
+  groups = []
+  for start in range(0, len(rows), per_step):
+    chunk = rows[start:start + per_step]
+    groups.append([(lengths[r].tolist(), tuple(range(k * c, (k + 1) * c)))
+                   for k, r in enumerate(chunk)])
+  times = device_times(groups, num_devices=num_devices, tokens_per_device=tokens_per_device,
+                       model=model)
+  return _result(f"static_{order}", times, int(lengths.sum()), num_devices, tokens_per_device)
+
+
+def lower_bound(lengths, *, num_devices: int, tokens_per_device: int,
+                model: CostModel) -> float:
+  """Seconds no plan can beat: (all compute + unavoidable exposed ring traffic) / N.
+
+  Compute counts real tokens only. A sequence of L > tpd tokens needs at least
+  c = ceil(L / tpd) devices; each then waits (c - 1) * max(0, h - A/c^2) per layer and
+  direction beyond its compute (A/c^2: one member's attention per hop; 0 with overlap
+  while attention hides the hop).
+  """
+  lengths = np.asarray(lengths, np.float64)
+  attention, linear = model.attention(lengths), model.linear(lengths)
+  total = float(np.sum(3.0 * model.n_layers * (attention + linear)))
+  for L, a in zip(lengths, attention):
+    c = math.ceil(L / tokens_per_device)
+    if c > 1:
+      h = model.hop(L / c)
+      wait = max(0.0, h - a / (c * c)) if model.overlap else h
+      total += c * 3.0 * model.n_layers * (c - 1) * wait
+  return total / num_devices
+
+
+def per_rank_time(lengths, *, num_devices: int, tokens_per_device: int,
+                  model: CostModel) -> float:
+  """Seconds of an HDP schedule without lock-step, ByteScale-style (an estimate).
+
+  Each device runs its own number of micro-batches and only the gradient sync waits for
+  the slowest. Rings keep hdp's sizes and aligned groups (members start together, at
+  their group's latest finish); LPT: rings heaviest first onto the group that frees
+  first, then short sequences heaviest first onto the least loaded device. Real tokens
+  only (no padding), so it is comparable with `lower_bound`.
+  """
+  lengths = np.asarray(lengths, np.int64)
+  load = np.zeros(num_devices)
+  rings = np.array([hdp.ring_size(n, tokens_per_device) for n in lengths], np.int64)
+  attention, linear = model.attention(lengths), model.linear(lengths)
+  jobs = []
+  for i, c in enumerate(rings):
+    if c > 1:
+      share = -(-int(lengths[i]) // int(c))
+      jobs.append((model.ring_member(attention[i] / c, float(model.linear(share)), share,
+                                     int(c)), int(c)))
+  for t, c in sorted(jobs, key=lambda j: (-j[0], -j[1])):
+    starts = load.reshape(-1, c).max(axis=1)
+    k = int(np.argmin(starts))
+    load[k * c:(k + 1) * c] = starts[k] + t
+  short = np.flatnonzero(rings == 1)
+  short_times = 3.0 * model.n_layers * (attention[short] + linear[short])
+  for t in np.sort(short_times)[::-1]:
+    d = int(np.argmin(load))
+    load[d] += t
+  return float(load.max(initial=0.0))
+
+
+def simulate(lengths, *, num_devices: int, tokens_per_device: int, model: CostModel,
+             max_len: int | None = None, seed: int = 0) -> dict:
+  """hdp, static_loader, static_sorted Results, the lower bound ("bound", seconds) and
+  the per-rank (not lock-step) HDP estimate ("per_rank", seconds).
+
+  max_len sizes the static ring (the dataset's longest sequence); default: the batch's.
+  """
+  lengths = np.asarray(lengths, np.int64)
+  max_len = int(lengths.max()) if max_len is None else max_len
+  kw = dict(num_devices=num_devices, tokens_per_device=tokens_per_device, model=model)
+  return dict(
+      hdp=simulate_hdp(lengths, **kw),
+      static_loader=simulate_static(lengths, max_len=max_len, order="loader", seed=seed, **kw),
+      static_sorted=simulate_static(lengths, max_len=max_len, order="sorted", **kw),
+      bound=lower_bound(lengths, **kw),
+      per_rank=per_rank_time(lengths, **kw))

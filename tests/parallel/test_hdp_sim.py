@@ -1,0 +1,116 @@
+"""Tests for jaxsys.parallel.hdp_sim: the fitted cost model, hand-checked times, orderings."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from jaxsys.parallel import hdp, hdp_sim
+
+# d_model = kv_dim = 1 and one layer make every term a small number: attention(L) = L^2,
+# linear(T) = T, hop(s) = s (2 * s * 1 * 1 byte / 2 bytes per second).
+UNIT = hdp_sim.CostModel(sec_per_attention_flop=0.5, sec_per_linear_flop=1 / 24,
+                         link_bytes_per_s=2.0, d_model=1, n_layers=1, kv_dim=1,
+                         bytes_per_element=1, overlap=True, pad_compute=False)
+
+
+def test_unit_model_terms():
+  assert UNIT.attention(3) == pytest.approx(9.0)
+  assert UNIT.linear(5) == pytest.approx(5.0)
+  assert UNIT.hop(2) == pytest.approx(2.0)
+
+
+def test_fitted_model_is_positive_and_monotone():
+  # Sizes big enough (>= 0.5 GFLOP) that dispatch overhead cannot flip a slope.
+  fit = hdp_sim.fit_cost_model(lengths=(512, 1024, 2048), token_counts=(1024, 2048, 4096),
+                               repeats=2)
+  m = fit.model
+  assert m.sec_per_attention_flop > 0 and m.sec_per_linear_flop > 0
+  assert -1.0 <= fit.attention_r2 <= 1.0 and -1.0 <= fit.linear_r2 <= 1.0
+  lengths = np.array([1024, 4096, 32768, 262144])
+  assert np.all(np.diff(m.attention(lengths)) > 0) and np.all(np.diff(m.linear(lengths)) > 0)
+  assert m.hop(2048) > m.hop(1024) > 0
+  # A member of a bigger ring of the same sequence does less: c=4 vs c=2 at 64K tokens.
+  a = float(m.attention(65536))
+  assert (m.ring_member(a / 4, float(m.linear(16384)), 16384, 4)
+          < m.ring_member(a / 2, float(m.linear(32768)), 32768, 2))
+
+
+def test_two_devices_by_hand():
+  # L=3 needs a ring of 2 at tpd=2; L=1 runs alone. HDP: step 1 the ring, step 2 the short.
+  lengths = [3, 1]
+  kw = dict(num_devices=2, tokens_per_device=2)
+  assert hdp.plan(lengths, **kw) == [[(0, (0, 1))], [(1, (0,))]]
+  r = hdp_sim.simulate(lengths, model=UNIT, **kw)
+  # Ring member: 3 * (Lin 2 + A/c 4.5/2 + 1 hop * max(2.25, h=2)) = 19.5; short: 3 * (1 + 1).
+  np.testing.assert_allclose(r["hdp"].device_time, [[19.5, 19.5], [6.0, 0.0]])
+  assert r["hdp"].time == pytest.approx(25.5)
+  assert r["hdp"].steps == 2
+  assert r["hdp"].imbalance == pytest.approx(25.5 / (19.5 + 3.0))
+  assert r["hdp"].padding == pytest.approx(1 - 4 / 8)
+  # Static: one row [3, 1] on the ring: A/c = (9 + 1)/2, share 2: 3 * (2 + 2.5 + 2.5) = 21.
+  assert r["static_loader"].time == pytest.approx(21.0)
+  assert r["static_loader"].steps == 1
+  # Bound: all compute 3 * (9 + 3 + 1 + 1) over 2 devices; the hop (1.5) hides under 9/4.
+  assert r["bound"] == pytest.approx(21.0)
+  assert r["per_rank"] == pytest.approx(25.5)
+  serial = hdp_sim.simulate(lengths, model=dataclasses.replace(UNIT, overlap=False), **kw)
+  assert serial["hdp"].time == pytest.approx(3 * (2 + 4.5 + 2) + 6)
+
+
+def test_padding_is_computed_when_asked():
+  padded = dataclasses.replace(UNIT, pad_compute=True)
+  r = hdp_sim.simulate_hdp([3, 1], num_devices=2, tokens_per_device=2, model=padded)
+  # Step 2: the short sequence runs tpd=2 linear tokens; the idle device runs 2 padding.
+  np.testing.assert_allclose(r.device_time[1], [3 * (2 + 1), 3 * 2])
+
+
+def test_hdp_beats_static_on_long_tail_and_respects_bound():
+  model = hdp_sim.CostModel(sec_per_attention_flop=1e-14, sec_per_linear_flop=5e-15,
+                            link_bytes_per_s=25e9)
+  pool = hdp_sim.long_tail_lengths(20_000, seed=0)
+  lengths = hdp_sim.sample_batch(pool, 64 * 32768 * 4, seed=1)
+  r = hdp_sim.simulate(lengths, num_devices=64, tokens_per_device=32768, model=model,
+                       max_len=262144)
+  assert r["hdp"].time < r["static_loader"].time
+  for name in ("hdp", "static_loader", "static_sorted"):
+    assert r[name].time >= r["bound"] * (1 - 1e-9), name
+    assert r[name].per_rank_time <= r[name].time * (1 + 1e-9), name
+  assert r["bound"] * (1 - 1e-9) <= r["per_rank"] <= r["hdp"].time
+
+
+def test_long_tail_shape():
+  lengths = hdp_sim.long_tail_lengths(50_000, seed=3)
+  assert lengths.min() >= 1 and lengths.max() <= 262144
+  assert abs(np.mean(lengths <= 4096) - 0.8) < 0.02
+  assert 0.5 < lengths[lengths > 32768].sum() / lengths.sum() < 0.75
+  np.testing.assert_array_equal(lengths, hdp_sim.long_tail_lengths(50_000, seed=3))
+  assert hdp_sim.long_tail_lengths(1000, seed=0, max_len=8192).max() <= 8192
+
+
+def test_stdlib_lengths():
+  lengths = hdp_sim.stdlib_lengths(max_len=65536)
+  assert lengths.size > 100 and lengths.min() >= 1 and lengths.max() == 65536
+
+
+def test_sample_batch_reaches_tokens():
+  batch = hdp_sim.sample_batch(np.array([10, 20, 30]), 1000, seed=0)
+  assert batch.sum() >= 1000 and batch[:-1].sum() < 1000
+
+
+def test_pack_rows_first_fit_decreasing():
+  rows = hdp_sim.pack_rows([5, 3, 8, 2, 6], 10)
+  assert rows == [[2, 3], [4, 1], [0]]
+  assert sorted(i for r in rows for i in r) == list(range(5))
+
+
+def test_errors():
+  with pytest.raises(ValueError, match="sec_per_linear_flop"):
+    dataclasses.replace(UNIT, sec_per_linear_flop=0.0)
+  with pytest.raises(ValueError, match="num_devices=4"):
+    hdp_sim.static_ring(262144, 4, 32768)
+  with pytest.raises(ValueError, match="order="):
+    hdp_sim.simulate_static([1], num_devices=1, tokens_per_device=1, model=UNIT, max_len=1,
+                            order="random")
+  with pytest.raises(ValueError, match="does not fit a row"):
+    hdp_sim.pack_rows([11], 10)
