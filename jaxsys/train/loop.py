@@ -27,11 +27,13 @@ from jaxsys import mesh as mesh_lib
 from jaxsys import metrics as metrics_lib
 from jaxsys.checkpoint.manager import Checkpointer, check_same_model
 from jaxsys.checkpoint.reader import read_params
+from jaxsys.data.documents import make_document_loader
 from jaxsys.data.loader import Loader, make_loader
 from jaxsys.models import transformer
 from jaxsys.optim import outer as outer_lib
 from jaxsys.optim.inner import make_schedule
 from jaxsys.train import config_check
+from jaxsys.train import hdp_step
 from jaxsys.train import pipelined
 from jaxsys.train import replicas as replicas_lib
 from jaxsys.train import step as step_lib
@@ -106,10 +108,6 @@ def _check_finite_params(params, step: int, ckpt: Checkpointer) -> None:
     raise NonFiniteLossError(
         f"parameters are not finite at step {step}: stopping without saving; "
         f"the last good checkpoint is step {ckpt.latest_step()} in {ckpt.directory}")
-
-
-def _global_batch(local: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
-  return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items()}
 
 
 class _Throughput:
@@ -193,7 +191,7 @@ class Validation:
     self.loader.set_state(self.start)
     sums = None
     for _, batch in zip(range(self.steps if steps is None else steps), self.loader):
-      out = eval_fn(params, _global_batch(batch, self.batch_sh))
+      out = eval_fn(params, step_lib.global_batch(batch, self.batch_sh))
       sums = out if sums is None else jax.tree.map(lambda a, b: a + b, sums, out)
     if sums is None:
       raise ValueError("the val split gave no batch; lower data.batch_size or data.seq_len")
@@ -223,11 +221,15 @@ class _Parts:
   meta: dict  # saved with every checkpoint: model, config and, with replicas, outer
 
 
-def _loaders(config, model_cfg, mesh, workdir: str) -> tuple[Loader, Validation]:
+def _loaders(config, model_cfg, mesh, workdir: str) -> tuple[Any, Validation]:
   batch = config.data.batch_size
-  block, blocks = _batch_block(mesh_lib.batch_sharding(mesh), batch)
-  train = make_loader(config.data, "train", batch_size=batch, seed=config.seed,
-                      process_index=block, process_count=blocks, workdir=workdir)
+  if config.data.variable_length:  # whole documents, the same global batch on every process
+    train = make_document_loader(config.data, "train", tokens_per_batch=batch * config.data.seq_len,
+                                 seed=config.seed, workdir=workdir)
+  else:
+    block, blocks = _batch_block(mesh_lib.batch_sharding(mesh), batch)
+    train = make_loader(config.data, "train", batch_size=batch, seed=config.seed,
+                        process_index=block, process_count=blocks, workdir=workdir)
   if train.tokenizer.vocab_size > model_cfg.vocab_size:
     raise ValueError(f"model.vocab_size={model_cfg.vocab_size} is smaller than the "
                      f"{config.data.tokenizer} tokenizer's {train.tokenizer.vocab_size} tokens")
@@ -243,9 +245,15 @@ def _set_up(config, workdir: str) -> _Parts:
   meta = {"model": dataclasses.asdict(model_cfg), "config": config.to_dict()}
   outer = replicas_lib.make_outer_optimizer(config.optimizer)
   if outer is None:  # data parallel, optionally pipelined over `stage`
-    if config.pipeline.schedule == "none":
+    if config.parallel.hdp:
+      setup = hdp_step.make_hdp_setup(config, model_cfg, mesh)
+      comm_bytes = setup.comm_bytes
+      logging.info("HDP: whole documents up to %d tokens, %d tokens per device per micro-step",
+                   config.data.max_len, config.data.seq_len)
+    elif config.pipeline.schedule == "none":
       setup = step_lib.make_train_setup(config, model_cfg, mesh)
       per_step = replicas_lib.dp_bytes_per_step(setup.abstract.params, mesh)
+      comm_bytes = lambda s: s * per_step
     else:
       setup = pipelined.make_pipeline_setup(config, model_cfg, mesh)
       per_step = setup.bytes_per_step()
@@ -254,9 +262,9 @@ def _set_up(config, workdir: str) -> _Parts:
       if setup.schedule.ticks <= 48:  # the chart of a longer one is too wide to read
         logging.info("pipeline ticks (F forward, b backward, . idle):\n%s",
                      setup.schedule.chart())
+      comm_bytes = lambda s: s * per_step
     param_sh, eval_params, sync_every = setup.param_sh, (lambda p: p), 0
     eval_fn = setup.jit_eval_step(val.token_bytes)
-    comm_bytes = lambda s: s * per_step
   else:
     setup = replicas_lib.make_replica_setup(config, model_cfg, mesh, outer)
     param_sh, eval_params, sync_every = setup.param_sh, setup.eval_params, outer.sync_every
@@ -351,7 +359,7 @@ class _Loop:
   def _train_step(self, batch) -> None:
     """One step (with a deferred sync fused in), keeping at most two steps in flight."""
     setup = self.parts.setup
-    batch = _global_batch(batch, setup.batch_sh)
+    batch = setup.device_batch(batch)
     if self.sync_due:
       self.state, m = self.fused(self.state, batch)
       self.sync_due = False

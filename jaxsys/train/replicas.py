@@ -213,6 +213,10 @@ class ReplicaSetup:
   eval_params: Callable  # state.params [R..] -> replica 0's parameters
   bytes_per_sync: int
 
+  def device_batch(self, batch):
+    """The loader's batch as train_fn takes it."""
+    return step_lib.global_batch(batch, self.batch_sh)
+
   def init_state(self, seed: int) -> ReplicaTrainState:
     return jax.jit(lambda: init_replica_state(self.model_cfg, self.optimizer, self.outer,
                                               self.replicas, seed),

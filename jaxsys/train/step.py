@@ -8,6 +8,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -44,22 +45,28 @@ def token_losses(cfg: transformer.TransformerConfig, params, batch: Batch,
 
 def context_parallel(batch: Batch, layout: str, axis: str = "context"
                      ) -> tuple[Batch, Callable]:
-  """The batch reordered into `layout` over mesh axis `axis`, and the ring attention_fn.
+  """The batch reordered into `layout` over mesh axis `axis`, and its ring attention_fn.
 
   Every field moves with its token, so per-token losses (summed) are unchanged; the
-  documents' positions go round the ring with the keys as causal keys, so masking stays
-  exact in any order, and the layout only decides how the causal work is balanced.
+  layout only decides how the causal work is balanced over the ring.
   Called while tracing under a mesh (`sharded.under_mesh`).
   """
   n = jax.sharding.get_abstract_mesh().shape[axis]
   laid = {k: context.to_layout(x, n, layout, axis=1) for k, x in batch.items()}
+  return laid, ring_attention_fn(laid["positions"], layout, axis)
 
+
+def ring_attention_fn(positions, layout: str = "zigzag", axis: str = "context") -> Callable:
+  """An attention_fn for the model: ring attention over mesh axis `axis`.
+
+  The documents' positions [B, T] go round the ring with the keys as causal keys, so
+  masking (with the segment ids) is exact whatever order the tokens are in.
+  """
   def attention_fn(q, k, v, *, segment_ids=None, causal=True):
     q_seg, kv_seg = segment_pair(segment_ids)
     return sharded.sharded_context_attention(context.ring_attention, q, k, v, q_seg, kv_seg,
-                                             laid["positions"], axis=axis, causal=causal,
-                                             layout=layout)
-  return laid, attention_fn
+                                             positions, axis=axis, causal=causal, layout=layout)
+  return attention_fn
 
 
 def train_step(state: TrainState, batch: Batch, *, model_cfg: transformer.TransformerConfig,
@@ -164,6 +171,11 @@ def jit_eval_step(model_cfg, param_sh: Any, batch_sh: NamedSharding, token_bytes
                  compiler_options=compiler_options(model_cfg, batch_sh.mesh))
 
 
+def global_batch(local: dict[str, np.ndarray], sharding: NamedSharding) -> Batch:
+  """A process's block of the global batch (what its loader reads) as global arrays."""
+  return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items()}
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainSetup:
   """Everything a run needs to step: optimizer, state layout and the jitted step."""
@@ -179,6 +191,10 @@ class TrainSetup:
   def param_sh(self) -> Any:
     """Shardings of the canonical parameters."""
     return self.state_sh.params
+
+  def device_batch(self, batch: dict[str, np.ndarray]) -> Batch:
+    """The loader's batch as train_fn takes it."""
+    return global_batch(batch, self.batch_sh)
 
   def jit_eval_step(self, token_bytes) -> Callable:
     """(state.params, batch) -> eval sums, jitted."""

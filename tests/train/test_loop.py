@@ -41,11 +41,17 @@ def test_trains_evaluates_and_checkpoints(make_config, tmp_path):
   assert os.listdir(result["tensorboard"])
 
 
-@pytest.mark.parametrize("mesh", ["data=-1", "data=-1,fsdp=2,tensor=2"])
-def test_resume_is_exact(make_config, tmp_path, mesh):
-  """2N steps straight == N steps, stop, restore, N more: same losses and parameters."""
+HDP = dict(data__variable_length=True, parallel__hdp=True, data__max_len=256,
+           data__truncate_long=True)
+
+
+@pytest.mark.parametrize("mesh, extra", [("data=-1", {}), ("data=-1,fsdp=2,tensor=2", {}),
+                                         ("data=-1", HDP)], ids=["dp", "fsdp_tensor", "hdp"])
+def test_resume_is_exact(make_config, tmp_path, mesh, extra):
+  """2N steps straight == N steps, stop, restore, N more: same losses and parameters.
+  With HDP the whole-document loader resumes at its position too."""
   kw = dict(mesh=mesh, log_every=1, eval_every=0, checkpoint_every=100,
-            optimizer__schedule_steps=8)
+            optimizer__schedule_steps=8, **extra)
   straight, legs = str(tmp_path / "straight"), str(tmp_path / "legs")
   loop.train_and_evaluate(make_config(total_steps=8, **kw), straight)
   loop.train_and_evaluate(make_config(total_steps=4, **kw), legs)

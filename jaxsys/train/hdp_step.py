@@ -1,0 +1,131 @@
+"""Training with Hybrid Data Parallelism: whole documents, each on as many devices as it needs.
+
+A step takes a global batch of whole documents (jaxsys.data.documents), plans it
+(`hdp.plan`: micro-steps, each device a cell of `tokens_per_device` tokens) and runs every
+micro-step as one compiled program over a view of the same devices, `data = N/c,
+context = c` for c the step's largest ring (`hdp_layout.pack_step`): ring attention over
+`context` where c > 1, the plain kernels where c = 1. So a run compiles at most
+log2(N) + 1 micro-step programs. The summed token loss, token count and gradients
+accumulate over the micro-steps in the parameters' (replicated) sharding; one optimizer
+update divides by the whole batch's token count, so the step equals a single-device step
+over the same documents, however they were split.
+
+The pool must be a data-only mesh: the views regroup its devices, and the parameters are
+replicated on every device, so each view reads them where they are.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxsys.kernels import sharded
+from jaxsys.models import transformer
+from jaxsys.parallel import hdp, hdp_layout
+from jaxsys.train import replicas as replicas_lib
+from jaxsys.train import step as step_lib
+from jaxsys.train.state import TrainState
+
+
+def micro_step_sums(params, batch, acc, *, model_cfg: transformer.TransformerConfig, ring: bool):
+  """acc + (summed token loss, token count, its gradients) of one packed micro-step."""
+  def loss_sum(p):
+    attention_fn = step_lib.ring_attention_fn(batch["positions"]) if ring else None
+    logits = transformer.apply(model_cfg, p, batch["inputs"], batch["positions"],
+                               batch["segment_ids"], attention_fn)
+    return jnp.sum(step_lib.cross_entropy(logits, batch)), jnp.sum(batch["loss_mask"])
+
+  (total, count), grads = jax.value_and_grad(loss_sum, has_aux=True)(params)
+  return jax.tree.map(jnp.add, acc, (total, count, grads))
+
+
+class HDPStep:
+  """(state, document batch) -> (state, metrics): plan, micro-steps, one update."""
+
+  def __init__(self, model_cfg, optimizer, mesh: Mesh, state_sh: TrainState,
+               tokens_per_device: int):
+    others = {a: n for a, n in mesh.shape.items() if a != "data" and n > 1}
+    if others:
+      raise ValueError(f"HDP needs a data-only mesh (it regroups the devices into "
+                       f"data=N/c,context=c views); this one also has {others}")
+    self.model_cfg, self.optimizer = model_cfg, optimizer
+    self.devices = mesh.devices.reshape(-1)
+    self.tokens_per_device = tokens_per_device
+    self.params_sh = state_sh.params
+    self.last_plan: hdp.Plan = []
+    self.steps_run = self.micro_steps_run = 0
+    self._programs: dict[int, tuple[Callable, NamedSharding]] = {}
+    rep = NamedSharding(mesh, P())
+    self._zeros = jax.jit(lambda p: (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, p)),
+                          out_shardings=(rep, rep, self.params_sh))
+    update = functools.partial(step_lib.apply_gradients, optimizer=optimizer)
+    self._update = jax.jit(lambda s, acc: update(s, total=acc[0], count=acc[1], grads=acc[2]),
+                           out_shardings=(state_sh, rep), donate_argnums=0)
+
+  @property
+  def num_devices(self) -> int:
+    return self.devices.size
+
+  def program(self, c: int) -> tuple[Callable, NamedSharding]:
+    """The jitted micro-step of views with context c, and its batch sharding (cached)."""
+    if c not in self._programs:
+      view = Mesh(self.devices.reshape(self.num_devices // c, c), ("data", "context"))
+      batch_sh = NamedSharding(view, P("data", "context"))
+      rep = NamedSharding(view, P())
+      fn = functools.partial(micro_step_sums, model_cfg=self.model_cfg, ring=c > 1)
+      acc_sh = (rep, rep, jax.tree.map(lambda _: rep, self.params_sh))
+      jitted = jax.jit(sharded.under_mesh(fn, view), in_shardings=(acc_sh[2], batch_sh, acc_sh),
+                       out_shardings=acc_sh, donate_argnums=2,
+                       compiler_options=step_lib.compiler_options(self.model_cfg, view))
+      self._programs[c] = (jitted, batch_sh)
+    return self._programs[c]
+
+  def plan(self, lengths) -> hdp.Plan:
+    return hdp.plan([int(n) for n in lengths], num_devices=self.num_devices,
+                    tokens_per_device=self.tokens_per_device)
+
+  def __call__(self, state: TrainState, batch: dict[str, Any]):
+    docs = batch["tokens"]
+    steps = self.plan([len(d) - 1 for d in docs])
+    self.last_plan = steps
+    self.steps_run += 1
+    self.micro_steps_run += len(steps)
+    acc = self._zeros(state.params)
+    for micro in steps:
+      c, fields = hdp_layout.pack_step(micro, docs, num_devices=self.num_devices,
+                                       tokens_per_device=self.tokens_per_device)
+      fn, batch_sh = self.program(c)
+      arrays = {k: jax.make_array_from_callback(v.shape, batch_sh, lambda idx, v=v: v[idx])
+                for k, v in fields.items()}
+      acc = fn(state.params, arrays, acc)
+    state, metrics = self._update(state, acc)
+    return state, {**metrics, "micro_steps": jnp.asarray(len(steps))}
+
+
+@dataclasses.dataclass(frozen=True)
+class HDPSetup(step_lib.TrainSetup):
+  """`step.TrainSetup` whose train_fn is an `HDPStep` taking whole-document batches."""
+
+  def device_batch(self, batch):
+    return batch  # documents: the step plans and places them itself
+
+  def comm_bytes(self, steps: int) -> float:
+    """Gradient all-reduce bytes per device over `steps` steps: one per micro-step (this
+    process's mean count so far); ring attention's K/V traffic is not counted."""
+    per_micro = replicas_lib.dp_bytes_per_step(self.abstract.params, self.batch_sh.mesh)
+    run = self.train_fn
+    return steps * per_micro * (run.micro_steps_run / run.steps_run if run.steps_run else 1.0)
+
+
+def make_hdp_setup(config, model_cfg: transformer.TransformerConfig, mesh) -> HDPSetup:
+  """The HDP step of `config` on the data-only `mesh`; data.seq_len tokens per device."""
+  base = step_lib.make_train_setup(config, model_cfg, mesh)
+  train_fn = HDPStep(model_cfg, base.optimizer, mesh, base.state_sh, config.data.seq_len)
+  return HDPSetup(**{**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)},
+                     "train_fn": train_fn})

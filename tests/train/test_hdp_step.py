@@ -1,0 +1,79 @@
+"""HDP training: a step over whole documents equals a single-device step over them."""
+import chex
+import jax
+import numpy as np
+from absl.testing import absltest
+
+from jaxsys import mesh as mesh_lib
+from jaxsys.parallel import hdp
+from jaxsys.train import hdp_step
+from jaxsys.train import state as state_lib
+from jaxsys.train import step as step_lib
+from jaxsys.optim.inner import make_optimizer
+from tests.train.test_step import MODEL, OPT
+
+TOKENS_PER_DEVICE = 16
+# Rings of 8, 4 and 2 devices and short documents sharing devices.
+LENGTHS = [100, 61, 40, 17, 30, 9, 5, 15, 12, 3, 8, 16, 2]
+
+
+def documents(seed: int) -> list[np.ndarray]:
+  rng = np.random.default_rng(seed)
+  return [rng.integers(0, 256, size=n + 1).astype(np.int32) for n in LENGTHS]
+
+
+def single_device_batch(docs) -> dict[str, np.ndarray]:
+  """One document per row, padded to the longest: what one device would run."""
+  t = max(len(d) - 1 for d in docs)
+  out = {k: np.zeros((len(docs), t), np.float32 if k == "loss_mask" else np.int32)
+         for k in ("inputs", "targets", "segment_ids", "positions", "loss_mask")}
+  for r, d in enumerate(docs):
+    n = len(d) - 1
+    out["inputs"][r, :n], out["targets"][r, :n] = d[:-1], d[1:]
+    out["segment_ids"][r, :n], out["positions"][r, :n], out["loss_mask"][r, :n] = 1, np.arange(n), 1
+  return out
+
+
+def init(mesh):
+  optimizer = make_optimizer(OPT, total_steps=10)
+  abstract = state_lib.abstract_train_state(MODEL, optimizer, seed=0)
+  state_sh = state_lib.state_shardings(abstract, MODEL, optimizer, mesh)
+  state = jax.jit(lambda: state_lib.init_train_state(MODEL, optimizer, 0), out_shardings=state_sh)()
+  return optimizer, state_sh, state
+
+
+class HDPStepTest(absltest.TestCase):
+
+  def test_plan_uses_rings_and_short_cells(self):
+    steps = hdp.plan(LENGTHS, num_devices=8, tokens_per_device=TOKENS_PER_DEVICE)
+    rings = {len(devs) for step in steps for _, devs in step}
+    self.assertEqual(rings, {1, 2, 4, 8})
+
+  def test_hdp_step_equals_single_device_step(self):
+    mesh = mesh_lib.make_mesh("data=8")
+    optimizer, state_sh, state = init(mesh)
+    run = hdp_step.HDPStep(MODEL, optimizer, mesh, state_sh, TOKENS_PER_DEVICE)
+    one = mesh_lib.make_mesh("data=1", jax.devices()[:1])
+    _, ref_sh, ref = init(one)
+    ref_fn = step_lib.jit_train_step(MODEL, optimizer, ref_sh, mesh_lib.batch_sharding(one))
+    for seed in range(2):
+      docs = documents(seed)
+      state, metrics = run(state, {"tokens": docs})
+      ref, ref_metrics = ref_fn(ref, jax.device_put(single_device_batch(docs),
+                                                    mesh_lib.batch_sharding(one)))
+      np.testing.assert_allclose(float(metrics["loss"]), float(ref_metrics["loss"]), rtol=1e-5)
+      self.assertEqual(float(metrics["tokens"]), sum(LENGTHS))
+    self.assertGreater(int(metrics["micro_steps"]), 1)
+    chex.assert_trees_all_close(jax.device_get(state.params), jax.device_get(ref.params),
+                                atol=2e-5)
+    self.assertLessEqual(len(run._programs), 4)  # one program per ring size: log2(8) + 1
+
+  def test_refuses_a_mesh_it_cannot_regroup(self):
+    mesh = mesh_lib.make_mesh("data=4,tensor=2")
+    optimizer, state_sh, _ = init(mesh)
+    with self.assertRaisesRegex(ValueError, r"HDP needs a data-only mesh .* \{'tensor': 2\}"):
+      hdp_step.HDPStep(MODEL, optimizer, mesh, state_sh, TOKENS_PER_DEVICE)
+
+
+if __name__ == "__main__":
+  absltest.main()
