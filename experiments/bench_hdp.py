@@ -160,50 +160,62 @@ def plot_sim(rows: list[dict], path: str | None = None, *, setting: str | None =
   return fig
 
 
-def entry_times(groups, *, num_devices: int, tokens_per_device: int,
-                model: hdp_sim.CostModel):
-  """Per micro-step: (sequence label, devices, seconds on each device) bars to draw."""
+def bar_segments(steps, lengths, *, num_devices: int, tokens_per_device: int,
+                 model: hdp_sim.CostModel):
+  """Per micro-step: (sequence index, device ids, seconds on each) bars to draw.
+
+  steps: per micro-step, (sequence indices run together, device ids) groups (an hdp.plan
+  entry's index wrapped in a list, or a static_plan row). A ring's time is split among
+  its sequences in proportion to their compute; single-device sequences count real
+  tokens only, so padding shows as the gap before the step's end.
+  """
+  lengths = np.asarray(lengths, np.int64)
   out = []
-  for step in groups:
+  for step in steps:
     bars = []
-    for label, group_lengths, devs in step:
-      c = len(devs)
-      if c == 1:  # short sequences: real tokens only; the padding is drawn as the gap
-        secs = float(3.0 * model.n_layers * (model.attention(group_lengths[0])
-                                             + model.linear(group_lengths[0])))
-      else:
-        secs = hdp_sim.group_time(model, group_lengths, c, tokens_per_device)
-      bars.append((label, devs, secs))
+    for idx, devs in step:
+      own = [float(3.0 * model.n_layers * (model.attention(lengths[i])
+                                           + model.linear(lengths[i]))) for i in idx]
+      if len(devs) > 1:
+        total = hdp_sim.group_time(model, lengths[idx], len(devs), tokens_per_device)
+        own = [total * o / sum(own) for o in own]
+      bars.extend((i, devs, o) for i, o in zip(idx, own))
     out.append(bars)
   return out
 
 
-def draw_plan(ax, groups, *, num_devices: int, tokens_per_device: int,
-              model: hdp_sim.CostModel, title: str, n_labels: int):
-  """Device-by-time chart: one column per micro-step (as wide as its slowest device).
+def draw_plan(ax, steps, lengths, *, num_devices: int, tokens_per_device: int,
+              model: hdp_sim.CostModel, title: str) -> float:
+  """Device-by-time chart; each micro-step's column is as wide as its slowest device.
 
-  groups: per step, (label, lengths, device ids); a colour per label; rings (heavy) are
-  hatched, single-device sequences (light) plain; white is idle or padding.
+  A colour per sequence; heavy sequences (longer than tpd, so they need a ring) hatched,
+  light ones plain; white is idle time or padding. Returns the plan's seconds.
   """
   import matplotlib.pyplot as plt
 
+  lengths = np.asarray(lengths, np.int64)
   cmap = plt.get_cmap("tab20")
-  bars = entry_times(groups, num_devices=num_devices, tokens_per_device=tokens_per_device,
-                     model=model)
+  bars = bar_segments(steps, lengths, num_devices=num_devices,
+                      tokens_per_device=tokens_per_device, model=model)
+  # Column widths are the simulator's step times (padding compute included).
+  times = hdp_sim.device_times([[(lengths[idx].tolist(), devs) for idx, devs in step]
+                                for step in steps], num_devices=num_devices,
+                               tokens_per_device=tokens_per_device, model=model)
   t0 = 0.0
-  for step in bars:
+  for m, step in enumerate(bars):
     used = np.zeros(num_devices)
-    for label, devs, secs in step:
+    for i, devs, secs in step:
+      heavy = lengths[i] > tokens_per_device
       for d in devs:
-        ax.barh(d, secs, left=t0 + used[d], height=0.8, color=cmap(label % 20),
-                hatch="//" if len(devs) > 1 else None, edgecolor="black", linewidth=0.3)
+        ax.barh(d, secs, left=t0 + used[d], height=0.8, color=cmap(i % 20),
+                hatch="///" if heavy else None, edgecolor="black", linewidth=0.3)
         used[d] += secs
-    t0 += used.max(initial=0.0)
-    ax.axvline(t0, color="black", lw=1)
+    t0 += float(times[m].max(initial=0.0))
+    ax.axvline(t0, color="black", lw=1.2)
   ax.set_yticks(range(num_devices))
   ax.set_ylabel("device")
-  ax.set_xlabel("simulated seconds (lines: micro-step ends)")
-  ax.set_title(f"{title}: {t0:.3g} s, {len(bars)} micro-steps")
+  ax.set_xlabel("simulated seconds (black lines: micro-step ends)")
+  ax.set_title(f"{title}: {len(bars)} micro-steps, {t0:.3g} s")
   ax.invert_yaxis()
   return t0
 

@@ -352,13 +352,14 @@ def static_ring(max_len: int, num_devices: int, tokens_per_device: int) -> int:
   return c
 
 
-def simulate_static(lengths, *, num_devices: int, tokens_per_device: int, model: CostModel,
-                    max_len: int, order: str = "loader", seed: int = 0) -> Result:
-  """Static CP: FFD rows of c_max * tpd tokens, N / c_max rows per lock-step micro-step.
+def static_plan(lengths, *, num_devices: int, tokens_per_device: int, max_len: int,
+                order: str = "loader", seed: int = 0, d_model: int = hdp.DEFAULT_D_MODEL):
+  """Static CP micro-steps: lists of (row's sequence indices, ring device ids).
 
-  order: "loader" (rows in a seeded random order, as a data loader hands them out) or
-  "sorted" (rows by cost, heaviest first, so heavy rows share micro-steps: the best
-  grouping a static lock-step mesh can do).
+  FFD rows of c_max * tpd tokens, N / c_max rows per lock-step micro-step, in `order`:
+  "loader" (rows in a seeded random order, as a data loader hands them out) or "sorted"
+  (rows by cost, heaviest first, so heavy rows share micro-steps: the best grouping a
+  static lock-step mesh can do).
   """
   if order not in ("loader", "sorted"):
     raise ValueError(f"order={order!r}: must be 'loader' or 'sorted'")
@@ -368,14 +369,21 @@ def simulate_static(lengths, *, num_devices: int, tokens_per_device: int, model:
   if order == "loader":
     rows = [rows[k] for k in np.random.default_rng(seed).permutation(len(rows))]
   else:
-    cost = [float(np.sum(hdp.sequence_cost(lengths[r], d_model=model.d_model))) for r in rows]
+    cost = [float(np.sum(hdp.sequence_cost(lengths[r], d_model=d_model))) for r in rows]
     rows = [rows[k] for k in np.argsort(cost, kind="stable")[::-1]]
   per_step = num_devices // c
-  groups = []
-  for start in range(0, len(rows), per_step):
-    chunk = rows[start:start + per_step]
-    groups.append([(lengths[r].tolist(), tuple(range(k * c, (k + 1) * c)))
-                   for k, r in enumerate(chunk)])
+  return [[(row, tuple(range(k * c, (k + 1) * c)))
+           for k, row in enumerate(rows[start:start + per_step])]
+          for start in range(0, len(rows), per_step)]
+
+
+def simulate_static(lengths, *, num_devices: int, tokens_per_device: int, model: CostModel,
+                    max_len: int, order: str = "loader", seed: int = 0) -> Result:
+  """Static CP (see static_plan) timed by the cost model."""
+  lengths = np.asarray(lengths, np.int64)
+  steps = static_plan(lengths, num_devices=num_devices, tokens_per_device=tokens_per_device,
+                      max_len=max_len, order=order, seed=seed, d_model=model.d_model)
+  groups = [[(lengths[row].tolist(), devs) for row, devs in step] for step in steps]
   times = device_times(groups, num_devices=num_devices, tokens_per_device=tokens_per_device,
                        model=model)
   return _result(f"static_{order}", times, int(lengths.sum()), num_devices, tokens_per_device)
