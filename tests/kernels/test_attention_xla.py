@@ -9,6 +9,7 @@ from absl.testing import absltest, parameterized
 from attention_testing import (FAST_COMPILE, assert_matches_reference, inputs, packed_ids,
                                segment_kwargs)
 from jaxsys.kernels.attention import reference_attention
+from jaxsys.kernels import attention_xla
 from jaxsys.kernels.attention_xla import default_blocks, xla_attention
 
 
@@ -128,6 +129,71 @@ class XlaAttentionTest(parameterized.TestCase):
     self.assertLess(big, 2.3 * small, (small, big))  # quadratic would be 4x
     self.assertLess(big, reference / 8, (big, reference))
 
+  def _keyed(self, seed, t=40, s=40, group=2):
+    """Inputs with packed ids and shuffled per-document positions (non-monotone keys), and
+    the dense reference: masked softmax of (same id and q_pos >= kv_pos)."""
+    q, k, v, ct = inputs(2, t, s, 2 * group, 2, 8, seed=seed)
+    rng = np.random.default_rng(seed)
+    q_seg, kv_seg = _packed_ids(rng, 2, t), _packed_ids(rng, 2, s)
+    q_pos = jnp.asarray(rng.integers(0, 12, size=(2, t)), jnp.int32)
+    kv_pos = jnp.asarray(rng.integers(0, 12, size=(2, s)), jnp.int32)
+    keys = dict(q_segment_ids=q_seg, kv_segment_ids=kv_seg, q_positions=q_pos,
+                kv_positions=kv_pos)
+    mask = (q_seg[:, :, None] == kv_seg[:, None, :]) & (q_pos[:, :, None] >= kv_pos[:, None, :])
+
+    def dense(q, k, v):
+      b, t, hq, d = q.shape
+      q5 = q.reshape(b, t, 2, group, d)
+      sc = jnp.einsum("btkgd,bskd->bkgts", q5, k) / np.sqrt(d)
+      sc = jnp.where(mask[:, None, None], sc, -jnp.inf)
+      m = jnp.max(sc, -1, keepdims=True)
+      p = jnp.exp(sc - jnp.where(jnp.isfinite(m), m, 0.0))
+      lse = jnp.log(jnp.sum(p, -1)) + jnp.where(jnp.isfinite(m), m, 0.0)[..., 0]
+      p = p / jnp.maximum(jnp.sum(p, -1, keepdims=True), 1e-30)
+      out = jnp.einsum("bkgts,bskd->btkgd", p, v).reshape(b, t, hq, d)
+      return out, lse.transpose(0, 3, 1, 2).reshape(b, t, hq)  # lse -inf for empty rows
+
+    return (q, k, v, ct), keys, mask, dense
+
+  @parameterized.parameters((8, 16), (16, 8), (64, 64))
+  def test_forward_with_lse_arbitrary_positions(self, block_q, block_k):
+    (q, k, v, _), keys, mask, dense = self._keyed(9)
+    out, lse = jax.jit(lambda q, k, v: attention_xla.forward_with_lse(
+        q, k, v, **keys, block_q=block_q, block_k=block_k))(q, k, v)
+    want_out, want_lse = dense(q, k, v)
+    np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)
+    empty = ~np.asarray(mask).any(-1)
+    self.assertTrue(empty.any())  # some rows see no key: output 0, lse -inf
+    np.testing.assert_array_equal(np.asarray(lse)[empty], -np.inf)
+    np.testing.assert_array_equal(np.asarray(out)[empty], 0.0)
+    np.testing.assert_allclose(np.asarray(lse)[~empty], np.asarray(want_lse)[~empty], rtol=1e-5)
+
+  def test_backward_from_lse_matches_autodiff(self):
+    """Given the rows' lse and delta, the backward equals autodiff of the dense reference."""
+    (q, k, v, ct), keys, _, dense = self._keyed(10, t=37, s=29)
+    out, vjp = jax.vjp(lambda q, k, v: dense(q, k, v)[0], q, k, v)
+    want = vjp(jnp.asarray(ct))
+    lse = dense(q, k, v)[1]
+    lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    delta = jnp.sum(ct * out, -1)
+    got = jax.jit(lambda *a: attention_xla.backward_from_lse(
+        *a, **keys, block_q=8, block_k=8))(q, k, v, ct, lse, delta)
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+      np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * max(1.0, float(np.abs(w).max())),
+                                 err_msg=name)
+
+  def test_positions_skip_tiles(self):
+    """Tiles are visited by per-block min/max keys: reversed positions under a causal mask
+    visit the mirror image of the usual triangle, the same count."""
+    q = jax.ShapeDtypeStruct((1, 64, 2, 8), jnp.float32)
+    pos = jnp.arange(64, dtype=jnp.int32)[None]
+    count = lambda **kw: int(attention_xla.visited_tiles(q, q, block_q=8, block_k=8, **kw)[0])
+    self.assertEqual(count(), 36)  # 8 x 8 tiles, lower triangle with diagonal
+    self.assertEqual(count(q_positions=pos, kv_positions=pos), 36)
+    self.assertEqual(count(q_positions=63 - pos, kv_positions=63 - pos), 36)
+    self.assertEqual(count(causal=False), 64)
+    self.assertEqual(count(q_positions=jnp.zeros_like(pos), kv_positions=pos + 1), 0)
+
   def test_bad_input(self):
     q, k, v, _ = inputs(1, 8, 8, 4, 2, 8)
     seg = jnp.zeros((1, 8), jnp.int32)
@@ -141,6 +207,13 @@ class XlaAttentionTest(parameterized.TestCase):
       xla_attention(q, k, v, q_segment_ids=seg[:, :5], kv_segment_ids=seg)
     with self.assertRaisesRegex(ValueError, "sm_scale must be a Python number"):
       jax.jit(lambda s: xla_attention(q, k, v, sm_scale=s))(0.5)
+    pos = jnp.zeros((1, 8), jnp.int32)
+    with self.assertRaisesRegex(ValueError, "pass both q_positions and kv_positions or neither"):
+      attention_xla.forward_with_lse(q, k, v, q_positions=pos)
+    with self.assertRaisesRegex(ValueError, r"kv_positions must be an integer array of shape \(1, 8\)"):
+      attention_xla.forward_with_lse(q, k, v, q_positions=pos, kv_positions=pos[:, :5])
+    with self.assertRaisesRegex(ValueError, r"lse, delta \[B, T, Hq\]"):
+      attention_xla.backward_from_lse(q, k, v, q, pos, pos)
 
 
 if __name__ == "__main__":

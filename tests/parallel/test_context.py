@@ -206,6 +206,61 @@ def test_explicit_positions_equal_derived():
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
+def _doc_positions(ids):
+  """Per-document positions of packed rows: 0, 1, ... restarting where the id changes."""
+  t = ids.shape[1]
+  starts = np.concatenate([np.ones((ids.shape[0], 1), bool), ids[:, 1:] != ids[:, :-1]], 1)
+  first = np.maximum.accumulate(np.where(starts, np.arange(t), 0), axis=1)
+  return (np.arange(t) - first).astype(np.int32)
+
+
+def _gather(x, idx):
+  """x [B, T, ...] reordered along T by idx [B, T]."""
+  idx = jnp.asarray(idx).reshape(*idx.shape, *([1] * (x.ndim - 2)))
+  return jnp.take_along_axis(jnp.asarray(x), idx, axis=1)
+
+
+@pytest.mark.parametrize("n,layout,pair,blocks", [
+    (2, "zigzag", False, None), (4, "contiguous", True, (4, 8)), (8, "zigzag", False, None)])
+def test_arbitrary_positions(monkeypatch, n, layout, pair, blocks):
+  """Per-document positions with segment ids, tokens in an arbitrary order on the ring
+  (a shuffle per row: non-monotone causal keys, documents split over any devices, as a
+  packer of zigzag shares and whole short documents produces) == reference attention on
+  the packed rows in order. With `pair`, some documents have no keys (empty rows);
+  `blocks` makes each step several kernel tiles, skipped by min/max keys."""
+  if blocks:
+    monkeypatch.setattr(attention_xla, "default_blocks", lambda rows: blocks)
+  b, t = 2, 8 * n
+  q, k, v, cotangent, rng = _inputs(b, t, 4, 2, 8, seed=n)
+  ids = packing.random_packed_batch(b, t, doc_lengths=(1, 3, 5, 9, 17), seed=rng)["segment_ids"]
+  kv_ids = np.where(ids % 3 == 2, -1, ids).astype(ids.dtype) if pair else ids
+  perm = np.stack([rng.permutation(t) for _ in range(b)])
+  inverse = np.argsort(perm, axis=1)
+  shuffled = [_gather(x, perm) for x in (ids, kv_ids, _doc_positions(ids))]
+  seq = P(None, AXIS)
+
+  def local(q, k, v, q_ids, kv_ids, pos):
+    return context.ring_attention(q, k, v, axis_name=AXIS, segment_ids=(q_ids, kv_ids),
+                                  layout=layout, positions=pos)
+
+  sharded = jax.shard_map(local, mesh=_mesh(n), in_specs=(seq,) * 6, out_specs=seq,
+                          check_vma=False)
+  ring = lambda q, k, v: _gather(
+      sharded(_gather(q, perm), _gather(k, perm), _gather(v, perm), *shuffled), inverse)
+  ref = lambda q, k, v: attention(q, k, v, segment_ids=(ids, kv_ids), causal=True,
+                                  impl="reference")
+  got, want = value_and_grads(ring, q, k, v, cotangent), value_and_grads(ref, q, k, v, cotangent)
+  for name, g, w in zip(("out", "dq", "dk", "dv"), (got[0], *got[1]), (want[0], *want[1])):
+    assert np.all(np.isfinite(g)), name
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * max(1.0, float(np.abs(w).max())),
+                               err_msg=name)
+  if pair:
+    empty = ~np.any(ids[:, :, None] == kv_ids[:, None, :], axis=-1)
+    assert empty.any()
+    np.testing.assert_array_equal(np.asarray(got[0])[empty], 0.0)
+    np.testing.assert_array_equal(np.asarray(got[1][0])[empty], 0.0)  # dq of empty rows
+
+
 def test_ring_errors():
   q = jnp.zeros((1, 4, 2, 8))
   with pytest.raises(ValueError, match=r"unknown layout 'striped'; valid: contiguous, zigzag"):
