@@ -6,12 +6,13 @@ Data-aware sharding: a sequence of L <= tokens_per_device tokens runs whole on o
 power of two >= ceil(L / tokens_per_device) (so c <= 2 * that), an aligned group of device
 ids [k*c, (k+1)*c), so a `data = N/c, context = c` view of the same devices runs it.
 
-Within one micro-step a device serves one ring size only (the executor runs one compiled
-program per ring size over its view of the devices), and a ring of c > 1 holds one
-sequence: two sequences that both need c devices hold more than c * tokens_per_device / 2
-tokens each, so they never fit one ring together. The token lower bound on micro-steps is
-therefore ceil((sum of ring sizes of long sequences + short tokens / tokens_per_device) /
-num_devices).
+A ring of c > 1 holds one long sequence: two that both need c devices hold more than
+c * tokens_per_device / 2 tokens each, so they never fit one ring together. Short
+sequences fill the slots left on any device, ring members included (the executor runs a
+micro-step as one program over the view of its largest ring, and a device's short
+sequences run beside its ring share). The token lower bound on micro-steps is therefore
+the larger of ceil(sum of ring sizes / num_devices) and ceil(tokens / (num_devices *
+tokens_per_device)), a ring's tokens rounded up to equal shares.
 
 DP-Balance adapted to lock-step SPMD: ByteScale evens each rank's total cost over its own
 micro-batches; here all devices run each micro-step together, so a step lasts as long as
@@ -95,7 +96,7 @@ def _place(lengths, rings, costs, steps, num_devices, tokens_per_device):
   n_dev, cap = num_devices, tokens_per_device
   cell_cost = np.zeros((steps, n_dev))
   cell_tokens = np.zeros((steps, n_dev), np.int64)
-  ring_of = np.zeros((steps, n_dev), np.int64)  # 0: free, else the ring size served
+  ring_of = np.zeros((steps, n_dev), np.int64)  # 0: no ring, else the ring size served
   step_max = np.zeros(steps)
   entries: list[list[tuple[int, tuple[int, ...]]]] = [[] for _ in range(steps)]
 
@@ -124,7 +125,7 @@ def _place(lengths, rings, costs, steps, num_devices, tokens_per_device):
   short_ids = [i for i in range(len(lengths)) if rings[i] == 1]
   short_ids.sort(key=lambda i: (-costs[i], i))
   for i in short_ids:
-    fits = (ring_of <= 1) & (cell_tokens + lengths[i] <= cap)
+    fits = cell_tokens + lengths[i] <= cap
     if not fits.any():
       return None
     new_cost = cell_cost + costs[i]
@@ -136,18 +137,19 @@ def _place(lengths, rings, costs, steps, num_devices, tokens_per_device):
     m, d = np.unravel_index(flat, cand.shape)
     cell_cost[m, d] = new_cost[m, d]
     cell_tokens[m, d] += lengths[i]
-    ring_of[m, d] = 1
     step_max[m] = max(step_max[m], cell_cost[m, d])
     entries[m].append((i, (int(d),)))
   return entries
 
 
 def min_steps(lengths: Sequence[int], *, num_devices: int, tokens_per_device: int) -> int:
-  """The token lower bound on micro-steps (rings hold their devices whole)."""
+  """The lower bound on micro-steps: ring sizes over devices, tokens over slots."""
   arr = _check(lengths, num_devices, tokens_per_device)
   rings = np.array([ring_size(n, tokens_per_device) for n in arr], np.int64)
-  slots = rings[rings > 1].sum() * tokens_per_device + arr[rings == 1].sum()
-  return int(-(-int(slots) // (num_devices * tokens_per_device)))
+  long = rings > 1
+  ring_steps = -(-int(rings[long].sum()) // num_devices)
+  tokens = int((-(-arr[long] // rings[long]) * rings[long]).sum() + arr[~long].sum())
+  return max(ring_steps, -(-tokens // (num_devices * tokens_per_device)))
 
 
 def plan(lengths: Sequence[int], *, num_devices: int, tokens_per_device: int,

@@ -94,18 +94,29 @@ class HDPStep:
     docs = batch["tokens"]
     steps = self.plan([len(d) - 1 for d in docs])
     self.last_plan = steps
-    self.steps_run += 1
-    self.micro_steps_run += len(steps)
-    acc = self._zeros(state.params)
-    for micro in steps:
-      c, fields = hdp_layout.pack_step(micro, docs, num_devices=self.num_devices,
-                                       tokens_per_device=self.tokens_per_device)
+    return self.run(state, docs, steps)
+
+  def run(self, state: TrainState, docs, steps: hdp.Plan):
+    """One update over `docs` laid out by the plan `steps`: micro-steps, then the update."""
+    packed = (hdp_layout.pack_step(micro, docs, num_devices=self.num_devices,
+                                   tokens_per_device=self.tokens_per_device) for micro in steps)
+    return self.run_packed(state, packed)
+
+  def run_packed(self, state: TrainState, micro_batches):
+    """One update over micro-steps given as (c, fields [N/c, c * tokens_per_device]) in
+    any layout the ring masks right (positions and segment ids per token), e.g. a static
+    mesh's packed rows."""
+    acc, count = self._zeros(state.params), 0
+    for c, fields in micro_batches:
+      count += 1
       fn, batch_sh = self.program(c)
       arrays = {k: jax.make_array_from_callback(v.shape, batch_sh, lambda idx, v=v: v[idx])
                 for k, v in fields.items()}
       acc = fn(state.params, arrays, acc)
     state, metrics = self._update(state, acc)
-    return state, {**metrics, "micro_steps": jnp.asarray(len(steps))}
+    self.steps_run += 1
+    self.micro_steps_run += count
+    return state, {**metrics, "micro_steps": jnp.asarray(count)}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,7 +19,7 @@ def _check_plan(steps, lengths, num_devices, tokens_per_device):
   assert all(steps), "no empty micro-step"
   for m, step in enumerate(steps):
     tokens = np.zeros(num_devices, np.int64)
-    served = np.zeros(num_devices, np.int64)  # ring size each device serves this step
+    served = np.zeros(num_devices, np.int64)  # the ring (c > 1) each device serves this step
     for i, devs in step:
       c, n = len(devs), lengths[i]
       assert c & (c - 1) == 0 and num_devices % c == 0, (m, i, devs)
@@ -31,8 +31,7 @@ def _check_plan(steps, lengths, num_devices, tokens_per_device):
         need = math.ceil(n / T)
         assert need <= c <= 2 * need, (i, n, devs)
         assert (served[list(devs)] == 0).all(), f"ring {devs} shared in step {m}"
-      assert ((served[list(devs)] == 0) | (served[list(devs)] == c)).all(), (m, i, devs)
-      served[list(devs)] = c
+        served[list(devs)] = c
       tokens[list(devs)] += math.ceil(n / c)
     assert tokens.max(initial=0) <= T, (m, tokens)
   if lengths:
@@ -43,7 +42,7 @@ def _check_plan(steps, lengths, num_devices, tokens_per_device):
 def _first_fit(lengths, num_devices, tokens_per_device):
   """Naive baseline: in input order, each sequence in the first step and devices it fits.
 
-  Same rules as the planner (aligned rings, one ring size per device and step), no balance.
+  Same rules as the planner (aligned rings, one ring per device and step), no balance.
   """
   N, T = num_devices, tokens_per_device
   steps, tokens, served = [], [], []
@@ -60,7 +59,7 @@ def _first_fit(lengths, num_devices, tokens_per_device):
           devs = tuple(range(free[0] * c, (free[0] + 1) * c))
           break
       else:
-        fit = [d for d in range(N) if served[m][d] <= 1 and tokens[m][d] + n <= T]
+        fit = [d for d in range(N) if tokens[m][d] + n <= T]
         if fit:
           devs = (fit[0],)
           break
@@ -189,23 +188,26 @@ class PropertiesTest(absltest.TestCase):
     steps = hdp.plan(lengths, num_devices=num_devices, tokens_per_device=tokens)
     _check_plan(steps, lengths, num_devices, tokens)
 
-  def test_fewest_steps_on_long_tail(self):
-    # The greedy reaches the token lower bound on these samples (it may add a step when
-    # packing demands it; here it never has to).
+  def test_few_steps_on_long_tail(self):
+    # Short sequences fill the slots ring members leave, so the plan needs no more steps
+    # than rings holding their devices whole would (measured: 17, 48, 12 steps against
+    # that bound's 18, 50, 13 and the token bound's 14, 42, 10: shorts up to
+    # tokens_per_device long cannot fill every leftover slot).
     rng = np.random.default_rng(0)
     for num_devices, tokens, count in [(8, 4096, 200), (8, 2048, 300), (64, 4096, 1000)]:
       lengths = _long_tail(rng, count, num_devices * tokens)
       steps = hdp.plan(lengths, num_devices=num_devices, tokens_per_device=tokens)
       _check_plan(steps, lengths, num_devices, tokens)
-      self.assertLen(steps, hdp.min_steps(lengths, num_devices=num_devices,
-                                          tokens_per_device=tokens))
+      rings = np.array([hdp.ring_size(n, tokens) for n in lengths])
+      whole = rings[rings > 1].sum() * tokens + lengths[rings == 1].sum()
+      self.assertLessEqual(len(steps), math.ceil(whole / (num_devices * tokens)))
 
 
 class BalanceTest(parameterized.TestCase):
 
-  # Measured (seed 0): 8 devices, hdp 1.007 vs first-fit 1.125; 64 devices, 1.175 vs 1.734.
+  # Measured (seed 0): 8 devices, hdp 1.004 vs first-fit 1.107; 64 devices, 1.110 vs 1.671.
   # At 64 devices the rest is the rings: a step holds two 32-device rings whose per-device
-  # costs differ (lengths 64K..256K), and a ring's devices take no short work.
+  # costs differ (lengths 64K..256K).
   @parameterized.parameters((8, 4096, 1000, 1.05, 1.10), (64, 4096, 2000, 1.20, 1.50))
   def test_better_than_first_fit(self, num_devices, tokens, count, hdp_max, ff_min):
     rng = np.random.default_rng(0)
