@@ -7,7 +7,8 @@ holding at most `tokens_per_device` (tpd) tokens per micro-step:
   static: one `data = N/c_max, context = c_max` mesh, c_max sized for the dataset's longest
           sequence (a static mesh must be); sequences packed first-fit decreasing into rows
           of c_max * tpd tokens, each row on a ring of c_max, N/c_max rows per micro-step.
-  bound:  total compute / N plus the ring communication the long sequences cannot avoid.
+  bound:  total compute / N plus the ring communication the long sequences cannot avoid
+          (`lower_bound`); `lockstep_bound` adds the lock step with hdp's ring sizes.
 
 Timing model per device and micro-step (every layer alike, times n_layers):
   attention forward  A = sec_per_attention_flop * 2 d L^2 per sequence (causal; a ring of
@@ -20,10 +21,13 @@ Timing model per device and micro-step (every layer alike, times n_layers):
         3 * (Lin + A/c + (c - 1) * max(A/c, h))
     overlap=False: 3 * (Lin + A + (c - 1) * h)
   and a device holding short sequences (c = 1) spends 3 * sum(Lin + A).
-Steps are lock-step SPMD: a micro-step lasts as long as its slowest device.
+Steps are lock-step SPMD: a micro-step lasts as long as its slowest device. HDP is
+timed two ways: "ideal" (ByteScale: only a ring's members move K/V, over their ring) and
+"step_ring" (jaxsys's executor: a micro-step is one program over the view of its largest
+ring C, so every device's block makes C - 1 hops; see device_times).
 
 Example:
-  model = fit_cost_model()               # ~10 s of CPU timing
+  model = fit_cost_model().model        # ~5 s of CPU timing
   lengths = long_tail_lengths(2000, seed=0)
   result = simulate(lengths, num_devices=64, tokens_per_device=32768, model=model)
   result["static"].time / result["hdp"].time
@@ -94,13 +98,27 @@ class CostModel:
 
   def ring_member(self, attention, linear, share_tokens, ring):
     """Forward + backward seconds, all layers, of one ring member (see the module doc)."""
-    if ring == 1:
-      return 3.0 * self.n_layers * (linear + attention)
-    h = self.hop(share_tokens)
+    return self.device(attention=attention, linear=linear, ring=ring,
+                       hop_tokens=share_tokens)
+
+  def device(self, *, attention, linear, ring=1, hop_tokens=0, program_ring=None,
+             local_attention=0.0):
+    """Forward + backward seconds, all layers, of one device in one micro-step.
+
+    attention: its share of its ring's sequence(s), in `ring` equal blocks (1 local, the
+    rest visiting); local_attention: sequences held whole on it; the program's ring
+    (default `ring`) moves `hop_tokens` tokens of K/V program_ring - 1 times, and the
+    hops beyond `ring` carry no work for this device (nothing to overlap them with).
+    """
+    program_ring = ring if program_ring is None else program_ring
+    hops = program_ring - 1
+    h = self.hop(hop_tokens) if hops else 0.0
+    block = attention / ring
     if self.overlap:
-      layer = linear + attention / ring + (ring - 1) * max(attention / ring, h)
+      layer = (linear + local_attention + block + (ring - 1) * max(block, h)
+               + (program_ring - ring) * h)
     else:
-      layer = linear + attention + (ring - 1) * h
+      layer = linear + local_attention + attention + hops * h
     return 3.0 * self.n_layers * layer
 
   def scaled(self, compute_speedup: float) -> CostModel:
@@ -263,6 +281,9 @@ class Result:
   device_time: np.ndarray
 
 
+EXECUTORS = ("ideal", "step_ring")
+
+
 def group_time(model: CostModel, group_lengths, ring: int, tokens_per_device: int) -> float:
   """Seconds of one member of a ring of `ring` running the packed `group_lengths`."""
   real = int(np.sum(group_lengths))
@@ -272,26 +293,50 @@ def group_time(model: CostModel, group_lengths, ring: int, tokens_per_device: in
 
 
 def device_times(groups: list[list[tuple[Sequence[int], tuple[int, ...]]]], *,
-                 num_devices: int, tokens_per_device: int, model: CostModel) -> np.ndarray:
+                 num_devices: int, tokens_per_device: int, model: CostModel,
+                 executor: str = "ideal") -> np.ndarray:
   """[steps, devices] seconds; a step is a list of (lengths packed together, device ids).
 
-  A one-device group may appear several times on a device (short sequences side by side);
-  with pad_compute its linear work is counted once, over tpd tokens.
+  A device holds at most one ring group (c > 1) and any number of one-device groups
+  beside it. executor "ideal" (ByteScale's HDP): only ring members exchange K/V, over
+  their own ring, their ring share only. "step_ring" (jaxsys's HDP executor,
+  jaxsys/train/hdp_step.py): a micro-step is one program over the `data = N/C,
+  context = C` view of its largest ring C, so every device's whole block takes C - 1
+  hops, needed or not. With pad_compute every device runs tpd tokens through the
+  matmuls and a hop carries tpd tokens.
   """
+  if executor not in EXECUTORS:
+    raise ValueError(f"executor={executor!r}: must be one of {EXECUTORS}")
   out = np.zeros((len(groups), num_devices))
   for m, step in enumerate(groups):
-    short = [[] for _ in range(num_devices)]
+    ring = np.ones(num_devices, np.int64)
+    ring_attention = np.zeros(num_devices)
+    ring_tokens = np.zeros(num_devices, np.int64)
+    local_attention = np.zeros(num_devices)
+    local_tokens = np.zeros(num_devices, np.int64)
     for group_lengths, devs in step:
-      if len(devs) == 1:
-        short[devs[0]].extend(int(n) for n in group_lengths)
+      lens = np.asarray(group_lengths, np.int64)
+      c, idx = len(devs), list(devs)
+      if c == 1:
+        local_attention[idx] += float(np.sum(model.attention(lens)))
+        local_tokens[idx] += int(lens.sum())
       else:
-        out[m, list(devs)] += group_time(model, group_lengths, len(devs), tokens_per_device)
-    for d, lens in enumerate(short):
-      if lens:
-        out[m, d] += group_time(model, lens, 1, tokens_per_device)
-      elif model.pad_compute and not out[m, d]:
-        # An idle device of a fixed-shape program still runs tpd padding tokens.
-        out[m, d] = group_time(model, [], 1, tokens_per_device)
+        ring[idx] = c
+        ring_attention[idx] += float(np.sum(model.attention(lens))) / c
+        ring_tokens[idx] += -(-int(lens.sum()) // c)
+    program = int(ring.max(initial=1))
+    for d in range(num_devices):
+      tokens = int(ring_tokens[d] + local_tokens[d])
+      linear = float(model.linear(tokens_per_device if model.pad_compute else tokens))
+      if executor == "ideal":
+        hop_tokens = tokens_per_device if model.pad_compute else int(ring_tokens[d])
+        prog = int(ring[d])
+      else:
+        hop_tokens = tokens_per_device if model.pad_compute else tokens
+        prog = program
+      out[m, d] = model.device(attention=ring_attention[d], linear=linear, ring=int(ring[d]),
+                               hop_tokens=hop_tokens, program_ring=prog,
+                               local_attention=local_attention[d])
   return out
 
 
@@ -311,14 +356,15 @@ def hdp_groups(steps: Plan, lengths) -> list:
 
 
 def simulate_hdp(lengths, *, num_devices: int, tokens_per_device: int,
-                 model: CostModel) -> Result:
+                 model: CostModel, executor: str = "ideal") -> Result:
   """HDP: hdp.plan (costs with the model's d_model) timed by the cost model."""
   lengths = np.asarray(lengths, np.int64)
   steps = hdp.plan(lengths, num_devices=num_devices, tokens_per_device=tokens_per_device,
                    d_model=model.d_model)
   times = device_times(hdp_groups(steps, lengths), num_devices=num_devices,
-                       tokens_per_device=tokens_per_device, model=model)
-  return _result("hdp", times, int(lengths.sum()), num_devices, tokens_per_device)
+                       tokens_per_device=tokens_per_device, model=model, executor=executor)
+  name = "hdp" if executor == "ideal" else f"hdp_{executor}"
+  return _result(name, times, int(lengths.sum()), num_devices, tokens_per_device)
 
 
 def pack_rows(lengths, row_tokens: int) -> list[list[int]]:
@@ -410,6 +456,28 @@ def lower_bound(lengths, *, num_devices: int, tokens_per_device: int,
   return total / num_devices
 
 
+def lockstep_bound(lengths, *, num_devices: int, tokens_per_device: int,
+                   model: CostModel) -> float:
+  """Seconds no lock-step plan with hdp's ring sizes can beat.
+
+  Every member of a ring (c > 1) counts once per device, sorted by time, slowest first:
+  a micro-step holds at most N of them, so the k-th slowest micro-step lasts at least
+  member[(k - 1) * N]. Micro-steps beyond those, up to hdp.min_steps, last at least an
+  idle device's padding (pad_compute) or 0.
+  """
+  lengths = np.asarray(lengths, np.int64)
+  members = []
+  for n in lengths:
+    c = hdp.ring_size(int(n), tokens_per_device)
+    if c > 1:
+      members += [group_time(model, [int(n)], c, tokens_per_device)] * c
+  terms = np.sort(np.asarray(members))[::-1][::num_devices]
+  steps = hdp.min_steps(lengths, num_devices=num_devices,
+                        tokens_per_device=tokens_per_device) if lengths.size else 0
+  idle = group_time(model, [], 1, tokens_per_device) if model.pad_compute else 0.0
+  return float(terms.sum() + max(0, steps - terms.size) * idle)
+
+
 def per_rank_time(lengths, *, num_devices: int, tokens_per_device: int,
                   model: CostModel) -> float:
   """Seconds of an HDP schedule without lock-step, ByteScale-style (an estimate).
@@ -444,8 +512,10 @@ def per_rank_time(lengths, *, num_devices: int, tokens_per_device: int,
 
 def simulate(lengths, *, num_devices: int, tokens_per_device: int, model: CostModel,
              max_len: int | None = None, seed: int = 0) -> dict:
-  """hdp, static_loader, static_sorted Results, the lower bound ("bound", seconds) and
-  the per-rank (not lock-step) HDP estimate ("per_rank", seconds).
+  """hdp, hdp_step_ring (jaxsys's executor, see device_times), static_loader and
+  static_sorted Results; in seconds the lower bound ("bound"), the
+  lock-step bound for hdp's ring sizes ("lockstep_bound") and the per-rank (not
+  lock-step) HDP estimate ("per_rank").
 
   max_len sizes the static ring (the dataset's longest sequence); default: the batch's.
   """
@@ -454,7 +524,9 @@ def simulate(lengths, *, num_devices: int, tokens_per_device: int, model: CostMo
   kw = dict(num_devices=num_devices, tokens_per_device=tokens_per_device, model=model)
   return dict(
       hdp=simulate_hdp(lengths, **kw),
+      hdp_step_ring=simulate_hdp(lengths, executor="step_ring", **kw),
       static_loader=simulate_static(lengths, max_len=max_len, order="loader", seed=seed, **kw),
       static_sorted=simulate_static(lengths, max_len=max_len, order="sorted", **kw),
       bound=lower_bound(lengths, **kw),
+      lockstep_bound=lockstep_bound(lengths, **kw),
       per_rank=per_rank_time(lengths, **kw))

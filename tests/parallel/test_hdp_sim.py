@@ -54,8 +54,24 @@ def test_two_devices_by_hand():
   # Bound: all compute 3 * (9 + 3 + 1 + 1) over 2 devices; the hop (1.5) hides under 9/4.
   assert r["bound"] == pytest.approx(21.0)
   assert r["per_rank"] == pytest.approx(25.5)
+  # Lock-step: the ring's micro-step costs 19.5; the second step costs >= 0 (no padding).
+  assert r["lockstep_bound"] == pytest.approx(19.5)
   serial = hdp_sim.simulate(lengths, model=dataclasses.replace(UNIT, overlap=False), **kw)
   assert serial["hdp"].time == pytest.approx(3 * (2 + 4.5 + 2) + 6)
+
+
+def test_step_ring_executor_moves_every_block():
+  # One micro-step: L=3 on the ring (0, 1), two one-token documents on devices 2 and 3.
+  step = [[([3], (0, 1)), ([1], (2,)), ([1], (3,))]]
+  kw = dict(num_devices=4, tokens_per_device=2, model=UNIT)
+  ideal = hdp_sim.device_times(step, **kw)
+  np.testing.assert_allclose(ideal, [[19.5, 19.5, 6.0, 6.0]])
+  # jaxsys's executor runs the step in the data=2, context=2 view: the short devices'
+  # blocks (1 token) take one hop too, with no attention to hide it: 3 * (1 + 1 + 1).
+  ring = hdp_sim.device_times(step, executor="step_ring", **kw)
+  np.testing.assert_allclose(ring, [[19.5, 19.5, 9.0, 9.0]])
+  with pytest.raises(ValueError, match="executor="):
+    hdp_sim.device_times(step, executor="mpmd", **kw)
 
 
 def test_padding_is_computed_when_asked():
@@ -73,10 +89,12 @@ def test_hdp_beats_static_on_long_tail_and_respects_bound():
   r = hdp_sim.simulate(lengths, num_devices=64, tokens_per_device=32768, model=model,
                        max_len=262144)
   assert r["hdp"].time < r["static_loader"].time
-  for name in ("hdp", "static_loader", "static_sorted"):
+  assert r["hdp"].time <= r["hdp_step_ring"].time
+  for name in ("hdp", "hdp_step_ring", "static_loader", "static_sorted"):
     assert r[name].time >= r["bound"] * (1 - 1e-9), name
     assert r[name].per_rank_time <= r[name].time * (1 + 1e-9), name
   assert r["bound"] * (1 - 1e-9) <= r["per_rank"] <= r["hdp"].time
+  assert r["bound"] <= r["lockstep_bound"] <= r["hdp"].time * (1 + 1e-9)
 
 
 def test_long_tail_shape():
