@@ -74,6 +74,9 @@ class _Config(NamedTuple):
   scale: float
   has_segments: bool
   has_positions: bool = False  # causal by per-token keys, not by index
+  # Re-lay q and dO (`to_q_input`) and transpose k, q, dO one tile at a time instead of
+  # whole arrays up front: no full copies, for callers that run many calls (ring steps).
+  tile_transpose: bool = False
 
 
 class _Keys(NamedTuple):
@@ -98,7 +101,7 @@ def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
   cfg, q_IBKMD, k_JBKSD, v_JBKSD, q_keys, kv_keys = _prepare(
       "xla_attention", q, k, v, q_segment_ids, kv_segment_ids, None, None, causal, sm_scale,
       block_q, block_k)
-  return _from_q_blocks(cfg, _flash(cfg, q_IBKMD, k_JBKSD, v_JBKSD, q_keys, kv_keys))
+  return from_q_blocks(cfg, _flash(cfg, q_IBKMD, k_JBKSD, v_JBKSD, q_keys, kv_keys))
 
 
 def forward_with_lse(q, k, v, *, q_segment_ids=None, kv_segment_ids=None, q_positions=None,
@@ -115,7 +118,7 @@ def forward_with_lse(q, k, v, *, q_segment_ids=None, kv_segment_ids=None, q_posi
       "forward_with_lse", q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_positions,
       causal, sm_scale, block_q, block_k)
   out, lse = _forward(cfg, q_IBKMD, k_JBKSD, v_JBKSD, q_keys, kv_keys)
-  return _from_q_blocks(cfg, out), _from_q_blocks(cfg, lse[..., None])[..., 0]
+  return from_q_blocks(cfg, out), from_q_blocks(cfg, lse[..., None])[..., 0]
 
 
 def backward_from_lse(q, k, v, d_out, lse, delta, *, q_segment_ids=None, kv_segment_ids=None,
@@ -136,10 +139,59 @@ def backward_from_lse(q, k, v, d_out, lse, delta, *, q_segment_ids=None, kv_segm
     raise ValueError(f"backward_from_lse: d_out must be q's shape {q.shape} and lse, delta "
                      f"[B, T, Hq]={q.shape[:3]}; got d_out{d_out.shape} lse{lse.shape} "
                      f"delta{delta.shape}")
-  rows = lambda x: _to_q_blocks(cfg, x[..., None].astype(jnp.float32))[..., 0]
-  dq, dk, dv = _backward(cfg, q_IBKMD, k_JBKSD, v_JBKSD, q_keys, kv_keys, rows(lse),
-                         _to_q_blocks(cfg, d_out.astype(q.dtype)), rows(delta))
-  return _from_q_blocks(cfg, dq), _from_kv_blocks(cfg, dk), _from_kv_blocks(cfg, dv)
+  rows = lambda x: to_q_blocks(cfg, x[..., None].astype(jnp.float32))[..., 0]
+  dqT, dk, dv = _backward(cfg, q_IBKMD, k_JBKSD, v_JBKSD, q_keys, kv_keys, rows(lse),
+                          to_q_blocks(cfg, d_out.astype(q.dtype)), rows(delta))
+  return from_q_blocks(cfg, dqT.swapaxes(-1, -2)), from_kv_blocks(cfg, dk), from_kv_blocks(cfg, dv)
+
+
+# ------------------------------------------------------------------- block-layout entries
+# For callers that run the kernel many times on same-shape inputs (ring attention's
+# steps): convert to the block layout once, keep accumulators in it, and let the kernel
+# transpose per tile, so a step allocates nothing of the inputs' size.
+
+
+def plan_tiles(q, k, *, q_segment_ids=None, kv_segment_ids=None, q_positions=None,
+               kv_positions=None, causal: bool = True, sm_scale: float | None = None,
+               block_q: int | None = None, block_k: int | None = None) -> _Config:
+  """The static tiling of q [B,T,Hq,D] (or a ShapeDtypeStruct) against k [B,S,Hkv,D];
+  which keys are given (arrays or ShapeDtypeStructs) fixes which masks the tiles build."""
+  return _plan("plan_tiles", q, k, k, q_segment_ids, kv_segment_ids, q_positions, kv_positions,
+               causal, sm_scale, block_q, block_k)[0]._replace(tile_transpose=True)
+
+
+def key_blocks(cfg: _Config, segment_ids, positions, side: str) -> _Keys:
+  """[B, T] (side "q") or [B, S] ("kv") segment ids and positions (or None) in blocks."""
+  n, size = (cfg.nq, cfg.bq) if side == "q" else (cfg.nk, cfg.bk)
+  # Edge padding keeps the per-block key ranges tight; padded keys are masked by index.
+  blocked = lambda x: (None if x is None else _pad(x.astype(jnp.int32), 1, n * size, "edge")
+                       .reshape(cfg.b, n, size).swapaxes(0, 1))
+  return _Keys(blocked(segment_ids if cfg.has_segments else None),
+               blocked(positions if cfg.has_positions else None))
+
+
+def to_q_input(cfg: _Config, x):
+  """q or dO [B,T,Hq,D] as the kernel reads it: `to_q_blocks`, or with tile_transpose the
+  padded rows split into blocks, [B, nq, bq, Hkv, G, D] (a reshape: no copy when the
+  blocks divide T), each tile re-laid when it is read."""
+  if not cfg.tile_transpose:
+    return to_q_blocks(cfg, x)
+  return _pad(x, 1, cfg.nq * cfg.bq).reshape(cfg.b, cfg.nq, cfg.bq, cfg.hkv, cfg.g, x.shape[-1])
+
+
+def blocked_forward(cfg: _Config, q_input, k_blocks, v_blocks, q_keys: _Keys, kv_keys: _Keys):
+  """(out [nq,B,Hkv,M,D] f32, lse [nq,B,Hkv,M] f32, -inf for empty rows) in block layout;
+  q from `to_q_input`, k and v from `to_kv_blocks`."""
+  return _forward(cfg, q_input, k_blocks, v_blocks, q_keys, kv_keys)
+
+
+def blocked_backward(cfg: _Config, q_input, k_blocks, v_blocks, q_keys: _Keys, kv_keys: _Keys,
+                     lse, do_input, delta, acc):
+  """acc + this call's gradients: acc = (dq^T [nq,B,Hkv,D,M], dk, dv [nk,B,Hkv,bk,D]) f32.
+
+  lse, delta [nq,B,Hkv,M] f32 over all the keys each row attends to (lse finite); q and
+  dO from `to_q_input`."""
+  return _backward(cfg, q_input, k_blocks, v_blocks, q_keys, kv_keys, lse, do_input, delta, acc)
 
 
 def visited_tiles(q, k, *, q_segment_ids=None, kv_segment_ids=None, q_positions=None,
@@ -160,7 +212,7 @@ def _prepare(who, q, k, v, q_seg, kv_seg, q_pos, kv_pos, causal, sm_scale, block
   """Checks the arguments; (cfg, q, k, v in block layout, q keys, kv keys)."""
   cfg, q_keys, kv_keys = _plan(who, q, k, v, q_seg, kv_seg, q_pos, kv_pos, causal, sm_scale,
                                block_q, block_k)
-  return cfg, _to_q_blocks(cfg, q), _to_kv_blocks(cfg, k), _to_kv_blocks(cfg, v), q_keys, kv_keys
+  return cfg, to_q_blocks(cfg, q), to_kv_blocks(cfg, k), to_kv_blocks(cfg, v), q_keys, kv_keys
 
 
 def _plan(who, q, k, v, q_seg, kv_seg, q_pos, kv_pos, causal, sm_scale, block_q, block_k):
@@ -191,15 +243,10 @@ def _plan(who, q, k, v, q_seg, kv_seg, q_pos, kv_pos, causal, sm_scale, block_q,
   has_positions = bool(causal) and q_pos is not None
   cfg = _Config(b, hkv, hq // hkv, t, s, bq, bk, nq, nk, bool(causal),
                 static_scale(sm_scale, d, who), q_seg is not None, has_positions)
-  # Edge padding keeps the per-block key ranges tight; padded keys are masked by index.
-  blocked = lambda x, n, size: (None if x is None else _pad(x.astype(jnp.int32), 1, n * size, "edge")
-                                .reshape(b, n, size).swapaxes(0, 1))
-  q_keys = _Keys(blocked(q_seg, nq, bq), blocked(q_pos if has_positions else None, nq, bq))
-  kv_keys = _Keys(blocked(kv_seg, nk, bk), blocked(kv_pos if has_positions else None, nk, bk))
-  return cfg, q_keys, kv_keys
+  return cfg, key_blocks(cfg, q_seg, q_pos, "q"), key_blocks(cfg, kv_seg, kv_pos, "kv")
 
 
-def _to_q_blocks(cfg: _Config, x):
+def to_q_blocks(cfg: _Config, x):
   """[B, T, Hq, D] -> [nq, B, Hkv, M, D] (M = G * bq, the G heads' rows stacked)."""
   b, nq, bq, hkv, g = cfg.b, cfg.nq, cfg.bq, cfg.hkv, cfg.g
   d = x.shape[-1]
@@ -207,22 +254,22 @@ def _to_q_blocks(cfg: _Config, x):
           .reshape(nq, b, hkv, g * bq, d))
 
 
-def _from_q_blocks(cfg: _Config, x):
-  """Inverse of _to_q_blocks, padded rows dropped."""
+def from_q_blocks(cfg: _Config, x):
+  """Inverse of to_q_blocks, padded rows dropped."""
   d = x.shape[-1]
   x = x.reshape(cfg.nq, cfg.b, cfg.hkv, cfg.g, cfg.bq, d).transpose(1, 0, 4, 2, 3, 5)
   return x.reshape(cfg.b, cfg.nq * cfg.bq, cfg.hkv * cfg.g, d)[:, :cfg.t]
 
 
-def _to_kv_blocks(cfg: _Config, x):
+def to_kv_blocks(cfg: _Config, x):
   """[B, S, Hkv, D] -> [nk, B, Hkv, bk, D]."""
   d = x.shape[-1]
   return (_pad(x, 1, cfg.nk * cfg.bk).reshape(cfg.b, cfg.nk, cfg.bk, cfg.hkv, d)
           .transpose(1, 0, 3, 2, 4))
 
 
-def _from_kv_blocks(cfg: _Config, x):
-  """Inverse of _to_kv_blocks, padded keys dropped."""
+def from_kv_blocks(cfg: _Config, x):
+  """Inverse of to_kv_blocks, padded keys dropped."""
   x = x.transpose(1, 0, 3, 2, 4)
   return x.reshape(cfg.b, cfg.nk * cfg.bk, cfg.hkv, x.shape[-1])[:, :cfg.s]
 
@@ -315,6 +362,19 @@ def _block_ranges(cfg: _Config, q_keys: _Keys, kv_keys: _Keys):
   return spans(allowed), spans(allowed.T)
 
 
+def _transposed(cfg: _Config, x, xT, i):
+  """Block i of x with its last two axes swapped: from xT, or per tile (tile_transpose)."""
+  return _index(x, i).swapaxes(-1, -2) if cfg.tile_transpose else _index(xT, i)
+
+
+def _q_tile(cfg: _Config, x, i):
+  """Rows block i of q or dO as [B, Hkv, M, D], from `to_q_input`'s layout."""
+  if not cfg.tile_transpose:
+    return _index(x, i)
+  rows = jax.lax.dynamic_index_in_dim(x, i, axis=1, keepdims=False)  # [B, bq, Hkv, G, D]
+  return rows.transpose(0, 2, 3, 1, 4).reshape(cfg.b, cfg.hkv, cfg.g * cfg.bq, x.shape[-1])
+
+
 def _vma(x) -> frozenset:
   """The manual mesh axes x varies over (empty outside shard_map or without check_vma)."""
   aval = jax.typeof(x)
@@ -353,15 +413,16 @@ def _finite_or_zero(x):
 def _forward(cfg: _Config, q_IBKMD, k_JBKSD, v_JBKSD, q_keys: _Keys, kv_keys: _Keys):
   """(out [nq, B, Hkv, M, D] f32, lse [nq, B, Hkv, M] f32, -inf for empty rows)."""
   (lo_I, hi_I), _ = _block_ranges(cfg, q_keys, kv_keys)
-  kT_JBKDS = k_JBKSD.swapaxes(-1, -2)
-  b, kh, m_rows, d = q_IBKMD.shape[1:]
+  kT_JBKDS = None if cfg.tile_transpose else k_JBKSD.swapaxes(-1, -2)
+  b, kh, m_rows, d = cfg.b, cfg.hkv, cfg.g * cfg.bq, q_IBKMD.shape[-1]
 
   def q_block(_, xs):
-    i, q_BKMD, qk, lo, hi = xs
+    i, qk, lo, hi = xs
+    q_BKMD = _q_tile(cfg, q_IBKMD, i)
 
     def kv_block(j, carry):
       m, l, acc = carry
-      s = jnp.einsum("bkmd,bkds->bkms", q_BKMD, _index(kT_JBKDS, j),
+      s = jnp.einsum("bkmd,bkds->bkms", q_BKMD, _transposed(cfg, k_JBKSD, kT_JBKDS, j),
                      preferred_element_type=jnp.float32) * cfg.scale
       s = _masked(cfg, s, _tile_mask(cfg, i, j, qk, _index(kv_keys, j)))
       m_new = jnp.maximum(m, s.max(-1))
@@ -383,7 +444,7 @@ def _forward(cfg: _Config, q_IBKMD, k_JBKSD, v_JBKSD, q_keys: _Keys, kv_keys: _K
     lse = jnp.where(empty, -jnp.inf, _finite_or_zero(m) + jnp.log(safe_l))
     return None, (out, lse)
 
-  xs = (jnp.arange(cfg.nq, dtype=jnp.int32), q_IBKMD, q_keys, lo_I, hi_I)
+  xs = (jnp.arange(cfg.nq, dtype=jnp.int32), q_keys, lo_I, hi_I)
   if cfg.nq == 1:
     out, lse = q_block(None, jax.tree.map(lambda x: x[0], xs))[1]
     return out[None], lse[None]
@@ -394,32 +455,41 @@ def _forward(cfg: _Config, q_IBKMD, k_JBKSD, v_JBKSD, q_keys: _Keys, kv_keys: _K
 
 
 def _backward(cfg: _Config, q_IBKMD, k_JBKSD, v_JBKSD, q_keys: _Keys, kv_keys: _Keys, lse_IBKM,
-              do_IBKMD, delta_IBKM):
+              do_IBKMD, delta_IBKM, acc=None):
   """kv blocks outer (dk, dv accumulate locally), the q blocks that see them inner.
 
   Works on transposed tiles [B, Hkv, bk, M] so every matmul is canonical; dq is carried
   transposed, [nq, B, Hkv, D, M], and updated in place one q block at a time. lse must
-  be finite (0 for empty rows).
+  be finite (0 for empty rows). Returns (dq^T, dk, dv), added to acc when given.
   """
   _, (lo_J, hi_J) = _block_ranges(cfg, q_keys, kv_keys)
-  qT_IBKDM = q_IBKMD.swapaxes(-1, -2)
-  doT_IBKDM = do_IBKMD.swapaxes(-1, -2)
-  kT_JBKDS = k_JBKSD.swapaxes(-1, -2)
+  whole_T = lambda x: None if cfg.tile_transpose else x.swapaxes(-1, -2)
+  qT_IBKDM, doT_IBKDM, kT_JBKDS = whole_T(q_IBKMD), whole_T(do_IBKMD), whole_T(k_JBKSD)
+  if acc is None:
+    zeros = lambda shape: jnp.zeros(shape, jnp.float32)
+    d = q_IBKMD.shape[-1]
+    acc = _vary_like((zeros((cfg.nq, cfg.b, cfg.hkv, d, cfg.g * cfg.bq)),
+                      zeros(k_JBKSD.shape), zeros(v_JBKSD.shape)),
+                     q_IBKMD, k_JBKSD, v_JBKSD, do_IBKMD, q_keys, kv_keys, lse_IBKM, lo_J, hi_J)
+  dqT0, dk0, dv0 = acc
 
   def kv_block(dqT, xs):
-    j, k_BKSD, kT_BKDS, v_BKSD, kvk, lo, hi = xs
+    j, k_BKSD, v_BKSD, kvk, lo, hi, dk, dv = xs
+    kT_BKDS = _transposed(cfg, k_JBKSD, kT_JBKDS, j)
 
     def q_block(i, carry):
       dqT, dk, dv = carry
-      q_BKMD, do_BKMD = _index(q_IBKMD, i), _index(do_IBKMD, i)
-      sT = jnp.einsum("bksd,bkdm->bksm", k_BKSD, _index(qT_IBKDM, i),
+      q_BKMD, do_BKMD = _q_tile(cfg, q_IBKMD, i), _q_tile(cfg, do_IBKMD, i)
+      qT_BKDM = q_BKMD.swapaxes(-1, -2) if cfg.tile_transpose else _index(qT_IBKDM, i)
+      doT_BKDM = do_BKMD.swapaxes(-1, -2) if cfg.tile_transpose else _index(doT_IBKDM, i)
+      sT = jnp.einsum("bksd,bkdm->bksm", k_BKSD, qT_BKDM,
                       preferred_element_type=jnp.float32) * cfg.scale
       sT = _masked_t(cfg, sT, _tile_mask(cfg, i, j, _index(q_keys, i), kvk))
       # Masked scores are -inf and lse is finite, so masked p are exact zeros.
       pT = jnp.exp(sT - _index(lse_IBKM, i)[..., None, :])
       dv = dv + jnp.einsum("bksm,bkmd->bksd", pT.astype(do_BKMD.dtype), do_BKMD,
                            preferred_element_type=jnp.float32)
-      dpT = jnp.einsum("bksd,bkdm->bksm", v_BKSD, _index(doT_IBKDM, i),
+      dpT = jnp.einsum("bksd,bkdm->bksm", v_BKSD, doT_BKDM,
                        preferred_element_type=jnp.float32)
       dsT = pT * (dpT - _index(delta_IBKM, i)[..., None, :]) * cfg.scale
       dk = dk + jnp.einsum("bksm,bkmd->bksd", dsT.astype(q_BKMD.dtype), q_BKMD,
@@ -429,20 +499,15 @@ def _backward(cfg: _Config, q_IBKMD, k_JBKSD, v_JBKSD, q_keys: _Keys, kv_keys: _
       dqT = jax.lax.dynamic_update_index_in_dim(dqT, _index(dqT, i) + dqT_i, i, axis=0)
       return dqT, dk, dv
 
-    init = (dqT, *_vary_like((jnp.zeros(k_BKSD.shape, jnp.float32),) * 2, xs, dqT, q_IBKMD,
-                             do_IBKMD, q_keys, lse_IBKM))
-    dqT, dk, dv = _loop(lo, hi, cfg.nq, q_block, init)
+    dqT, dk, dv = _loop(lo, hi, cfg.nq, q_block, (dqT, dk, dv))
     return dqT, (dk, dv)
 
-  dqT0 = _vary_like(jnp.zeros(qT_IBKDM.shape, jnp.float32), q_IBKMD, k_JBKSD, v_JBKSD, do_IBKMD,
-                    q_keys, kv_keys, lse_IBKM, lo_J, hi_J)
-  xs = (jnp.arange(cfg.nk, dtype=jnp.int32), k_JBKSD, kT_JBKDS, v_JBKSD, kv_keys, lo_J, hi_J)
+  xs = (jnp.arange(cfg.nk, dtype=jnp.int32), k_JBKSD, v_JBKSD, kv_keys, lo_J, hi_J, dk0, dv0)
   if cfg.nk == 1:
     dqT, (dk, dv) = kv_block(dqT0, jax.tree.map(lambda x: x[0], xs))
-    dk, dv = dk[None], dv[None]
-  else:
-    dqT, (dk, dv) = jax.lax.scan(kv_block, dqT0, xs)
-  return dqT.swapaxes(-1, -2), dk, dv
+    return dqT, dk[None], dv[None]
+  dqT, (dk, dv) = jax.lax.scan(kv_block, dqT0, xs)
+  return dqT, dk, dv
 
 
 # ----------------------------------------------------------------------------- custom vjp
@@ -509,7 +574,8 @@ def _flash_bwd(cfg, res, d_out):
     dq, dk, dv = (x[None] for x in _single_tile_bwd(cfg, q[0], k[0], v[0], p_or_lse, d_out[0],
                                                     delta[0]))
   else:
-    dq, dk, dv = _backward(cfg, q, k, v, qseg, kvseg, p_or_lse, d_out, delta)
+    dqT, dk, dv = _backward(cfg, q, k, v, qseg, kvseg, p_or_lse, d_out, delta)
+    dq = dqT.swapaxes(-1, -2)
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 

@@ -193,7 +193,8 @@ def ring_tiles(n: int, local: int, layout: str, *, batch: int = 1, heads: int = 
 
 
 def _merge(out_a, lse_a, out_b, lse_b):
-  """Log-sum-exp merge of two partial results ([B,T,H,D], [B,T,H]); empty rows stay (0, -inf)."""
+  """Log-sum-exp merge of two partial results (out [..., D], lse [...]); empty rows stay
+  (0, -inf)."""
   lse = jnp.logaddexp(lse_a, lse_b)
   safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
   w_a = jnp.where(jnp.isfinite(lse_a), jnp.exp(lse_a - safe), 0.0)
@@ -230,27 +231,35 @@ def _ring_loop(cfg, step, carry, kv):
   return step(carry, kv)
 
 
+def _tiles(cfg, q, k, q_keys, kv_keys):
+  """The kernel's tiling of a ring step (every step has the same shapes and masks)."""
+  return attention_xla.plan_tiles(q, k, causal=cfg.causal, sm_scale=cfg.scale,
+                                  **_kernel_keys(q_keys, kv_keys))
+
+
 def _forward(cfg, q, k, v, q_keys, kv_keys):
-  """(out [B,T,Hq,D] q.dtype, lse [B,T,Hq] f32, -inf for rows with no key anywhere)."""
-  kernel = functools.partial(attention_xla.forward_with_lse, causal=cfg.causal,
-                             sm_scale=cfg.scale)
+  """(out [B,T,Hq,D] q.dtype, lse [nq,B,Hkv,M] f32 in block layout, -inf for rows with
+  no key anywhere). Everything stays in the kernel's block layout until the end."""
+  tiles = _tiles(cfg, q, k, q_keys, kv_keys)
+  q_b, q_kb = attention_xla.to_q_input(tiles, q), attention_xla.key_blocks(tiles, *q_keys, "q")
 
   def step(carry, kv):
-    k_blk, v_blk, keys = kv
+    k_b, v_b, keys = kv
 
     def visit(out, lse):
-      o, l = kernel(q, k_blk, v_blk, **_kernel_keys(q_keys, keys))
+      kv_kb = attention_xla.key_blocks(tiles, *keys, "kv")
+      o, l = attention_xla.blocked_forward(tiles, q_b, k_b, v_b, q_kb, kv_kb)
       return _merge(out, lse, o, l)
 
     carry = jax.lax.cond(may_attend(q_keys, keys), visit, lambda *c: c, *carry)
     return carry, kv
 
-  b, t, hq, d = q.shape
-  carry = (_varying(cfg, jnp.zeros((b, t, hq, d), jnp.float32)),
-           _varying(cfg, jnp.full((b, t, hq), -jnp.inf, jnp.float32)))
-  kv = jax.tree.map(lambda x: _varying(cfg, x), (k, v, kv_keys))
-  (out, lse), _ = _ring_loop(cfg, step, carry, kv)
-  return out.astype(q.dtype), lse
+  out_shape = (tiles.nq, tiles.b, tiles.hkv, tiles.g * tiles.bq, q.shape[-1])  # block layout
+  carry = (_varying(cfg, jnp.zeros(out_shape, jnp.float32)),
+           _varying(cfg, jnp.full(out_shape[:-1], -jnp.inf, jnp.float32)))
+  kv = (attention_xla.to_kv_blocks(tiles, k), attention_xla.to_kv_blocks(tiles, v), kv_keys)
+  (out, lse), _ = _ring_loop(cfg, step, carry, jax.tree.map(lambda x: _varying(cfg, x), kv))
+  return attention_xla.from_q_blocks(tiles, out).astype(q.dtype), lse
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -265,29 +274,36 @@ def _ring_fwd(cfg, q, k, v, q_keys, kv_keys):
 
 def _ring_bwd(cfg, res, d_out):
   q, k, v, q_keys, kv_keys, out, lse = res
+  tiles = _tiles(cfg, q, k, q_keys, kv_keys)
+  blocks = functools.partial(attention_xla.to_q_blocks, tiles)
   f32 = lambda x: x.astype(jnp.float32)
-  delta = jnp.sum(f32(d_out) * f32(out), axis=-1)  # rowsum(dO * O) [B, T, Hq]
+  delta = blocks(jnp.sum(f32(d_out) * f32(out), axis=-1, keepdims=True))[..., 0]
   # Rows with no key anywhere: every score is masked, so lse 0 makes their p exact zeros.
   lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
-  kernel = functools.partial(attention_xla.backward_from_lse, causal=cfg.causal,
-                             sm_scale=cfg.scale)
+  q_b = attention_xla.to_q_input(tiles, q)
+  do_b = attention_xla.to_q_input(tiles, d_out.astype(q.dtype))
+  q_kb = attention_xla.key_blocks(tiles, *q_keys, "q")
 
-  def step(dq, kv):
-    k_blk, v_blk, keys, dk, dv = kv
+  def step(dqT, kv):
+    k_b, v_b, keys, dk, dv = kv
 
-    def visit(dq, dk, dv):
-      g_q, g_k, g_v = kernel(q, k_blk, v_blk, d_out, lse, delta, **_kernel_keys(q_keys, keys))
-      return dq + g_q, dk + g_k, dv + g_v
+    def visit(dqT, dk, dv):
+      kv_kb = attention_xla.key_blocks(tiles, *keys, "kv")
+      return attention_xla.blocked_backward(tiles, q_b, k_b, v_b, q_kb, kv_kb, lse, do_b, delta,
+                                            (dqT, dk, dv))
 
-    dq, dk, dv = jax.lax.cond(may_attend(q_keys, keys), visit, lambda *g: g, dq, dk, dv)
+    dqT, dk, dv = jax.lax.cond(may_attend(q_keys, keys), visit, lambda *g: g, dqT, dk, dv)
     # The accumulators travel with their block, so each ends where its block started.
-    return dq, (k_blk, v_blk, keys, dk, dv)
+    return dqT, (k_b, v_b, keys, dk, dv)
 
-  zeros_kv = _varying(cfg, jnp.zeros(k.shape, jnp.float32))
-  kv = jax.tree.map(lambda x: _varying(cfg, x), (k, v, kv_keys)) + (zeros_kv, zeros_kv)
-  dq = _varying(cfg, jnp.zeros(q.shape, jnp.float32))
-  dq, (*_, dk, dv) = _ring_loop(cfg, step, dq, kv)
+  k_b, v_b = attention_xla.to_kv_blocks(tiles, k), attention_xla.to_kv_blocks(tiles, v)
+  zeros = lambda shape: _varying(cfg, jnp.zeros(shape, jnp.float32))
+  kv = jax.tree.map(lambda x: _varying(cfg, x), (k_b, v_b, kv_keys))
+  dqT = zeros(lse.shape[:-1] + (q.shape[-1], lse.shape[-1]))  # [nq, B, Hkv, D, M]
+  dqT, (*_, dk, dv) = _ring_loop(cfg, step, dqT, (*kv, zeros(k_b.shape), zeros(v_b.shape)))
   dk, dv = _rotate(cfg, (dk, dv))  # the last hop home
+  dq = attention_xla.from_q_blocks(tiles, dqT.swapaxes(-1, -2))
+  dk, dv = attention_xla.from_kv_blocks(tiles, dk), attention_xla.from_kv_blocks(tiles, dv)
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 
