@@ -12,15 +12,16 @@ holding at most `tokens_per_device` (tpd) tokens per micro-step:
 
 Timing model per device and micro-step (every layer alike, times n_layers):
   attention forward  A = sec_per_attention_flop * 2 d L^2 per sequence (causal; a ring of
-                     c gives each member A / c, the zigzag layout evens it),
+                     c gives each member a = A / c, the zigzag layout evens it, in c
+                     blocks of a / c: its own and c - 1 visiting),
   linear forward     Lin = sec_per_linear_flop * 24 d^2 * tokens,
   one ring hop       h = 2 (K and V) * share tokens * kv_dim * bytes / link bandwidth;
   a ring of c > 1 runs its local block then c - 1 hops, forward and (twice the compute and
-  twice the bytes) backward, so
+  twice the bytes) backward, so a member spends
     overlap=True  (ring attention: the next K/V block moves while this one computes):
-        3 * (Lin + A/c + (c - 1) * max(A/c, h))
-    overlap=False: 3 * (Lin + A + (c - 1) * h)
-  and a device holding short sequences (c = 1) spends 3 * sum(Lin + A).
+        3 * (Lin + a/c + (c - 1) * max(a/c, h))
+    overlap=False: 3 * (Lin + a + (c - 1) * h)
+  and a device holding short sequences (c = 1) spends 3 * (Lin + sum A).
 Steps are lock-step SPMD: a micro-step lasts as long as its slowest device. HDP is
 timed two ways: "ideal" (ByteScale: only a ring's members move K/V, over their ring) and
 "step_ring" (jaxsys's executor: a micro-step is one program over the view of its largest
@@ -30,7 +31,7 @@ Example:
   model = fit_cost_model().model        # ~5 s of CPU timing
   lengths = long_tail_lengths(2000, seed=0)
   result = simulate(lengths, num_devices=64, tokens_per_device=32768, model=model)
-  result["static"].time / result["hdp"].time
+  result["static_loader"].time / result["hdp"].time
 """
 
 from __future__ import annotations
