@@ -31,6 +31,11 @@ a logsumexp and delta computed elsewhere (the whole row's, not this call's) and 
 f32 dq, dk, dv. Both also take per-token causal keys (q_positions, kv_positions: query
 i sees key j iff q_positions[i] >= kv_positions[j]), which need not be monotone; tiles
 are then skipped by their min/max keys, as for segment ids.
+`plan_tiles`, `to_q_input`, `blocked_forward` and `blocked_backward` are the same
+kernel for callers that call it many times on same-shape inputs: they keep inputs and
+accumulators in the block layout across calls, and the kernel re-lays q and dO and
+transposes k one tile at a time (`tile_transpose`) instead of copying whole arrays per
+call. `visited_tiles` counts the tiles a call visits.
 
 Blocks default to `default_blocks(B * Hq)`, sized by measurement so one score tile is
 about 2 MiB; sequences are split into near-equal blocks, so padding stays under one

@@ -7,22 +7,30 @@ contiguous tokens of the *reordered* sequence `to_layout(x, n, layout)`:
   "zigzag":     the sequence is cut into 2n chunks; device i holds chunks i and 2n-1-i,
                 so under a causal mask every device has the same amount of work.
 
-`ring_attention` runs inside `jax.shard_map`: the local K/V block, its segment ids and
-its global token positions travel around the ring with `lax.ppermute` (n-1 hops); each
-step attends the local queries to the visiting block (causal masking by global
-position, so any layout works) and partial outputs are merged by log-sum-exp. A
-`lax.switch` on the block's mask (`visit_kind`) skips blocks with no unmasked pair
-(causal future, disjoint segments) and computes only half a block where all unmasked
-pairs lie in it: zigzag's off-diagonal causal steps, so each device does (n+1)/2 blocks
-of work where contiguous does 1 to n.
+`ring_attention` runs inside `jax.shard_map`: the local K/V block travels around the ring
+with its segment ids and causal keys (`lax.ppermute`, n-1 hops). Every step attends the
+local queries to the visiting block with the blockwise flash kernel of
+`jaxsys.kernels.attention_xla` (on every backend: it is the kernel that takes per-token
+causal keys and returns the row logsumexp; the Pallas kernels take neither), so its tile
+skipping applies inside a step: a tile is visited only if its segment-id ranges overlap
+and its largest query key reaches its smallest kv key. A step whose whole block fails
+that test (`may_attend`) is skipped by `lax.cond`. Under zigzag and a causal mask every
+device visits the same number of tiles (`ring_tiles`); under contiguous, device i visits
+i whole blocks and one causal diagonal block.
 
-The backward is a `jax.custom_vjp` and also a ring: the K/V blocks go round again with
-their dk/dv accumulators, which arrive home after n hops; each step recomputes the
-block's probabilities from q, k, the saved output and log-sum-exp (FlashAttention-2),
-so residuals are O(T/n) per device, never O(T).
+Causal keys are `positions` when given, any ints per token (per-document positions of
+packed rows, which restart at each document; tokens in any order), else the global token
+index of the layout. The mask is: same segment and (not causal or q_key >= kv_key).
 
-Per-step compute is plain f32 einsum over chunks of query rows (one ~2 MiB score tile
-at a time, TILE_ELEMENTS), not yet the flash kernels of jaxsys.kernels.
+Forward: the step outputs and row logsumexps are merged by log-sum-exp; a row with no
+key anywhere gives 0. The backward is a `jax.custom_vjp` and also a ring: the K/V blocks
+go round again with their dk/dv accumulators, which arrive home after n hops; each step
+recomputes its tiles' probabilities from the saved output's logsumexp (FlashAttention-2),
+so residuals are O(T/n) per device. q, dO, the accumulators and the rotating blocks stay
+in the kernel's block layout for the whole ring, and the kernel re-lays q/dO and
+transposes k one tile at a time, so a step allocates only its tiles: T=8192 over 4
+devices, fwd+bwd temporaries are about a third of single-device flash attention's
+(experiments/bench_context.py).
 
 Example:
   fn = jax.shard_map(functools.partial(ring_attention, axis_name="context"), mesh=mesh,
@@ -177,7 +185,8 @@ def ring_tiles(n: int, local: int, layout: str, *, batch: int = 1, heads: int = 
                causal: bool = True) -> tuple[np.ndarray, tuple[int, int]]:
   """(tiles [n, n], (block_q, block_k)): score tiles the kernel visits on device i for the
   block of device j in a ring over one sequence of n * local tokens (positions=None, no
-  segment ids); a step `may_attend` skips counts 0. Forward and backward alike.
+  segment ids); a step `may_attend` skips counts 0. The backward's loops visit the same
+  tiles here, since every row and column of visitable tiles is one contiguous span.
   """
   q = jax.ShapeDtypeStruct((batch, local, heads, 1), jnp.float32)
   pos = [jnp.broadcast_to(shard_positions(i, n, local, layout), (batch, local)) if causal

@@ -173,9 +173,10 @@ def test_ring_matches_reference(n, layout, causal, seg_kind, hq, hkv):
   _check(n, layout, causal, seg_kind, hq, hkv, t=64 if n == 8 else 32)
 
 
-@pytest.mark.parametrize("blocks", [(4, 8), (8, 4)])
+@pytest.mark.parametrize("blocks", [(4, 8), (8, 4), (6, 6)])
 def test_ring_steps_on_many_tiles(monkeypatch, blocks):
-  """Each step's kernel runs on several tiles, skipping some by positions and segments."""
+  """Each step's kernel runs on several tiles, skipping some by positions and segments;
+  (6, 6) does not divide the 16-token shards, so q rows and keys are padded."""
   monkeypatch.setattr(attention_xla, "default_blocks", lambda rows: blocks)
   _check(4, "zigzag", True, "pair", 4, 2, b=1, t=64, check_vma=blocks == (4, 8))
 
