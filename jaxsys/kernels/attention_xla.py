@@ -159,8 +159,9 @@ def backward_from_lse(q, k, v, d_out, lse, delta, *, q_segment_ids=None, kv_segm
 def plan_tiles(q, k, *, q_segment_ids=None, kv_segment_ids=None, q_positions=None,
                kv_positions=None, causal: bool = True, sm_scale: float | None = None,
                block_q: int | None = None, block_k: int | None = None) -> _Config:
-  """The static tiling of q [B,T,Hq,D] (or a ShapeDtypeStruct) against k [B,S,Hkv,D];
-  which keys are given (arrays or ShapeDtypeStructs) fixes which masks the tiles build."""
+  """The static tiling of q [B,T,Hq,D] (or a ShapeDtypeStruct) against k [B,S,Hkv,D] for
+  the block-layout entries (tile_transpose on); which keys are given (arrays or
+  ShapeDtypeStructs) fixes which masks the tiles build."""
   return _plan("plan_tiles", q, k, k, q_segment_ids, kv_segment_ids, q_positions, kv_positions,
                causal, sm_scale, block_q, block_k)[0]._replace(tile_transpose=True)
 
