@@ -2,17 +2,19 @@
 
 ByteScale's HDP (arXiv 2502.21231, Sec. 4-5) pools the data- and context-parallel ranks.
 Data-aware sharding: a sequence of L <= tokens_per_device tokens runs whole on one device
-(several may share a device); a longer one runs on a ring of c devices, c the smallest
-power of two >= ceil(L / tokens_per_device) (so c <= 2 * that), an aligned group of device
-ids [k*c, (k+1)*c), so a `data = N/c, context = c` view of the same devices runs it.
+(several may share a device); a longer one runs on a ring of exactly
+r = ceil(L / tokens_per_device) devices (`devices_needed`), a contiguous run inside an
+aligned power-of-two block of `block_size(r)` < 2r devices, so the `data = N/c,
+context = c` view of the same devices (c >= that block) holds it in one row and its
+ring attention goes round that row (masking what is not its own).
 
-A ring of c > 1 holds one long sequence: two that both need c devices hold more than
-c * tokens_per_device / 2 tokens each, so they never fit one ring together. Short
-sequences fill the slots left on any device, ring members included (the executor runs a
-micro-step as one program over the view of its largest ring, and a device's short
-sequences run beside its ring share). The token lower bound on micro-steps is therefore
-the larger of ceil(sum of ring sizes / num_devices) and ceil(tokens / (num_devices *
-tokens_per_device)), a ring's tokens rounded up to equal shares.
+A device serves at most one ring in a micro-step: two sequences that both need r devices
+hold more than (r - 1) * tokens_per_device tokens each. Short sequences fill the slots
+left on any device, ring members included (the executor runs a micro-step as one program
+over the view of its largest ring's block, and a device's short sequences run beside its
+ring share). The lower bound on micro-steps is the larger of ceil(sum of ring sizes /
+num_devices) and ceil(tokens / (num_devices * tokens_per_device)), a ring's tokens
+rounded up to equal shares; aligned blocks fragment, so a plan may need a step more.
 
 DP-Balance adapted to lock-step SPMD: ByteScale evens each rank's total cost over its own
 micro-batches; here all devices run each micro-step together, so a step lasts as long as
@@ -26,7 +28,7 @@ fewest micro-steps, from the token lower bound up, in which this greedy places e
 
 Example:
   steps = plan([9000, 300, 5000, 120], num_devices=4, tokens_per_device=4096)
-  # [[(0, (0, 1, 2, 3))], [(2, (0, 1)), (1, (2,)), (3, (3,))]]
+  # [[(1, (0,)), (0, (1, 2, 3))], [(2, (0, 1)), (3, (2,))]]
   summary(steps, [9000, 300, 5000, 120], num_devices=4, tokens_per_device=4096).imbalance
 """
 
@@ -58,10 +60,20 @@ def sequence_cost(length, *, d_model: int = DEFAULT_D_MODEL):
       LINEAR_FLOPS_PER_TOKEN * d_model * d_model * length)
 
 
+def devices_needed(length: int, tokens_per_device: int) -> int:
+  """Devices a sequence is split over: ceil(length / tokens_per_device)."""
+  return max(1, -(-int(length) // tokens_per_device))
+
+
+def block_size(devices: int) -> int:
+  """The aligned power-of-two block (the view's context size) a run of `devices` lies in."""
+  return 1 << max(int(devices) - 1, 0).bit_length()
+
+
 def ring_size(length: int, tokens_per_device: int) -> int:
-  """Devices a sequence is split over: smallest power of two >= ceil(length / tokens)."""
-  need = -(-int(length) // tokens_per_device)
-  return 1 << max(need - 1, 0).bit_length()
+  """The context size a static data x context mesh needs for the sequence: the power of
+  two >= devices_needed (so a `data = N/c, context = c` mesh can form it)."""
+  return block_size(devices_needed(length, tokens_per_device))
 
 
 def _check(lengths: Sequence[int], num_devices: int, tokens_per_device: int) -> np.ndarray:
@@ -103,22 +115,30 @@ def _place(lengths, rings, costs, steps, num_devices, tokens_per_device):
   long_ids = [i for i in range(len(lengths)) if rings[i] > 1]
   long_ids.sort(key=lambda i: (-rings[i], -costs[i] / rings[i], i))
   for i in long_ids:
-    c = int(rings[i])
-    per_cost = costs[i] / c
-    groups_free = (ring_of.reshape(steps, n_dev // c, c) == 0).all(axis=2)  # [M, N/c]
-    if not groups_free.any():
+    r, b = int(rings[i]), block_size(int(rings[i]))
+    per_cost = costs[i] / r
+    # Runs of r ring-free devices inside aligned blocks of b: run_end[m, k, j] says
+    # devices [k*b + j, k*b + j + r) are free in step m.
+    free = (ring_of.reshape(steps, n_dev // b, b) == 0).astype(np.int64)
+    ends = np.concatenate([np.zeros((steps, n_dev // b, 1), np.int64), free.cumsum(axis=2)], 2)
+    run_at = (ends[..., r:] - ends[..., :-r]) == r  # [M, N/b, b - r + 1]
+    fits = run_at.any(axis=2)
+    if not fits.any():
       return None
-    raise_by = np.broadcast_to(np.maximum(0.0, per_cost - step_max)[:, None],
-                               groups_free.shape)
-    best = np.min(np.where(groups_free, raise_by, np.inf))
-    cand = groups_free & (raise_by <= best * (1 + 1e-12) + 1e-9)
-    # Ties: the step whose maximum is closest above (best fit), then the earliest.
-    flat = np.argmin(np.where(cand, step_max[:, None], np.inf))
-    m, k = np.unravel_index(flat, cand.shape)
-    devs = tuple(range(k * c, (k + 1) * c))
+    raise_by = np.broadcast_to(np.maximum(0.0, per_cost - step_max)[:, None], fits.shape)
+    best = np.min(np.where(fits, raise_by, np.inf))
+    cand = fits & (raise_by <= best * (1 + 1e-12) + 1e-9)
+    # Ties: the step whose maximum is closest above (best fit), then the fullest block
+    # (whole blocks stay free for wide rings), then the earliest.
+    ms, ks = np.nonzero(cand)
+    pick = np.lexsort((ks, ms, free.sum(axis=2)[ms, ks], step_max[ms]))[0]
+    m, k = ms[pick], ks[pick]
+    # The last run in the block, so the block's first devices stay free together.
+    start = k * b + int(np.flatnonzero(run_at[m, k])[-1])
+    devs = tuple(range(start, start + r))
     cell_cost[m, list(devs)] = per_cost
-    cell_tokens[m, list(devs)] = -(-int(lengths[i]) // c)
-    ring_of[m, list(devs)] = c
+    cell_tokens[m, list(devs)] = -(-int(lengths[i]) // r)
+    ring_of[m, list(devs)] = r
     step_max[m] = max(step_max[m], per_cost)
     entries[m].append((i, devs))
 
@@ -145,7 +165,7 @@ def _place(lengths, rings, costs, steps, num_devices, tokens_per_device):
 def min_steps(lengths: Sequence[int], *, num_devices: int, tokens_per_device: int) -> int:
   """The lower bound on micro-steps: ring sizes over devices, tokens over slots."""
   arr = _check(lengths, num_devices, tokens_per_device)
-  rings = np.array([ring_size(n, tokens_per_device) for n in arr], np.int64)
+  rings = np.array([devices_needed(n, tokens_per_device) for n in arr], np.int64)
   long = rings > 1
   ring_steps = -(-int(rings[long].sum()) // num_devices)
   tokens = int((-(-arr[long] // rings[long]) * rings[long]).sum() + arr[~long].sum())
@@ -158,7 +178,7 @@ def plan(lengths: Sequence[int], *, num_devices: int, tokens_per_device: int,
   arr = _check(lengths, num_devices, tokens_per_device)
   if not arr.size:
     return []
-  rings = np.array([ring_size(n, tokens_per_device) for n in arr], np.int64)
+  rings = np.array([devices_needed(n, tokens_per_device) for n in arr], np.int64)
   costs = sequence_cost(arr, d_model=d_model)
   steps = min_steps(arr, num_devices=num_devices, tokens_per_device=tokens_per_device)
   while True:  # terminates: with one step per sequence everything fits

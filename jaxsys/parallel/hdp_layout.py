@@ -1,13 +1,15 @@
 """One HDP micro-step as one batch: the plan's cells laid out over a `data x context` view.
 
 A micro-step of `hdp.plan` gives each of N devices a cell of `tokens_per_device` slots:
-whole short sequences, or one ring sequence's share. The step runs as one program over
-the view `data = N/c, context = c` of the same devices, c the step's largest ring: a
+at most one ring sequence's share, and whole short sequences. The step runs as one
+program over the view `data = N/c, context = c` of the same devices, c the aligned block
+of the step's largest ring: a
 batch of N/c rows of c cells, device d holding cell d % c of row d // c (the order
 `jax.sharding.Mesh(devices.reshape(N/c, c), ("data", "context"))` splits a
-[N/c, c * tokens_per_device] array in). A ring sequence of ring size r <= c (its r
-devices are an aligned group, so inside one row) is cut into 2r near-equal chunks and
-device i of its ring holds chunks i and 2r-1-i (zigzag: even causal work).
+[N/c, c * tokens_per_device] array in). A sequence on r devices (a contiguous run
+inside an aligned block of block_size(r) <= c, so inside one row) is cut into 2r
+near-equal chunks and device i of its run holds chunks i and 2r-1-i (zigzag: even
+causal work); ring attention goes round the whole row, and masks the rest.
 
 Every token carries its document position (the causal key ring attention masks by) and
 its sequence's segment id; within a cell ids increase along the cell, so the flash
@@ -25,6 +27,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jaxsys.data.packing import FIELDS
+from jaxsys.parallel import hdp
 
 # Padding tokens' segment ids start here (real sequences number from 1), one per slot.
 PAD_SEGMENT = 1 << 30
@@ -37,17 +40,22 @@ def ring_shares(length: int, ring: int) -> list[np.ndarray]:
 
 
 def view_size(step: Sequence[tuple[int, tuple[int, ...]]]) -> int:
-  """The context size of a micro-step's view: its largest ring."""
-  return max(len(devices) for _, devices in step)
+  """The context size of a micro-step's view: the aligned block of its largest ring."""
+  return hdp.block_size(max((len(devices) for _, devices in step), default=1))
 
 
 def pack_step(step: Sequence[tuple[int, tuple[int, ...]]], docs: Sequence[np.ndarray], *,
-              num_devices: int, tokens_per_device: int) -> tuple[int, dict[str, np.ndarray]]:
+              num_devices: int, tokens_per_device: int, view: int | None = None
+              ) -> tuple[int, dict[str, np.ndarray]]:
   """(c, batch): the micro-step's packed fields (packing.FIELDS), [N/c, c * tokens_per_device].
 
   docs[i] are sequence i's tokens: its inputs are docs[i][:-1], its targets docs[i][1:].
+  view: c, at least the step's largest ring (default: that ring).
   """
-  c = view_size(step)
+  c = view_size(step) if view is None else view
+  if step and c < view_size(step):
+    raise ValueError(f"pack_step: view={view} is smaller than the step's largest ring "
+                     f"{view_size(step)}")
   cap = tokens_per_device
   cells = {k: np.zeros((num_devices, cap), np.float32 if k == "loss_mask" else np.int32)
            for k in FIELDS}

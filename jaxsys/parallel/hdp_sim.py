@@ -325,7 +325,7 @@ def device_times(groups: list[list[tuple[Sequence[int], tuple[int, ...]]]], *,
         ring[idx] = c
         ring_attention[idx] += float(np.sum(model.attention(lens))) / c
         ring_tokens[idx] += -(-int(lens.sum()) // c)
-    program = int(ring.max(initial=1))
+    program = hdp.block_size(int(ring.max(initial=1)))  # the view's context size
     for d in range(num_devices):
       tokens = int(ring_tokens[d] + local_tokens[d])
       linear = float(model.linear(tokens_per_device if model.pad_compute else tokens))
@@ -469,7 +469,7 @@ def lockstep_bound(lengths, *, num_devices: int, tokens_per_device: int,
   lengths = np.asarray(lengths, np.int64)
   members = []
   for n in lengths:
-    c = hdp.ring_size(int(n), tokens_per_device)
+    c = hdp.devices_needed(int(n), tokens_per_device)
     if c > 1:
       members += [group_time(model, [int(n)], c, tokens_per_device)] * c
   terms = np.sort(np.asarray(members))[::-1][::num_devices]

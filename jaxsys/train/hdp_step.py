@@ -62,8 +62,9 @@ class HDPStep:
     self.steps_run = self.micro_steps_run = 0
     self._programs: dict[int, tuple[Callable, NamedSharding]] = {}
     rep = NamedSharding(mesh, P())
+    self._acc_sh = (rep, rep, self.params_sh)
     self._zeros = jax.jit(lambda p: (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, p)),
-                          out_shardings=(rep, rep, self.params_sh))
+                          out_shardings=self._acc_sh)
     update = functools.partial(step_lib.apply_gradients, optimizer=optimizer)
     self._update = jax.jit(lambda s, acc: update(s, total=acc[0], count=acc[1], grads=acc[2]),
                            out_shardings=(state_sh, rep), donate_argnums=0)
@@ -77,14 +78,26 @@ class HDPStep:
     if c not in self._programs:
       view = Mesh(self.devices.reshape(self.num_devices // c, c), ("data", "context"))
       batch_sh = NamedSharding(view, P("data", "context"))
-      rep = NamedSharding(view, P())
       fn = functools.partial(micro_step_sums, model_cfg=self.model_cfg, ring=c > 1)
-      acc_sh = (rep, rep, jax.tree.map(lambda _: rep, self.params_sh))
-      jitted = jax.jit(sharded.under_mesh(fn, view), in_shardings=(acc_sh[2], batch_sh, acc_sh),
-                       out_shardings=acc_sh, donate_argnums=2,
+      # Parameters and sums keep the pool's shardings (the same devices), so every program
+      # sees one input layout and compiles once, whichever view ran before it.
+      jitted = jax.jit(sharded.under_mesh(fn, view), in_shardings=(self.params_sh, batch_sh, self._acc_sh),
+                       out_shardings=self._acc_sh, donate_argnums=2,
                        compiler_options=step_lib.compiler_options(self.model_cfg, view))
       self._programs[c] = (jitted, batch_sh)
     return self._programs[c]
+
+  def compile_all(self, params) -> None:
+    """Compiles (by running once on padding) every view's program, so later steps time
+    only compute: a benchmark's warm-up. Training compiles views as it meets them."""
+    c = 1
+    while c <= self.num_devices:
+      fn, batch_sh = self.program(c)
+      _, fields = hdp_layout.pack_step([], [], num_devices=self.num_devices,
+                                       tokens_per_device=self.tokens_per_device, view=c)
+      arrays = {k: jax.device_put(v, batch_sh) for k, v in fields.items()}
+      jax.block_until_ready(fn(params, arrays, self._zeros(params)))
+      c *= 2
 
   def plan(self, lengths) -> hdp.Plan:
     return hdp.plan([int(n) for n in lengths], num_devices=self.num_devices,
