@@ -1,6 +1,13 @@
 r"""Hybrid Data Parallelism (HDP) against a static context-parallel mesh.
 
   python -m experiments.bench_hdp --part=sim --chart=docs/hdp_sim.png
+  python -m experiments.bench_hdp --part=real
+
+--part=real: one training step per global batch of whole stdlib documents on 8
+simulated devices, laid out by HDP, by a static mesh padding each document to its ring,
+and by a static mesh packing them, through the same executor (experiments/hdp_real.py);
+it prints micro-steps, padding waste, per-micro-step imbalance and step time.
+(The script sets 8 simulated CPU devices itself when XLA_FLAGS does not name a count.)
 
 --part=sim: the cost-model simulation (jaxsys/parallel/hdp_sim.py) at 8..1024 devices.
 The compute rates are fitted on this machine's CPU (attention impl="xla" and a matmul,
@@ -18,6 +25,12 @@ draws the chart.
 """
 from __future__ import annotations
 
+import os
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + " --xla_force_host_platform_device_count=8").strip()
+
 import dataclasses
 import json
 import time
@@ -25,9 +38,10 @@ import time
 import numpy as np
 from absl import app, flags
 
+from experiments import hdp_real
 from jaxsys.parallel import hdp, hdp_sim
 
-PARTS = ("sim",)
+PARTS = ("sim", "real")
 DISTRIBUTIONS = ("long_tail", "stdlib")
 
 _PART = flags.DEFINE_enum("part", "sim", PARTS, "Which benchmark to run.")
@@ -35,13 +49,22 @@ _DEVICES = flags.DEFINE_list("devices", ["8", "16", "32", "64", "128", "256", "5
                              "Device counts N (powers of two).")
 _SEEDS = flags.DEFINE_integer("seeds", 3, "Global batches (seeds) per point.")
 _TPD = flags.DEFINE_integer("tokens_per_device", 32768, "Tokens one device holds per micro-step.")
-_BATCH_STEPS = flags.DEFINE_integer("batch_steps", 4, "Global batch = N * tpd * this tokens.")
+_BATCH_STEPS = flags.DEFINE_integer("batch_steps", 4, "Global batch budget = N * tpd * this "
+                                    "* --fill tokens.")
+_FILL = flags.DEFINE_float("fill", 0.95, "Fraction of batch_steps micro-steps' slots the batch's "
+                           "token budget holds (slack for ring rounding and packing).")
 _MAX_LEN = flags.DEFINE_integer("max_len", 262144, "Longest sequence (static ring size).")
 _LINK = flags.DEFINE_float("link_gbps", 100.0, "cpu setting: link GB/s per direction.")
 _ACCEL_TFLOPS = flags.DEFINE_float("accel_tflops", 400.0, "accel setting: matmul TFLOP/s.")
 _ACCEL_LINK = flags.DEFINE_float("accel_link_gbps", 25.0, "accel setting: link GB/s.")
 _CHART = flags.DEFINE_string("chart", "", "Write the speed-up chart here (PNG).")
 _OUT = flags.DEFINE_string("out", "", "Write every number here (JSON).")
+_REAL_SIZE = flags.DEFINE_string("real_size", "tiny", "real: configs/tiny_lm.py model size.")
+_REAL_TPD = flags.DEFINE_integer("real_tokens_per_device", 1024, "real: tokens per device.")
+_REAL_MAX_LEN = flags.DEFINE_integer("real_max_len", 8192, "real: data.max_len (truncated).")
+_REAL_BATCH_STEPS = flags.DEFINE_integer("real_batch_steps", 8,
+                                         "real: global batch = 8 * tpd * this tokens.")
+_REAL_BATCHES = flags.DEFINE_integer("real_batches", 3, "real: timed global batches.")
 
 
 def settings(fit: hdp_sim.Fit, *, link_gbps: float, accel_tflops: float,
@@ -63,14 +86,15 @@ def length_pool(name: str, max_len: int) -> np.ndarray:
 
 
 def run_sim(models: dict, *, devices, seeds: int, tokens_per_device: int, batch_steps: int,
-            max_len: int, distributions=DISTRIBUTIONS) -> list[dict]:
+            max_len: int, distributions=DISTRIBUTIONS, fill: float = 0.95) -> list[dict]:
   """One row per (distribution, N, setting, seed): times relative to the lower bound."""
   rows = []
   for dist in distributions:
     pool = length_pool(dist, max_len)
     for n in devices:
       for seed in range(seeds):
-        lengths = hdp_sim.sample_batch(pool, n * tokens_per_device * batch_steps, seed)
+        lengths = hdp_sim.sample_batch(pool, int(fill * n * tokens_per_device * batch_steps),
+                                       seed)
         for setting, model in models.items():
           r = hdp_sim.simulate(lengths, num_devices=n, tokens_per_device=tokens_per_device,
                                model=model, max_len=max_len, seed=seed)
@@ -81,11 +105,13 @@ def run_sim(models: dict, *, devices, seeds: int, tokens_per_device: int, batch_
               min_steps=hdp.min_steps(lengths, num_devices=n,
                                       tokens_per_device=tokens_per_device),
               **{f"{k}_{f}": getattr(r[k], f)
-                 for k in ("hdp", "hdp_step_ring", "static_loader", "static_sorted")
+                 for k in ("hdp", "hdp_step_ring", "static_loader", "static_sorted",
+                           "static_padded")
                  for f in ("time", "steps", "imbalance", "padding")},
               bound=bound, per_rank=r["per_rank"],
               speedup_loader=r["static_loader"].time / h.time,
               speedup_sorted=r["static_sorted"].time / h.time,
+              speedup_padded=r["static_padded"].time / h.time,
               speedup_step_ring=r["static_loader"].time / r["hdp_step_ring"].time,
               hdp_over_bound=h.time / bound, per_rank_over_bound=r["per_rank"] / bound,
               lockstep_bound=r["lockstep_bound"],
@@ -103,10 +129,11 @@ def sim_table(rows: list[dict]) -> str:
   """Markdown: one line per (distribution, setting, N), spread over seeds."""
   head = ("| distribution | setting | N | sequences | HDP steps (min) / static | "
           "HDP speed-up vs static, loader order | vs static, cost-sorted | "
+          "vs static, padded | "
           "jaxsys executor vs static, loader | HDP / bound | "
           "lock-step bound / bound | per-rank HDP / bound | HDP imbalance | "
           "padding HDP / static |\n"
-          "|---|---|---:|---:|---|---|---|---|---|---|---|---:|---|")
+          "|---|---|---:|---:|---|---|---|---|---|---|---|---|---:|---|")
   lines = [head]
   keys = sorted({(r["distribution"], r["setting"], r["devices"]) for r in rows},
                 key=lambda k: (DISTRIBUTIONS.index(k[0]) if k[0] in DISTRIBUTIONS else 9,
@@ -118,7 +145,8 @@ def sim_table(rows: list[dict]) -> str:
         f"| {dist} | {setting} | {n} | {np.mean(col('sequences')):.0f} | "
         f"{np.mean(col('hdp_steps')):.1f} ({np.mean(col('min_steps')):.1f}) / "
         f"{np.mean(col('static_loader_steps')):.1f} | {_spread(col('speedup_loader'))} | "
-        f"{_spread(col('speedup_sorted'))} | {_spread(col('speedup_step_ring'))} | "
+        f"{_spread(col('speedup_sorted'))} | {_spread(col('speedup_padded'))} | "
+        f"{_spread(col('speedup_step_ring'))} | "
         f"{_spread(col('hdp_over_bound'))} | "
         f"{_spread(col('lockstep_over_bound'))} | "
         f"{_spread(col('per_rank_over_bound'))} | {np.mean(col('hdp_imbalance')):.2f} | "
@@ -235,7 +263,7 @@ def draw_plan(ax, steps, lengths, *, num_devices: int, tokens_per_device: int,
 
 def sim_part(argv_devices, *, seeds, tokens_per_device, batch_steps, max_len, link_gbps,
              accel_tflops, accel_link_gbps, chart, out, distributions=DISTRIBUTIONS,
-             fit_kwargs=None) -> dict:
+             fit_kwargs=None, fill: float = 0.95) -> dict:
   """The --part=sim benchmark: fit, simulate, print the table, draw, save."""
   start = time.perf_counter()
   fit = hdp_sim.fit_cost_model(**(fit_kwargs or {}))
@@ -246,7 +274,7 @@ def sim_part(argv_devices, *, seeds, tokens_per_device, batch_steps, max_len, li
                     accel_link_gbps=accel_link_gbps)
   rows = run_sim(models, devices=argv_devices, seeds=seeds,
                  tokens_per_device=tokens_per_device, batch_steps=batch_steps,
-                 max_len=max_len, distributions=distributions)
+                 max_len=max_len, distributions=distributions, fill=fill)
   print(sim_table(rows))
   print(f"total {time.perf_counter() - start:.1f} s")
   if chart:
@@ -269,11 +297,20 @@ def main(argv):
     if n < 1 or n & (n - 1):
       raise app.UsageError(f"--devices: {v} is not a power of two")
     devices.append(n)
+  if _PART.value == "real":
+    rows = hdp_real.real_part(size=_REAL_SIZE.value, tokens_per_device=_REAL_TPD.value,
+                              max_len=_REAL_MAX_LEN.value, batch_steps=_REAL_BATCH_STEPS.value,
+                              batches=_REAL_BATCHES.value)
+    print(hdp_real.real_table(rows))
+    if _OUT.value:
+      with open(_OUT.value, "w") as f:
+        json.dump(rows, f, indent=1, default=float)
   if _PART.value == "sim":
     sim_part(devices, seeds=_SEEDS.value, tokens_per_device=_TPD.value,
              batch_steps=_BATCH_STEPS.value, max_len=_MAX_LEN.value,
              link_gbps=_LINK.value, accel_tflops=_ACCEL_TFLOPS.value,
-             accel_link_gbps=_ACCEL_LINK.value, chart=_CHART.value, out=_OUT.value)
+             accel_link_gbps=_ACCEL_LINK.value, chart=_CHART.value, out=_OUT.value,
+             fill=_FILL.value)
 
 
 if __name__ == "__main__":

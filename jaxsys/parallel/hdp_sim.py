@@ -248,7 +248,9 @@ def long_tail_lengths(n: int, seed: int, max_len: int = 262144) -> np.ndarray:
 
 
 def sample_batch(pool: np.ndarray, tokens: int, seed: int) -> np.ndarray:
-  """Lengths drawn from `pool` (with replacement) until they hold >= `tokens` tokens."""
+  """Lengths drawn from `pool` (with replacement) while they hold <= `tokens` tokens: a
+  token budget, as jaxsys.data.documents cuts its batches (the draw that would overflow
+  is left out)."""
   pool = np.asarray(pool, np.int64)
   if pool.size == 0 or tokens < 1:
     raise ValueError(f"sample_batch: need a non-empty pool and tokens >= 1, got "
@@ -257,7 +259,7 @@ def sample_batch(pool: np.ndarray, tokens: int, seed: int) -> np.ndarray:
   draws = rng.choice(pool, size=max(16, int(2 * tokens / pool.mean()) + 16))
   while draws.sum() < tokens:
     draws = np.concatenate([draws, rng.choice(pool, size=draws.size)])
-  return draws[:int(np.searchsorted(np.cumsum(draws), tokens)) + 1]
+  return draws[:max(1, int(np.searchsorted(np.cumsum(draws), tokens, side="right")))]
 
 
 # ----------------------------------------------------------------------------- strategies
@@ -399,21 +401,27 @@ def static_ring(max_len: int, num_devices: int, tokens_per_device: int) -> int:
   return c
 
 
+STATIC_ORDERS = ("loader", "sorted", "padded")
+
+
 def static_plan(lengths, *, num_devices: int, tokens_per_device: int, max_len: int,
                 order: str = "loader", seed: int = 0, d_model: int = hdp.DEFAULT_D_MODEL):
   """Static CP micro-steps: lists of (row's sequence indices, ring device ids).
 
   FFD rows of c_max * tpd tokens, N / c_max rows per lock-step micro-step, in `order`:
-  "loader" (rows in a seeded random order, as a data loader hands them out) or "sorted"
+  "loader" (rows in a seeded random order, as a data loader hands them out), "sorted"
   (rows by cost, heaviest first, so heavy rows share micro-steps: the best grouping a
-  static lock-step mesh can do).
+  static lock-step mesh can do) or "padded" (no packing: one sequence per row, padded
+  to it, in loader order).
   """
-  if order not in ("loader", "sorted"):
-    raise ValueError(f"order={order!r}: must be 'loader' or 'sorted'")
+  if order not in STATIC_ORDERS:
+    raise ValueError(f"order={order!r}: must be one of {STATIC_ORDERS}")
   lengths = np.asarray(lengths, np.int64)
   c = static_ring(max_len, num_devices, tokens_per_device)
   rows = pack_rows(lengths, c * tokens_per_device)
-  if order == "loader":
+  if order == "padded":
+    rows = [[i] for i in np.random.default_rng(seed).permutation(lengths.size).tolist()]
+  elif order == "loader":
     rows = [rows[k] for k in np.random.default_rng(seed).permutation(len(rows))]
   else:
     cost = [float(np.sum(hdp.sequence_cost(lengths[r], d_model=d_model))) for r in rows]
@@ -513,8 +521,8 @@ def per_rank_time(lengths, *, num_devices: int, tokens_per_device: int,
 
 def simulate(lengths, *, num_devices: int, tokens_per_device: int, model: CostModel,
              max_len: int | None = None, seed: int = 0) -> dict:
-  """hdp, hdp_step_ring (jaxsys's executor, see device_times), static_loader and
-  static_sorted Results; in seconds the lower bound ("bound"), the
+  """hdp, hdp_step_ring (jaxsys's executor, see device_times), static_loader,
+  static_sorted and static_padded Results; in seconds the lower bound ("bound"), the
   lock-step bound for hdp's ring sizes ("lockstep_bound") and the per-rank (not
   lock-step) HDP estimate ("per_rank").
 
@@ -528,6 +536,7 @@ def simulate(lengths, *, num_devices: int, tokens_per_device: int, model: CostMo
       hdp_step_ring=simulate_hdp(lengths, executor="step_ring", **kw),
       static_loader=simulate_static(lengths, max_len=max_len, order="loader", seed=seed, **kw),
       static_sorted=simulate_static(lengths, max_len=max_len, order="sorted", **kw),
+      static_padded=simulate_static(lengths, max_len=max_len, order="padded", seed=seed, **kw),
       bound=lower_bound(lengths, **kw),
       lockstep_bound=lockstep_bound(lengths, **kw),
       per_rank=per_rank_time(lengths, **kw))

@@ -30,3 +30,17 @@ def test_sim_part_tiny(tmp_path, capsys):
   accel = saved["fit"]["models"]["accel"]
   assert accel["link_bytes_per_s"] == 25e9
   assert accel["sec_per_linear_flop"] == pytest.approx(1 / 400e12)
+
+
+def test_real_part_tiny():
+  """Three layouts of the same documents train to the same loss; HDP pads least."""
+  from experiments import hdp_real
+  rows = hdp_real.real_part(size="test", tokens_per_device=128, max_len=1024, batch_steps=4,
+                            batches=1, log=lambda *_: None)
+  by = {r["layout"]: r for r in rows}
+  assert set(by) == set(hdp_real.LAYOUTS)
+  assert by["hdp"]["loss"] == pytest.approx(by["static_padded"]["loss"], rel=1e-5)
+  assert by["hdp"]["loss"] == pytest.approx(by["static_packed"]["loss"], rel=1e-5)
+  assert by["hdp"]["tokens"] == by["static_packed"]["tokens"]
+  assert by["hdp"]["waste"] <= by["static_padded"]["waste"]
+  assert "| hdp |" in hdp_real.real_table(rows)

@@ -20,13 +20,24 @@ def test_unit_model_terms():
   assert UNIT.hop(2) == pytest.approx(2.0)
 
 
-def test_fitted_model_is_positive_and_monotone():
-  # Sizes big enough (>= 0.5 GFLOP) that dispatch overhead cannot flip a slope.
+def test_fit_recovers_known_rates(monkeypatch):
+  # Timings made up from known rates plus a dispatch overhead, so the test checks the fit
+  # and not how busy the machine is (the notebook and the bench time it for real).
+  d = 4 * 64
+
+  def fake_time(fn, *args, repeats):
+    x = args[0]
+    if len(args) == 3:  # attention(q, k, v), q [1, L, heads, head_dim]
+      return 1e-11 * 2 * d * x.shape[1] ** 2 + 1e-4
+    return 4e-12 * 8 * d * d * x.shape[0] + 2e-4  # x [T, d] @ w [d, 4d]
+
+  monkeypatch.setattr(hdp_sim, "_min_time", fake_time)
   fit = hdp_sim.fit_cost_model(lengths=(512, 1024, 2048), token_counts=(1024, 2048, 4096),
-                               repeats=2)
+                               repeats=1)
   m = fit.model
-  assert m.sec_per_attention_flop > 0 and m.sec_per_linear_flop > 0
-  assert -1.0 <= fit.attention_r2 <= 1.0 and -1.0 <= fit.linear_r2 <= 1.0
+  assert m.sec_per_attention_flop == pytest.approx(1e-11)
+  assert m.sec_per_linear_flop == pytest.approx(4e-12)
+  assert fit.attention_r2 == pytest.approx(1.0) and fit.linear_r2 == pytest.approx(1.0)
   lengths = np.array([1024, 4096, 32768, 262144])
   assert np.all(np.diff(m.attention(lengths)) > 0) and np.all(np.diff(m.linear(lengths)) > 0)
   assert m.hop(2048) > m.hop(1024) > 0
@@ -111,9 +122,10 @@ def test_stdlib_lengths():
   assert lengths.size > 100 and lengths.min() >= 1 and lengths.max() == 65536
 
 
-def test_sample_batch_reaches_tokens():
-  batch = hdp_sim.sample_batch(np.array([10, 20, 30]), 1000, seed=0)
-  assert batch.sum() >= 1000 and batch[:-1].sum() < 1000
+def test_sample_batch_fills_its_budget():
+  pool = np.array([10, 20, 30])
+  batch = hdp_sim.sample_batch(pool, 1000, seed=0)
+  assert 1000 - pool.max() < batch.sum() <= 1000
 
 
 def test_pack_rows_first_fit_decreasing():
