@@ -1,25 +1,28 @@
 """Hybrid Data Parallelism planner: which devices run which sequence in which micro-step.
 
 ByteScale's HDP (arXiv 2502.21231, Sec. 4-5) pools the data- and context-parallel ranks.
-Data-aware sharding: a sequence of L <= tokens_per_device tokens runs whole on one device
-(several may share a device); a longer one runs on a ring of exactly
-r = ceil(L / tokens_per_device) devices (`devices_needed`), a contiguous run inside an
-aligned power-of-two block of `block_size(r)` < 2r devices, so the `data = N/c,
-context = c` view of the same devices (c >= that block) holds it in one row and its
-ring attention goes round that row (masking what is not its own).
+Data-aware sharding: a sequence of L <= tokens_per_device tokens runs whole on one
+device (several may share a device); a longer one runs on a ring of r = ceil(L /
+tokens_per_device) devices (`devices_needed`; up to 2r when it shares the ring, below),
+a contiguous run inside an aligned power-of-two block of `block_size(r)` < 2r devices,
+so the `data = N/c, context = c` view of the same devices (c >= that block) holds it in
+one row and its ring attention goes round that row (masking what is not its own).
 
-A device serves at most one ring in a micro-step: two sequences that both need r devices
-hold more than (r - 1) * tokens_per_device tokens each. Short sequences fill the slots
-left on any device, ring members included (the executor runs a micro-step as one program
-over the view of its largest ring's block, and a device's short sequences run beside its
-ring share). The lower bound on micro-steps is the larger of ceil(sum of ring sizes /
-num_devices) and ceil(tokens / (num_devices * tokens_per_device)), a ring's tokens
-rounded up to equal shares; aligned blocks fragment, so a plan may need a step more.
+A ring member's share of one long sequence is more than half its slots, so a ring of one
+sequence leaves room only for short ones. Long sequences may therefore share a ring
+(`share_groups`): each member split zigzag over all of the ring's devices, on at most
+twice the devices it needs. A device serves at most one ring in a micro-step; short
+sequences fill the slots left on any device, ring members included (the executor runs a
+micro-step as one program over the view of its largest ring's block, and a device's
+short sequences run beside its ring shares). The planner tries one ring per sequence and
+shared rings and keeps the plan with the shorter lock-step time; the lower bound on
+micro-steps is ceil(tokens / (num_devices * tokens_per_device)); aligned blocks
+fragment, so a plan may need a step more.
 
 DP-Balance adapted to lock-step SPMD: ByteScale evens each rank's total cost over its own
 micro-batches; here all devices run each micro-step together, so a step lasts as long as
 its most loaded device and the plan costs sum_m max_d cost[m, d]. The greedy is LPT-like:
-rings first (largest c, then heaviest), then short sequences heaviest first; each goes
+rings first (widest, then heaviest), then short sequences heaviest first; each goes
 where it raises that sum the least; ties go, for a ring, to the step whose maximum is
 closest above its cost (best fit), for a short sequence to the emptiest cell, then to the
 earliest step. Heavy work thus fills a step side by side and light work fills the gaps
@@ -28,7 +31,8 @@ fewest micro-steps, from the token lower bound up, in which this greedy places e
 
 Example:
   steps = plan([9000, 300, 5000, 120], num_devices=4, tokens_per_device=4096)
-  # [[(1, (0,)), (0, (1, 2, 3))], [(2, (0, 1)), (3, (2,))]]
+  # [[(0, (0, 1, 2, 3)), (1, (0,)), (2, (0, 1, 2, 3)), (3, (1,))]]
+  # (9000 and 5000 share a ring of 4; 300 and 120 sit beside their shares)
   summary(steps, [9000, 300, 5000, 120], num_devices=4, tokens_per_device=4096).imbalance
 """
 
@@ -103,7 +107,7 @@ def _check(lengths: Sequence[int], num_devices: int, tokens_per_device: int) -> 
   return arr
 
 
-def _place(lengths, rings, costs, steps, num_devices, tokens_per_device):
+def _place(lengths, groups, rings, costs, steps, num_devices, tokens_per_device):
   """The greedy for a fixed number of micro-steps: entries, or None where it cannot fit."""
   n_dev, cap = num_devices, tokens_per_device
   cell_cost = np.zeros((steps, n_dev))
@@ -112,11 +116,10 @@ def _place(lengths, rings, costs, steps, num_devices, tokens_per_device):
   step_max = np.zeros(steps)
   entries: list[list[tuple[int, tuple[int, ...]]]] = [[] for _ in range(steps)]
 
-  long_ids = [i for i in range(len(lengths)) if rings[i] > 1]
-  long_ids.sort(key=lambda i: (-rings[i], -costs[i] / rings[i], i))
-  for i in long_ids:
-    r, b = int(rings[i]), block_size(int(rings[i]))
-    per_cost = costs[i] / r
+  groups = sorted(groups, key=lambda g: (-g[1], -sum(costs[i] for i in g[0]) / g[1], g[0]))
+  for members, r in groups:
+    b = block_size(r)
+    per_cost = sum(costs[i] for i in members) / r
     # Runs of r ring-free devices inside aligned blocks of b: run_end[m, k, j] says
     # devices [k*b + j, k*b + j + r) are free in step m.
     free = (ring_of.reshape(steps, n_dev // b, b) == 0).astype(np.int64)
@@ -137,10 +140,10 @@ def _place(lengths, rings, costs, steps, num_devices, tokens_per_device):
     start = k * b + int(np.flatnonzero(run_at[m, k])[-1])
     devs = tuple(range(start, start + r))
     cell_cost[m, list(devs)] = per_cost
-    cell_tokens[m, list(devs)] = -(-int(lengths[i]) // r)
+    cell_tokens[m, list(devs)] = _group_share(lengths[list(members)], r)
     ring_of[m, list(devs)] = r
     step_max[m] = max(step_max[m], per_cost)
-    entries[m].append((i, devs))
+    entries[m] += [(i, devs) for i in members]
 
   short_ids = [i for i in range(len(lengths)) if rings[i] == 1]
   short_ids.sort(key=lambda i: (-costs[i], i))
@@ -162,14 +165,50 @@ def _place(lengths, rings, costs, steps, num_devices, tokens_per_device):
   return entries
 
 
+def _group_share(lengths, devices: int) -> int:
+  """Tokens each device holds of sequences all split zigzag over the same devices."""
+  return int(sum(-(-int(n) // devices) for n in lengths))
+
+
+def share_groups(lengths, tokens_per_device: int, num_devices: int
+                 ) -> list[tuple[tuple[int, ...], int]]:
+  """Long sequences (more than tokens_per_device) in groups that share a ring:
+  [(member indices, devices g)], every member split zigzag over the same g devices.
+
+  First-fit decreasing by length: a sequence joins the group whose ring grows least for
+  it, if that saves devices against a ring of its own and every member stays on at most
+  twice the devices it needs; else it opens its own ring of devices_needed devices. A
+  ring member's share is more than half its slots, so a ring of one long sequence leaves
+  room only for short ones; packed together, long sequences fill their devices.
+  """
+  lengths = np.asarray(lengths, np.int64)
+  need = {i: devices_needed(int(n), tokens_per_device) for i, n in enumerate(lengths)}
+  long = sorted((i for i in need if need[i] > 1), key=lambda i: (-lengths[i], i))
+  groups: list[list] = []  # [members, devices, the fewest devices any member needs]
+  for i in long:
+    best, best_g = None, None
+    for group in groups:
+      members, g, least = group
+      cap = 2 * min(least, need[i])
+      grown = g
+      while grown <= min(cap, num_devices) and _group_share(
+          lengths[members + [i]], grown) > tokens_per_device:
+        grown += 1
+      if grown <= min(cap, num_devices) and grown - g < need[i] and (
+          best is None or grown - g < best_g - best[1]):
+        best, best_g = group, grown
+    if best is None:
+      groups.append([[i], need[i], need[i]])
+    else:
+      best[0].append(i)
+      best[1], best[2] = best_g, min(best[2], need[i])
+  return [(tuple(members), g) for members, g, _ in groups]
+
+
 def min_steps(lengths: Sequence[int], *, num_devices: int, tokens_per_device: int) -> int:
-  """The lower bound on micro-steps: ring sizes over devices, tokens over slots."""
+  """The token lower bound on micro-steps: all tokens over one micro-step's slots."""
   arr = _check(lengths, num_devices, tokens_per_device)
-  rings = np.array([devices_needed(n, tokens_per_device) for n in arr], np.int64)
-  long = rings > 1
-  ring_steps = -(-int(rings[long].sum()) // num_devices)
-  tokens = int((-(-arr[long] // rings[long]) * rings[long]).sum() + arr[~long].sum())
-  return max(ring_steps, -(-tokens // (num_devices * tokens_per_device)))
+  return -(-int(arr.sum()) // (num_devices * tokens_per_device))
 
 
 def plan(lengths: Sequence[int], *, num_devices: int, tokens_per_device: int,
@@ -180,14 +219,39 @@ def plan(lengths: Sequence[int], *, num_devices: int, tokens_per_device: int,
     return []
   rings = np.array([devices_needed(n, tokens_per_device) for n in arr], np.int64)
   costs = sequence_cost(arr, d_model=d_model)
-  steps = min_steps(arr, num_devices=num_devices, tokens_per_device=tokens_per_device)
-  while True:  # terminates: with one step per sequence everything fits
-    entries = _place(arr, rings, costs, steps, num_devices, tokens_per_device)
-    if entries is not None:
-      break
-    steps += 1
+  # Two ways to ring the long sequences: one ring each, or rings shared (fewer slots
+  # left empty, heavier rings); the plan with the shorter lock-step time wins.
+  alone = [((i,), int(r)) for i, r in enumerate(rings) if r > 1]
+  shared = share_groups(arr, tokens_per_device, num_devices)
+  step_cost = LINEAR_FLOPS_PER_TOKEN * d_model * d_model * tokens_per_device
+  plans = [_fewest_steps(arr, groups, rings, costs, num_devices, tokens_per_device)
+           for groups in ([alone, shared] if len(shared) < len(alone) else [alone])]
+  entries = min(plans, key=lambda e: _lock_step_time(e, arr, costs, num_devices, step_cost))
   # Drop steps the greedy left empty, then order each step's entries by device.
   return [sorted(step, key=lambda e: (e[1][0], e[0])) for step in entries if step]
+
+
+def _fewest_steps(lengths, groups, rings, costs, num_devices, tokens_per_device):
+  """The greedy's entries for the fewest micro-steps, from the token bound up, it fits."""
+  steps = min_steps(lengths, num_devices=num_devices, tokens_per_device=tokens_per_device)
+  while True:  # terminates: with one step per sequence everything fits
+    entries = _place(lengths, groups, rings, costs, steps, num_devices, tokens_per_device)
+    if entries is not None:
+      return entries
+    steps += 1
+
+
+def _lock_step_time(entries, lengths, costs, num_devices: int, step_cost: float) -> float:
+  """sum over micro-steps of the most loaded device's cost; a micro-step's fixed shapes
+  also run every device's whole cell through the matmuls (`step_cost`, padding too)."""
+  total = 0.0
+  for step in entries:
+    if step:
+      load = np.zeros(num_devices)
+      for i, devs in step:
+        load[list(devs)] += costs[i] / len(devs)
+      total += load.max() + step_cost
+  return total
 
 
 @dataclasses.dataclass(frozen=True)

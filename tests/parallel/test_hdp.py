@@ -19,7 +19,7 @@ def _check_plan(steps, lengths, num_devices, tokens_per_device):
   assert all(steps), "no empty micro-step"
   for m, step in enumerate(steps):
     tokens = np.zeros(num_devices, np.int64)
-    served = np.zeros(num_devices, np.int64)  # the ring (c > 1) each device serves this step
+    rings = {}  # device -> the ring (c > 1) it serves this step
     for i, devs in step:
       c, n = len(devs), lengths[i]
       b = hdp.block_size(c)
@@ -29,9 +29,11 @@ def _check_plan(steps, lengths, num_devices, tokens_per_device):
       if n <= T:
         assert c == 1, f"short sequence {i} (L={n}) split over {devs}"
       else:
-        assert c == math.ceil(n / T), (i, n, devs)
-        assert (served[list(devs)] == 0).all(), f"ring {devs} shared in step {m}"
-        served[list(devs)] = c
+        need = math.ceil(n / T)
+        assert need <= c <= 2 * need, (i, n, devs)
+        # Long sequences share a ring only whole: the same devices, each split over all.
+        assert all(rings.get(d, devs) == devs for d in devs), f"rings overlap at {devs}"
+        rings.update({d: devs for d in devs})
       tokens[list(devs)] += math.ceil(n / c)
     assert tokens.max(initial=0) <= T, (m, tokens)
   if lengths:
@@ -83,7 +85,7 @@ class ExamplesTest(parameterized.TestCase):
 
   def test_docstring_example(self):
     steps = hdp.plan([9000, 300, 5000, 120], num_devices=4, tokens_per_device=4096)
-    self.assertEqual(steps, [[(1, (0,)), (0, (1, 2, 3))], [(2, (0, 1)), (3, (2,))]])
+    self.assertEqual(steps, [[(0, (0, 1, 2, 3)), (1, (0,)), (2, (0, 1, 2, 3)), (3, (1,))]])
 
   def test_equal_short_sequences_fill_the_pool(self):
     steps = hdp.plan([10] * 4, num_devices=2, tokens_per_device=10)
@@ -122,9 +124,10 @@ class ExamplesTest(parameterized.TestCase):
     lengths = [9000, 300, 5000, 120]
     steps = hdp.plan(lengths, num_devices=4, tokens_per_device=4096)
     s = hdp.summary(steps, lengths, num_devices=4, tokens_per_device=4096)
-    np.testing.assert_array_equal(s.tokens, [[300, 3000, 3000, 3000], [2500, 2500, 120, 0]])
+    # 9000 and 5000 share a ring of 4 (each on at most twice the devices it needs).
+    np.testing.assert_array_equal(s.tokens, [[3800, 3620, 3500, 3500]])
     self.assertGreater(s.step_imbalance[0], 1.0)
-    self.assertAlmostEqual(s.utilisation, sum(lengths) / (2 * 4 * 4096))
+    self.assertAlmostEqual(s.utilisation, sum(lengths) / (1 * 4 * 4096))
     self.assertAlmostEqual(s.cost.sum(), float(hdp.sequence_cost(np.array(lengths)).sum()))
     self.assertAlmostEqual(s.imbalance, s.cost.max(axis=1).sum() / s.cost.mean(axis=1).sum())
 
