@@ -45,15 +45,21 @@ from jax.sharding import PartitionSpec as P
 from jaxsys.kernels.attention_xla import xla_attention
 from jaxsys.parallel import context
 
-_SEQ_LEN = flags.DEFINE_integer("seq_len", 8192, "Sequence length T.")
-_DEVICES = flags.DEFINE_integer("devices", 4, "Ring size n (simulated CPU devices).")
-_BATCH = flags.DEFINE_integer("batch", 1, "Batch size B.")
-_HEADS = flags.DEFINE_integer("heads", 4, "Query heads Hq.")
-_KV_HEADS = flags.DEFINE_integer("kv_heads", 2, "Key/value heads Hkv (divides Hq).")
-_HEAD_DIM = flags.DEFINE_integer("head_dim", 64, "Head dim D.")
-_LAYOUTS = flags.DEFINE_list("layouts", list(context.LAYOUTS), "Layouts to compare.")
-_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed calls per case (0: skip timing).")
-_OUT = flags.DEFINE_string("out", None, "Optional JSON path with every number.")
+
+def _define_flags() -> None:
+  """Defines the flags: only when this file runs as a script, so tests can import it
+  beside other benchmarks (absl refuses a flag name defined twice in one process)."""
+  global _SEQ_LEN, _DEVICES, _BATCH, _HEADS, _KV_HEADS, _HEAD_DIM, _LAYOUTS, _REPEATS, _OUT
+  _SEQ_LEN = flags.DEFINE_integer("seq_len", 8192, "Sequence length T.")
+  _DEVICES = flags.DEFINE_integer("devices", 4, "Ring size n (simulated CPU devices).")
+  _BATCH = flags.DEFINE_integer("batch", 1, "Batch size B.")
+  _HEADS = flags.DEFINE_integer("heads", 4, "Query heads Hq.")
+  _KV_HEADS = flags.DEFINE_integer("kv_heads", 2, "Key/value heads Hkv (divides Hq).")
+  _HEAD_DIM = flags.DEFINE_integer("head_dim", 64, "Head dim D.")
+  _LAYOUTS = flags.DEFINE_list("layouts", list(context.LAYOUTS), "Layouts to compare.")
+  _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed calls per case (0: skip timing).")
+  _OUT = flags.DEFINE_string("out", None, "Optional JSON path with every number.")
+
 
 AXIS = "context"
 MIB = 2**20
@@ -183,4 +189,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  _define_flags()
   app.run(main)

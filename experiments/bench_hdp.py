@@ -44,27 +44,34 @@ from jaxsys.parallel import hdp, hdp_sim
 PARTS = ("sim", "real")
 DISTRIBUTIONS = ("long_tail", "stdlib")
 
-_PART = flags.DEFINE_enum("part", "sim", PARTS, "Which benchmark to run.")
-_DEVICES = flags.DEFINE_list("devices", ["8", "16", "32", "64", "128", "256", "512", "1024"],
-                             "Device counts N (powers of two).")
-_SEEDS = flags.DEFINE_integer("seeds", 3, "Global batches (seeds) per point.")
-_TPD = flags.DEFINE_integer("tokens_per_device", 32768, "Tokens one device holds per micro-step.")
-_BATCH_STEPS = flags.DEFINE_integer("batch_steps", 4, "Global batch budget = N * tpd * this "
-                                    "* --fill tokens.")
-_FILL = flags.DEFINE_float("fill", 0.95, "Fraction of batch_steps micro-steps' slots the batch's "
-                           "token budget holds (slack for ring rounding and packing).")
-_MAX_LEN = flags.DEFINE_integer("max_len", 262144, "Longest sequence (static ring size).")
-_LINK = flags.DEFINE_float("link_gbps", 100.0, "cpu setting: link GB/s per direction.")
-_ACCEL_TFLOPS = flags.DEFINE_float("accel_tflops", 400.0, "accel setting: matmul TFLOP/s.")
-_ACCEL_LINK = flags.DEFINE_float("accel_link_gbps", 25.0, "accel setting: link GB/s.")
-_CHART = flags.DEFINE_string("chart", "", "Write the speed-up chart here (PNG).")
-_OUT = flags.DEFINE_string("out", "", "Write every number here (JSON).")
-_REAL_SIZE = flags.DEFINE_string("real_size", "tiny", "real: configs/tiny_lm.py model size.")
-_REAL_TPD = flags.DEFINE_integer("real_tokens_per_device", 1024, "real: tokens per device.")
-_REAL_MAX_LEN = flags.DEFINE_integer("real_max_len", 8192, "real: data.max_len (truncated).")
-_REAL_BATCH_STEPS = flags.DEFINE_integer("real_batch_steps", 8,
-                                         "real: global batch = 8 * tpd * this tokens.")
-_REAL_BATCHES = flags.DEFINE_integer("real_batches", 3, "real: timed global batches.")
+
+def _define_flags() -> None:
+  """Defines the flags: only when this file runs as a script, so tests can import it
+  beside other benchmarks (absl refuses a flag name defined twice in one process)."""
+  global _PART, _DEVICES, _SEEDS, _TPD, _BATCH_STEPS, _FILL, _MAX_LEN, _LINK, _ACCEL_TFLOPS, \
+         _ACCEL_LINK, _CHART, _OUT, _REAL_SIZE, _REAL_TPD, _REAL_MAX_LEN, _REAL_BATCH_STEPS, \
+         _REAL_BATCHES
+  _PART = flags.DEFINE_enum("part", "sim", PARTS, "Which benchmark to run.")
+  _DEVICES = flags.DEFINE_list("devices", ["8", "16", "32", "64", "128", "256", "512", "1024"],
+                               "Device counts N (powers of two).")
+  _SEEDS = flags.DEFINE_integer("seeds", 3, "Global batches (seeds) per point.")
+  _TPD = flags.DEFINE_integer("tokens_per_device", 32768, "Tokens one device holds per micro-step.")
+  _BATCH_STEPS = flags.DEFINE_integer("batch_steps", 4, "Global batch budget = N * tpd * this "
+                                      "* --fill tokens.")
+  _FILL = flags.DEFINE_float("fill", 0.95, "Fraction of batch_steps micro-steps' slots the batch's "
+                             "token budget holds (slack for ring rounding and packing).")
+  _MAX_LEN = flags.DEFINE_integer("max_len", 262144, "Longest sequence (static ring size).")
+  _LINK = flags.DEFINE_float("link_gbps", 100.0, "cpu setting: link GB/s per direction.")
+  _ACCEL_TFLOPS = flags.DEFINE_float("accel_tflops", 400.0, "accel setting: matmul TFLOP/s.")
+  _ACCEL_LINK = flags.DEFINE_float("accel_link_gbps", 25.0, "accel setting: link GB/s.")
+  _CHART = flags.DEFINE_string("chart", "", "Write the speed-up chart here (PNG).")
+  _OUT = flags.DEFINE_string("out", "", "Write every number here (JSON).")
+  _REAL_SIZE = flags.DEFINE_string("real_size", "tiny", "real: configs/tiny_lm.py model size.")
+  _REAL_TPD = flags.DEFINE_integer("real_tokens_per_device", 1024, "real: tokens per device.")
+  _REAL_MAX_LEN = flags.DEFINE_integer("real_max_len", 8192, "real: data.max_len (truncated).")
+  _REAL_BATCH_STEPS = flags.DEFINE_integer("real_batch_steps", 8,
+                                           "real: global batch = 8 * tpd * this tokens.")
+  _REAL_BATCHES = flags.DEFINE_integer("real_batches", 3, "real: timed global batches.")
 
 
 def settings(fit: hdp_sim.Fit, *, link_gbps: float, accel_tflops: float,
@@ -314,4 +321,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  _define_flags()
   app.run(main)

@@ -244,7 +244,8 @@ RELATIONS: tuple[Relation, ...] = (
     Relation(("parallel.hdp", "data.variable_length"), lambda hdp, var: hdp == var,
              "equal data.variable_length (HDP trains whole documents; whole documents train "
              "only with HDP)"),
-    Relation(("parallel.hdp", "mesh axes other than data"), lambda hdp, others: not hdp or not others,
+    Relation(("parallel.hdp", "mesh axes other than data"),
+             lambda hdp, others: not hdp or not others,
              "be False on this mesh: HDP regroups a data-only mesh into data=N/c,context=c "
              "views, so its other axes must be 1 (use --config.mesh=data=-1)"),
     Relation(("data.max_len", "data.seq_len", "devices", "parallel.hdp"),

@@ -81,7 +81,8 @@ class HDPStep:
       fn = functools.partial(micro_step_sums, model_cfg=self.model_cfg, ring=c > 1)
       # Parameters and sums keep the pool's shardings (the same devices), so every program
       # sees one input layout and compiles once, whichever view ran before it.
-      jitted = jax.jit(sharded.under_mesh(fn, view), in_shardings=(self.params_sh, batch_sh, self._acc_sh),
+      jitted = jax.jit(sharded.under_mesh(fn, view),
+                       in_shardings=(self.params_sh, batch_sh, self._acc_sh),
                        out_shardings=self._acc_sh, donate_argnums=2,
                        compiler_options=step_lib.compiler_options(self.model_cfg, view))
       self._programs[c] = (jitted, batch_sh)

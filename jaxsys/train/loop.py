@@ -224,8 +224,8 @@ class _Parts:
 def _loaders(config, model_cfg, mesh, workdir: str) -> tuple[Any, Validation]:
   batch = config.data.batch_size
   if config.data.variable_length:  # whole documents, the same global batch on every process
-    train = make_document_loader(config.data, "train", tokens_per_batch=batch * config.data.seq_len,
-                                 seed=config.seed, workdir=workdir)
+    train = make_document_loader(config.data, "train", seed=config.seed, workdir=workdir,
+                                 tokens_per_batch=batch * config.data.seq_len)
   else:
     block, blocks = _batch_block(mesh_lib.batch_sharding(mesh), batch)
     train = make_loader(config.data, "train", batch_size=batch, seed=config.seed,

@@ -67,7 +67,8 @@ def test_sigterm_saves_and_exits_preempted(small_corpus, tmp_path):
     (["--workdir="], "workdir='' is invalid; it must be a directory path"),
     (["--config.mesh=stage=2,data=-1"], "mesh axis stage=2 is invalid with "
      "pipeline.schedule='none'; it must be 1 without a pipeline"),
-    (["--config.mesh=context=2,data=-1"], "mesh axis context=2 is not used by any strategy yet"),
+    (["--config.mesh=context=4,data=-1", "--config.data.seq_len=36"],
+     "data.seq_len=36 is invalid with mesh axis context=4"),
 ])
 def test_bad_input_gets_one_line_error(small_corpus, tmp_path, flags, message):
   proc = subprocess.run(_cmd(tmp_path / "run", small_corpus, *flags), cwd=ROOT,
