@@ -101,8 +101,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # context_layout zigzag evens the causal work, contiguous is the naive order.
   # hdp: Hybrid Data Parallelism (jaxsys/parallel/hdp.py) over a data-only mesh, for
   # data.variable_length=true: each document on as many devices as its length needs,
-  # data.seq_len tokens per device per micro-step, data.batch_size * data.seq_len tokens
-  # per step.
+  # data.seq_len tokens per device per micro-step, ceil(data.batch_size / devices)
+  # micro-steps per step, filled from whole documents (what does not fit starts the next).
   c.parallel = ml_collections.ConfigDict(dict(context_layout="zigzag", hdp=False))
   c.pipeline = ml_collections.ConfigDict(dict(
       schedule="none", microbatches=4, virtual_stages=1, vocab_parallel=False, vocab_algorithm=2))

@@ -105,8 +105,11 @@ def real_part(*, size: str = "tiny", tokens_per_device: int = 1024, max_len: int
   model_cfg = transformer.TransformerConfig.from_config(config.model)
   data = ml_collections.ConfigDict(dict(source="stdlib", tokenizer="byte", vocab_size=256,
                                         max_len=max_len, truncate_long=True))
-  loader = make_document_loader(data, "train", tokens_per_batch=n * tokens_per_device * batch_steps,
-                                seed=seed)
+  # The loader offers batch_steps micro-steps' slots plus one longest document; HDP takes
+  # the longest prefix its plan fits into batch_steps micro-steps and gives the rest back
+  # (as jaxsys/train/hdp_step.py does in training); every layout gets the same prefix.
+  loader = make_document_loader(data, "train", seed=seed,
+                                tokens_per_batch=n * tokens_per_device * batch_steps + max_len)
   optimizer = make_optimizer(config.optimizer, config.total_steps)
   abstract = state_lib.abstract_train_state(model_cfg, optimizer, seed)
   state_sh = state_lib.state_shardings(abstract, model_cfg, optimizer, mesh)
@@ -114,13 +117,19 @@ def real_part(*, size: str = "tiny", tokens_per_device: int = 1024, max_len: int
   init = jax.jit(lambda: state_lib.init_train_state(model_cfg, optimizer, seed),
                  out_shardings=state_sh)
   geometry = dict(num_devices=n, tokens_per_device=tokens_per_device)
-  batch_list = [next(loader) for _ in range(batches)]
+  batch_list = []
+  for _ in range(batches):
+    docs = next(loader)["tokens"]
+    taken, _ = run.fit(docs, batch_steps)
+    if taken < len(docs):
+      loader.give_back(len(docs) - taken)
+    batch_list.append(docs[:taken])
   run.compile_all(init().params)
   rows = []
   for name in LAYOUTS:
     state, times, stats = init(), [], []
-    for b, batch in enumerate([batch_list[0]] + batch_list):  # the first one warms up
-      docs, lengths = batch["tokens"], [int(x) for x in batch["lengths"]]
+    for b, docs in enumerate([batch_list[0]] + batch_list):  # the first one warms up
+      lengths = [len(d) - 1 for d in docs]
       steps = layout_plan(name, lengths, ring=ring, **geometry)
       t = time.perf_counter()
       state, m = run.run_packed(state, micro_batches(name, docs, lengths, steps, ring=ring,

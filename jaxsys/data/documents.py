@@ -98,20 +98,22 @@ class DocumentLoader:
     self.dropped = dropped
     self._epoch = 0
     self._position = 0
-    self._order_epoch = None  # Epoch whose order/batch starts are cached below.
-    self._order = self._starts = None
+    self._last: tuple[int, int, int] | None = None  # (epoch, start, end) of the last batch
+    self._order_epoch = None  # Epoch whose order and token offsets are cached below.
+    self._order = self._offsets = None
 
-  def _epoch_plan(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-    """(document order, batch start positions + end) for `epoch`, cached for the current one."""
+  def _epoch_order(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+    """(document order, cumulative sequence lengths along it from 0) for `epoch`, cached."""
     if self._order_epoch != epoch:
       if self._meta["shuffle"]:
         # Seeding with (seed, epoch) gives a new, reproducible order every epoch.
         order = np.random.default_rng([self._meta["seed"], epoch]).permutation(self.num_docs)
       else:
         order = np.arange(self.num_docs)
-      self._order, self._starts = order, _batch_starts(self.lengths[order], self.tokens_per_batch)
+      self._order = order
+      self._offsets = np.concatenate([[0], np.cumsum(self.lengths[order])])
       self._order_epoch = epoch
-    return self._order, self._starts
+    return self._order, self._offsets
 
   def __iter__(self) -> DocumentLoader:
     return self
@@ -119,11 +121,16 @@ class DocumentLoader:
   def __next__(self) -> dict[str, Any]:
     if not self._meta["repeat"] and self._epoch > 0:
       raise StopIteration
-    order, starts = self._epoch_plan(self._epoch)
-    k = int(np.searchsorted(starts, self._position))
-    picked = order[starts[k]:starts[k + 1]]
-    if k + 2 < len(starts):
-      self._position = int(starts[k + 1])
+    order, offsets = self._epoch_order(self._epoch)
+    start = self._position
+    # Greedy: documents in order while they fit the budget (at least one); the one that
+    # would overflow starts the next batch.
+    end = int(np.searchsorted(offsets, offsets[start] + self.tokens_per_batch, side="right")) - 1
+    end = min(max(end, start + 1), self.num_docs)
+    picked = order[start:end]
+    self._last = (self._epoch, start, end)
+    if end < self.num_docs:
+      self._position = end
     else:  # The epoch's last batch (possibly partial): batches never span two epochs.
       self._epoch, self._position = self._epoch + 1, 0
     return {
@@ -131,6 +138,19 @@ class DocumentLoader:
         "doc_ids": self.doc_ids[picked],
         "lengths": self.lengths[picked],
     }
+
+  def give_back(self, count: int) -> None:
+    """Returns the last `count` documents of the last batch: the next batch starts with
+    them (a consumer that takes a prefix, e.g. what fits its micro-steps). Once per batch."""
+    if self._last is None:
+      raise ValueError("give_back: no batch to give documents back to (call next() first; "
+                       "a batch gives back once)")
+    epoch, start, end = self._last
+    if not isinstance(count, (int, np.integer)) or not 0 <= count < end - start:
+      raise ValueError(f"give_back: count={count!r} must be an int in [0, {end - start}) "
+                       "(the last batch's documents, keeping at least one)")
+    self._epoch, self._position = epoch, end - int(count)
+    self._last = None
 
   def get_state(self) -> dict[str, Any]:
     """JSON-serialisable position (epoch, first document of the next batch) plus what it is valid for."""
@@ -148,22 +168,7 @@ class DocumentLoader:
     epoch, position = state["epoch"], state["position"]
     if not (isinstance(epoch, int) and epoch >= 0 and isinstance(position, int) and 0 <= position < max(self.num_docs, 1)):
       raise ValueError(f"document loader state has epoch={epoch!r}, position={position!r}; need ints with epoch >= 0 and 0 <= position < num_docs={self.num_docs}")
-    if position and position not in self._epoch_plan(epoch)[1]:
-      raise ValueError(f"document loader state position={position} is not a batch start of epoch {epoch}; use a state from get_state")
-    self._epoch, self._position = epoch, position
-
-
-def _batch_starts(lengths: np.ndarray, budget: int) -> np.ndarray:
-  """Batch start positions (plus len) of a greedy cut: a document that would overflow starts the next batch."""
-  starts, total = [0], 0
-  for i, n in enumerate(lengths.tolist()):
-    if total + n > budget and i > starts[-1]:
-      starts.append(i)
-      total = 0
-    total += n
-  if len(lengths):
-    starts.append(len(lengths))
-  return np.array(starts, dtype=np.int64)
+    self._epoch, self._position, self._last = epoch, position, None
 
 
 def _fit_to_max_len(docs, doc_ids, paths, *, source: str, max_len: int, truncate_long: bool):

@@ -104,9 +104,26 @@ class HDPStep:
     return hdp.plan([int(n) for n in lengths], num_devices=self.num_devices,
                     tokens_per_device=self.tokens_per_device)
 
+  def fit(self, docs, micro_steps: int) -> tuple[int, hdp.Plan]:
+    """(n, plan of docs[:n]): the longest prefix of `docs` that plans into at most
+    `micro_steps` micro-steps (at least one document: any fits one micro-step)."""
+    lengths = [len(d) - 1 for d in docs]
+    steps = self.plan(lengths)
+    if len(steps) <= micro_steps:
+      return len(docs), steps
+    lo, hi, best = 1, len(docs) - 1, (1, self.plan(lengths[:1]))
+    while lo <= hi:  # the plan's length grows with the prefix (up to the greedy's slack)
+      mid = (lo + hi) // 2
+      steps = self.plan(lengths[:mid])
+      if len(steps) <= micro_steps:
+        lo, best = mid + 1, (mid, steps)
+      else:
+        hi = mid - 1
+    return best
+
   def __call__(self, state: TrainState, batch: dict[str, Any]):
     docs = batch["tokens"]
-    steps = self.plan([len(d) - 1 for d in docs])
+    steps = batch.get("plan") or self.plan([len(d) - 1 for d in docs])
     self.last_plan = steps
     return self.run(state, docs, steps)
 
@@ -135,10 +152,21 @@ class HDPStep:
 
 @dataclasses.dataclass(frozen=True)
 class HDPSetup(step_lib.TrainSetup):
-  """`step.TrainSetup` whose train_fn is an `HDPStep` taking whole-document batches."""
+  """`step.TrainSetup` whose train_fn is an `HDPStep` taking whole-document batches.
+
+  A step fills `micro_steps` micro-steps: the loader offers more documents than fit, the
+  step takes the longest prefix its plan fits and gives the rest back to `loader` (the
+  next batch starts with them), so micro-steps are not left part empty by a token cut.
+  """
+  loader: Any = None
+  micro_steps: int = 1
 
   def device_batch(self, batch):
-    return batch  # documents: the step plans and places them itself
+    docs = batch["tokens"]
+    taken, steps = self.train_fn.fit(docs, self.micro_steps)
+    if taken < len(docs):
+      self.loader.give_back(len(docs) - taken)
+    return {"tokens": docs[:taken], "plan": steps}
 
   def comm_bytes(self, steps: int) -> float:
     """Gradient all-reduce bytes per device over `steps` steps: one per micro-step (this
@@ -148,9 +176,24 @@ class HDPSetup(step_lib.TrainSetup):
     return steps * per_micro * (run.micro_steps_run / run.steps_run if run.steps_run else 1.0)
 
 
-def make_hdp_setup(config, model_cfg: transformer.TransformerConfig, mesh) -> HDPSetup:
-  """The HDP step of `config` on the data-only `mesh`; data.seq_len tokens per device."""
+def micro_steps_per_step(config, num_devices: int) -> int:
+  """Micro-steps a step fills: data.batch_size * data.seq_len tokens over the pool's
+  slots per micro-step (num_devices * data.seq_len)."""
+  return max(1, -(-config.data.batch_size // num_devices))
+
+
+def loader_budget(config, num_devices: int) -> int:
+  """Tokens the whole-document loader offers a step: its micro-steps' slots plus one
+  longest document, so the step can fill them and give the rest back."""
+  return micro_steps_per_step(config, num_devices) * num_devices * config.data.seq_len + (
+      config.data.max_len)
+
+
+def make_hdp_setup(config, model_cfg: transformer.TransformerConfig, mesh, loader) -> HDPSetup:
+  """The HDP step of `config` on the data-only `mesh`, data.seq_len tokens per device,
+  taking its documents from (and giving the unused back to) `loader`."""
   base = step_lib.make_train_setup(config, model_cfg, mesh)
   train_fn = HDPStep(model_cfg, base.optimizer, mesh, base.state_sh, config.data.seq_len)
   return HDPSetup(**{**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)},
-                     "train_fn": train_fn})
+                     "train_fn": train_fn}, loader=loader,
+                  micro_steps=micro_steps_per_step(config, mesh.size))

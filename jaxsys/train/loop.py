@@ -225,7 +225,7 @@ def _loaders(config, model_cfg, mesh, workdir: str) -> tuple[Any, Validation]:
   batch = config.data.batch_size
   if config.data.variable_length:  # whole documents, the same global batch on every process
     train = make_document_loader(config.data, "train", seed=config.seed, workdir=workdir,
-                                 tokens_per_batch=batch * config.data.seq_len)
+                                 tokens_per_batch=hdp_step.loader_budget(config, mesh.size))
   else:
     block, blocks = _batch_block(mesh_lib.batch_sharding(mesh), batch)
     train = make_loader(config.data, "train", batch_size=batch, seed=config.seed,
@@ -246,7 +246,7 @@ def _set_up(config, workdir: str) -> _Parts:
   outer = replicas_lib.make_outer_optimizer(config.optimizer)
   if outer is None:  # data parallel, optionally pipelined over `stage`
     if config.parallel.hdp:
-      setup = hdp_step.make_hdp_setup(config, model_cfg, mesh)
+      setup = hdp_step.make_hdp_setup(config, model_cfg, mesh, train_loader)
       comm_bytes = setup.comm_bytes
       logging.info("HDP: whole documents up to %d tokens, %d tokens per device per micro-step",
                    config.data.max_len, config.data.seq_len)

@@ -141,8 +141,29 @@ def test_mismatched_or_malformed_state_is_refused(cfg):
     _make(cfg, seed=5, tokens_per_batch=300).set_state(state)
   with pytest.raises(ValueError, match="keys 'epoch' and 'position'"):
     _make(cfg, seed=5).set_state({"grain": {}})
-  with pytest.raises(ValueError, match="not a batch start"):
-    _make(cfg, seed=5).set_state({**state, "position": 1})
+  with pytest.raises(ValueError, match="need ints with epoch >= 0"):
+    _make(cfg, seed=5).set_state({**state, "position": 10**6})
+
+
+def test_give_back_starts_the_next_batch_and_resumes(cfg):
+  """A consumer that takes a prefix returns the rest; state after that resumes exactly."""
+  a = _make(cfg, seed=5)
+  first = next(a)
+  n = len(first["doc_ids"])
+  assert n >= 2
+  a.give_back(n - 1)
+  with pytest.raises(ValueError, match="a batch gives back once"):
+    a.give_back(0)
+  state = a.get_state()
+  second = next(a)
+  np.testing.assert_array_equal(second["doc_ids"][:n - 1], first["doc_ids"][1:])
+  b = _make(cfg, seed=5)
+  b.set_state(state)
+  _assert_same(_take(b, 3), [second] + _take(a, 2))
+  c = _make(cfg, seed=5)
+  size = len(next(c)["doc_ids"])
+  with pytest.raises(ValueError, match=rf"count={size} must be an int in \[0, {size}\)"):
+    c.give_back(size)  # at least one document stays taken
 
 
 def test_too_long_document_is_one_clear_error(cfg):
