@@ -105,11 +105,11 @@ def real_part(*, size: str = "tiny", tokens_per_device: int = 1024, max_len: int
   model_cfg = transformer.TransformerConfig.from_config(config.model)
   data = ml_collections.ConfigDict(dict(source="stdlib", tokenizer="byte", vocab_size=256,
                                         max_len=max_len, truncate_long=True))
-  # The loader offers batch_steps micro-steps' slots plus one longest document; HDP takes
-  # the longest prefix its plan fits into batch_steps micro-steps and gives the rest back
-  # (as jaxsys/train/hdp_step.py does in training); every layout gets the same prefix.
-  loader = make_document_loader(data, "train", seed=seed,
-                                tokens_per_batch=n * tokens_per_device * batch_steps + max_len)
+  # The loader offers more than batch_steps micro-steps' slots; HDP keeps the documents
+  # its plan fits into batch_steps micro-steps and gives the rest back (as
+  # jaxsys/train/hdp_step.py does in training); every layout gets the same documents.
+  budget = hdp_step.loader_budget(n * tokens_per_device * batch_steps, max_len)
+  loader = make_document_loader(data, "train", seed=seed, tokens_per_batch=budget)
   optimizer = make_optimizer(config.optimizer, config.total_steps)
   abstract = state_lib.abstract_train_state(model_cfg, optimizer, seed)
   state_sh = state_lib.state_shardings(abstract, model_cfg, optimizer, mesh)
@@ -120,10 +120,10 @@ def real_part(*, size: str = "tiny", tokens_per_device: int = 1024, max_len: int
   batch_list = []
   for _ in range(batches):
     docs = next(loader)["tokens"]
-    taken, _ = run.fit(docs, batch_steps)
-    if taken < len(docs):
-      loader.give_back(len(docs) - taken)
-    batch_list.append(docs[:taken])
+    kept, _ = run.fit(docs, batch_steps)
+    if len(kept) < len(docs):
+      loader.give_back(sorted(set(range(len(docs))) - set(kept)))
+    batch_list.append([docs[i] for i in kept])
   run.compile_all(init().params)
   rows = []
   for name in LAYOUTS:

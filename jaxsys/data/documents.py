@@ -98,7 +98,8 @@ class DocumentLoader:
     self.dropped = dropped
     self._epoch = 0
     self._position = 0
-    self._last: tuple[int, int, int] | None = None  # (epoch, start, end) of the last batch
+    self._carry: list[int] = []  # documents given back: the next batch starts with them
+    self._last: list[int] | None = None  # the last batch's documents
     self._order_epoch = None  # Epoch whose order and token offsets are cached below.
     self._order = self._offsets = None
 
@@ -119,42 +120,52 @@ class DocumentLoader:
     return self
 
   def __next__(self) -> dict[str, Any]:
-    if not self._meta["repeat"] and self._epoch > 0:
+    carry, self._carry = self._carry, []
+    if not self._meta["repeat"] and self._epoch > 0 and not carry:
       raise StopIteration
-    order, offsets = self._epoch_order(self._epoch)
-    start = self._position
-    # Greedy: documents in order while they fit the budget (at least one); the one that
-    # would overflow starts the next batch.
-    end = int(np.searchsorted(offsets, offsets[start] + self.tokens_per_batch, side="right")) - 1
-    end = min(max(end, start + 1), self.num_docs)
-    picked = order[start:end]
-    self._last = (self._epoch, start, end)
-    if end < self.num_docs:
-      self._position = end
-    else:  # The epoch's last batch (possibly partial): batches never span two epochs.
-      self._epoch, self._position = self._epoch + 1, 0
+    picked = list(carry)
+    budget = self.tokens_per_batch - int(self.lengths[carry].sum()) if carry else (
+        self.tokens_per_batch)
+    if self._meta["repeat"] or self._epoch == 0:
+      order, offsets = self._epoch_order(self._epoch)
+      start = self._position
+      # Greedy: documents in order while they fit the budget (at least one per batch);
+      # the one that would overflow starts the next batch.
+      end = int(np.searchsorted(offsets, offsets[start] + budget, side="right")) - 1
+      end = min(max(end, start + (0 if picked else 1)), self.num_docs)
+      picked += order[start:end].tolist()
+      if end < self.num_docs:
+        self._position = end
+      else:  # The epoch's last batch (possibly partial): batches never span two epochs.
+        self._epoch, self._position = self._epoch + 1, 0
+    self._last = picked
+    picked = np.asarray(picked, np.int64)
     return {
         "tokens": [self._docs[i].astype(np.int32) for i in picked],
         "doc_ids": self.doc_ids[picked],
         "lengths": self.lengths[picked],
     }
 
-  def give_back(self, count: int) -> None:
-    """Returns the last `count` documents of the last batch: the next batch starts with
-    them (a consumer that takes a prefix, e.g. what fits its micro-steps). Once per batch."""
+  def give_back(self, indices) -> None:
+    """Returns documents of the last batch (their indices in it): the next batch starts
+    with them, in this order (a consumer that takes what fits its micro-steps). At least
+    one document stays taken; once per batch."""
     if self._last is None:
       raise ValueError("give_back: no batch to give documents back to (call next() first; "
                        "a batch gives back once)")
-    epoch, start, end = self._last
-    if not isinstance(count, (int, np.integer)) or not 0 <= count < end - start:
-      raise ValueError(f"give_back: count={count!r} must be an int in [0, {end - start}) "
-                       "(the last batch's documents, keeping at least one)")
-    self._epoch, self._position = epoch, end - int(count)
+    idx = [int(i) for i in indices]
+    if len(set(idx)) != len(idx) or not all(0 <= i < len(self._last) for i in idx) or (
+        len(idx) >= len(self._last)):
+      raise ValueError(f"give_back: indices {idx} must be distinct positions in the last "
+                       f"batch [0, {len(self._last)}), keeping at least one document")
+    self._carry = [self._last[i] for i in idx]
     self._last = None
 
   def get_state(self) -> dict[str, Any]:
-    """JSON-serialisable position (epoch, first document of the next batch) plus what it is valid for."""
-    return {"epoch": self._epoch, "position": self._position, **self._meta}
+    """JSON-serialisable position (epoch, next document in its order, documents given
+    back) plus what it is valid for."""
+    return {"epoch": self._epoch, "position": self._position, "carry": list(self._carry),
+            **self._meta}
 
   def set_state(self, state: dict[str, Any]) -> None:
     """Restores a `get_state` result so the next batch is the one that would have come next."""
@@ -168,7 +179,12 @@ class DocumentLoader:
     epoch, position = state["epoch"], state["position"]
     if not (isinstance(epoch, int) and epoch >= 0 and isinstance(position, int) and 0 <= position < max(self.num_docs, 1)):
       raise ValueError(f"document loader state has epoch={epoch!r}, position={position!r}; need ints with epoch >= 0 and 0 <= position < num_docs={self.num_docs}")
-    self._epoch, self._position, self._last = epoch, position, None
+    carry = state.get("carry", [])
+    if not (isinstance(carry, list) and all(isinstance(i, int) and 0 <= i < self.num_docs
+                                            for i in carry)):
+      raise ValueError(f"document loader state has carry={carry!r}; need a list of document "
+                       f"indices in [0, {self.num_docs})")
+    self._epoch, self._position, self._carry, self._last = epoch, position, list(carry), None
 
 
 def _fit_to_max_len(docs, doc_ids, paths, *, source: str, max_len: int, truncate_long: bool):

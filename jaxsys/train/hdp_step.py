@@ -104,22 +104,20 @@ class HDPStep:
     return hdp.plan([int(n) for n in lengths], num_devices=self.num_devices,
                     tokens_per_device=self.tokens_per_device)
 
-  def fit(self, docs, micro_steps: int) -> tuple[int, hdp.Plan]:
-    """(n, plan of docs[:n]): the longest prefix of `docs` that plans into at most
-    `micro_steps` micro-steps (at least one document: any fits one micro-step)."""
+  def fit(self, docs, micro_steps: int) -> tuple[list[int], hdp.Plan]:
+    """(kept, plan of those docs): in order, each document the plan still fits into at
+    most `micro_steps` micro-steps is kept, the others skipped (the first always fits)."""
     lengths = [len(d) - 1 for d in docs]
     steps = self.plan(lengths)
     if len(steps) <= micro_steps:
-      return len(docs), steps
-    lo, hi, best = 1, len(docs) - 1, (1, self.plan(lengths[:1]))
-    while lo <= hi:  # the plan's length grows with the prefix (up to the greedy's slack)
-      mid = (lo + hi) // 2
-      steps = self.plan(lengths[:mid])
-      if len(steps) <= micro_steps:
-        lo, best = mid + 1, (mid, steps)
-      else:
-        hi = mid - 1
-    return best
+      return list(range(len(docs))), steps
+    kept, steps = [], []
+    for i, n in enumerate(lengths):
+      trial = self.plan([lengths[j] for j in kept] + [n])
+      if len(trial) <= micro_steps or not kept:
+        kept, steps = kept + [i], trial
+    # The plan indexes the kept documents; callers pass docs[kept] alongside it.
+    return kept, steps
 
   def __call__(self, state: TrainState, batch: dict[str, Any]):
     docs = batch["tokens"]
@@ -155,18 +153,18 @@ class HDPSetup(step_lib.TrainSetup):
   """`step.TrainSetup` whose train_fn is an `HDPStep` taking whole-document batches.
 
   A step fills `micro_steps` micro-steps: the loader offers more documents than fit, the
-  step takes the longest prefix its plan fits and gives the rest back to `loader` (the
-  next batch starts with them), so micro-steps are not left part empty by a token cut.
+  step keeps, in order, each one its plan still fits and gives the rest back to `loader`
+  (the next batch starts with them), so micro-steps are not left part empty by a token cut.
   """
   loader: Any = None
   micro_steps: int = 1
 
   def device_batch(self, batch):
     docs = batch["tokens"]
-    taken, steps = self.train_fn.fit(docs, self.micro_steps)
-    if taken < len(docs):
-      self.loader.give_back(len(docs) - taken)
-    return {"tokens": docs[:taken], "plan": steps}
+    kept, steps = self.train_fn.fit(docs, self.micro_steps)
+    if len(kept) < len(docs):
+      self.loader.give_back(sorted(set(range(len(docs))) - set(kept)))
+    return {"tokens": [docs[i] for i in kept], "plan": steps}
 
   def comm_bytes(self, steps: int) -> float:
     """Gradient all-reduce bytes per device over `steps` steps: one per micro-step (this
@@ -182,11 +180,13 @@ def micro_steps_per_step(config, num_devices: int) -> int:
   return max(1, -(-config.data.batch_size // num_devices))
 
 
-def loader_budget(config, num_devices: int) -> int:
-  """Tokens the whole-document loader offers a step: its micro-steps' slots plus one
-  longest document, so the step can fill them and give the rest back."""
-  return micro_steps_per_step(config, num_devices) * num_devices * config.data.seq_len + (
-      config.data.max_len)
+def loader_budget(slots: int, max_len: int) -> int:
+  """Tokens the whole-document loader offers a step whose micro-steps hold `slots`: half
+  as many again (at least one longest document more), so the step has documents to
+  choose from to fill its micro-steps and gives the rest back. (On the stdlib, 8 devices,
+  1024 tokens each, 8 micro-steps: 6.3% of slots stay empty with one document more, 4.2%
+  with half as many again, 4.2% with twice.)"""
+  return slots + max(max_len, slots // 2)
 
 
 def make_hdp_setup(config, model_cfg: transformer.TransformerConfig, mesh, loader) -> HDPSetup:

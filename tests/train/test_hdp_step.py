@@ -68,19 +68,20 @@ class HDPStepTest(absltest.TestCase):
                                 atol=2e-5)
     self.assertLessEqual(len(run._programs), 4)  # one program per ring size: log2(8) + 1
 
-  def test_fit_takes_the_longest_prefix_that_plans_into_k_steps(self):
+  def test_fit_keeps_what_plans_into_k_steps(self):
     mesh = mesh_lib.make_mesh("data=8")
     optimizer, state_sh, _ = init(mesh)
     run = hdp_step.HDPStep(MODEL, optimizer, mesh, state_sh, TOKENS_PER_DEVICE)
     docs = documents(0)
     full = len(run.plan(LENGTHS))
     for k in range(1, full + 1):
-      n, steps = run.fit(docs, k)
+      kept, steps = run.fit(docs, k)
       self.assertLessEqual(len(steps), k)
-      self.assertEqual(steps, run.plan(LENGTHS[:n]))
-      if n < len(docs):
-        self.assertGreater(len(run.plan(LENGTHS[:n + 1])), k)
-    self.assertEqual(run.fit(docs, full)[0], len(docs))
+      self.assertEqual(steps, run.plan([LENGTHS[i] for i in kept]))
+      for i in set(range(len(docs))) - set(kept):  # each skipped one did not fit then
+        before = [LENGTHS[j] for j in kept if j < i]
+        self.assertGreater(len(run.plan(before + [LENGTHS[i]])), k)
+    self.assertEqual(run.fit(docs, full)[0], list(range(len(docs))))
 
   def test_refuses_a_mesh_it_cannot_regroup(self):
     mesh = mesh_lib.make_mesh("data=4,tensor=2")
