@@ -4,6 +4,10 @@ Unlike `loader.make_loader`, which packs a token stream into fixed rows, this lo
 never splits a document: each batch is a set of whole documents whose sequence lengths
 sum to at most `tokens_per_batch`, and the consumer decides how to place and pack them.
 
+A consumer that uses only part of a batch (the HDP step keeps what its plan fits into its
+micro-steps) gives the rest back with `give_back`; they start the next batch, and the
+state carries them, so a resume is exact.
+
 Length convention: a document of n tokens is ONE sequence of n - 1 (input, target)
 pairs, so its sequence length is n - 1; `data.max_len` bounds that length, i.e. a kept
 document has at most max_len + 1 tokens. Documents with fewer than 2 tokens carry no pair
