@@ -64,13 +64,15 @@ def row_fields(docs, row: list[int], row_tokens: int, ring: int) -> dict[str, np
   return {k: np.asarray(context.to_layout(v[None], ring, "zigzag"))[0] for k, v in out.items()}
 
 
-def static_micro_batches(docs, rows, *, num_devices: int, tokens_per_device: int, ring: int):
-  """(ring, fields [N/ring, ring * tpd]) per micro-step of N/ring rows (empty rows padded)."""
+def static_micro_batches(docs, steps, *, num_devices: int, tokens_per_device: int, ring: int):
+  """(ring, fields [N/ring, ring * tpd]) per micro-step of `layout_plan`'s static steps:
+  its rows (the entries on each ring), empty rows padded."""
   per_step, row_tokens = num_devices // ring, ring * tokens_per_device
-  for start in range(0, len(rows), per_step):
-    chunk = rows[start:start + per_step]
-    chunk = chunk + [[]] * (per_step - len(chunk))
-    fields = [row_fields(docs, r, row_tokens, ring) for r in chunk]
+  for step in steps:
+    rows = [[] for _ in range(per_step)]
+    for i, devs in step:
+      rows[devs[0] // ring].append(i)
+    fields = [row_fields(docs, r, row_tokens, ring) for r in rows]
     yield ring, {k: np.stack([f[k] for f in fields]) for k in FIELDS}
 
 
@@ -85,13 +87,13 @@ def layout_plan(name: str, lengths, *, num_devices: int, tokens_per_device: int,
           for s in range(0, len(rows), per_step)]
 
 
-def micro_batches(name: str, docs, lengths, steps, *, num_devices: int, tokens_per_device: int,
+def micro_batches(name: str, docs, steps, *, num_devices: int, tokens_per_device: int,
                   ring: int):
+  """The layout's micro-steps as (c, fields) for `HDPStep.run_packed`."""
   if name == "hdp":
     return (hdp_layout.pack_step(m, docs, num_devices=num_devices,
                                  tokens_per_device=tokens_per_device) for m in steps)
-  rows = static_rows(lengths, packed=name == "static_packed", row_tokens=ring * tokens_per_device)
-  return static_micro_batches(docs, rows, num_devices=num_devices,
+  return static_micro_batches(docs, steps, num_devices=num_devices,
                               tokens_per_device=tokens_per_device, ring=ring)
 
 
@@ -132,8 +134,7 @@ def real_part(*, size: str = "tiny", tokens_per_device: int = 1024, max_len: int
       lengths = [len(d) - 1 for d in docs]
       steps = layout_plan(name, lengths, ring=ring, **geometry)
       t = time.perf_counter()
-      state, m = run.run_packed(state, micro_batches(name, docs, lengths, steps, ring=ring,
-                                                     **geometry))
+      state, m = run.run_packed(state, micro_batches(name, docs, steps, ring=ring, **geometry))
       jax.block_until_ready(m)
       if b:
         times.append(time.perf_counter() - t)

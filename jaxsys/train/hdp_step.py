@@ -21,8 +21,6 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxsys.kernels import sharded
@@ -35,11 +33,11 @@ from jaxsys.train.state import TrainState
 
 def micro_step_sums(params, batch, acc, *, model_cfg: transformer.TransformerConfig, ring: bool):
   """acc + (summed token loss, token count, its gradients) of one packed micro-step."""
+  attention_fn = step_lib.ring_attention_fn(batch["positions"]) if ring else None
+
   def loss_sum(p):
-    attention_fn = step_lib.ring_attention_fn(batch["positions"]) if ring else None
-    logits = transformer.apply(model_cfg, p, batch["inputs"], batch["positions"],
-                               batch["segment_ids"], attention_fn)
-    return jnp.sum(step_lib.cross_entropy(logits, batch)), jnp.sum(batch["loss_mask"])
+    losses = step_lib.token_losses(model_cfg, p, batch, attention_fn=attention_fn)
+    return jnp.sum(losses), jnp.sum(batch["loss_mask"])
 
   (total, count), grads = jax.value_and_grad(loss_sum, has_aux=True)(params)
   return jax.tree.map(jnp.add, acc, (total, count, grads))
@@ -58,7 +56,6 @@ class HDPStep:
     self.devices = mesh.devices.reshape(-1)
     self.tokens_per_device = tokens_per_device
     self.params_sh = state_sh.params
-    self.last_plan: hdp.Plan = []
     self.steps_run = self.micro_steps_run = 0
     self._programs: dict[int, tuple[Callable, NamedSharding]] = {}
     rep = NamedSharding(mesh, P())
@@ -122,7 +119,6 @@ class HDPStep:
   def __call__(self, state: TrainState, batch: dict[str, Any]):
     docs = batch["tokens"]
     steps = batch.get("plan") or self.plan([len(d) - 1 for d in docs])
-    self.last_plan = steps
     return self.run(state, docs, steps)
 
   def run(self, state: TrainState, docs, steps: hdp.Plan):

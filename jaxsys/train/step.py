@@ -32,10 +32,11 @@ def cross_entropy(logits: jax.Array, batch: Batch) -> jax.Array:
 
 
 def token_losses(cfg: transformer.TransformerConfig, params, batch: Batch,
-                 context_layout: str | None = None) -> jax.Array:
+                 context_layout: str | None = None, attention_fn: Callable | None = None
+                 ) -> jax.Array:
   """`cross_entropy` of the model's logits; with a `context_layout`, the sequence is split
-  over the mesh's `context` axis in that layout (see `context_parallel`)."""
-  attention_fn = None
+  over the mesh's `context` axis in that layout (see `context_parallel`); `attention_fn`
+  replaces the model's attention for a batch already laid out (an HDP micro-step)."""
   if context_layout is not None:
     batch, attention_fn = context_parallel(batch, context_layout)
   logits = transformer.apply(cfg, params, batch["inputs"], batch["positions"],
