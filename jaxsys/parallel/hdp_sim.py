@@ -43,7 +43,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxsys.parallel import hdp
+from jaxsys.parallel import hdp, hdp_schedule
 
 Plan = hdp.Plan
 
@@ -370,6 +370,49 @@ def simulate_hdp(lengths, *, num_devices: int, tokens_per_device: int,
   return _result(name, times, int(lengths.sum()), num_devices, tokens_per_device)
 
 
+def schedule_times(sched: hdp_schedule.Schedule, lengths, *, tokens_per_device: int,
+                   model: CostModel) -> np.ndarray:
+  """[devices] seconds until each device has run its part of a per-rank schedule.
+
+  As jaxsys's per-rank executor runs it (jaxsys/train/hdp_step.py): each ring is one
+  program over its block (`data = 1, context = c`), its members start together when the
+  last of them is free and the ring lasts as long as its slowest member (every member's
+  whole cell, fill included, takes the c - 1 hops); then each device runs its local
+  micro-batches on its own.
+  """
+  lengths = np.asarray(lengths, np.int64)
+  finish = np.zeros(sched.num_devices)
+  for ring in sched.rings:
+    devs = list(ring.devices)
+    group = [[([int(lengths[i])], rel) for i, rel in ring.entries()]]
+    member = device_times(group, num_devices=len(devs), tokens_per_device=tokens_per_device,
+                          model=model, executor="step_ring")[0]
+    finish[devs] = finish[devs].max() + member.max()
+  for d, batches in enumerate(sched.local):
+    for batch in batches:
+      lens = lengths[list(batch)]
+      tokens = tokens_per_device if model.pad_compute else int(lens.sum())
+      finish[d] += model.device(attention=0.0, linear=float(model.linear(tokens)),
+                                local_attention=float(np.sum(model.attention(lens))))
+  return finish
+
+
+def simulate_per_rank(lengths, *, num_devices: int, tokens_per_device: int,
+                      model: CostModel) -> Result:
+  """HDP without lock step: hdp_schedule.schedule timed by schedule_times. steps: the
+  most micro-batches any device runs; imbalance: slowest device over the mean."""
+  lengths = np.asarray(lengths, np.int64)
+  sched = hdp_schedule.schedule(lengths, num_devices=num_devices,
+                                tokens_per_device=tokens_per_device, d_model=model.d_model)
+  finish = schedule_times(sched, lengths, tokens_per_device=tokens_per_device, model=model)
+  counts = sched.micro_batches()
+  slots = int(counts.sum()) * tokens_per_device
+  return Result("hdp_per_rank", float(finish.max(initial=0.0)), int(counts.max(initial=0)),
+                float(finish.max() / finish.mean()) if finish.mean() else 1.0,
+                1.0 - int(lengths.sum()) / slots if slots else 0.0,
+                float(finish.max(initial=0.0)), finish[None])
+
+
 def pack_rows(lengths, row_tokens: int) -> list[list[int]]:
   """First-fit decreasing: sequence indices per row of at most `row_tokens` tokens."""
   lengths = np.asarray(lengths, np.int64)
@@ -534,6 +577,7 @@ def simulate(lengths, *, num_devices: int, tokens_per_device: int, model: CostMo
   return dict(
       hdp=simulate_hdp(lengths, **kw),
       hdp_step_ring=simulate_hdp(lengths, executor="step_ring", **kw),
+      hdp_per_rank=simulate_per_rank(lengths, **kw),
       static_loader=simulate_static(lengths, max_len=max_len, order="loader", seed=seed, **kw),
       static_sorted=simulate_static(lengths, max_len=max_len, order="sorted", **kw),
       static_padded=simulate_static(lengths, max_len=max_len, order="padded", seed=seed, **kw),
