@@ -103,7 +103,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # data.variable_length=true: each document on as many devices as its length needs,
   # data.seq_len tokens per device per micro-step, ceil(data.batch_size / devices)
   # micro-steps per step, filled from whole documents (what does not fit starts the next).
-  c.parallel = ml_collections.ConfigDict(dict(context_layout="zigzag", hdp=False))
+  # hdp_schedule per_rank: each device runs its own micro-batches and only the gradient
+  # all-reduce waits for all (ByteScale); lockstep: every micro-step one program over
+  # all devices (fewer compiled programs, slower when the work is uneven).
+  c.parallel = ml_collections.ConfigDict(dict(context_layout="zigzag", hdp=False,
+                                              hdp_schedule="per_rank"))
   c.pipeline = ml_collections.ConfigDict(dict(
       schedule="none", microbatches=4, virtual_stages=1, vocab_parallel=False, vocab_algorithm=2))
   return c

@@ -21,11 +21,13 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxsys.kernels import sharded
 from jaxsys.models import transformer
-from jaxsys.parallel import hdp, hdp_layout
+from jaxsys.data.packing import FIELDS
+from jaxsys.parallel import hdp, hdp_layout, hdp_schedule
 from jaxsys.train import replicas as replicas_lib
 from jaxsys.train import step as step_lib
 from jaxsys.train.state import TrainState
@@ -43,8 +45,8 @@ def micro_step_sums(params, batch, acc, *, model_cfg: transformer.TransformerCon
   return jax.tree.map(jnp.add, acc, (total, count, grads))
 
 
-class HDPStep:
-  """(state, document batch) -> (state, metrics): plan, micro-steps, one update."""
+class _HDPBase:
+  """What both executors share: the pool, the accumulator and the optimizer update."""
 
   def __init__(self, model_cfg, optimizer, mesh: Mesh, state_sh: TrainState,
                tokens_per_device: int):
@@ -52,16 +54,15 @@ class HDPStep:
     if others:
       raise ValueError(f"HDP needs a data-only mesh (it regroups the devices into "
                        f"data=N/c,context=c views); this one also has {others}")
-    self.model_cfg, self.optimizer = model_cfg, optimizer
+    self.model_cfg, self.optimizer, self.mesh = model_cfg, optimizer, mesh
     self.devices = mesh.devices.reshape(-1)
     self.tokens_per_device = tokens_per_device
     self.params_sh = state_sh.params
-    self.steps_run = self.micro_steps_run = 0
-    self._programs: dict[int, tuple[Callable, NamedSharding]] = {}
+    # Gradient all-reduces run (in units of one over the whole pool), for comm_bytes.
+    self.steps_run, self.reductions_run = 0, 0.0
     rep = NamedSharding(mesh, P())
     self._acc_sh = (rep, rep, self.params_sh)
-    self._zeros = jax.jit(lambda p: (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, p)),
-                          out_shardings=self._acc_sh)
+    self._zeros = jax.jit(_zero_sums, out_shardings=self._acc_sh)
     update = functools.partial(step_lib.apply_gradients, optimizer=optimizer)
     self._update = jax.jit(lambda s, acc: update(s, total=acc[0], count=acc[1], grads=acc[2]),
                            out_shardings=(state_sh, rep), donate_argnums=0)
@@ -70,19 +71,63 @@ class HDPStep:
   def num_devices(self) -> int:
     return self.devices.size
 
+  def _view_program(self, devices, c: int, acc_sh):
+    """The jitted micro-step over the `data = len(devices)/c, context = c` view of
+    `devices`, its parameter and batch shardings. Parameters and sums take `acc_sh`'s
+    layout (the pool's, for the lock-step executor) so each view compiles once."""
+    view = Mesh(np.asarray(devices).reshape(-1, c), ("data", "context"))
+    batch_sh = NamedSharding(view, P("data", "context"))
+    fn = functools.partial(micro_step_sums, model_cfg=self.model_cfg, ring=c > 1)
+    jitted = jax.jit(sharded.under_mesh(fn, view),
+                     in_shardings=(acc_sh[2], batch_sh, acc_sh),
+                     out_shardings=acc_sh, donate_argnums=2,
+                     compiler_options=step_lib.compiler_options(self.model_cfg, view))
+    return jitted, batch_sh
+
+  def __call__(self, state: TrainState, batch: dict[str, Any]):
+    docs = batch["tokens"]
+    plan = batch.get("plan") or self.plan([len(d) - 1 for d in docs])
+    return self.run(state, docs, plan)
+
+  def fit(self, docs, micro_steps: int):
+    """(kept, plan of those docs): in order, each document the plan still fits into at
+    most `micro_steps` micro-batches on every device is kept, the others skipped (the
+    first always fits)."""
+    lengths = [len(d) - 1 for d in docs]
+    plan = self.plan(lengths)
+    if self.micro_batches(plan) <= micro_steps:
+      return list(range(len(docs))), plan
+    kept = []
+    for i, n in enumerate(lengths):
+      trial = self.plan([lengths[j] for j in kept] + [n])
+      if self.micro_batches(trial) <= micro_steps or not kept:
+        kept, plan = kept + [i], trial
+    # The plan indexes the kept documents; callers pass docs[kept] alongside it.
+    return kept, plan
+
+  def _finish(self, state, acc, micro_batches: int, reductions: float):
+    state, metrics = self._update(state, acc)
+    self.steps_run += 1
+    self.reductions_run += reductions
+    return state, {**metrics, "micro_steps": jnp.asarray(micro_batches)}
+
+
+def _zero_sums(params):
+  return jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, params)
+
+
+class HDPStep(_HDPBase):
+  """Lock-step HDP: (state, document batch) -> (state, metrics) over `hdp.plan`'s
+  micro-steps, each one program over the pool's `data = N/c, context = c` view."""
+
+  def __init__(self, *args, **kwargs):
+    super().__init__(*args, **kwargs)
+    self._programs: dict[int, tuple[Callable, NamedSharding]] = {}
+
   def program(self, c: int) -> tuple[Callable, NamedSharding]:
     """The jitted micro-step of views with context c, and its batch sharding (cached)."""
     if c not in self._programs:
-      view = Mesh(self.devices.reshape(self.num_devices // c, c), ("data", "context"))
-      batch_sh = NamedSharding(view, P("data", "context"))
-      fn = functools.partial(micro_step_sums, model_cfg=self.model_cfg, ring=c > 1)
-      # Parameters and sums keep the pool's shardings (the same devices), so every program
-      # sees one input layout and compiles once, whichever view ran before it.
-      jitted = jax.jit(sharded.under_mesh(fn, view),
-                       in_shardings=(self.params_sh, batch_sh, self._acc_sh),
-                       out_shardings=self._acc_sh, donate_argnums=2,
-                       compiler_options=step_lib.compiler_options(self.model_cfg, view))
-      self._programs[c] = (jitted, batch_sh)
+      self._programs[c] = self._view_program(self.devices, c, self._acc_sh)
     return self._programs[c]
 
   def compile_all(self, params) -> None:
@@ -101,25 +146,9 @@ class HDPStep:
     return hdp.plan([int(n) for n in lengths], num_devices=self.num_devices,
                     tokens_per_device=self.tokens_per_device)
 
-  def fit(self, docs, micro_steps: int) -> tuple[list[int], hdp.Plan]:
-    """(kept, plan of those docs): in order, each document the plan still fits into at
-    most `micro_steps` micro-steps is kept, the others skipped (the first always fits)."""
-    lengths = [len(d) - 1 for d in docs]
-    steps = self.plan(lengths)
-    if len(steps) <= micro_steps:
-      return list(range(len(docs))), steps
-    kept, steps = [], []
-    for i, n in enumerate(lengths):
-      trial = self.plan([lengths[j] for j in kept] + [n])
-      if len(trial) <= micro_steps or not kept:
-        kept, steps = kept + [i], trial
-    # The plan indexes the kept documents; callers pass docs[kept] alongside it.
-    return kept, steps
-
-  def __call__(self, state: TrainState, batch: dict[str, Any]):
-    docs = batch["tokens"]
-    steps = batch.get("plan") or self.plan([len(d) - 1 for d in docs])
-    return self.run(state, docs, steps)
+  @staticmethod
+  def micro_batches(plan: hdp.Plan) -> int:
+    return len(plan)
 
   def run(self, state: TrainState, docs, steps: hdp.Plan):
     """One update over `docs` laid out by the plan `steps`: micro-steps, then the update."""
@@ -135,13 +164,138 @@ class HDPStep:
     for c, fields in micro_batches:
       count += 1
       fn, batch_sh = self.program(c)
-      arrays = {k: jax.make_array_from_callback(v.shape, batch_sh, lambda idx, v=v: v[idx])
-                for k, v in fields.items()}
-      acc = fn(state.params, arrays, acc)
-    state, metrics = self._update(state, acc)
-    self.steps_run += 1
-    self.micro_steps_run += count
-    return state, {**metrics, "micro_steps": jnp.asarray(count)}
+      acc = fn(state.params, _put(fields, batch_sh), acc)
+    # Every micro-step all-reduces its gradients over the pool.
+    return self._finish(state, acc, count, reductions=float(count))
+
+
+def _put(fields: dict[str, np.ndarray], sharding) -> dict[str, jax.Array]:
+  return {k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx])
+          for k, v in fields.items()}
+
+
+class PerRankHDPStep(_HDPBase):
+  """Per-rank HDP (ByteScale's DP-Balance): each device runs its own micro-batches of
+  `hdp_schedule.schedule`, and only the gradient all-reduce at the end waits for all.
+
+  A ring is one program over its aligned block's `data = 1, context = c` view; each
+  block's programs accumulate on the block. Then one program over the pool runs every
+  device's local micro-batches in a loop of its own length (`shard_map`: no collective
+  inside, so a device that is done does not wait), from zero sums kept per device. The
+  rings are dispatched first, so a device starts its local work when its own rings are
+  done; finally one all-reduce sums the per-device and per-block sums. Programs compile
+  per block used (at most N - 1 ring programs) and per power of two of local micro-batches.
+  """
+
+  def __init__(self, *args, **kwargs):
+    super().__init__(*args, **kwargs)
+    self._rings: dict[tuple[int, ...], tuple] = {}
+    self._locals: dict[int, Callable] = {}
+    stacked = NamedSharding(self.mesh, P("data"))
+    self._stacked_sh = (stacked, stacked, jax.tree.map(lambda _: stacked, self.params_sh))
+    n = self.num_devices
+    self._stacked_zeros = jax.jit(
+        lambda p: jax.tree.map(lambda x: jnp.zeros((n,) + x.shape, x.dtype), _zero_sums(p)),
+        out_shardings=self._stacked_sh)
+    self._reduce = jax.jit(
+        lambda local, rings: jax.tree.map(lambda a, b: a.sum(0) + b.sum(0), local, rings),
+        out_shardings=self._acc_sh)
+
+  def plan(self, lengths) -> hdp_schedule.Schedule:
+    return hdp_schedule.schedule([int(n) for n in lengths], num_devices=self.num_devices,
+                                 tokens_per_device=self.tokens_per_device)
+
+  @staticmethod
+  def micro_batches(sched: hdp_schedule.Schedule) -> int:
+    return int(sched.micro_batches().max(initial=0))
+
+  def ring_program(self, block: tuple[int, ...]):
+    """(jitted micro-step, batch sharding, zero sums, replicated sharding) of a block."""
+    if block not in self._rings:
+      devices = self.devices[list(block)]
+      rep = NamedSharding(Mesh(devices, ("data",)), P())
+      acc_sh = (rep, rep, jax.tree.map(lambda _: rep, self.params_sh))
+      fn, batch_sh = self._view_program(devices, len(block), acc_sh)
+      self._rings[block] = (fn, batch_sh, jax.jit(_zero_sums, out_shardings=acc_sh), rep)
+    return self._rings[block]
+
+  def local_program(self, k: int) -> Callable:
+    """Every device's (up to) k local micro-batches, as many as its count says."""
+    if k not in self._locals:
+      fn = functools.partial(_local_sums, model_cfg=self.model_cfg)
+      spec = P("data")
+      mapped = jax.shard_map(fn, mesh=self.mesh, in_specs=(P(), spec, spec),
+                             out_specs=spec, check_vma=False)
+      self._locals[k] = jax.jit(mapped, in_shardings=(self.params_sh, self._stacked_sh[0],
+                                                      self._stacked_sh[0]),
+                                out_shardings=self._stacked_sh)
+    return self._locals[k]
+
+  def run(self, state: TrainState, docs, sched: hdp_schedule.Schedule):
+    """One update over `docs` as the schedule lays them out."""
+    tpd, n = self.tokens_per_device, self.num_devices
+    block_params, block_sums = {}, {}
+    for ring in sched.rings:
+      block, c = ring.devices, len(ring.devices)
+      fn, batch_sh, zeros, rep = self.ring_program(block)
+      if block not in block_params:
+        block_params[block] = _on(state.params, rep)
+        block_sums[block] = zeros(block_params[block])
+      _, fields = hdp_layout.pack_step(ring.entries(), docs, num_devices=c,
+                                       tokens_per_device=tpd, view=c)
+      block_sums[block] = fn(block_params[block], _put(fields, batch_sh), block_sums[block])
+
+    counts = np.array([len(batches) for batches in sched.local], np.int32)
+    k = hdp.block_size(max(1, int(counts.max(initial=0))))
+    local = {f: np.zeros((n, k, tpd), np.float32 if f == "loss_mask" else np.int32)
+             for f in FIELDS}
+    for d, batches in enumerate(sched.local):
+      for b, batch in enumerate(batches):
+        _, fields = hdp_layout.pack_step([(i, (0,)) for i in batch], docs, num_devices=1,
+                                         tokens_per_device=tpd)
+        for f in FIELDS:
+          local[f][d, b] = fields[f][0]
+    stacked = self._stacked_sh[0]
+    local_sums = self.local_program(k)(state.params, _put(local, stacked),
+                                       _put({"n": counts}, stacked)["n"])
+    ring_sums = self._per_device(block_sums, state.params)
+    acc = self._reduce(local_sums, ring_sums)
+    # One all-reduce over the pool, and one over each ring's block per ring micro-batch
+    # ((c - 1) / (N - 1) of the pool's bytes, averaged over the pool's devices).
+    reductions = 1.0 + sum((len(r.devices) - 1) / max(1, n - 1) for r in sched.rings)
+    return self._finish(state, acc, self.micro_batches(sched), reductions)
+
+  def _per_device(self, block_sums: dict, params):
+    """The blocks' sums stacked [N, ...] over the pool: each block's sums added on its
+    first device, zeros elsewhere."""
+    position = {dev: d for d, dev in enumerate(self.devices)}
+
+    def stack(zeros, *leaves):
+      shards = [s.data for s in sorted(zeros.addressable_shards,
+                                       key=lambda s: position[s.device])]
+      for block, leaf in zip(block_sums, leaves):
+        first = self.devices[block[0]]
+        shards[block[0]] = shards[block[0]] + next(
+            s.data for s in leaf.addressable_shards if s.device == first)[None]
+      return jax.make_array_from_single_device_arrays(zeros.shape, zeros.sharding, shards)
+
+    return jax.tree.map(stack, self._stacked_zeros(params), *block_sums.values())
+
+
+def _on(tree, sharding):
+  """A replicated pool array's copies on `sharding`'s devices, as one array (no copy)."""
+  devices = set(sharding.mesh.devices.flat)
+  return jax.tree.map(lambda x: jax.make_array_from_single_device_arrays(
+      x.shape, sharding, [s.data for s in x.addressable_shards if s.device in devices]), tree)
+
+
+def _local_sums(params, batch, counts, *, model_cfg: transformer.TransformerConfig):
+  """One device's sums over its first counts[0] micro-batches (batch [1, k, tpd])."""
+  def body(b, acc):
+    micro = {f: jax.lax.dynamic_index_in_dim(v[0], b, keepdims=True) for f, v in batch.items()}
+    return micro_step_sums(params, micro, acc, model_cfg=model_cfg, ring=False)
+  acc = jax.lax.fori_loop(0, counts[0], body, _zero_sums(params))
+  return jax.tree.map(lambda x: x[None], acc)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,11 +317,16 @@ class HDPSetup(step_lib.TrainSetup):
     return {"tokens": [docs[i] for i in kept], "plan": steps}
 
   def comm_bytes(self, steps: int) -> float:
-    """Gradient all-reduce bytes per device over `steps` steps: one per micro-step (this
-    process's mean count so far); ring attention's K/V traffic is not counted."""
-    per_micro = replicas_lib.dp_bytes_per_step(self.abstract.params, self.batch_sh.mesh)
+    """Gradient all-reduce bytes per device over `steps` steps, at this process's mean
+    number of all-reduces per step so far (lock-step: one per micro-step; per-rank: one,
+    plus the rings' over their blocks); ring attention's K/V traffic is not counted."""
+    per_reduce = replicas_lib.dp_bytes_per_step(self.abstract.params, self.batch_sh.mesh)
     run = self.train_fn
-    return steps * per_micro * (run.micro_steps_run / run.steps_run if run.steps_run else 1.0)
+    return steps * per_reduce * (run.reductions_run / run.steps_run if run.steps_run else 1.0)
+
+
+# parallel.hdp_schedule: which executor runs an HDP step.
+SCHEDULES = {"per_rank": PerRankHDPStep, "lockstep": HDPStep}
 
 
 def micro_steps_per_step(config, num_devices: int) -> int:
@@ -189,7 +348,8 @@ def make_hdp_setup(config, model_cfg: transformer.TransformerConfig, mesh, loade
   """The HDP step of `config` on the data-only `mesh`, data.seq_len tokens per device,
   taking its documents from (and giving the unused back to) `loader`."""
   base = step_lib.make_train_setup(config, model_cfg, mesh)
-  train_fn = HDPStep(model_cfg, base.optimizer, mesh, base.state_sh, config.data.seq_len)
+  executor = SCHEDULES[config.parallel.hdp_schedule]
+  train_fn = executor(model_cfg, base.optimizer, mesh, base.state_sh, config.data.seq_len)
   return HDPSetup(**{**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)},
                      "train_fn": train_fn}, loader=loader,
                   micro_steps=micro_steps_per_step(config, mesh.size))

@@ -2,7 +2,7 @@
 import chex
 import jax
 import numpy as np
-from absl.testing import absltest
+from absl.testing import absltest, parameterized
 
 from jaxsys import mesh as mesh_lib
 from jaxsys.parallel import hdp
@@ -42,17 +42,18 @@ def init(mesh):
   return optimizer, state_sh, state
 
 
-class HDPStepTest(absltest.TestCase):
+class HDPStepTest(parameterized.TestCase):
 
   def test_plan_uses_rings_and_short_cells(self):
     steps = hdp.plan(LENGTHS, num_devices=8, tokens_per_device=TOKENS_PER_DEVICE)
     rings = {len(devs) for step in steps for _, devs in step}
     self.assertEqual(rings, {1, 2, 3, 4, 7})
 
-  def test_hdp_step_equals_single_device_step(self):
+  @parameterized.parameters("lockstep", "per_rank")
+  def test_hdp_step_equals_single_device_step(self, schedule):
     mesh = mesh_lib.make_mesh("data=8")
     optimizer, state_sh, state = init(mesh)
-    run = hdp_step.HDPStep(MODEL, optimizer, mesh, state_sh, TOKENS_PER_DEVICE)
+    run = hdp_step.SCHEDULES[schedule](MODEL, optimizer, mesh, state_sh, TOKENS_PER_DEVICE)
     one = mesh_lib.make_mesh("data=1", jax.devices()[:1])
     _, ref_sh, ref = init(one)
     ref_fn = step_lib.jit_train_step(MODEL, optimizer, ref_sh, mesh_lib.batch_sharding(one))
@@ -66,7 +67,10 @@ class HDPStepTest(absltest.TestCase):
     self.assertGreater(int(metrics["micro_steps"]), 1)
     chex.assert_trees_all_close(jax.device_get(state.params), jax.device_get(ref.params),
                                 atol=2e-5)
-    self.assertLessEqual(len(run._programs), 4)  # one program per ring size: log2(8) + 1
+    if schedule == "lockstep":
+      self.assertLessEqual(len(run._programs), 4)  # one program per ring size: log2(8) + 1
+    else:  # a program per ring block used, and the local loop
+      self.assertEqual(set(run._rings), {r.devices for r in run.plan(LENGTHS).rings})
 
   def test_fit_keeps_what_plans_into_k_steps(self):
     mesh = mesh_lib.make_mesh("data=8")
