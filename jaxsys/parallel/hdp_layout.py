@@ -50,12 +50,16 @@ def pack_step(step: Sequence[tuple[int, tuple[int, ...]]], docs: Sequence[np.nda
   """(c, batch): the micro-step's packed fields (packing.FIELDS), [N/c, c * tokens_per_device].
 
   docs[i] are sequence i's tokens: its inputs are docs[i][:-1], its targets docs[i][1:].
-  view: c, at least the step's largest ring (default: that ring).
+  view: c, so that every ring lies in one row of c devices (default: the aligned block
+  of the step's largest ring).
   """
   c = view_size(step) if view is None else view
-  if step and c < view_size(step):
-    raise ValueError(f"pack_step: view={view} is smaller than the step's largest ring "
-                     f"{view_size(step)}")
+  if num_devices % c:
+    raise ValueError(f"pack_step: view={c} does not divide num_devices={num_devices}")
+  split = [devices for _, devices in step if devices[0] // c != devices[-1] // c]
+  if split:
+    raise ValueError(f"pack_step: view={c} splits the ring on devices {split[0]} over two "
+                     f"rows; use a view of at least {view_size(step)}")
   cap = tokens_per_device
   cells = {k: np.zeros((num_devices, cap), np.float32 if k == "loss_mask" else np.int32)
            for k in FIELDS}

@@ -6,22 +6,28 @@ the devices holding short documents wait. ByteScale's DP-Balance (arXiv 2502.212
 Sec. 5) balances per rank instead: each rank runs its own micro-batches and only the
 gradient all-reduce waits for all of them. A schedule has two kinds of work:
 
-  rings: a sequence of L > tpd tokens on an aligned power-of-two block of
-         `hdp.ring_size(L)` devices (fewer than twice what it needs), zigzag shares, one
-         micro-batch for every member; the spare slots of a member's cell take whole
-         short sequences;
+  rings: sequences of L > tpd tokens on a run of devices inside an aligned power-of-two
+         block, zigzag shares, one micro-batch for every member. A ring holds one
+         sequence on ceil(L / tpd) devices (`hdp.devices_needed`), or several that share
+         it (`hdp.share_groups`: each on at most twice the devices it needs, so the
+         ring's cells are full); the spare slots of a member's cell take whole short
+         sequences;
   local: a device's own micro-batches of whole short sequences, tpd slots each.
 
-Placement is LPT on estimated time (`hdp.sequence_cost`, a ring member's share is the
-cost over the ring size): rings heaviest first, each on the aligned block whose members
-are all free first (a ring's members start together); then short sequences heaviest
-first, each onto the least loaded device. A device then packs its short sequences
-first-fit decreasing, into the spare slots of its ring cells first and then into local
-micro-batches. A device runs its rings in order, then its local micro-batches.
+Placement is LPT on estimated time in FLOPs (a ring member: one cell of tpd tokens
+through the matmuls plus its share of the attention; a short sequence: `hdp.sequence_cost`):
+rings heaviest first, each on the run whose members are all free first (a ring's members
+start together). A ring may take the whole aligned block instead (up to twice the
+devices it needs) when it ends sooner by more than the pool's share of the matmul work
+its empty cells waste: shorter rings even the load where attention dominates (long
+sequences), at the price of padding (`widen=False` keeps rings tight). Then short sequences, heaviest first: into the spare
+slots of a ring cell if one fits (that of the least loaded device), else onto the least
+loaded device, which packs its own first-fit decreasing into local micro-batches. A
+device runs its rings in order, then its local micro-batches.
 
 Example:
   s = schedule([9000, 300, 5000, 120], num_devices=4, tokens_per_device=4096)
-  s.rings    # (Ring(seq=0, devices=(0, 1, 2, 3), fill=...), Ring(seq=2, devices=(0, 1), ...))
+  s.rings    # (Ring(seqs=(0, 2), devices=(0, 1, 2, 3), fill=((), (), (1,), (3,))),)
   s.local    # per device: its micro-batches (tuples of sequence indices)
   s.micro_batches()  # per device: rings + local micro-batches
 """
@@ -38,9 +44,9 @@ from jaxsys.parallel import hdp, hdp_layout
 
 @dataclasses.dataclass(frozen=True)
 class Ring:
-  """One sequence on an aligned block of devices; fill[k]: short sequences beside
-  member k's share, in its cell's spare slots."""
-  seq: int
+  """Sequences each split over all of a run of devices; fill[k]: short sequences
+  beside member k's shares, in its cell's spare slots."""
+  seqs: tuple[int, ...]
   devices: tuple[int, ...]
   fill: tuple[tuple[int, ...], ...]
 
@@ -48,7 +54,8 @@ class Ring:
     """The ring's micro-batch as (sequence, device ids relative to the block) entries,
     the format `hdp_layout.pack_step` lays out over `len(devices)` devices."""
     c = len(self.devices)
-    return [(self.seq, tuple(range(c)))] + [(i, (k,)) for k in range(c) for i in self.fill[k]]
+    return ([(i, tuple(range(c))) for i in self.seqs]
+            + [(i, (k,)) for k in range(c) for i in self.fill[k]])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,69 +77,82 @@ class Schedule:
 
   def sequences(self) -> list[int]:
     """Every sequence index the schedule runs, each once (sorted)."""
-    out = [r.seq for r in self.rings] + [i for r in self.rings for f in r.fill for i in f]
+    out = [i for r in self.rings for i in r.seqs + sum(r.fill, ())]
     out += [i for batches in self.local for b in batches for i in b]
     return sorted(out)
 
 
-def _aligned_block(load: np.ndarray, c: int) -> int:
-  """The first device of the aligned block of c whose members are all free first."""
-  starts = load.reshape(-1, c).max(axis=1)
-  return int(np.argmin(starts)) * c
+def _free_run(load: np.ndarray, c: int) -> int:
+  """The first device of the run of c devices, inside an aligned block of
+  hdp.block_size(c), whose members are all free first (the lowest such start on ties)."""
+  block = hdp.block_size(c)
+  starts = np.lib.stride_tricks.sliding_window_view(load, c).max(axis=1)
+  first = np.arange(starts.size)
+  starts[first // block != (first + c - 1) // block] = np.inf
+  return int(np.argmin(starts))
 
 
 def schedule(lengths: Sequence[int], *, num_devices: int, tokens_per_device: int,
-             d_model: int = hdp.DEFAULT_D_MODEL) -> Schedule:
-  """The per-rank schedule of `lengths` (see the module docstring); errors as hdp.plan."""
+             d_model: int = hdp.DEFAULT_D_MODEL, widen: bool = True) -> Schedule:
+  """The per-rank schedule of `lengths` (see the module docstring); errors as hdp.plan.
+
+  widen=False keeps every ring on the devices it needs (least padding)."""
   arr = hdp._check(lengths, num_devices, tokens_per_device)
   cap = tokens_per_device
   costs = hdp.sequence_cost(arr, d_model=d_model) if arr.size else np.zeros(0)
+  # A ring member runs a whole cell through the matmuls (fixed shapes: padding too) and
+  # its share of the ring's attention.
+  cell = hdp.LINEAR_FLOPS_PER_TOKEN * d_model * d_model * cap
+  attention = hdp.ATTENTION_FLOPS_PER_PAIR * d_model * arr.astype(np.float64) ** 2
   load = np.zeros(num_devices)
-  long = [i for i in range(arr.size) if arr[i] > cap]
-  short = [i for i in range(arr.size) if arr[i] <= cap]
 
-  rings: list[tuple[int, tuple[int, ...]]] = []
-  for i in sorted(long, key=lambda i: (-costs[i], i)):
-    c = hdp.ring_size(int(arr[i]), cap)
-    first = _aligned_block(load, c)
-    devices = tuple(range(first, first + c))
-    load[first:first + c] = load[first:first + c].max() + costs[i] / c
-    rings.append((i, devices))
+  rings: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+  groups = hdp.share_groups(arr, cap, num_devices)
+  for seqs, need in sorted(groups, key=lambda g: (-costs[list(g[0])].sum(), g[0])):
+    options = []
+    for c in sorted({need, min(hdp.block_size(need), num_devices) if widen else need}):
+      first = _free_run(load, c)
+      end = load[first:first + c].max() + cell + attention[list(seqs)].sum() / c
+      # A wider ring ends sooner, but its c - need extra cells run the matmuls on
+      # padding, work lost to the pool: in a balanced schedule that adds its share,
+      # (c - need) * cell / N, to every device's time.
+      options.append((end + (c - need) * cell / num_devices, end, c, first))
+    _, end, c, first = min(options)
+    load[first:first + c] = end
+    rings.append((seqs, tuple(range(first, first + c))))
 
+  # Ring cells' spare slots: (ring, member) -> free slots, and the device each is on.
+  cells = [(r, k) for r, (_, devices) in enumerate(rings) for k in range(len(devices))]
+  spare = np.array([cap - sum(hdp_layout.ring_shares(int(arr[i]), len(rings[r][1]))[k].size
+                              for i in rings[r][0]) for r, k in cells], np.int64)
+  on = np.array([rings[r][1][k] for r, k in cells], np.int64)
+  fill: dict[tuple[int, int], list[int]] = {cell_id: [] for cell_id in cells}
   mine: list[list[int]] = [[] for _ in range(num_devices)]
-  for i in sorted(short, key=lambda i: (-costs[i], i)):
-    d = int(np.argmin(load))
-    mine[d].append(i)
+  for i in sorted((i for i in range(arr.size) if arr[i] <= cap), key=lambda i: (-costs[i], i)):
+    fits = np.flatnonzero(spare >= arr[i])
+    if fits.size:  # the spare slots of the least loaded device's ring cell
+      j = int(fits[np.argmin(load[on[fits]])])
+      fill[cells[j]].append(i)
+      spare[j] -= arr[i]
+      d = int(on[j])
+    else:
+      d = int(np.argmin(load))
+      mine[d].append(i)
     load[d] += costs[i]
 
-  # Per device, first-fit decreasing: ring cells' spare slots first, then local batches.
-  spare: dict[tuple[int, int], int] = {}  # (ring index, member) -> free slots
-  for r, (i, devices) in enumerate(rings):
-    for k, share in enumerate(hdp_layout.ring_shares(int(arr[i]), len(devices))):
-      spare[r, k] = cap - share.size
-  fill: dict[tuple[int, int], list[int]] = {key: [] for key in spare}
-  cells_of = {d: [(r, devices.index(d)) for r, (_, devices) in enumerate(rings)
-                  if d in devices] for d in range(num_devices)}
-  local: list[tuple[tuple[int, ...], ...]] = []
-  for d in range(num_devices):
+  local = []
+  for d in range(num_devices):  # first-fit decreasing into micro-batches of cap slots
     batches: list[list[int]] = []
     free: list[int] = []
     for i in sorted(mine[d], key=lambda i: (-arr[i], i)):
-      n = int(arr[i])
-      cell = next((key for key in cells_of[d] if spare[key] >= n), None)
-      if cell is not None:
-        fill[cell].append(i)
-        spare[cell] -= n
-        continue
-      b = next((b for b, f in enumerate(free) if f >= n), None)
-      if b is None:
+      b = next((b for b, f in enumerate(free) if f >= arr[i]), len(batches))
+      if b == len(batches):
         batches.append([])
         free.append(cap)
-        b = len(batches) - 1
       batches[b].append(i)
-      free[b] -= n
+      free[b] -= int(arr[i])
     local.append(tuple(tuple(b) for b in batches))
   return Schedule(
-      rings=tuple(Ring(i, devices, tuple(tuple(fill[r, k]) for k in range(len(devices))))
-                  for r, (i, devices) in enumerate(rings)),
+      rings=tuple(Ring(seqs, devices, tuple(tuple(fill[r, k]) for k in range(len(devices))))
+                  for r, (seqs, devices) in enumerate(rings)),
       local=tuple(local))

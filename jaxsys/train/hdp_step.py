@@ -178,17 +178,19 @@ class PerRankHDPStep(_HDPBase):
   """Per-rank HDP (ByteScale's DP-Balance): each device runs its own micro-batches of
   `hdp_schedule.schedule`, and only the gradient all-reduce at the end waits for all.
 
-  A ring is one program over its aligned block's `data = 1, context = c` view; each
-  block's programs accumulate on the block. Then one program over the pool runs every
+  A ring is one program over its run of devices (`data = 1, context = c`); each run's
+  programs accumulate on the run. Then one program over the pool runs every
   device's local micro-batches in a loop of its own length (`shard_map`: no collective
   inside, so a device that is done does not wait), from zero sums kept per device. The
   rings are dispatched first, so a device starts its local work when its own rings are
-  done; finally one all-reduce sums the per-device and per-block sums. Programs compile
-  per block used (at most N - 1 ring programs) and per power of two of local micro-batches.
+  done; finally one all-reduce sums the per-device and per-run sums. Programs compile
+  per run of devices used (runs inside aligned blocks: N(N+1)/2 at most, far fewer in
+  practice) and per power of two of local micro-batches.
   """
 
-  def __init__(self, *args, **kwargs):
+  def __init__(self, *args, widen: bool = True, **kwargs):
     super().__init__(*args, **kwargs)
+    self.widen = widen  # hdp_schedule.schedule's: rings may take their aligned block
     self._rings: dict[tuple[int, ...], tuple] = {}
     self._locals: dict[int, Callable] = {}
     stacked = NamedSharding(self.mesh, P("data"))
@@ -203,7 +205,8 @@ class PerRankHDPStep(_HDPBase):
 
   def plan(self, lengths) -> hdp_schedule.Schedule:
     return hdp_schedule.schedule([int(n) for n in lengths], num_devices=self.num_devices,
-                                 tokens_per_device=self.tokens_per_device)
+                                 tokens_per_device=self.tokens_per_device,
+                                 d_model=self.model_cfg.d_model, widen=self.widen)
 
   @staticmethod
   def micro_batches(sched: hdp_schedule.Schedule) -> int:

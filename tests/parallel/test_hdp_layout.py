@@ -49,3 +49,16 @@ def test_overfull_cell_refused():
   with pytest.raises(ValueError, match="more than tokens_per_device=4"):
     hdp_layout.pack_step([(0, (0,)), (1, (0,))], _docs([3, 3]), num_devices=2,
                          tokens_per_device=4)
+
+
+def test_view_must_hold_each_ring_in_one_row():
+  docs = _docs([10])
+  with pytest.raises(ValueError, match=r"view=2 splits the ring on devices \(1, 2, 3\)"
+                                       r".*at least 4"):
+    hdp_layout.pack_step([(0, (1, 2, 3))], docs, num_devices=4, tokens_per_device=4, view=2)
+  with pytest.raises(ValueError, match="view=3 does not divide num_devices=4"):
+    hdp_layout.pack_step([(0, (0, 1, 2))], docs, num_devices=4, tokens_per_device=4, view=3)
+  # A run of 3 devices is one row of a 3-device view: the per-rank executor's ring.
+  c, fields = hdp_layout.pack_step([(0, (0, 1, 2))], docs, num_devices=3, tokens_per_device=4,
+                                   view=3)
+  assert c == 3 and fields["inputs"].shape == (1, 12)
