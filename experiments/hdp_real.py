@@ -1,19 +1,29 @@
 """The real HDP run for experiments/bench_hdp.py --part=real: three layouts, one executor.
 
 One global batch of whole stdlib documents (jaxsys.data.documents, truncated to max_len)
-trains one step three ways on the same devices, at equal tokens, through the same
-executor (`hdp_step.HDPStep.run_packed`, ring attention over `context`):
+trains one step five ways on the same devices, at equal tokens:
 
-  hdp:           `hdp.plan`: each document on a ring of just as many devices as it needs,
-                 short ones whole on single devices (views data=N/c, context=c);
-  static_padded: a static data x context mesh with context sized for max_len, one
-                 document per row padded to the row (the textbook static CP baseline);
-  static_packed: the same mesh, documents packed first-fit decreasing into its rows, each
-                 row laid out zigzag over the ring (what a static packed loader feeds).
+  hdp_per_rank:       `hdp_schedule.schedule` run by `hdp_step.PerRankHDPStep` (training's
+                      default): each device its own micro-batches, rings on the devices
+                      a document needs, widened to their aligned block where that ends
+                      sooner;
+  hdp_per_rank_tight: the same with widen=False (every ring on the devices it needs);
+  hdp_lockstep:       `hdp.plan` run by `hdp_step.HDPStep` (every micro-step one program
+                      over a data=N/c, context=c view of all devices);
+  static_padded:      a static data x context mesh with context sized for max_len, one
+                      document per row padded to the row (the textbook static CP baseline);
+  static_packed:      the same mesh, documents packed first-fit decreasing into its rows,
+                      each row laid out zigzag over the ring (what a static packed loader
+                      feeds).
+The last three run through `HDPStep.run_packed`. The documents are those the per-rank
+schedule fits into batch_steps micro-batches per device.
 
-Per layout: micro-steps, padding waste (empty slots over all slots), the per-micro-step
-imbalance of tokens and of FLOPs (most loaded device over the mean, `hdp.summary`'s cost
-model) and the measured step time (median over batches after a compile step).
+Per layout: micro-steps (per-rank: the most micro-batches a device runs), padding waste
+(empty slots over all slots run), token imbalance (lock-step: most loaded device over the
+mean, per micro-step, averaged; per-rank: over the whole step), FLOP imbalance (the time
+the layout takes on a pool where every device runs at the same FLOP rate, over perfect
+balance; FLOPs as `hdp.sequence_cost` counts them, real tokens only) and the measured
+step time (median over batches after a compile step).
 
 On simulated CPU devices all 8 "devices" share the host's cores, so a micro-step costs
 the sum of the devices' work, not the slowest device's: the measured time shows padding
@@ -39,7 +49,9 @@ from jaxsys.parallel import context, hdp, hdp_layout, hdp_sim
 from jaxsys.train import hdp_step
 from jaxsys.train import state as state_lib
 
-LAYOUTS = ("hdp", "static_padded", "static_packed")
+LAYOUTS = ("hdp_per_rank", "hdp_per_rank_tight", "hdp_lockstep", "static_padded",
+           "static_packed")
+PER_RANK = {"hdp_per_rank": True, "hdp_per_rank_tight": False}  # layout -> widen
 
 
 def static_rows(lengths, *, packed: bool, row_tokens: int) -> list[list[int]]:
@@ -78,7 +90,7 @@ def static_micro_batches(docs, steps, *, num_devices: int, tokens_per_device: in
 
 def layout_plan(name: str, lengths, *, num_devices: int, tokens_per_device: int, ring: int):
   """The layout as micro-steps of (sequence, devices) entries, for hdp.summary."""
-  if name == "hdp":
+  if name == "hdp_lockstep":
     return hdp.plan(lengths, num_devices=num_devices, tokens_per_device=tokens_per_device)
   rows = static_rows(lengths, packed=name == "static_packed", row_tokens=ring * tokens_per_device)
   per_step = num_devices // ring
@@ -90,11 +102,50 @@ def layout_plan(name: str, lengths, *, num_devices: int, tokens_per_device: int,
 def micro_batches(name: str, docs, steps, *, num_devices: int, tokens_per_device: int,
                   ring: int):
   """The layout's micro-steps as (c, fields) for `HDPStep.run_packed`."""
-  if name == "hdp":
+  if name == "hdp_lockstep":
     return (hdp_layout.pack_step(m, docs, num_devices=num_devices,
                                  tokens_per_device=tokens_per_device) for m in steps)
   return static_micro_batches(docs, steps, num_devices=num_devices,
                               tokens_per_device=tokens_per_device, ring=ring)
+
+
+def flop_model(d_model: int) -> hdp_sim.CostModel:
+  """One FLOP per second, free links, real tokens only: times in FLOPs of work."""
+  return hdp_sim.CostModel(sec_per_attention_flop=1.0, sec_per_linear_flop=1.0,
+                           link_bytes_per_s=1e30, d_model=d_model, n_layers=1, kv_dim=1,
+                           pad_compute=False)
+
+
+def per_rank_stats(sched, lengths, *, tokens_per_device: int, d_model: int) -> dict:
+  """A per-rank schedule's numbers, as the lock-step layouts' (see the module docstring)."""
+  lengths = np.asarray(lengths, np.int64)
+  counts = sched.micro_batches()
+  n = counts.size
+  tokens = np.zeros(n)
+  for ring in sched.rings:
+    c = len(ring.devices)
+    for seq, devs in ring.entries():
+      tokens[[ring.devices[k] for k in devs]] += lengths[seq] / len(devs)
+  for d, batches in enumerate(sched.local):
+    tokens[d] += sum(int(lengths[list(b)].sum()) for b in batches)
+  model = flop_model(d_model)
+  span = hdp_sim.schedule_times(sched, lengths, tokens_per_device=tokens_per_device,
+                                model=model).max()
+  perfect = 3.0 * float(np.sum(model.attention(lengths) + model.linear(lengths))) / n
+  return dict(micro_steps=float(counts.max()),
+              waste=1.0 - lengths.sum() / (counts.sum() * tokens_per_device),
+              flop_imbalance=float(span / perfect),
+              token_imbalance=float(tokens.max() / tokens.mean()))
+
+
+def lockstep_stats(steps, lengths, *, num_devices: int, tokens_per_device: int,
+                   d_model: int) -> dict:
+  s = hdp.summary(steps, lengths, d_model=d_model, num_devices=num_devices,
+                  tokens_per_device=tokens_per_device)
+  mean_tokens = s.tokens.mean(axis=1)
+  return dict(micro_steps=float(len(steps)), waste=1.0 - s.utilisation,
+              flop_imbalance=s.imbalance,
+              token_imbalance=float(np.mean(s.tokens.max(axis=1) / np.maximum(mean_tokens, 1))))
 
 
 def real_part(*, size: str = "tiny", tokens_per_device: int = 1024, max_len: int = 8192,
@@ -107,44 +158,55 @@ def real_part(*, size: str = "tiny", tokens_per_device: int = 1024, max_len: int
   model_cfg = transformer.TransformerConfig.from_config(config.model)
   data = ml_collections.ConfigDict(dict(source="stdlib", tokenizer="byte", vocab_size=256,
                                         max_len=max_len, truncate_long=True))
-  # The loader offers more than batch_steps micro-steps' slots; HDP keeps the documents
-  # its plan fits into batch_steps micro-steps and gives the rest back (as
-  # jaxsys/train/hdp_step.py does in training); every layout gets the same documents.
+  # The loader offers more than batch_steps micro-batches' slots; the per-rank schedule
+  # keeps the documents it fits into batch_steps micro-batches per device and gives the
+  # rest back (as jaxsys/train/hdp_step.py does in training); every layout gets the same
+  # documents.
   budget = hdp_step.loader_budget(n * tokens_per_device * batch_steps, max_len)
   loader = make_document_loader(data, "train", seed=seed, tokens_per_batch=budget)
   optimizer = make_optimizer(config.optimizer, config.total_steps)
   abstract = state_lib.abstract_train_state(model_cfg, optimizer, seed)
   state_sh = state_lib.state_shardings(abstract, model_cfg, optimizer, mesh)
-  run = hdp_step.HDPStep(model_cfg, optimizer, mesh, state_sh, tokens_per_device)
+  args = (model_cfg, optimizer, mesh, state_sh, tokens_per_device)
+  lockstep = hdp_step.HDPStep(*args)
+  per_rank = {name: hdp_step.PerRankHDPStep(*args, widen=w) for name, w in PER_RANK.items()}
   init = jax.jit(lambda: state_lib.init_train_state(model_cfg, optimizer, seed),
                  out_shardings=state_sh)
   geometry = dict(num_devices=n, tokens_per_device=tokens_per_device)
   batch_list = []
   for _ in range(batches):
     docs = next(loader)["tokens"]
-    kept, _ = run.fit(docs, batch_steps)
+    kept, _ = per_rank["hdp_per_rank"].fit(docs, batch_steps)
     if len(kept) < len(docs):
       loader.give_back(sorted(set(range(len(docs))) - set(kept)))
     batch_list.append([docs[i] for i in kept])
-  run.compile_all(init().params)
+  params = init().params
+  lockstep.compile_all(params)
+  for run in per_rank.values():
+    run.compile_for(params, [run.plan([len(d) - 1 for d in docs]) for docs in batch_list])
   rows = []
   for name in LAYOUTS:
     state, times, stats = init(), [], []
     for b, docs in enumerate([batch_list[0]] + batch_list):  # the first one warms up
       lengths = [len(d) - 1 for d in docs]
-      steps = layout_plan(name, lengths, ring=ring, **geometry)
       t = time.perf_counter()
-      state, m = run.run_packed(state, micro_batches(name, docs, steps, ring=ring, **geometry))
+      if name in per_rank:
+        sched = per_rank[name].plan(lengths)
+        state, m = per_rank[name].run(state, docs, sched)
+      else:
+        steps = layout_plan(name, lengths, ring=ring, **geometry)
+        state, m = lockstep.run_packed(state, micro_batches(name, docs, steps, ring=ring,
+                                                            **geometry))
       jax.block_until_ready(m)
       if b:
         times.append(time.perf_counter() - t)
-        s = hdp.summary(steps, lengths, d_model=model_cfg.d_model, **geometry)
-        mean_tokens = s.tokens.mean(axis=1)
-        stats.append(dict(
-            micro_steps=len(steps), waste=1.0 - s.utilisation, flop_imbalance=s.imbalance,
-            token_imbalance=float(np.mean(s.tokens.max(axis=1) / np.maximum(mean_tokens, 1))),
-            tokens=int(sum(lengths)), loss=float(m["loss"])))
-    row = {"layout": name, "ring": ring if name != "hdp" else "1..%d" % ring,
+        if name in per_rank:
+          s = per_rank_stats(sched, lengths, tokens_per_device=tokens_per_device,
+                             d_model=model_cfg.d_model)
+        else:
+          s = lockstep_stats(steps, lengths, d_model=model_cfg.d_model, **geometry)
+        stats.append(dict(**s, tokens=int(sum(lengths)), loss=float(m["loss"])))
+    row = {"layout": name, "ring": ring if name.startswith("static") else "1..%d" % ring,
            "step_s": statistics.median(times),
            **{k: float(np.mean([s[k] for s in stats])) for k in stats[0]}}
     log(f"{name}: {row}")
@@ -153,8 +215,8 @@ def real_part(*, size: str = "tiny", tokens_per_device: int = 1024, max_len: int
 
 
 def real_table(rows: list[dict]) -> str:
-  """Markdown: one line per layout, HDP's step time as the 1.00x reference."""
-  hdp_time = next(r["step_s"] for r in rows if r["layout"] == "hdp")
+  """Markdown: one line per layout, per-rank HDP's step time as the 1.00x reference."""
+  hdp_time = next(r["step_s"] for r in rows if r["layout"] == "hdp_per_rank")
   lines = ["| layout | ring | micro-steps | padding waste | token imbalance | FLOP imbalance "
            "| step time (s) | vs HDP |", "|---|---|---:|---:|---:|---:|---:|---:|"]
   for r in rows:

@@ -234,6 +234,29 @@ class PerRankHDPStep(_HDPBase):
                                 out_shardings=self._stacked_sh)
     return self._locals[k]
 
+  def compile_for(self, params, schedules) -> None:
+    """Compiles (by running once on padding) the programs `schedules` need, so later
+    steps time only compute: a benchmark's warm-up."""
+    tpd = self.tokens_per_device
+    for block in {ring.devices for sched in schedules for ring in sched.rings}:
+      fn, batch_sh, zeros, rep = self.ring_program(block)
+      _, fields = hdp_layout.pack_step([], [], num_devices=len(block), tokens_per_device=tpd,
+                                       view=len(block))
+      jax.block_until_ready(fn(_on(params, rep), _put(fields, batch_sh),
+                               zeros(_on(params, rep))))
+    for k in {self._local_size(sched) for sched in schedules}:
+      stacked = self._stacked_sh[0]
+      fields = {f: np.zeros((self.num_devices, k, tpd), np.float32 if f == "loss_mask"
+                            else np.int32) for f in FIELDS}
+      counts = np.zeros(self.num_devices, np.int32)
+      jax.block_until_ready(self.local_program(k)(params, _put(fields, stacked),
+                                                  _put({"n": counts}, stacked)["n"]))
+
+  @staticmethod
+  def _local_size(sched: hdp_schedule.Schedule) -> int:
+    """The local program's micro-batch axis: the most any device runs, to a power of two."""
+    return hdp.block_size(max(1, max(len(batches) for batches in sched.local)))
+
   def run(self, state: TrainState, docs, sched: hdp_schedule.Schedule):
     """One update over `docs` as the schedule lays them out."""
     tpd, n = self.tokens_per_device, self.num_devices
@@ -249,7 +272,7 @@ class PerRankHDPStep(_HDPBase):
       block_sums[block] = fn(block_params[block], _put(fields, batch_sh), block_sums[block])
 
     counts = np.array([len(batches) for batches in sched.local], np.int32)
-    k = hdp.block_size(max(1, int(counts.max(initial=0))))
+    k = self._local_size(sched)
     local = {f: np.zeros((n, k, tpd), np.float32 if f == "loss_mask" else np.int32)
              for f in FIELDS}
     for d, batches in enumerate(sched.local):
