@@ -292,18 +292,17 @@ class PerRankHDPStep(_HDPBase):
     return self._finish(state, acc, self.micro_batches(sched), reductions)
 
   def _per_device(self, block_sums: dict, params):
-    """The blocks' sums stacked [N, ...] over the pool: each block's sums added on its
-    first device, zeros elsewhere."""
-    position = {dev: d for d, dev in enumerate(self.devices)}
-
+    """The runs' sums stacked [N, ...] over the pool: each run's sums added on its first
+    device, zeros elsewhere (this process's devices)."""
     def stack(zeros, *leaves):
-      shards = [s.data for s in sorted(zeros.addressable_shards,
-                                       key=lambda s: position[s.device])]
+      shards = {s.device: s.data for s in zeros.addressable_shards}
       for block, leaf in zip(block_sums, leaves):
         first = self.devices[block[0]]
-        shards[block[0]] = shards[block[0]] + next(
-            s.data for s in leaf.addressable_shards if s.device == first)[None]
-      return jax.make_array_from_single_device_arrays(zeros.shape, zeros.sharding, shards)
+        if first in shards:
+          shards[first] = shards[first] + next(
+              s.data for s in leaf.addressable_shards if s.device == first)[None]
+      return jax.make_array_from_single_device_arrays(
+          zeros.shape, zeros.sharding, [shards[s.device] for s in zeros.addressable_shards])
 
     return jax.tree.map(stack, self._stacked_zeros(params), *block_sums.values())
 
