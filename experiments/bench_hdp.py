@@ -18,10 +18,14 @@ like ByteScale's data); every seed draws another batch. Two settings:
   accel: the same rates scaled so the matmuls run at --accel_tflops (attention keeps its
          fitted cost relative to the matmuls), --accel_link_gbps links (default 25 GB/s,
          a 200 Gb/s InfiniBand port): an accelerator where ring traffic is not free.
-HDP is timed as ByteScale runs it ("ideal": only ring members move K/V) and as jaxsys's
-executor does (each micro-step one program over its largest ring's view, so every device
-joins that ring's hops). It prints a markdown table (median [min, max] over seeds) and
-draws the chart.
+The headline HDP is per-rank (jaxsys/parallel/hdp_schedule.py, timed as
+jaxsys/train/hdp_step.py's PerRankHDPStep runs it: each ring one program on its block,
+every device its own local micro-batches, only the gradient all-reduce waiting for all).
+Lock-step HDP (hdp.plan, every micro-step one program over all devices) is timed beside
+it two ways: as ByteScale runs a ring ("ideal": only ring members move K/V) and as
+jaxsys's lock-step executor does (each micro-step one program over its largest ring's
+view, so every device joins that ring's hops). It prints a markdown table (median [min,
+max] over seeds) and draws the chart.
 """
 from __future__ import annotations
 
@@ -105,22 +109,26 @@ def run_sim(models: dict, *, devices, seeds: int, tokens_per_device: int, batch_
         for setting, model in models.items():
           r = hdp_sim.simulate(lengths, num_devices=n, tokens_per_device=tokens_per_device,
                                model=model, max_len=max_len, seed=seed)
-          bound, h = r["bound"], r["hdp"]
+          bound, h, pr = r["bound"], r["hdp"], r["hdp_per_rank"]
           rows.append(dict(
               distribution=dist, devices=n, setting=setting, seed=seed,
               sequences=int(lengths.size), tokens=int(lengths.sum()),
               min_steps=hdp.min_steps(lengths, num_devices=n,
                                       tokens_per_device=tokens_per_device),
               **{f"{k}_{f}": getattr(r[k], f)
-                 for k in ("hdp", "hdp_step_ring", "static_loader", "static_sorted",
-                           "static_padded")
+                 for k in ("hdp_per_rank", "hdp", "hdp_step_ring", "static_loader",
+                           "static_sorted", "static_padded")
                  for f in ("time", "steps", "imbalance", "padding")},
-              bound=bound, per_rank=r["per_rank"],
+              bound=bound,
+              per_rank_speedup_loader=r["static_loader"].time / pr.time,
+              per_rank_speedup_sorted=r["static_sorted"].time / pr.time,
+              per_rank_speedup_padded=r["static_padded"].time / pr.time,
+              per_rank_over_bound=pr.time / bound,
               speedup_loader=r["static_loader"].time / h.time,
               speedup_sorted=r["static_sorted"].time / h.time,
               speedup_padded=r["static_padded"].time / h.time,
               speedup_step_ring=r["static_loader"].time / r["hdp_step_ring"].time,
-              hdp_over_bound=h.time / bound, per_rank_over_bound=r["per_rank"] / bound,
+              hdp_over_bound=h.time / bound,
               lockstep_bound=r["lockstep_bound"],
               lockstep_over_bound=r["lockstep_bound"] / bound))
   return rows
@@ -132,15 +140,20 @@ def _spread(values) -> str:
   return f"{np.median(v):.2f} [{v.min():.2f}, {v.max():.2f}]"
 
 
+def _median(values) -> str:
+  return f"{np.median(values):.2f}"
+
+
 def sim_table(rows: list[dict]) -> str:
-  """Markdown: one line per (distribution, setting, N), spread over seeds."""
-  head = ("| distribution | setting | N | sequences | HDP steps (min) / static | "
-          "HDP speed-up vs static, loader order | vs static, cost-sorted | "
-          "vs static, padded | "
-          "jaxsys executor vs static, loader | HDP / bound | "
-          "lock-step bound / bound | per-rank HDP / bound | HDP imbalance | "
-          "padding HDP / static |\n"
-          "|---|---|---:|---:|---|---|---|---|---|---|---|---|---:|---|")
+  """Markdown: one line per (distribution, setting, N), spread over seeds; per-rank HDP
+  first, lock-step HDP after it."""
+  head = ("| distribution | setting | N | sequences | per-rank HDP speed-up vs static, "
+          "loader order | vs static, cost-sorted / padded | per-rank HDP / bound | "
+          "per-rank micro-batches (most on a device) / padding | lock-step HDP steps (min) "
+          "/ static | lock-step HDP vs static, loader | lock-step jaxsys executor vs static, "
+          "loader | lock-step HDP / bound | lock-step bound / bound | imbalance per-rank / "
+          "lock-step | padding lock-step / static |\n"
+          "|---|---|---:|---:|---|---|---|---|---|---|---|---|---|---|---|")
   lines = [head]
   keys = sorted({(r["distribution"], r["setting"], r["devices"]) for r in rows},
                 key=lambda k: (DISTRIBUTIONS.index(k[0]) if k[0] in DISTRIBUTIONS else 9,
@@ -148,60 +161,65 @@ def sim_table(rows: list[dict]) -> str:
   for dist, setting, n in keys:
     rs = [r for r in rows if (r["distribution"], r["setting"], r["devices"]) == (dist, setting, n)]
     col = lambda k: [r[k] for r in rs]
+    mean = lambda k, digits: f"{np.mean(col(k)):.{digits}f}"
     lines.append(
-        f"| {dist} | {setting} | {n} | {np.mean(col('sequences')):.0f} | "
-        f"{np.mean(col('hdp_steps')):.1f} ({np.mean(col('min_steps')):.1f}) / "
-        f"{np.mean(col('static_loader_steps')):.1f} | {_spread(col('speedup_loader'))} | "
-        f"{_spread(col('speedup_sorted'))} | {_spread(col('speedup_padded'))} | "
-        f"{_spread(col('speedup_step_ring'))} | "
-        f"{_spread(col('hdp_over_bound'))} | "
+        f"| {dist} | {setting} | {n} | {mean('sequences', 0)} | "
+        f"{_spread(col('per_rank_speedup_loader'))} | "
+        f"{_median(col('per_rank_speedup_sorted'))} / "
+        f"{_median(col('per_rank_speedup_padded'))} | "
+        f"{_spread(col('per_rank_over_bound'))} | "
+        f"{mean('hdp_per_rank_steps', 1)} / {mean('hdp_per_rank_padding', 2)} | "
+        f"{mean('hdp_steps', 1)} ({mean('min_steps', 1)}) / "
+        f"{mean('static_loader_steps', 1)} | {_spread(col('speedup_loader'))} | "
+        f"{_spread(col('speedup_step_ring'))} | {_spread(col('hdp_over_bound'))} | "
         f"{_spread(col('lockstep_over_bound'))} | "
-        f"{_spread(col('per_rank_over_bound'))} | {np.mean(col('hdp_imbalance')):.2f} | "
-        f"{np.mean(col('hdp_padding')):.2f} / {np.mean(col('static_loader_padding')):.2f} |")
+        f"{mean('hdp_per_rank_imbalance', 2)} / {mean('hdp_imbalance', 2)} | "
+        f"{mean('hdp_padding', 2)} / {mean('static_loader_padding', 2)} |")
   return "\n".join(lines)
 
 
 def plot_sim(rows: list[dict], path: str | None = None, *, setting: str | None = None):
-  """Speed-up over static CP and time over the bound against N; returns the figure."""
+  """Speed-up over static CP and time over the bound against N, per-rank HDP (circles,
+  with its seeds' range shaded) beside lock-step HDP (squares); returns the figure."""
   import matplotlib
   if path:
     matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
+  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.6))
   styles = {"cpu": "-", "accel": "--"}
   colors = {"long_tail": "tab:red", "stdlib": "tab:blue"}
+  lines = {ax1: (("per_rank_speedup_loader", "o", "per-rank HDP"),
+                 ("speedup_loader", "s", "lock-step HDP")),
+           ax2: (("per_rank_over_bound", "o", "per-rank HDP"),
+                 ("hdp_over_bound", "s", "lock-step HDP"),
+                 ("lockstep_over_bound", "^", "lock-step bound"))}
   for (dist, st) in sorted({(r["distribution"], r["setting"]) for r in rows}):
     if setting and st != setting:
       continue
     ns = sorted({r["devices"] for r in rows if r["distribution"] == dist})
-    for ax, key in ((ax1, "speedup_loader"), (ax2, "hdp_over_bound")):
-      vals = [[r[key] for r in rows if (r["distribution"], r["setting"], r["devices"]) ==
-               (dist, st, n)] for n in ns]
-      med = [np.median(v) for v in vals]
-      ax.plot(ns, med, styles.get(st, ":"), color=colors.get(dist), marker="o",
-              label=f"{dist}, {st}")
-      ax.fill_between(ns, [min(v) for v in vals], [max(v) for v in vals],
-                      color=colors.get(dist), alpha=0.15)
-      if key == "hdp_over_bound":
-        for k, marker, what in (("lockstep_over_bound", "^", "lock-step bound"),
-                                ("per_rank_over_bound", "x", "per-rank")):
-          pr = [np.median([r[k] for r in rows if (r["distribution"], r["setting"],
-                                                  r["devices"]) == (dist, st, n)])
-                for n in ns]
-          ax.plot(ns, pr, ":", color=colors.get(dist), marker=marker, alpha=0.7,
-                  label=f"{dist}, {st}: {what}")
+    for ax, keys in lines.items():
+      for k, (key, marker, what) in enumerate(keys):
+        vals = [[r[key] for r in rows if (r["distribution"], r["setting"], r["devices"]) ==
+                 (dist, st, n)] for n in ns]
+        ax.plot(ns, [np.median(v) for v in vals], styles.get(st, ":") if k == 0 else ":",
+                color=colors.get(dist), marker=marker, alpha=1.0 if k == 0 else 0.5,
+                markersize=5 if k == 0 else 4, label=f"{what}, {dist}, {st}")
+        if k == 0:
+          ax.fill_between(ns, [min(v) for v in vals], [max(v) for v in vals],
+                          color=colors.get(dist), alpha=0.15)
   for ax in (ax1, ax2):
     ax.set_xscale("log", base=2)
     ax.set_xlabel("devices N")
     ax.grid(alpha=0.3)
   ax1.axhline(2.0, color="gray", lw=0.8)
-  ax1.set_ylabel("static CP (loader order) time / HDP time")
+  ax1.set_ylabel("static CP (packed, loader order) time / HDP time")
   ax1.set_title("HDP speed-up over a static data x context mesh")
+  ax1.legend(fontsize=6)
   ax2.axhline(1.3, color="gray", lw=0.8)
   ax2.set_ylabel("time / lower bound")
-  ax2.set_title("HDP (o), lock-step bound (^), per-rank HDP (x) over the bound")
-  ax2.legend(fontsize=7)
+  ax2.set_title("per-rank HDP (o), lock-step HDP (s), lock-step bound (^)")
+  ax2.legend(fontsize=6)
   fig.tight_layout()
   if path:
     fig.savefig(path, dpi=110)
@@ -266,6 +284,47 @@ def draw_plan(ax, steps, lengths, *, num_devices: int, tokens_per_device: int,
   ax.set_title(f"{title}: {len(bars)} micro-steps, {t0:.3g} s")
   ax.invert_yaxis()
   return t0
+
+
+def draw_schedule(ax, sched, lengths, *, tokens_per_device: int, model: hdp_sim.CostModel,
+                  title: str) -> float:
+  """Device-by-time chart of a per-rank schedule (hdp_schedule.schedule), timed by
+  hdp_sim.schedule_jobs: each ring or local micro-batch a run of bars on its devices.
+
+  Colours and hatching as draw_plan; a member's busy time is split among the sequences
+  in its cell by their compute; white is idle time (a ring member waiting for its
+  slowest) or padding. A tick closes each micro-batch; the black line is the gradient
+  all-reduce, when the slowest device is done. Returns the schedule's seconds.
+  """
+  import matplotlib.pyplot as plt
+
+  lengths = np.asarray(lengths, np.int64)
+  cmap = plt.get_cmap("tab20")
+  jobs = hdp_sim.schedule_jobs(sched, lengths, tokens_per_device=tokens_per_device,
+                               model=model)
+  for job in jobs:
+    c = len(job.devices)
+    for k, d in enumerate(job.devices):
+      mine = [(i, len(rel)) for i, rel in job.entries if len(rel) == c or rel == (k,)]
+      own = [float(model.attention(lengths[i]) / ring + model.linear(lengths[i] / ring))
+             for i, ring in mine]
+      left = job.start
+      for (i, _), o in zip(mine, own):
+        secs = float(job.busy[k]) * o / sum(own)
+        ax.barh(d, secs, left=left, height=0.8, color=cmap(i % 20),
+                hatch="///" if lengths[i] > tokens_per_device else None,
+                edgecolor="black", linewidth=0.3)
+        left += secs
+      ax.plot([job.end, job.end], [d - 0.45, d + 0.45], color="black", lw=0.8)
+  end = max((job.end for job in jobs), default=0.0)
+  ax.axvline(end, color="black", lw=1.2)
+  ax.set_yticks(range(sched.num_devices))
+  ax.set_ylabel("device")
+  ax.set_xlabel("simulated seconds (ticks: micro-batch ends; line: gradient all-reduce)")
+  ax.set_title(f"{title}: {len(sched.rings)} rings, "
+               f"{sum(len(b) for b in sched.local)} local micro-batches, {end:.3g} s")
+  ax.invert_yaxis()
+  return end
 
 
 def sim_part(argv_devices, *, seeds, tokens_per_device, batch_steps, max_len, link_gbps,

@@ -1,9 +1,13 @@
-"""A cost model and lock-step simulator for HDP against a static context-parallel mesh.
+"""A cost model and simulator for HDP against a static context-parallel mesh.
 
-Three ways to run one global batch of variable-length sequences on N devices, each
-holding at most `tokens_per_device` (tpd) tokens per micro-step:
+Ways to run one global batch of variable-length sequences on N devices, each holding at
+most `tokens_per_device` (tpd) tokens per micro-batch:
 
-  hdp:    `hdp.plan` (a sequence on a ring of just as many devices as its length needs).
+  hdp_per_rank: `hdp_schedule.schedule`, each device running its own micro-batches and
+          only the gradient all-reduce waiting for all (`simulate_per_rank`, timed as
+          jaxsys's per-rank executor runs it: `schedule_jobs`).
+  hdp:    `hdp.plan`, lock-step (a sequence on a ring of just as many devices as its
+          length needs).
   static: one `data = N/c_max, context = c_max` mesh, c_max sized for the dataset's longest
           sequence (a static mesh must be); sequences packed first-fit decreasing into rows
           of c_max * tpd tokens, each row on a ring of c_max, N/c_max rows per micro-step.
@@ -22,16 +26,19 @@ Timing model per device and micro-step (every layer alike, times n_layers):
         3 * (Lin + a/c + (c - 1) * max(a/c, h))
     overlap=False: 3 * (Lin + a + (c - 1) * h)
   and a device holding short sequences (c = 1) spends 3 * (Lin + sum A).
-Steps are lock-step SPMD: a micro-step lasts as long as its slowest device. HDP is
-timed two ways: "ideal" (ByteScale: only a ring's members move K/V, over their ring) and
-"step_ring" (jaxsys's executor: a micro-step is one program over the view of its largest
-ring C, so every device's block makes C - 1 hops; see device_times).
+Static and lock-step HDP steps are SPMD: a micro-step lasts as long as its slowest
+device. Lock-step HDP is timed two ways: "ideal" (ByteScale: only a ring's members move
+K/V, over their ring) and "step_ring" (jaxsys's lock-step executor: a micro-step is one
+program over the view of its largest ring C, so every device's block makes C - 1 hops;
+see device_times). What the per-rank timing leaves out: the final gradient all-reduce
+(every strategy pays it once per batch), dispatch overhead, and compiling a program per
+ring block shape.
 
 Example:
   model = fit_cost_model().model        # ~5 s of CPU timing
   lengths = long_tail_lengths(2000, seed=0)
   result = simulate(lengths, num_devices=64, tokens_per_device=32768, model=model)
-  result["static_loader"].time / result["hdp"].time
+  result["static_loader"].time / result["hdp_per_rank"].time
 """
 
 from __future__ import annotations
@@ -270,8 +277,8 @@ class Result:
   """One strategy on one batch.
 
   time: seconds (lock-step: sum over micro-steps of the slowest device).
-  per_rank_time: max over devices of its own summed time, what a schedule that let each
-    device run its own micro-steps (ByteScale's per-rank micro-batches) would need.
+  per_rank_time: max over devices of its own summed time: the same micro-steps with the
+    lock step dropped (for a per-rank schedule, see simulate_per_rank).
   device_time [steps, devices]; imbalance: sum of step maxima / sum of step means;
   padding: 1 - real tokens / (steps * devices * tpd).
   """
@@ -284,7 +291,7 @@ class Result:
   device_time: np.ndarray
 
 
-EXECUTORS = ("ideal", "step_ring")
+EXECUTORS = ("ideal", "step_ring", "run")
 
 
 def group_time(model: CostModel, group_lengths, ring: int, tokens_per_device: int) -> float:
@@ -305,7 +312,9 @@ def device_times(groups: list[list[tuple[Sequence[int], tuple[int, ...]]]], *,
   their own ring, their ring share only. "step_ring" (jaxsys's HDP executor,
   jaxsys/train/hdp_step.py): a micro-step is one program over the `data = N/C,
   context = C` view of its largest ring C, so every device's whole block takes C - 1
-  hops, needed or not. With pad_compute every device runs tpd tokens through the
+  hops, needed or not. "run" (jaxsys's per-rank executor, a ring's program over just its
+  run of c devices): every member's whole block, fill included, takes c - 1 hops.
+  With pad_compute every device runs tpd tokens through the
   matmuls and a hop carries tpd tokens.
   """
   if executor not in EXECUTORS:
@@ -336,7 +345,7 @@ def device_times(groups: list[list[tuple[Sequence[int], tuple[int, ...]]]], *,
         prog = int(ring[d])
       else:
         hop_tokens = tokens_per_device if model.pad_compute else tokens
-        prog = program
+        prog = program if executor == "step_ring" else int(ring[d])
       out[m, d] = model.device(attention=ring_attention[d], linear=linear, ring=int(ring[d]),
                                hop_tokens=hop_tokens, program_ring=prog,
                                local_attention=local_attention[d])
@@ -370,30 +379,63 @@ def simulate_hdp(lengths, *, num_devices: int, tokens_per_device: int,
   return _result(name, times, int(lengths.sum()), num_devices, tokens_per_device)
 
 
-def schedule_times(sched: hdp_schedule.Schedule, lengths, *, tokens_per_device: int,
-                   model: CostModel) -> np.ndarray:
-  """[devices] seconds until each device has run its part of a per-rank schedule.
+@dataclasses.dataclass(frozen=True)
+class Job:
+  """One micro-batch of a per-rank schedule: a ring on its block or a local batch.
+
+  devices: who runs it; start / end: seconds (a ring's members start together and it
+  lasts as long as its slowest); busy[k]: seconds devices[k] computes or sends;
+  entries: (sequence, device ids relative to `devices`), as Ring.entries.
+  """
+  devices: tuple[int, ...]
+  start: float
+  end: float
+  busy: np.ndarray
+  entries: list
+
+
+def schedule_jobs(sched: hdp_schedule.Schedule, lengths, *, tokens_per_device: int,
+                  model: CostModel) -> list[Job]:
+  """Every micro-batch of a per-rank schedule with its start and end, in run order.
 
   As jaxsys's per-rank executor runs it (jaxsys/train/hdp_step.py): each ring is one
-  program over its block (`data = 1, context = c`), its members start together when the
-  last of them is free and the ring lasts as long as its slowest member (every member's
-  whole cell, fill included, takes the c - 1 hops); then each device runs its local
-  micro-batches on its own.
+  program over its run of c devices (`data = 1, context = c`; executor "run" of
+  device_times), its members start together when the last of them is free and the ring
+  lasts as long as its slowest member (every member's whole cell, fill included, takes
+  the c - 1 hops); then each device runs its local micro-batches on its own.
   """
   lengths = np.asarray(lengths, np.int64)
   finish = np.zeros(sched.num_devices)
+  jobs = []
   for ring in sched.rings:
     devs = list(ring.devices)
-    group = [[([int(lengths[i])], rel) for i, rel in ring.entries()]]
+    entries = ring.entries()
+    group = [[([int(lengths[i])], rel) for i, rel in entries]]
     member = device_times(group, num_devices=len(devs), tokens_per_device=tokens_per_device,
-                          model=model, executor="step_ring")[0]
-    finish[devs] = finish[devs].max() + member.max()
+                          model=model, executor="run")[0]
+    start = finish[devs].max()
+    finish[devs] = start + member.max()
+    jobs.append(Job(ring.devices, float(start), float(finish[devs[0]]), member, entries))
   for d, batches in enumerate(sched.local):
     for batch in batches:
       lens = lengths[list(batch)]
       tokens = tokens_per_device if model.pad_compute else int(lens.sum())
-      finish[d] += model.device(attention=0.0, linear=float(model.linear(tokens)),
-                                local_attention=float(np.sum(model.attention(lens))))
+      secs = model.device(attention=0.0, linear=float(model.linear(tokens)),
+                          local_attention=float(np.sum(model.attention(lens))))
+      start = finish[d]
+      finish[d] += secs
+      jobs.append(Job((d,), float(start), float(finish[d]), np.array([secs]),
+                      [(i, (0,)) for i in batch]))
+  return jobs
+
+
+def schedule_times(sched: hdp_schedule.Schedule, lengths, *, tokens_per_device: int,
+                   model: CostModel) -> np.ndarray:
+  """[devices] seconds until each device has run its part of a per-rank schedule
+  (timed as `schedule_jobs` says)."""
+  finish = np.zeros(sched.num_devices)
+  for job in schedule_jobs(sched, lengths, tokens_per_device=tokens_per_device, model=model):
+    finish[list(job.devices)] = job.end
   return finish
 
 
@@ -530,44 +572,12 @@ def lockstep_bound(lengths, *, num_devices: int, tokens_per_device: int,
   return float(terms.sum() + max(0, steps - terms.size) * idle)
 
 
-def per_rank_time(lengths, *, num_devices: int, tokens_per_device: int,
-                  model: CostModel) -> float:
-  """Seconds of an HDP schedule without lock-step, ByteScale-style (an estimate).
-
-  Each device runs its own number of micro-batches and only the gradient sync waits for
-  the slowest. Rings keep hdp's sizes and aligned groups (members start together, at
-  their group's latest finish); LPT: rings heaviest first onto the group that frees
-  first, then short sequences heaviest first onto the least loaded device. Real tokens
-  only (no padding), so it is comparable with `lower_bound`.
-  """
-  lengths = np.asarray(lengths, np.int64)
-  load = np.zeros(num_devices)
-  rings = np.array([hdp.ring_size(n, tokens_per_device) for n in lengths], np.int64)
-  attention, linear = model.attention(lengths), model.linear(lengths)
-  jobs = []
-  for i, c in enumerate(rings):
-    if c > 1:
-      share = -(-int(lengths[i]) // int(c))
-      jobs.append((model.ring_member(attention[i] / c, float(model.linear(share)), share,
-                                     int(c)), int(c)))
-  for t, c in sorted(jobs, key=lambda j: (-j[0], -j[1])):
-    starts = load.reshape(-1, c).max(axis=1)
-    k = int(np.argmin(starts))
-    load[k * c:(k + 1) * c] = starts[k] + t
-  short = np.flatnonzero(rings == 1)
-  short_times = 3.0 * model.n_layers * (attention[short] + linear[short])
-  for t in np.sort(short_times)[::-1]:
-    d = int(np.argmin(load))
-    load[d] += t
-  return float(load.max(initial=0.0))
-
-
 def simulate(lengths, *, num_devices: int, tokens_per_device: int, model: CostModel,
              max_len: int | None = None, seed: int = 0) -> dict:
-  """hdp, hdp_step_ring (jaxsys's executor, see device_times), static_loader,
-  static_sorted and static_padded Results; in seconds the lower bound ("bound"), the
-  lock-step bound for hdp's ring sizes ("lockstep_bound") and the per-rank (not
-  lock-step) HDP estimate ("per_rank").
+  """hdp_per_rank (the per-rank schedule, see simulate_per_rank), the lock-step hdp and
+  hdp_step_ring (jaxsys's lock-step executor, see device_times), static_loader,
+  static_sorted and static_padded Results; in seconds the lower bound ("bound") and the
+  lock-step bound for hdp's ring sizes ("lockstep_bound").
 
   max_len sizes the static ring (the dataset's longest sequence); default: the batch's.
   """
@@ -582,5 +592,4 @@ def simulate(lengths, *, num_devices: int, tokens_per_device: int, model: CostMo
       static_sorted=simulate_static(lengths, max_len=max_len, order="sorted", **kw),
       static_padded=simulate_static(lengths, max_len=max_len, order="padded", seed=seed, **kw),
       bound=lower_bound(lengths, **kw),
-      lockstep_bound=lockstep_bound(lengths, **kw),
-      per_rank=per_rank_time(lengths, **kw))
+      lockstep_bound=lockstep_bound(lengths, **kw))

@@ -22,25 +22,53 @@ def test_sim_part_tiny(tmp_path, capsys):
   assert chart.stat().st_size > 0
   saved = json.loads(out.read_text())
   assert len(saved["rows"]) == len(result["rows"]) == 2 * 2 * 2 * 2
+  header = printed.splitlines()[[line.startswith("| distribution") for line in
+                                 printed.splitlines()].index(True)]
+  assert all(line.count("|") == header.count("|") for line in table)
   for row in saved["rows"]:
     assert row["hdp_over_bound"] >= 1 - 1e-9
+    assert row["per_rank_over_bound"] == pytest.approx(row["hdp_per_rank_time"] / row["bound"])
     assert row["per_rank_over_bound"] >= 1 - 1e-9
+    assert row["per_rank_speedup_loader"] == pytest.approx(
+        row["static_loader_time"] / row["hdp_per_rank_time"])
     assert row["speedup_loader"] == pytest.approx(
         row["static_loader_time"] / row["hdp_time"])
+    assert row["hdp_per_rank_steps"] >= 1
   accel = saved["fit"]["models"]["accel"]
   assert accel["link_bytes_per_s"] == 25e9
   assert accel["sec_per_linear_flop"] == pytest.approx(1 / 400e12)
 
 
+def test_draw_schedule_spans_the_schedule():
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  from jaxsys.parallel import hdp_schedule, hdp_sim
+  model = hdp_sim.CostModel(sec_per_attention_flop=1e-14, sec_per_linear_flop=5e-15)
+  lengths = [70000, 300, 5000, 120, 40000, 9000]
+  sched = hdp_schedule.schedule(lengths, num_devices=4, tokens_per_device=32768)
+  fig, ax = plt.subplots()
+  end = bench_hdp.draw_schedule(ax, sched, lengths, tokens_per_device=32768, model=model,
+                                title="per-rank")
+  times = hdp_sim.schedule_times(sched, lengths, tokens_per_device=32768, model=model)
+  assert end == pytest.approx(times.max())
+  # Every device's bars end by its own finish: none is drawn past the all-reduce.
+  right = max(p.get_x() + p.get_width() for p in ax.patches)
+  assert right <= end * (1 + 1e-9)
+  plt.close(fig)
+
+
 def test_real_part_tiny():
-  """Three layouts of the same documents train to the same loss; HDP pads least."""
+  """Five layouts of the same documents train to the same loss; HDP pads least."""
   from experiments import hdp_real
   rows = hdp_real.real_part(size="test", tokens_per_device=128, max_len=1024, batch_steps=4,
                             batches=1, log=lambda *_: None)
   by = {r["layout"]: r for r in rows}
   assert set(by) == set(hdp_real.LAYOUTS)
-  assert by["hdp"]["loss"] == pytest.approx(by["static_padded"]["loss"], rel=1e-5)
-  assert by["hdp"]["loss"] == pytest.approx(by["static_packed"]["loss"], rel=1e-5)
-  assert by["hdp"]["tokens"] == by["static_packed"]["tokens"]
-  assert by["hdp"]["waste"] <= by["static_padded"]["waste"]
-  assert "| hdp |" in hdp_real.real_table(rows)
+  for name in hdp_real.LAYOUTS[1:]:
+    assert by[name]["loss"] == pytest.approx(by["hdp_per_rank"]["loss"], rel=1e-5)
+    assert by[name]["tokens"] == by["hdp_per_rank"]["tokens"]
+  assert by["hdp_per_rank_tight"]["waste"] <= by["static_padded"]["waste"]
+  assert by["hdp_per_rank"]["micro_steps"] <= 4
+  assert "| hdp_per_rank |" in hdp_real.real_table(rows)

@@ -64,7 +64,11 @@ def test_two_devices_by_hand():
   assert r["static_loader"].steps == 1
   # Bound: all compute 3 * (9 + 3 + 1 + 1) over 2 devices; the hop (1.5) hides under 9/4.
   assert r["bound"] == pytest.approx(21.0)
-  assert r["per_rank"] == pytest.approx(25.5)
+  # Per-rank: the ring's member 0 also holds L=1 in its spare slot (3 tokens, counting
+  # ceil(3/2) for its share): 3 * (3 + 1 + 2.25 + max(2.25, h=3)) = 27.75, and the ring
+  # lasts as long as that member.
+  assert r["hdp_per_rank"].time == pytest.approx(27.75)
+  assert r["hdp_per_rank"].steps == 1
   # Lock-step: the ring's micro-step costs 19.5; the second step costs >= 0 (no padding).
   assert r["lockstep_bound"] == pytest.approx(19.5)
   serial = hdp_sim.simulate(lengths, model=dataclasses.replace(UNIT, overlap=False), **kw)
@@ -83,6 +87,17 @@ def test_step_ring_executor_moves_every_block():
   np.testing.assert_allclose(ring, [[19.5, 19.5, 9.0, 9.0]])
   with pytest.raises(ValueError, match="executor="):
     hdp_sim.device_times(step, executor="mpmd", **kw)
+
+
+def test_run_executor_hops_over_its_own_devices():
+  # L=5 on a run of 3 devices (a per-rank ring): A/c = 25/3 in blocks of 25/9, 2 tokens.
+  step = [[([5], (0, 1, 2))]]
+  kw = dict(num_devices=3, tokens_per_device=2, model=UNIT)
+  # run: 2 hops, each hidden by a block: 3 * (2 + 3 * 25/9) = 31.
+  np.testing.assert_allclose(hdp_sim.device_times(step, executor="run", **kw), [[31.0] * 3])
+  # step_ring: the view's context is the aligned block of 4, so one more bare hop (h=2).
+  np.testing.assert_allclose(hdp_sim.device_times(step, executor="step_ring", **kw),
+                             [[37.0] * 3])
 
 
 def test_padding_is_computed_when_asked():
@@ -104,7 +119,7 @@ def test_hdp_beats_static_on_long_tail_and_respects_bound():
   for name in ("hdp", "hdp_step_ring", "static_loader", "static_sorted"):
     assert r[name].time >= r["bound"] * (1 - 1e-9), name
     assert r[name].per_rank_time <= r[name].time * (1 + 1e-9), name
-  assert r["bound"] * (1 - 1e-9) <= r["per_rank"] <= r["hdp"].time
+  assert r["bound"] * (1 - 1e-9) <= r["hdp_per_rank"].time <= r["hdp_step_ring"].time
   assert r["bound"] <= r["lockstep_bound"] <= r["hdp"].time * (1 + 1e-9)
 
 
