@@ -14,11 +14,12 @@ gradient all-reduce waits for all of them. A schedule has two kinds of work:
          sequences;
   local: a device's own micro-batches of whole short sequences, tpd slots each.
 
-Placement is LPT on estimated time in FLOPs (a ring member: one cell of tpd tokens
-through the matmuls plus its share of the attention; a short sequence: `hdp.sequence_cost`):
+Placement is LPT on estimated time (`FlopCost` by default: a ring member runs one cell of
+tpd tokens through the matmuls plus its share of the attention; a short sequence costs
+`hdp.sequence_cost`):
 rings heaviest first, each on the run whose members are all free first (a ring's members
-start together). A ring may take the whole aligned block instead (up to twice the
-devices it needs) when it ends sooner by more than the pool's share of the matmul work
+start together). A ring may instead take an aligned power-of-two block of up to twice the
+devices it needs, when it ends sooner by more than the pool's share of the matmul work
 its empty cells waste: shorter rings even the load where attention dominates (long
 sequences), at the price of padding (`widen=False` keeps rings tight). Then short sequences, heaviest first: into the spare
 slots of a ring cell if one fits (that of the least loaded device), else onto the least
@@ -82,6 +83,17 @@ class Schedule:
     return sorted(out)
 
 
+def _ring_sizes(need: int, num_devices: int, widen: bool) -> list[int]:
+  """A ring's candidate sizes: the devices it needs and, widened, each power of two up to
+  twice that (its aligned block, then larger blocks)."""
+  sizes = [need]
+  c = hdp.block_size(need + 1) if widen else 2 * need + 1
+  while c <= min(2 * need, num_devices):
+    sizes.append(c)
+    c *= 2
+  return sizes
+
+
 def _free_run(load: np.ndarray, c: int) -> int:
   """The first device of the run of c devices, inside an aligned block of
   hdp.block_size(c), whose members are all free first (the lowest such start on ties)."""
@@ -92,31 +104,58 @@ def _free_run(load: np.ndarray, c: int) -> int:
   return int(np.argmin(starts))
 
 
+@dataclasses.dataclass(frozen=True)
+class FlopCost:
+  """The schedule's default time estimate: forward FLOPs of one layer (`hdp`'s terms).
+
+  A ring member runs a whole cell of tokens_per_device tokens through the matmuls (fixed
+  shapes: padding too) and its share of the ring's attention; ring traffic is free.
+  """
+  tokens_per_device: int
+  d_model: int = hdp.DEFAULT_D_MODEL
+
+  def cell(self) -> float:
+    """One cell's matmuls: what an empty cell of a micro-batch still costs."""
+    return float(hdp.LINEAR_FLOPS_PER_TOKEN * self.d_model ** 2 * self.tokens_per_device)
+
+  def ring(self, lengths: np.ndarray, devices: int) -> float:
+    """A member's time in a ring of `devices` holding `lengths` (split over all of it)."""
+    attention = hdp.ATTENTION_FLOPS_PER_PAIR * self.d_model * np.sum(
+        np.asarray(lengths, np.float64) ** 2)
+    return self.cell() + float(attention) / devices
+
+  def short(self, length: int) -> float:
+    """A whole short sequence's time on one device."""
+    return float(hdp.sequence_cost(int(length), d_model=self.d_model))
+
+
 def schedule(lengths: Sequence[int], *, num_devices: int, tokens_per_device: int,
-             d_model: int = hdp.DEFAULT_D_MODEL, widen: bool = True) -> Schedule:
+             d_model: int = hdp.DEFAULT_D_MODEL, widen: bool = True,
+             cost=None) -> Schedule:
   """The per-rank schedule of `lengths` (see the module docstring); errors as hdp.plan.
 
-  widen=False keeps every ring on the devices it needs (least padding)."""
+  widen=False keeps every ring on the devices it needs (least padding). cost: the time
+  estimate balanced (cell(), ring(lengths, devices), short(length), all in one unit);
+  default FlopCost(tokens_per_device, d_model). A simulator passes its own, links
+  included (`hdp_sim.ScheduleCost`).
+  """
   arr = hdp._check(lengths, num_devices, tokens_per_device)
   cap = tokens_per_device
+  cost = FlopCost(tokens_per_device, d_model) if cost is None else cost
   costs = hdp.sequence_cost(arr, d_model=d_model) if arr.size else np.zeros(0)
-  # A ring member runs a whole cell through the matmuls (fixed shapes: padding too) and
-  # its share of the ring's attention.
-  cell = hdp.LINEAR_FLOPS_PER_TOKEN * d_model * d_model * cap
-  attention = hdp.ATTENTION_FLOPS_PER_PAIR * d_model * arr.astype(np.float64) ** 2
   load = np.zeros(num_devices)
 
   rings: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
   groups = hdp.share_groups(arr, cap, num_devices)
   for seqs, need in sorted(groups, key=lambda g: (-costs[list(g[0])].sum(), g[0])):
     options = []
-    for c in sorted({need, min(hdp.block_size(need), num_devices) if widen else need}):
+    for c in _ring_sizes(need, num_devices, widen):
       first = _free_run(load, c)
-      end = load[first:first + c].max() + cell + attention[list(seqs)].sum() / c
-      # A wider ring ends sooner, but its c - need extra cells run the matmuls on
+      end = load[first:first + c].max() + cost.ring(arr[list(seqs)], c)
+      # A wider ring may end sooner, but its c - need extra cells run the matmuls on
       # padding, work lost to the pool: in a balanced schedule that adds its share,
       # (c - need) * cell / N, to every device's time.
-      options.append((end + (c - need) * cell / num_devices, end, c, first))
+      options.append((end + (c - need) * cost.cell() / num_devices, end, c, first))
     _, end, c, first = min(options)
     load[first:first + c] = end
     rings.append((seqs, tuple(range(first, first + c))))
@@ -128,7 +167,8 @@ def schedule(lengths: Sequence[int], *, num_devices: int, tokens_per_device: int
   on = np.array([rings[r][1][k] for r, k in cells], np.int64)
   fill: dict[tuple[int, int], list[int]] = {cell_id: [] for cell_id in cells}
   mine: list[list[int]] = [[] for _ in range(num_devices)]
-  for i in sorted((i for i in range(arr.size) if arr[i] <= cap), key=lambda i: (-costs[i], i)):
+  short = {i: cost.short(arr[i]) for i in range(arr.size) if arr[i] <= cap}
+  for i in sorted(short, key=lambda i: (-short[i], i)):
     fits = np.flatnonzero(spare >= arr[i])
     if fits.size:  # the spare slots of the least loaded device's ring cell
       j = int(fits[np.argmin(load[on[fits]])])
@@ -138,7 +178,7 @@ def schedule(lengths: Sequence[int], *, num_devices: int, tokens_per_device: int
     else:
       d = int(np.argmin(load))
       mine[d].append(i)
-    load[d] += costs[i]
+    load[d] += short[i]
 
   local = []
   for d in range(num_devices):  # first-fit decreasing into micro-batches of cap slots

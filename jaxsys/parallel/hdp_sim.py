@@ -439,13 +439,38 @@ def schedule_times(sched: hdp_schedule.Schedule, lengths, *, tokens_per_device: 
   return finish
 
 
+@dataclasses.dataclass(frozen=True)
+class ScheduleCost:
+  """The cost model as hdp_schedule.schedule's time estimate (seconds, links included),
+  so the schedule balances what schedule_jobs will time."""
+  model: CostModel
+  tokens_per_device: int
+
+  def cell(self) -> float:
+    if not self.model.pad_compute:
+      return 0.0
+    return self.model.device(attention=0.0, linear=float(self.model.linear(self.tokens_per_device)))
+
+  def ring(self, lengths, devices: int) -> float:
+    group = [[([int(n) for n in lengths], tuple(range(devices)))]]
+    return float(device_times(group, num_devices=devices,
+                              tokens_per_device=self.tokens_per_device, model=self.model,
+                              executor="run")[0].max())
+
+  def short(self, length: int) -> float:
+    return self.model.device(attention=0.0, linear=float(self.model.linear(length)),
+                             local_attention=float(self.model.attention(length)))
+
+
 def simulate_per_rank(lengths, *, num_devices: int, tokens_per_device: int,
-                      model: CostModel) -> Result:
-  """HDP without lock step: hdp_schedule.schedule timed by schedule_times. steps: the
-  most micro-batches any device runs; imbalance: slowest device over the mean."""
+                      model: CostModel, widen: bool = True) -> Result:
+  """HDP without lock step: hdp_schedule.schedule (balancing this cost model's times)
+  timed by schedule_times. steps: the most micro-batches any device runs; imbalance:
+  slowest device over the mean."""
   lengths = np.asarray(lengths, np.int64)
   sched = hdp_schedule.schedule(lengths, num_devices=num_devices,
-                                tokens_per_device=tokens_per_device, d_model=model.d_model)
+                                tokens_per_device=tokens_per_device, d_model=model.d_model,
+                                widen=widen, cost=ScheduleCost(model, tokens_per_device))
   finish = schedule_times(sched, lengths, tokens_per_device=tokens_per_device, model=model)
   counts = sched.micro_batches()
   slots = int(counts.sum()) * tokens_per_device
