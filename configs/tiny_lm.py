@@ -106,8 +106,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # hdp_schedule per_rank: each device runs its own micro-batches and only the gradient
   # all-reduce waits for all (ByteScale); lockstep: every micro-step one program over
   # all devices (fewer compiled programs, slower when the work is uneven).
+  # hdp_widen_rings (per_rank): a ring may take up to twice the devices it needs where
+  # that ends sooner by FLOPs (better balance, more padding; links are not modelled).
   c.parallel = ml_collections.ConfigDict(dict(context_layout="zigzag", hdp=False,
-                                              hdp_schedule="per_rank"))
+                                              hdp_schedule="per_rank",
+                                              hdp_widen_rings=False))
   c.pipeline = ml_collections.ConfigDict(dict(
       schedule="none", microbatches=4, virtual_stages=1, vocab_parallel=False, vocab_algorithm=2))
   return c

@@ -4,10 +4,10 @@ One global batch of whole stdlib documents (jaxsys.data.documents, truncated to 
 trains one step five ways on the same devices, at equal tokens:
 
   hdp_per_rank:       `hdp_schedule.schedule` run by `hdp_step.PerRankHDPStep` (training's
-                      default): each device its own micro-batches, rings on the devices
-                      a document needs, widened to their aligned block where that ends
-                      sooner;
-  hdp_per_rank_tight: the same with widen=False (every ring on the devices it needs);
+                      default): each device its own micro-batches, every ring on the
+                      devices its document needs;
+  hdp_per_rank_wide:  the same with widen=True (a ring may take up to twice the devices
+                      it needs where the FLOP estimate says that ends sooner);
   hdp_lockstep:       `hdp.plan` run by `hdp_step.HDPStep` (every micro-step one program
                       over a data=N/c, context=c view of all devices);
   static_padded:      a static data x context mesh with context sized for max_len, one
@@ -49,9 +49,9 @@ from jaxsys.parallel import context, hdp, hdp_layout, hdp_sim
 from jaxsys.train import hdp_step
 from jaxsys.train import state as state_lib
 
-LAYOUTS = ("hdp_per_rank", "hdp_per_rank_tight", "hdp_lockstep", "static_padded",
+LAYOUTS = ("hdp_per_rank", "hdp_per_rank_wide", "hdp_lockstep", "static_padded",
            "static_packed")
-PER_RANK = {"hdp_per_rank": True, "hdp_per_rank_tight": False}  # layout -> widen
+PER_RANK = {"hdp_per_rank": False, "hdp_per_rank_wide": True}  # layout -> widen
 
 
 def static_rows(lengths, *, packed: bool, row_tokens: int) -> list[list[int]]:

@@ -126,6 +126,7 @@ FIELDS: dict[str, Rule] = {
     "parallel.context_layout": one_of(*context.LAYOUTS),
     "parallel.hdp": BOOL,
     "parallel.hdp_schedule": one_of("per_rank", "lockstep"),
+    "parallel.hdp_widen_rings": BOOL,
     "optimizer.name": one_of(*OPTIMIZERS),
     "optimizer.learning_rate": number(0, lo_open=True),
     "optimizer.warmup_steps": integer(0),

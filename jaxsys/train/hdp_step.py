@@ -188,9 +188,11 @@ class PerRankHDPStep(_HDPBase):
   practice) and per power of two of local micro-batches.
   """
 
-  def __init__(self, *args, widen: bool = True, **kwargs):
+  def __init__(self, *args, widen: bool = False, **kwargs):
     super().__init__(*args, **kwargs)
-    self.widen = widen  # hdp_schedule.schedule's: rings may take their aligned block
+    # hdp_schedule.schedule's: rings may take up to twice the devices they need when the
+    # FLOP estimate says that ends sooner (it knows no link speed; off: least padding).
+    self.widen = widen
     self._rings: dict[tuple[int, ...], tuple] = {}
     self._locals: dict[int, Callable] = {}
     stacked = NamedSharding(self.mesh, P("data"))
@@ -373,8 +375,11 @@ def make_hdp_setup(config, model_cfg: transformer.TransformerConfig, mesh, loade
   """The HDP step of `config` on the data-only `mesh`, data.seq_len tokens per device,
   taking its documents from (and giving the unused back to) `loader`."""
   base = step_lib.make_train_setup(config, model_cfg, mesh)
-  executor = SCHEDULES[config.parallel.hdp_schedule]
-  train_fn = executor(model_cfg, base.optimizer, mesh, base.state_sh, config.data.seq_len)
+  args = (model_cfg, base.optimizer, mesh, base.state_sh, config.data.seq_len)
+  if config.parallel.hdp_schedule == "per_rank":
+    train_fn = PerRankHDPStep(*args, widen=config.parallel.hdp_widen_rings)
+  else:
+    train_fn = HDPStep(*args)
   return HDPSetup(**{**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)},
                      "train_fn": train_fn}, loader=loader,
                   micro_steps=micro_steps_per_step(config, mesh.size))

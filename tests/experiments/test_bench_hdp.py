@@ -69,6 +69,6 @@ def test_real_part_tiny():
   for name in hdp_real.LAYOUTS[1:]:
     assert by[name]["loss"] == pytest.approx(by["hdp_per_rank"]["loss"], rel=1e-5)
     assert by[name]["tokens"] == by["hdp_per_rank"]["tokens"]
-  assert by["hdp_per_rank_tight"]["waste"] <= by["static_padded"]["waste"]
+  assert by["hdp_per_rank"]["waste"] <= by["static_padded"]["waste"]
   assert by["hdp_per_rank"]["micro_steps"] <= 4
   assert "| hdp_per_rank |" in hdp_real.real_table(rows)
