@@ -15,6 +15,7 @@ def test_sim_part_tiny(tmp_path, capsys):
                                     token_counts=(1024, 2048, 4096), repeats=1))
   printed = capsys.readouterr().out
   assert "| distribution | setting | N |" in printed
+  assert "tight rings vs static, loader | tight rings / bound |" in printed
   # 2 distributions x 2 settings x 2 device counts, one line each.
   table = [line for line in printed.splitlines() if line.startswith("| long_tail")
            or line.startswith("| stdlib")]
@@ -34,6 +35,12 @@ def test_sim_part_tiny(tmp_path, capsys):
     assert row["speedup_loader"] == pytest.approx(
         row["static_loader_time"] / row["hdp_time"])
     assert row["hdp_per_rank_steps"] >= 1
+    # Tight rings (widen=False): the same bound holds, and the ratios are its own.
+    assert row["tight_over_bound"] == pytest.approx(row["tight_time"] / row["bound"])
+    assert row["tight_over_bound"] >= 1 - 1e-9
+    assert row["tight_speedup_loader"] == pytest.approx(
+        row["static_loader_time"] / row["tight_time"])
+    assert row["tight_steps"] >= 1
   accel = saved["fit"]["models"]["accel"]
   assert accel["link_bytes_per_s"] == 25e9
   assert accel["sec_per_linear_flop"] == pytest.approx(1 / 400e12)

@@ -16,10 +16,11 @@ UNIT = hdp_sim.CostModel(sec_per_attention_flop=0.5, sec_per_linear_flop=1 / 24,
                          bytes_per_element=1, overlap=True, pad_compute=False)
 
 
-def _check_schedule(sched, lengths, num_devices, tokens_per_device):
+def _check_schedule(sched, lengths, num_devices, tokens_per_device, widen=True):
   """Every invariant the schedule promises; fails naming the offending ring or batch."""
   lengths = [int(n) for n in lengths]
   T = tokens_per_device
+  group_need = dict(hdp.share_groups(lengths, T, num_devices)) if lengths else {}
   assert sched.num_devices == num_devices
   assert sched.sequences() == list(range(len(lengths))), "each sequence exactly once"
   ringed = set()
@@ -39,12 +40,16 @@ def _check_schedule(sched, lengths, num_devices, tokens_per_device):
       assert n > T, f"short sequence {i} (L={n}) split over {devs}"
       cells += [share.size for share in hdp_layout.ring_shares(n, c)]
       ringed.add(i)
-    # Alone: on the devices it needs, or widened to their aligned block (< 2x). Sharing:
-    # each on at most twice what it needs, then maybe widened to the aligned block.
-    if len(whole) == 1:
-      assert c in (needs[0], hdp.block_size(needs[0])), (whole, needs, devs)
+    # A ring runs one share group on the devices the group needs or, widened, on a
+    # power of two up to twice that; widen=False never widens.
+    need = group_need.get(tuple(ring.seqs))
+    assert need is not None, f"ring {devs} runs {ring.seqs}, not a share group"
+    if widen and c != need:
+      assert need < c <= 2 * need and c & (c - 1) == 0, (ring.seqs, need, devs)
     else:
-      assert max(needs) <= c < 4 * min(needs), (whole, needs, devs)
+      assert c == need, (ring.seqs, need, devs)
+    if len(whole) == 1:
+      assert needs[0] <= c <= 2 * needs[0], (whole, needs, devs)
     for i, rel in entries:
       if len(rel) != c:
         assert len(rel) == 1 and lengths[i] <= T, (i, rel, devs)
@@ -83,12 +88,63 @@ def test_long_tail_invariants(log_devices, tokens, seed, count, sigma):
 
 
 @settings(max_examples=80, deadline=None)
-@given(data=st.data(), log_devices=st.integers(0, 4), tokens=st.integers(1, 40))
-def test_arbitrary_lengths(data, log_devices, tokens):
+@given(data=st.data(), log_devices=st.integers(0, 4), tokens=st.integers(1, 40),
+       widen=st.booleans(), simulated=st.booleans())
+def test_arbitrary_lengths(data, log_devices, tokens, widen, simulated):
   num_devices = 2**log_devices
   lengths = data.draw(st.lists(st.integers(1, num_devices * tokens), max_size=40))
-  sched = hdp_schedule.schedule(lengths, num_devices=num_devices, tokens_per_device=tokens)
-  _check_schedule(sched, lengths, num_devices, tokens)
+  # The default FLOP estimate, or the simulator's (link-bound hops: widening rarely pays).
+  cost = hdp_sim.ScheduleCost(UNIT, tokens) if simulated else None
+  sched = hdp_schedule.schedule(lengths, num_devices=num_devices, tokens_per_device=tokens,
+                                widen=widen, cost=cost)
+  _check_schedule(sched, lengths, num_devices, tokens, widen=widen)
+
+
+@pytest.mark.parametrize("need, num_devices, widen, sizes", [
+    (8, 64, True, [8, 16]),      # its aligned block; 32 would be 4x its need
+    (5, 64, True, [5, 8]),       # 16 > 2 x 5
+    (4, 64, True, [4, 8]),       # already aligned: the next block up
+    (3, 4, True, [3, 4]),
+    (8, 8, True, [8]),           # the pool holds no wider ring
+    (1, 64, True, [1, 2]),
+    (8, 64, False, [8]),
+    (5, 64, False, [5]),
+])
+def test_ring_sizes(need, num_devices, widen, sizes):
+  assert hdp_schedule._ring_sizes(need, num_devices, widen) == sizes
+
+
+class _Cost:
+  """A time estimate by hand: cell seconds per cell, ring time = cell + work / devices."""
+
+  def __init__(self, cell, work):
+    self._cell, self._work = cell, work
+
+  def cell(self):
+    return self._cell
+
+  def ring(self, lengths, devices):
+    return self._cell + self._work / devices
+
+  def short(self, length):
+    return float(length)
+
+
+@pytest.mark.parametrize("cell, work, widen, width", [
+    # 8 devices: 1 + 8 = 9; 16: 1 + 4 + the pool's share of 8 empty cells, 8 / 64: 5.125.
+    (1.0, 64.0, True, 16),
+    (1.0, 64.0, False, 8),
+    # 16 ends sooner by 0.25, less than its padding's share (8 x 4 / 64 = 0.5): tight.
+    (4.0, 4.0, True, 8),
+])
+def test_a_ring_widens_when_it_ends_sooner_by_more_than_its_padding(cell, work, widen, width):
+  T = 32
+  sched = hdp_schedule.schedule([8 * T], num_devices=64, tokens_per_device=T, widen=widen,
+                                cost=_Cost(cell, work))
+  (ring,) = sched.rings
+  assert len(ring.devices) == width
+  assert ring.devices[0] % width == 0  # an aligned block
+  _check_schedule(sched, [8 * T], 64, T, widen=widen)
 
 
 def test_docstring_example():

@@ -5,7 +5,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from jaxsys.parallel import hdp, hdp_sim
+from jaxsys.parallel import hdp, hdp_schedule, hdp_sim
 
 # d_model = kv_dim = 1 and one layer make every term a small number: attention(L) = L^2,
 # linear(T) = T, hop(s) = s (2 * s * 1 * 1 byte / 2 bytes per second).
@@ -98,6 +98,44 @@ def test_run_executor_hops_over_its_own_devices():
   # step_ring: the view's context is the aligned block of 4, so one more bare hop (h=2).
   np.testing.assert_allclose(hdp_sim.device_times(step, executor="step_ring", **kw),
                              [[37.0] * 3])
+
+
+def test_schedule_cost_is_the_simulators_time():
+  cost = hdp_sim.ScheduleCost(UNIT, tokens_per_device=2)
+  # As test_run_executor_hops_over_its_own_devices: L=5 on a run of 3 devices, 31.
+  assert cost.ring([5], 3) == pytest.approx(31.0)
+  step = [[([5], (0, 1, 2))]]
+  member = hdp_sim.device_times(step, num_devices=3, tokens_per_device=2, model=UNIT,
+                                executor="run")[0].max()
+  assert cost.ring(np.array([5]), 3) == pytest.approx(member)
+  # A whole short sequence: 3 * (linear 3 + attention 9).
+  assert cost.short(3) == pytest.approx(36.0)
+  # Without padding compute an empty cell costs nothing; with it, tpd tokens of matmuls.
+  assert cost.cell() == 0.0
+  padded = hdp_sim.ScheduleCost(dataclasses.replace(UNIT, pad_compute=True), 2)
+  assert padded.cell() == pytest.approx(3 * 2.0)
+
+
+def test_slow_links_keep_rings_tight():
+  # One 4-cell sequence (L=8, tpd=2) on 8 devices. Links free: widened to 8 its member
+  # blocks shrink 4x and the ring ends sooner. At 1e-3 bytes/s a hop (of a padded 2-token
+  # block) dwarfs the attention, so the link-aware estimate keeps the 3 hops of 4 devices.
+  kw = dict(num_devices=8, tokens_per_device=2)
+  fast = dataclasses.replace(UNIT, link_bytes_per_s=1e9, pad_compute=True)
+  slow = dataclasses.replace(fast, link_bytes_per_s=1e-3)
+  widths = {}
+  for name, model in (("fast", fast), ("slow", slow)):
+    sched = hdp_schedule.schedule([8], cost=hdp_sim.ScheduleCost(model, 2), **kw)
+    (ring,) = sched.rings
+    widths[name] = len(ring.devices)
+    tight = hdp_sim.simulate_per_rank([8], model=model, widen=False, **kw)
+    wide = hdp_sim.simulate_per_rank([8], model=model, **kw)
+    assert wide.time <= tight.time * (1 + 1e-9), name
+  assert widths == {"fast": 8, "slow": 4}
+  # widen=False keeps the ring on the devices it needs, however fast the links.
+  tight_sched = hdp_schedule.schedule([8], cost=hdp_sim.ScheduleCost(fast, 2), widen=False,
+                                      **kw)
+  assert [len(r.devices) for r in tight_sched.rings] == [4]
 
 
 def test_padding_is_computed_when_asked():
