@@ -352,10 +352,6 @@ class HDPSetup(step_lib.TrainSetup):
     return steps * per_reduce * (run.reductions_run / run.steps_run if run.steps_run else 1.0)
 
 
-# parallel.hdp_schedule: which executor runs an HDP step.
-SCHEDULES = {"per_rank": PerRankHDPStep, "lockstep": HDPStep}
-
-
 def micro_steps_per_step(config, num_devices: int) -> int:
   """Micro-steps a step fills: data.batch_size * data.seq_len tokens over the pool's
   slots per micro-step (num_devices * data.seq_len)."""

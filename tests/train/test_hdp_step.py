@@ -49,11 +49,15 @@ class HDPStepTest(parameterized.TestCase):
     rings = {len(devs) for step in steps for _, devs in step}
     self.assertEqual(rings, {1, 2, 3, 4, 7})
 
-  @parameterized.parameters("lockstep", "per_rank")
+  @parameterized.parameters("lockstep", "per_rank", "per_rank_wide")
   def test_hdp_step_equals_single_device_step(self, schedule):
     mesh = mesh_lib.make_mesh("data=8")
     optimizer, state_sh, state = init(mesh)
-    run = hdp_step.SCHEDULES[schedule](MODEL, optimizer, mesh, state_sh, TOKENS_PER_DEVICE)
+    args = (MODEL, optimizer, mesh, state_sh, TOKENS_PER_DEVICE)
+    if schedule == "lockstep":
+      run = hdp_step.HDPStep(*args)
+    else:
+      run = hdp_step.PerRankHDPStep(*args, widen=schedule == "per_rank_wide")
     one = mesh_lib.make_mesh("data=1", jax.devices()[:1])
     _, ref_sh, ref = init(one)
     ref_fn = step_lib.jit_train_step(MODEL, optimizer, ref_sh, mesh_lib.batch_sharding(one))
