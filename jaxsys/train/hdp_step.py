@@ -193,6 +193,11 @@ class PerRankHDPStep(_HDPBase):
     # hdp_schedule.schedule's: rings may take up to twice the devices they need when the
     # FLOP estimate says that ends sooner (it knows no link speed; off: least padding).
     self.widen = widen
+    # XLA:CPU runs a device's programs on a shared thread pool, not in dispatch order, and
+    # two rings on overlapping devices in flight at once can leave a collective's
+    # rendezvous short of a thread (seen: 7 of 8 arrived, then an abort). On CPU the
+    # simulated devices share the cores anyway, so rings run one at a time there.
+    self._one_ring_at_a_time = self.devices[0].platform == "cpu"
     self._rings: dict[tuple[int, ...], tuple] = {}
     self._locals: dict[int, Callable] = {}
     stacked = NamedSharding(self.mesh, P("data"))
@@ -272,6 +277,8 @@ class PerRankHDPStep(_HDPBase):
       _, fields = hdp_layout.pack_step(ring.entries(), docs, num_devices=c,
                                        tokens_per_device=tpd, view=c)
       block_sums[block] = fn(block_params[block], _put(fields, batch_sh), block_sums[block])
+      if self._one_ring_at_a_time:
+        jax.block_until_ready(block_sums[block])
 
     counts = np.array([len(batches) for batches in sched.local], np.int32)
     k = self._local_size(sched)
