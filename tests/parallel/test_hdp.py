@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxsys.parallel import hdp
+from tests.parallel import hdp_cases
 
 
 def _check_plan(steps, lengths, num_devices, tokens_per_device):
@@ -70,12 +71,6 @@ def _first_fit(lengths, num_devices, tokens_per_device):
     tokens[m][list(devs)] += math.ceil(n / c)
     steps[m].append((i, devs))
   return steps
-
-
-def _long_tail(rng, count, pool, median=800.0, sigma=1.6):
-  """Lognormal lengths, a few up to the whole pool."""
-  lengths = np.ceil(rng.lognormal(np.log(median), sigma, count)).astype(np.int64)
-  return np.clip(lengths, 1, pool)
 
 
 class ExamplesTest(parameterized.TestCase):
@@ -171,16 +166,9 @@ class ErrorsTest(parameterized.TestCase):
 class PropertiesTest(absltest.TestCase):
 
   @settings(max_examples=150, deadline=None)
-  @given(log_devices=st.integers(0, 5), tokens=st.integers(1, 300),
-         seed=st.integers(0, 2**31), count=st.integers(0, 80),
-         sigma=st.floats(0.1, 2.5))
+  @given(**hdp_cases.LONG_TAIL)
   def test_long_tail_invariants(self, log_devices, tokens, seed, count, sigma):
-    num_devices = 2**log_devices
-    pool = num_devices * tokens
-    rng = np.random.default_rng(seed)
-    lengths = _long_tail(rng, count, pool, median=tokens / 2, sigma=sigma)
-    if count:
-      lengths[rng.integers(count)] = pool  # a document as long as the pool holds
+    lengths, num_devices = hdp_cases.long_tail_case(log_devices, tokens, seed, count, sigma)
     steps = hdp.plan(lengths, num_devices=num_devices, tokens_per_device=tokens)
     _check_plan(steps, lengths, num_devices, tokens)
 
@@ -199,7 +187,7 @@ class PropertiesTest(absltest.TestCase):
     # tokens_per_device long cannot fill every leftover slot).
     rng = np.random.default_rng(0)
     for num_devices, tokens, count in [(8, 4096, 200), (8, 2048, 300), (64, 4096, 1000)]:
-      lengths = _long_tail(rng, count, num_devices * tokens)
+      lengths = hdp_cases.long_tail(rng, count, num_devices * tokens)
       steps = hdp.plan(lengths, num_devices=num_devices, tokens_per_device=tokens)
       _check_plan(steps, lengths, num_devices, tokens)
       rings = np.array([hdp.ring_size(n, tokens) for n in lengths])
@@ -215,7 +203,7 @@ class BalanceTest(parameterized.TestCase):
   @parameterized.parameters((8, 4096, 1000, 1.05, 1.10), (64, 4096, 2000, 1.20, 1.50))
   def test_better_than_first_fit(self, num_devices, tokens, count, hdp_max, ff_min):
     rng = np.random.default_rng(0)
-    lengths = _long_tail(rng, count, num_devices * tokens)
+    lengths = hdp_cases.long_tail(rng, count, num_devices * tokens)
     kw = dict(num_devices=num_devices, tokens_per_device=tokens)
     ours = hdp.summary(hdp.plan(lengths, **kw), lengths, **kw)
     naive = hdp.summary(_first_fit(lengths, **kw), lengths, **kw)

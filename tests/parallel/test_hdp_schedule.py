@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxsys.parallel import hdp, hdp_layout, hdp_schedule, hdp_sim
+from tests.parallel import hdp_cases
 
 # As in test_hdp_sim: attention(L) = L^2, linear(T) = T, hop(s) = s, one layer.
 UNIT = hdp_sim.CostModel(sec_per_attention_flop=0.5, sec_per_linear_flop=1 / 24,
@@ -68,22 +69,10 @@ def _check_schedule(sched, lengths, num_devices, tokens_per_device, widen=True):
                           + sum(len(b) for b in sched.local))
 
 
-def _long_tail(rng, count, pool, median, sigma):
-  """Lognormal lengths, clipped to the pool."""
-  lengths = np.ceil(rng.lognormal(np.log(median), sigma, count)).astype(np.int64)
-  return np.clip(lengths, 1, pool)
-
-
 @settings(max_examples=120, deadline=None)
-@given(log_devices=st.integers(0, 5), tokens=st.integers(1, 300),
-       seed=st.integers(0, 2**31), count=st.integers(0, 80), sigma=st.floats(0.1, 2.5))
+@given(**hdp_cases.LONG_TAIL)
 def test_long_tail_invariants(log_devices, tokens, seed, count, sigma):
-  num_devices = 2**log_devices
-  pool = num_devices * tokens
-  rng = np.random.default_rng(seed)
-  lengths = _long_tail(rng, count, pool, median=tokens / 2, sigma=sigma)
-  if count:
-    lengths[rng.integers(count)] = pool  # a document as long as the pool holds
+  lengths, num_devices = hdp_cases.long_tail_case(log_devices, tokens, seed, count, sigma)
   sched = hdp_schedule.schedule(lengths, num_devices=num_devices, tokens_per_device=tokens)
   _check_schedule(sched, lengths, num_devices, tokens)
 
