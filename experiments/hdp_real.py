@@ -123,7 +123,6 @@ def per_rank_stats(sched, lengths, *, tokens_per_device: int, d_model: int) -> d
   n = counts.size
   tokens = np.zeros(n)
   for ring in sched.rings:
-    c = len(ring.devices)
     for seq, devs in ring.entries():
       tokens[[ring.devices[k] for k in devs]] += lengths[seq] / len(devs)
   for d, batches in enumerate(sched.local):
