@@ -220,7 +220,8 @@ class PerRankHDPStep(_HDPBase):
     return int(sched.micro_batches().max(initial=0))
 
   def ring_program(self, block: tuple[int, ...]):
-    """(jitted micro-step, batch sharding, zero sums, replicated sharding) of a block."""
+    """(jitted micro-step, batch sharding, zero sums, replicated sharding) of a run of
+    devices (`block`: their indices in the pool)."""
     if block not in self._rings:
       devices = self.devices[list(block)]
       rep = NamedSharding(Mesh(devices, ("data",)), P())
@@ -295,7 +296,7 @@ class PerRankHDPStep(_HDPBase):
                                        _put({"n": counts}, stacked)["n"])
     ring_sums = self._per_device(block_sums, state.params)
     acc = self._reduce(local_sums, ring_sums)
-    # One all-reduce over the pool, and one over each ring's block per ring micro-batch
+    # One all-reduce over the pool, and one over each ring's run per ring micro-batch
     # ((c - 1) / (N - 1) of the pool's bytes, averaged over the pool's devices).
     reductions = 1.0 + sum((len(r.devices) - 1) / max(1, n - 1) for r in sched.rings)
     return self._finish(state, acc, self.micro_batches(sched), reductions)
