@@ -57,7 +57,7 @@ PER_RANK = {"hdp_per_rank": False, "hdp_per_rank_wide": True}  # layout -> widen
 def static_rows(lengths, *, packed: bool, row_tokens: int) -> list[list[int]]:
   """Rows of a static mesh: FFD-packed documents, or one document per row."""
   if packed:
-    return hdp_sim.pack_rows(lengths, row_tokens)
+    return hdp.pack_rows(lengths, row_tokens)
   return [[i] for i in range(len(lengths))]
 
 

@@ -80,6 +80,28 @@ def ring_size(length: int, tokens_per_device: int) -> int:
   return block_size(devices_needed(length, tokens_per_device))
 
 
+def pack_rows(lengths, row_tokens: int) -> list[list[int]]:
+  """First-fit decreasing: sequence indices per row of at most `row_tokens` tokens."""
+  lengths = np.asarray(lengths, np.int64)
+  if lengths.size and lengths.max() > row_tokens:
+    raise ValueError(f"a sequence of {int(lengths.max())} tokens does not fit a row of "
+                     f"{row_tokens}; size the static ring for the longest sequence")
+  order = sorted(range(lengths.size), key=lambda i: (-lengths[i], i))
+  free = np.zeros(0, np.int64)
+  rows: list[list[int]] = []
+  for i in order:
+    fits = np.flatnonzero(free >= lengths[i])
+    if fits.size:
+      r = int(fits[0])
+    else:
+      r = len(rows)
+      rows.append([])
+      free = np.append(free, row_tokens)
+    rows[r].append(i)
+    free[r] -= lengths[i]
+  return rows
+
+
 def _check(lengths: Sequence[int], num_devices: int, tokens_per_device: int) -> np.ndarray:
   """The lengths as int64, after one-line errors for every bad argument."""
   if not isinstance(tokens_per_device, (int, np.integer)) or tokens_per_device < 1:

@@ -21,9 +21,10 @@ rings heaviest first, each on the run whose members are all free first (a ring's
 start together). A ring may instead take an aligned power-of-two block of up to twice the
 devices it needs, when it ends sooner by more than the pool's share of the matmul work
 its empty cells waste: shorter rings even the load where attention dominates (long
-sequences), at the price of padding (`widen=False` keeps rings tight). Then short sequences, heaviest first: into the spare
-slots of a ring cell if one fits (that of the least loaded device), else onto the least
-loaded device, which packs its own first-fit decreasing into local micro-batches. A
+sequences), at the price of padding (`widen=False` keeps rings tight). Then short
+sequences, heaviest first: into the spare slots of a ring cell if one fits (that of the
+least loaded device), else onto the least loaded device, which packs its own first-fit
+decreasing into local micro-batches (`hdp.pack_rows`). A
 device runs its rings in order, then its local micro-batches.
 
 Example:
@@ -180,18 +181,9 @@ def schedule(lengths: Sequence[int], *, num_devices: int, tokens_per_device: int
       mine[d].append(i)
     load[d] += short[i]
 
-  local = []
-  for d in range(num_devices):  # first-fit decreasing into micro-batches of cap slots
-    batches: list[list[int]] = []
-    free: list[int] = []
-    for i in sorted(mine[d], key=lambda i: (-arr[i], i)):
-      b = next((b for b, f in enumerate(free) if f >= arr[i]), len(batches))
-      if b == len(batches):
-        batches.append([])
-        free.append(cap)
-      batches[b].append(i)
-      free[b] -= int(arr[i])
-    local.append(tuple(tuple(b) for b in batches))
+  # Each device packs its own first-fit decreasing into micro-batches of cap slots.
+  local = [tuple(tuple(mine[d][j] for j in batch)
+                 for batch in hdp.pack_rows(arr[mine[d]], cap)) for d in range(num_devices)]
   return Schedule(
       rings=tuple(Ring(seqs, devices, tuple(tuple(fill[r, k]) for k in range(len(devices))))
                   for r, (seqs, devices) in enumerate(rings)),

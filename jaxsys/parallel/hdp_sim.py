@@ -480,28 +480,6 @@ def simulate_per_rank(lengths, *, num_devices: int, tokens_per_device: int,
                 float(finish.max(initial=0.0)), finish[None])
 
 
-def pack_rows(lengths, row_tokens: int) -> list[list[int]]:
-  """First-fit decreasing: sequence indices per row of at most `row_tokens` tokens."""
-  lengths = np.asarray(lengths, np.int64)
-  if lengths.size and lengths.max() > row_tokens:
-    raise ValueError(f"a sequence of {int(lengths.max())} tokens does not fit a row of "
-                     f"{row_tokens}; size the static ring for the longest sequence")
-  order = sorted(range(lengths.size), key=lambda i: (-lengths[i], i))
-  free = np.zeros(0, np.int64)
-  rows: list[list[int]] = []
-  for i in order:
-    fits = np.flatnonzero(free >= lengths[i])
-    if fits.size:
-      r = int(fits[0])
-    else:
-      r = len(rows)
-      rows.append([])
-      free = np.append(free, row_tokens)
-    rows[r].append(i)
-    free[r] -= lengths[i]
-  return rows
-
-
 def static_ring(max_len: int, num_devices: int, tokens_per_device: int) -> int:
   """c_max: the ring a static mesh needs for the dataset's longest sequence."""
   c = hdp.ring_size(int(max_len), tokens_per_device)
@@ -528,7 +506,7 @@ def static_plan(lengths, *, num_devices: int, tokens_per_device: int, max_len: i
     raise ValueError(f"order={order!r}: must be one of {STATIC_ORDERS}")
   lengths = np.asarray(lengths, np.int64)
   c = static_ring(max_len, num_devices, tokens_per_device)
-  rows = pack_rows(lengths, c * tokens_per_device)
+  rows = hdp.pack_rows(lengths, c * tokens_per_device)
   if order == "padded":
     rows = [[i] for i in np.random.default_rng(seed).permutation(lengths.size).tolist()]
   elif order == "loader":

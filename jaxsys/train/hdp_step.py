@@ -253,12 +253,24 @@ class PerRankHDPStep(_HDPBase):
       jax.block_until_ready(fn(_on(params, rep), _put(fields, batch_sh),
                                zeros(_on(params, rep))))
     for k in {self._local_size(sched) for sched in schedules}:
-      stacked = self._stacked_sh[0]
-      fields = {f: np.zeros((self.num_devices, k, tpd), np.float32 if f == "loss_mask"
-                            else np.int32) for f in FIELDS}
-      counts = np.zeros(self.num_devices, np.int32)
-      jax.block_until_ready(self.local_program(k)(params, _put(fields, stacked),
-                                                  _put({"n": counts}, stacked)["n"]))
+      no_batches = [()] * self.num_devices
+      jax.block_until_ready(self.local_program(k)(params, *self._local_inputs(k, no_batches, [])))
+
+  def _local_inputs(self, k: int, local, docs):
+    """The local program's inputs: every device's micro-batches (`local[d]`, lists of
+    document indices) packed into fields [N, k, tpd], and their counts [N]."""
+    tpd = self.tokens_per_device
+    fields = {f: np.zeros((self.num_devices, k, tpd), np.float32 if f == "loss_mask"
+                          else np.int32) for f in FIELDS}
+    for d, batches in enumerate(local):
+      for b, batch in enumerate(batches):
+        _, cell = hdp_layout.pack_step([(i, (0,)) for i in batch], docs, num_devices=1,
+                                       tokens_per_device=tpd)
+        for f in FIELDS:
+          fields[f][d, b] = cell[f][0]
+    counts = np.array([len(batches) for batches in local], np.int32)
+    stacked = self._stacked_sh[0]
+    return _put(fields, stacked), _put({"n": counts}, stacked)["n"]
 
   @staticmethod
   def _local_size(sched: hdp_schedule.Schedule) -> int:
@@ -281,19 +293,8 @@ class PerRankHDPStep(_HDPBase):
       if self._one_ring_at_a_time:
         jax.block_until_ready(block_sums[block])
 
-    counts = np.array([len(batches) for batches in sched.local], np.int32)
     k = self._local_size(sched)
-    local = {f: np.zeros((n, k, tpd), np.float32 if f == "loss_mask" else np.int32)
-             for f in FIELDS}
-    for d, batches in enumerate(sched.local):
-      for b, batch in enumerate(batches):
-        _, fields = hdp_layout.pack_step([(i, (0,)) for i in batch], docs, num_devices=1,
-                                         tokens_per_device=tpd)
-        for f in FIELDS:
-          local[f][d, b] = fields[f][0]
-    stacked = self._stacked_sh[0]
-    local_sums = self.local_program(k)(state.params, _put(local, stacked),
-                                       _put({"n": counts}, stacked)["n"])
+    local_sums = self.local_program(k)(state.params, *self._local_inputs(k, sched.local, docs))
     ring_sums = self._per_device(block_sums, state.params)
     acc = self._reduce(local_sums, ring_sums)
     # One all-reduce over the pool, and one over each ring's run per ring micro-batch

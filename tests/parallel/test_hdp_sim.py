@@ -182,7 +182,7 @@ def test_sample_batch_fills_its_budget():
 
 
 def test_pack_rows_first_fit_decreasing():
-  rows = hdp_sim.pack_rows([5, 3, 8, 2, 6], 10)
+  rows = hdp.pack_rows([5, 3, 8, 2, 6], 10)
   assert rows == [[2, 3], [4, 1], [0]]
   assert sorted(i for r in rows for i in r) == list(range(5))
 
@@ -196,4 +196,4 @@ def test_errors():
     hdp_sim.simulate_static([1], num_devices=1, tokens_per_device=1, model=UNIT, max_len=1,
                             order="random")
   with pytest.raises(ValueError, match="does not fit a row"):
-    hdp_sim.pack_rows([11], 10)
+    hdp.pack_rows([11], 10)
