@@ -132,7 +132,7 @@ def per_rank_stats(sched, lengths, *, tokens_per_device: int, d_model: int) -> d
                                 model=model).max()
   perfect = 3.0 * float(np.sum(model.attention(lengths) + model.linear(lengths))) / n
   return dict(micro_steps=float(counts.max()),
-              waste=1.0 - lengths.sum() / (counts.sum() * tokens_per_device),
+              waste=1.0 - lengths.sum() / sched.slots(tokens_per_device),
               flop_imbalance=float(span / perfect),
               token_imbalance=float(tokens.max() / tokens.mean()))
 

@@ -9,27 +9,30 @@ gradient all-reduce waits for all of them. A schedule has two kinds of work:
   rings: sequences of L > tpd tokens on a run of devices inside an aligned power-of-two
          block, zigzag shares, one micro-batch for every member. A ring holds one
          sequence on ceil(L / tpd) devices (`hdp.devices_needed`), or several that share
-         it (`hdp.share_groups`: each on at most twice the devices it needs, so the
-         ring's cells are full); the spare slots of a member's cell take whole short
-         sequences;
+         it (`hdp.share_groups`). Its program's cells are sized to its largest share, in
+         steps of tpd / CELL_STEPS, so its matmuls and K/V hops carry (nearly) only real
+         tokens; a member's spare slots take whole short sequences;
   local: a device's own micro-batches of whole short sequences, tpd slots each.
 
-Placement is LPT on estimated time (`FlopCost` by default: a ring member runs one cell of
-tpd tokens through the matmuls plus its share of the attention; a short sequence costs
-`hdp.sequence_cost`):
-rings heaviest first, each on the run whose members are all free first (a ring's members
-start together). A ring may instead take an aligned power-of-two block of up to twice the
-devices it needs, when it ends sooner by more than the pool's share of the matmul work
-its empty cells waste: shorter rings even the load where attention dominates (long
-sequences), at the price of padding (`widen=False` keeps rings tight). Then short
-sequences, heaviest first: into the spare slots of a ring cell if one fits (that of the
-least loaded device), else onto the least loaded device, which packs its own first-fit
-decreasing into local micro-batches (`hdp.pack_rows`). A
-device runs its rings in order, then its local micro-batches.
+Placement is LPT on estimated time (`FlopCost` by default: a ring member runs its cell
+through the matmuls plus its share of the attention; a short sequence costs
+`hdp.sequence_cost`): rings heaviest first, each on the run whose members are all free
+first (a ring's members start together). A ring may instead take an aligned power-of-two
+block of up to twice the devices it needs (widen=True): it then ends sooner, but the
+device time its empty slots and exposed hops waste is lost to the pool; two rules weigh
+that (`RULES`). Then short sequences, heaviest first, where they end soonest: in spare
+slots of a ring cell or of a device's open local micro-batch (only their attention adds),
+or in a new local micro-batch (a whole cell's matmuls). A device runs its rings in order,
+then its local micro-batches.
+
+Several candidates are built (rings shared or one per sequence: shared rings fill their
+cells, but each hop then carries all their shares for a fraction of the attention; and
+each rule) and the one whose estimate ends first is kept.
 
 Example:
   s = schedule([9000, 300, 5000, 120], num_devices=4, tokens_per_device=4096)
-  s.rings    # (Ring(seqs=(0, 2), devices=(0, 1, 2, 3), fill=((), (), (1,), (3,))),)
+  s.rings    # (Ring(seqs=(0,), devices=(0, 1, 2, 3), fill=((1,), (3,), (), ()), cell=2560),
+             #  Ring(seqs=(2,), devices=(0, 1, 2, 3), fill=((), (), (), ()), cell=1536))
   s.local    # per device: its micro-batches (tuples of sequence indices)
   s.micro_batches()  # per device: rings + local micro-batches
 """
@@ -41,16 +44,24 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxsys.parallel import hdp, hdp_layout
+from jaxsys.parallel import hdp
+
+# A ring's cells are sized to its largest share in steps of tokens_per_device / CELL_STEPS:
+# its matmuls and K/V hops then carry (nearly) only real tokens.
+CELL_STEPS = 8
+# How a ring's size is chosen among those it may take (see _build); each is tried.
+RULES = ("share", "bound")
 
 
 @dataclasses.dataclass(frozen=True)
 class Ring:
   """Sequences each split over all of a run of devices; fill[k]: short sequences
-  beside member k's shares, in its cell's spare slots."""
+  beside member k's shares, in its cell's spare slots; cell: the slots each member
+  holds (the ring program's tokens per device, at most tokens_per_device)."""
   seqs: tuple[int, ...]
   devices: tuple[int, ...]
   fill: tuple[tuple[int, ...], ...]
+  cell: int
 
   def entries(self) -> list[tuple[int, tuple[int, ...]]]:
     """The ring's micro-batch as (sequence, device ids relative to the block) entries,
@@ -77,6 +88,12 @@ class Schedule:
       counts[list(ring.devices)] += 1
     return counts
 
+  def slots(self, tokens_per_device: int) -> int:
+    """Token slots every micro-batch runs, padding included (a ring's c cells, a local
+    micro-batch's tokens_per_device)."""
+    return (sum(len(r.devices) * r.cell for r in self.rings)
+            + tokens_per_device * sum(len(batches) for batches in self.local))
+
   def sequences(self) -> list[int]:
     """Every sequence index the schedule runs, each once (sorted)."""
     out = [i for r in self.rings for i in r.seqs + sum(r.fill, ())]
@@ -95,6 +112,24 @@ def _ring_sizes(need: int, num_devices: int, widen: bool) -> list[int]:
   return sizes
 
 
+def member_tokens(lengths: Sequence[int], devices: int) -> np.ndarray:
+  """[devices] tokens each member of a ring holds of `lengths` split zigzag over it
+  (`hdp_layout.ring_shares`)."""
+  held = np.zeros(devices, np.int64)
+  for n in lengths:
+    base, extra = divmod(int(n), 2 * devices)  # array_split: the first `extra` chunks +1
+    k = np.arange(devices)
+    held += 2 * base + (k < extra) + (2 * devices - 1 - k < extra)
+  return held
+
+
+def cell_size(tokens: int, tokens_per_device: int) -> int:
+  """A ring program's slots per device: `tokens` rounded up to a multiple of
+  tokens_per_device / CELL_STEPS, so at most CELL_STEPS shapes per run of devices."""
+  step = -(-tokens_per_device // CELL_STEPS)
+  return min(tokens_per_device, -(-max(1, tokens) // step) * step)
+
+
 def _free_run(load: np.ndarray, c: int) -> int:
   """The first device of the run of c devices, inside an aligned block of
   hdp.block_size(c), whose members are all free first (the lowest such start on ties)."""
@@ -109,21 +144,22 @@ def _free_run(load: np.ndarray, c: int) -> int:
 class FlopCost:
   """The schedule's default time estimate: forward FLOPs of one layer (`hdp`'s terms).
 
-  A ring member runs a whole cell of tokens_per_device tokens through the matmuls (fixed
-  shapes: padding too) and its share of the ring's attention; ring traffic is free.
+  A ring member runs its whole cell through the matmuls (fixed shapes: padding too) and
+  its share of the ring's attention; ring traffic is free.
   """
   tokens_per_device: int
   d_model: int = hdp.DEFAULT_D_MODEL
 
-  def cell(self) -> float:
-    """One cell's matmuls: what an empty cell of a micro-batch still costs."""
-    return float(hdp.LINEAR_FLOPS_PER_TOKEN * self.d_model ** 2 * self.tokens_per_device)
+  def cell(self, tokens: int) -> float:
+    """The matmuls of a cell of `tokens` slots: what they cost, filled or not."""
+    return float(hdp.LINEAR_FLOPS_PER_TOKEN * self.d_model ** 2 * tokens)
 
-  def ring(self, lengths: np.ndarray, devices: int) -> float:
-    """A member's time in a ring of `devices` holding `lengths` (split over all of it)."""
+  def ring(self, lengths: np.ndarray, devices: int, cell: int) -> float:
+    """A member's time in a ring of `devices` with cells of `cell` slots holding
+    `lengths` (split over all of it)."""
     attention = hdp.ATTENTION_FLOPS_PER_PAIR * self.d_model * np.sum(
         np.asarray(lengths, np.float64) ** 2)
-    return self.cell() + float(attention) / devices
+    return self.cell(cell) + float(attention) / devices
 
   def short(self, length: int) -> float:
     """A whole short sequence's time on one device."""
@@ -136,55 +172,98 @@ def schedule(lengths: Sequence[int], *, num_devices: int, tokens_per_device: int
   """The per-rank schedule of `lengths` (see the module docstring); errors as hdp.plan.
 
   widen=False keeps every ring on the devices it needs (least padding). cost: the time
-  estimate balanced (cell(), ring(lengths, devices), short(length), all in one unit);
+  estimate balanced (cell(tokens), ring(lengths, devices, cell), short(length), all in
+  one unit);
   default FlopCost(tokens_per_device, d_model). A simulator passes its own, links
   included (`hdp_sim.ScheduleCost`).
   """
   arr = hdp._check(lengths, num_devices, tokens_per_device)
-  cap = tokens_per_device
   cost = FlopCost(tokens_per_device, d_model) if cost is None else cost
+  # Rings shared by several long sequences fill their cells, but each hop then carries
+  # all of their shares for a fraction of the attention: with slow links, one ring per
+  # sequence can end sooner. Both are built; the one whose estimate ends first is kept.
+  need = {i: hdp.devices_needed(int(n), tokens_per_device) for i, n in enumerate(arr)}
+  alone = [((i,), c) for i, c in need.items() if c > 1]
+  shared = hdp.share_groups(arr, tokens_per_device, num_devices)
+  options = [_build(arr, groups, num_devices, tokens_per_device, d_model, widen, cost, rule)
+             for groups in ([shared] if shared == alone else [shared, alone])
+             for rule in (RULES if widen else RULES[:1])]
+  return min(options, key=lambda option: option[0])[1]
+
+
+def _build(arr, groups, num_devices, cap, d_model, widen, cost, rule
+           ) -> tuple[float, Schedule]:
+  """(estimated end, schedule) of `groups`, the rings' sequences, their sizes chosen by
+  `rule` (see below and `schedule`)."""
   costs = hdp.sequence_cost(arr, d_model=d_model) if arr.size else np.zeros(0)
   load = np.zeros(num_devices)
 
-  rings: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
-  groups = hdp.share_groups(arr, cap, num_devices)
+  def tight(seqs, c):  # (cell, member time) of a ring on c devices
+    cell = cell_size(int(member_tokens(arr[list(seqs)], c).max()), cap)
+    return cell, cost.ring(arr[list(seqs)], c, cell)
+
+  # Device time still to place: every ring on the devices it needs, every short sequence.
+  todo = sum(need * tight(seqs, need)[1] for seqs, need in groups) + sum(
+      cost.short(int(n)) for n in arr[arr <= cap])
+  rings: list[tuple[tuple[int, ...], tuple[int, ...], int]] = []
   for seqs, need in sorted(groups, key=lambda g: (-costs[list(g[0])].sum(), g[0])):
+    todo -= need * tight(seqs, need)[1]
     options = []
     for c in _ring_sizes(need, num_devices, widen):
+      cell, member = tight(seqs, c)
       first = _free_run(load, c)
-      end = load[first:first + c].max() + cost.ring(arr[list(seqs)], c)
-      # A wider ring may end sooner, but its c - need extra cells run the matmuls on
-      # padding, work lost to the pool: in a balanced schedule that adds its share,
-      # (c - need) * cell / N, to every device's time.
-      options.append((end + (c - need) * cost.cell() / num_devices, end, c, first))
-    _, end, c, first = min(options)
+      end = load[first:first + c].max() + member
+      # A wider ring ends sooner, but the device time its empty slots and exposed hops
+      # waste is lost to the pool. "share": that time spread over the pool adds to the
+      # end. "bound": the schedule ends no sooner than this ring, nor than the mean
+      # device once all else is placed (ties: the least device time).
+      if rule == "share":
+        key = (end + c * member / num_devices, 0.0)
+      else:
+        busy = load.sum() - load[first:first + c].sum() + c * end
+        key = (max(end, (busy + todo) / num_devices), c * member)
+      options.append((*key, end, c, first, cell))
+    *_, end, c, first, cell = min(options)
     load[first:first + c] = end
-    rings.append((seqs, tuple(range(first, first + c))))
+    rings.append((seqs, tuple(range(first, first + c)), cell))
 
-  # Ring cells' spare slots: (ring, member) -> free slots, and the device each is on.
-  cells = [(r, k) for r, (_, devices) in enumerate(rings) for k in range(len(devices))]
-  spare = np.array([cap - sum(hdp_layout.ring_shares(int(arr[i]), len(rings[r][1]))[k].size
-                              for i in rings[r][0]) for r, k in cells], np.int64)
+  # Short sequences, heaviest first, where they end soonest: into spare slots of a ring
+  # cell or of a device's open local micro-batch (their matmuls are paid already: only
+  # the attention adds), or into a new local micro-batch (a whole cell's matmuls).
+  cells = [(r, k) for r, (_, devices, _) in enumerate(rings) for k in range(len(devices))]
+  spare = np.concatenate([cell - member_tokens(arr[list(seqs)], len(devices))
+                          for seqs, devices, cell in rings] or [np.zeros(0, np.int64)])
   on = np.array([rings[r][1][k] for r, k in cells], np.int64)
   fill: dict[tuple[int, int], list[int]] = {cell_id: [] for cell_id in cells}
-  mine: list[list[int]] = [[] for _ in range(num_devices)]
-  short = {i: cost.short(arr[i]) for i in range(arr.size) if arr[i] <= cap}
-  for i in sorted(short, key=lambda i: (-short[i], i)):
-    fits = np.flatnonzero(spare >= arr[i])
-    if fits.size:  # the spare slots of the least loaded device's ring cell
+  local: list[list[list[int]]] = [[] for _ in range(num_devices)]
+  room: list[list[int]] = [[] for _ in range(num_devices)]  # free slots per local batch
+  new_cell = cost.cell(cap)
+  short = [i for i in range(arr.size) if arr[i] <= cap]
+  for i in sorted(short, key=lambda i: (-arr[i], i)):
+    n = int(arr[i])
+    attention = cost.short(n) - cost.cell(n)
+    fits = np.flatnonzero(spare >= n)
+    in_ring = (load[on[fits]].min() if fits.size else np.inf) + attention
+    # A device's first local batch with room (first fit), else a new one.
+    first = [next((b for b, free in enumerate(room[d]) if free >= n), None)
+             for d in range(num_devices)]
+    ends = load + attention + np.array([0.0 if b is not None else new_cell for b in first])
+    d = int(np.argmin(ends))
+    if in_ring <= ends[d]:
       j = int(fits[np.argmin(load[on[fits]])])
       fill[cells[j]].append(i)
-      spare[j] -= arr[i]
-      d = int(on[j])
-    else:
-      d = int(np.argmin(load))
-      mine[d].append(i)
-    load[d] += short[i]
+      spare[j] -= n
+      load[on[j]] = in_ring
+      continue
+    if first[d] is None:
+      local[d].append([])
+      room[d].append(cap)
+      first[d] = len(room[d]) - 1
+    local[d][first[d]].append(i)
+    room[d][first[d]] -= n
+    load[d] = ends[d]
 
-  # Each device packs its own first-fit decreasing into micro-batches of cap slots.
-  local = [tuple(tuple(mine[d][j] for j in batch)
-                 for batch in hdp.pack_rows(arr[mine[d]], cap)) for d in range(num_devices)]
-  return Schedule(
-      rings=tuple(Ring(seqs, devices, tuple(tuple(fill[r, k]) for k in range(len(devices))))
-                  for r, (seqs, devices) in enumerate(rings)),
-      local=tuple(local))
+  return float(load.max(initial=0.0)), Schedule(
+      rings=tuple(Ring(seqs, devices, tuple(tuple(fill[r, k]) for k in range(len(devices))),
+                       cell) for r, (seqs, devices, cell) in enumerate(rings)),
+      local=tuple(tuple(tuple(b) for b in batches) for batches in local))

@@ -168,14 +168,17 @@ def _line_fit(flops, seconds):
   return float(a), float(b), r2
 
 
-def fit_cost_model(*, lengths=(512, 1024, 1536, 2048), token_counts=(512, 1024, 2048, 4096),
-                   heads: int = 4, head_dim: int = 64, repeats: int = 3,
+def fit_cost_model(*, lengths=(1024, 2048, 3072, 4096),
+                   token_counts=(2048, 4096, 8192, 16384), heads: int = 4, head_dim: int = 64,
+                   repeats: int = 5,
                    **model_kwargs) -> Fit:
   """Times this machine's attention (impl="xla", causal) and a [T, d] x [d, 4d] matmul.
 
   The slopes of least-squares lines of seconds against FLOPs (2 d L^2 for attention,
   8 d^2 T for the matmul) become the per-FLOP rates; the intercepts (dispatch overhead)
   are dropped. Nothing is cached. `model_kwargs` go to CostModel (link, d_model, ...).
+  The sizes keep every timing at milliseconds or more: smaller matmuls' slopes came out
+  noisy (R^2 0.75 to 0.96) and implied more FLOP/s than the cores have.
   """
   import jax
   import jax.numpy as jnp
@@ -400,9 +403,10 @@ def schedule_jobs(sched: hdp_schedule.Schedule, lengths, *, tokens_per_device: i
 
   As jaxsys's per-rank executor runs it (jaxsys/train/hdp_step.py): each ring is one
   program over its run of c devices (`data = 1, context = c`; executor "run" of
-  device_times), its members start together when the last of them is free and the ring
-  lasts as long as its slowest member (every member's whole cell, fill included, takes
-  the c - 1 hops); then each device runs its local micro-batches on its own.
+  device_times, with the ring's cell as the program's tokens per device), its members
+  start together when the last of them is free and the ring lasts as long as its slowest
+  member (every member's whole cell, fill included, takes the c - 1 hops); then each
+  device runs its local micro-batches on its own.
   """
   lengths = np.asarray(lengths, np.int64)
   finish = np.zeros(sched.num_devices)
@@ -411,7 +415,7 @@ def schedule_jobs(sched: hdp_schedule.Schedule, lengths, *, tokens_per_device: i
     devs = list(ring.devices)
     entries = ring.entries()
     group = [[([int(lengths[i])], rel) for i, rel in entries]]
-    member = device_times(group, num_devices=len(devs), tokens_per_device=tokens_per_device,
+    member = device_times(group, num_devices=len(devs), tokens_per_device=ring.cell,
                           model=model, executor="run")[0]
     start = finish[devs].max()
     finish[devs] = start + member.max()
@@ -446,16 +450,15 @@ class ScheduleCost:
   model: CostModel
   tokens_per_device: int
 
-  def cell(self) -> float:
+  def cell(self, tokens: int) -> float:
     if not self.model.pad_compute:
       return 0.0
-    return self.model.device(attention=0.0, linear=float(self.model.linear(self.tokens_per_device)))
+    return self.model.device(attention=0.0, linear=float(self.model.linear(tokens)))
 
-  def ring(self, lengths, devices: int) -> float:
+  def ring(self, lengths, devices: int, cell: int) -> float:
     group = [[([int(n) for n in lengths], tuple(range(devices)))]]
-    return float(device_times(group, num_devices=devices,
-                              tokens_per_device=self.tokens_per_device, model=self.model,
-                              executor="run")[0].max())
+    return float(device_times(group, num_devices=devices, tokens_per_device=cell,
+                              model=self.model, executor="run")[0].max())
 
   def short(self, length: int) -> float:
     return self.model.device(attention=0.0, linear=float(self.model.linear(length)),
@@ -473,7 +476,7 @@ def simulate_per_rank(lengths, *, num_devices: int, tokens_per_device: int,
                                 widen=widen, cost=ScheduleCost(model, tokens_per_device))
   finish = schedule_times(sched, lengths, tokens_per_device=tokens_per_device, model=model)
   counts = sched.micro_batches()
-  slots = int(counts.sum()) * tokens_per_device
+  slots = sched.slots(tokens_per_device)
   return Result("hdp_per_rank", float(finish.max(initial=0.0)), int(counts.max(initial=0)),
                 float(finish.max() / finish.mean()) if finish.mean() else 1.0,
                 1.0 - int(lengths.sum()) / slots if slots else 0.0,

@@ -185,7 +185,8 @@ class PerRankHDPStep(_HDPBase):
   rings are dispatched first, so a device starts its local work when its own rings are
   done; finally one all-reduce sums the per-device and per-run sums. Programs compile
   per run of devices used (runs inside aligned blocks: N(N+1)/2 at most, far fewer in
-  practice) and per power of two of local micro-batches.
+  practice) and cell size (`hdp_schedule.CELL_STEPS` at most), and per power of two of
+  local micro-batches.
   """
 
   def __init__(self, *args, widen: bool = False, **kwargs):
@@ -245,10 +246,10 @@ class PerRankHDPStep(_HDPBase):
   def compile_for(self, params, schedules) -> None:
     """Compiles (by running once on padding) the programs `schedules` need, so later
     steps time only compute: a benchmark's warm-up."""
-    tpd = self.tokens_per_device
-    for block in {ring.devices for sched in schedules for ring in sched.rings}:
+    for block, cell in {(ring.devices, ring.cell) for sched in schedules
+                        for ring in sched.rings}:
       fn, batch_sh, zeros, rep = self.ring_program(block)
-      _, fields = hdp_layout.pack_step([], [], num_devices=len(block), tokens_per_device=tpd,
+      _, fields = hdp_layout.pack_step([], [], num_devices=len(block), tokens_per_device=cell,
                                        view=len(block))
       jax.block_until_ready(fn(_on(params, rep), _put(fields, batch_sh),
                                zeros(_on(params, rep))))
@@ -279,7 +280,7 @@ class PerRankHDPStep(_HDPBase):
 
   def run(self, state: TrainState, docs, sched: hdp_schedule.Schedule):
     """One update over `docs` as the schedule lays them out."""
-    tpd, n = self.tokens_per_device, self.num_devices
+    n = self.num_devices
     block_params, block_sums = {}, {}
     for ring in sched.rings:
       block, c = ring.devices, len(ring.devices)
@@ -288,7 +289,7 @@ class PerRankHDPStep(_HDPBase):
         block_params[block] = _on(state.params, rep)
         block_sums[block] = zeros(block_params[block])
       _, fields = hdp_layout.pack_step(ring.entries(), docs, num_devices=c,
-                                       tokens_per_device=tpd, view=c)
+                                       tokens_per_device=ring.cell, view=c)
       block_sums[block] = fn(block_params[block], _put(fields, batch_sh), block_sums[block])
       if self._one_ring_at_a_time:
         jax.block_until_ready(block_sums[block])

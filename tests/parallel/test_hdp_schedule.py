@@ -42,9 +42,10 @@ def _check_schedule(sched, lengths, num_devices, tokens_per_device, widen=True):
       assert n > T, f"short sequence {i} (L={n}) split over {devs}"
       cells += [share.size for share in hdp_layout.ring_shares(n, c)]
       ringed.add(i)
-    # A ring runs one share group on the devices the group needs or, widened, on a
-    # power of two up to twice that; widen=False never widens.
-    need = group_need.get(tuple(ring.seqs))
+    # A ring runs one share group, or one sequence alone, on the devices it needs or,
+    # widened, on a power of two up to twice that; widen=False never widens.
+    need = (hdp.devices_needed(lengths[ring.seqs[0]], T) if len(ring.seqs) == 1
+            else group_need.get(tuple(ring.seqs)))
     assert need is not None, f"ring {devs} runs {ring.seqs}, not a share group"
     if widen and c != need:
       assert need < c <= 2 * need and c & (c - 1) == 0, (ring.seqs, need, devs)
@@ -56,7 +57,9 @@ def _check_schedule(sched, lengths, num_devices, tokens_per_device, widen=True):
       if len(rel) != c:
         assert len(rel) == 1 and lengths[i] <= T, (i, rel, devs)
         cells[rel[0]] += lengths[i]
-    assert cells.max() <= T, f"ring {devs} cells hold {cells.tolist()} tokens > {T}"
+    assert cells.max() <= ring.cell <= T, f"ring {devs} cells hold {cells.tolist()} tokens > {ring.cell}"
+    shares = hdp_schedule.member_tokens([lengths[i] for i in whole], c).max()
+    assert ring.cell == hdp_schedule.cell_size(int(shares), T), (ring.cell, shares)
   for i, n in enumerate(lengths):
     assert (i in ringed) == (n > T), f"sequence {i} (L={n}) ringed: {i in ringed}"
   for d, batches in enumerate(sched.local):
@@ -105,45 +108,69 @@ def test_ring_sizes(need, num_devices, widen, sizes):
 
 
 class _Cost:
-  """A time estimate by hand: cell seconds per cell, ring time = cell + work / devices."""
+  """A time estimate by hand, tokens_per_device T: a cell of t slots costs cell * t / T; a
+  ring member costs its cell, work / devices and `hop` per hop (none hidden)."""
 
-  def __init__(self, cell, work):
-    self._cell, self._work = cell, work
+  def __init__(self, cell, work, hop, T):
+    self._cell, self._work, self._hop, self._T = cell, work, hop, T
 
-  def cell(self):
-    return self._cell
+  def cell(self, tokens):
+    return self._cell * tokens / self._T
 
-  def ring(self, lengths, devices):
-    return self._cell + self._work / devices
+  def ring(self, lengths, devices, cell):
+    return self.cell(cell) + self._work / devices + self._hop * (devices - 1)
 
   def short(self, length):
     return float(length)
 
 
-@pytest.mark.parametrize("cell, work, widen, width", [
-    # 8 devices: 1 + 8 = 9; 16: 1 + 4 + the pool's share of 8 empty cells, 8 / 64: 5.125.
-    (1.0, 64.0, True, 16),
-    (1.0, 64.0, False, 8),
-    # 16 ends sooner by 0.25, less than its padding's share (8 x 4 / 64 = 0.5): tight.
-    (4.0, 4.0, True, 8),
+@pytest.mark.parametrize("cell, work, hop, widen, width", [
+    # 8 devices: 1 + 8 = 9; 16 (cells of T/2): 0.5 + 4 = 4.5 ends sooner.
+    (1.0, 64.0, 0.0, True, 16),
+    (1.0, 64.0, 0.0, False, 8),
+    # 8: 1 + 0.5 + 7 hops = 8.5; 16: 0.5 + 0.25 + 15 = 15.75 ends later: tight.
+    (1.0, 4.0, 1.0, True, 8),
 ])
-def test_a_ring_widens_when_it_ends_sooner_by_more_than_its_padding(cell, work, widen, width):
+def test_a_ring_widens_when_it_ends_sooner(cell, work, hop, widen, width):
   T = 32
   sched = hdp_schedule.schedule([8 * T], num_devices=64, tokens_per_device=T, widen=widen,
-                                cost=_Cost(cell, work))
+                                cost=_Cost(cell, work, hop, T))
   (ring,) = sched.rings
-  assert len(ring.devices) == width
+  assert len(ring.devices) == width and ring.cell == 8 * T // width
   assert ring.devices[0] % width == 0  # an aligned block
   _check_schedule(sched, [8 * T], 64, T, widen=widen)
 
 
+def test_cells_are_sized_to_the_largest_share():
+  # 100 tokens zigzag over 4: chunks of 13,13,13,13,12,12,12,12: members hold 25 each.
+  assert hdp_schedule.member_tokens([100], 4).tolist() == [25, 25, 25, 25]
+  assert hdp_schedule.member_tokens([100, 9], 4).tolist() == [28, 27, 27, 27]
+  # Steps of tokens_per_device / CELL_STEPS = 8 at T = 64, at most T.
+  assert [hdp_schedule.cell_size(n, 64) for n in (1, 8, 9, 28, 63, 64)] == [8, 8, 16, 32, 64, 64]
+
+
+def test_short_sequences_fill_open_micro_batches_first():
+  # No rings; 4 devices, T = 8: six sequences of 2 tokens. Least loaded alone would give
+  # each device a padded micro-batch of its own; a new batch costs a whole cell (8) and
+  # an open one's spare slots nothing more (no attention here), so they share batches.
+  lengths = [2] * 6
+  sched = hdp_schedule.schedule(lengths, num_devices=4, tokens_per_device=8,
+                                cost=_Cost(8.0, 0.0, 0.0, 8))
+  batches = [b for per_device in sched.local for b in per_device]
+  assert sum(len(b) for b in batches) == 6
+  assert len(batches) < 4, sched.local
+  _check_schedule(sched, lengths, 4, 8)
+
+
 def test_docstring_example():
   sched = hdp_schedule.schedule([9000, 300, 5000, 120], num_devices=4, tokens_per_device=4096)
-  # 9000 and 5000 share one ring of 4; the short two fill two of its cells' spare slots.
-  (ring,) = sched.rings
-  assert ring.seqs == (0, 2) and ring.devices == (0, 1, 2, 3)
-  assert sorted(ring.fill) == [(), (), (1,), (3,)]
-  assert sched.local == ((),) * 4 and sched.micro_batches().tolist() == [1] * 4
+  # 9000 and 5000 each on all four devices (widened: with cells sized to the shares and
+  # free links, that is no padding and a quarter of the attention each); the short two
+  # fill spare slots of the first ring's cells.
+  assert [(r.seqs, r.devices, r.cell) for r in sched.rings] == [
+      ((0,), (0, 1, 2, 3), 2560), ((2,), (0, 1, 2, 3), 1536)]
+  assert sched.rings[0].fill == ((1,), (3,), (), ())
+  assert sched.local == ((),) * 4 and sched.micro_batches().tolist() == [2] * 4
   _check_schedule(sched, [9000, 300, 5000, 120], 4, 4096)
 
 
@@ -171,15 +198,17 @@ def test_errors_as_plan(lengths, kwargs):
 
 
 def test_schedule_times_ring_with_fill_by_hand():
-  # L=6 on a ring of 2 at tpd=4 (shares 3 + 3); L=1 fills member 0's spare slot.
-  lengths = [6, 1]
+  # L=5 on a ring of 2 at tpd=4 (zigzag chunks 2,1,1,1: shares 3 + 2, cells of 3); L=1
+  # fills member 1's spare slot.
+  lengths = [5, 1]
   sched = hdp_schedule.schedule(lengths, num_devices=2, tokens_per_device=4)
-  assert [r.devices for r in sched.rings] == [(0, 1)]
-  assert sched.rings[0].fill == ((1,), ()) and sched.local == ((), ())
-  # Member 0: 3 * (Lin 4 + own 1 + A/c^2 9 + 1 hop * max(9, h=4)) = 69; member 1 (3
-  # tokens): 3 * (3 + 9 + 9) = 63. The ring lasts as long as its slowest member.
+  assert [(r.devices, r.cell) for r in sched.rings] == [((0, 1), 3)]
+  assert sched.rings[0].fill == ((), (1,)) and sched.local == ((), ())
+  # Both members' rows hold ceil(5 / 2) = 3 ring tokens. Member 0: 3 * (Lin 3 + A/c^2
+  # 6.25 + 1 hop * max(6.25, h=3)) = 46.5; member 1 (and the fill): 3 * (4 + own 1 +
+  # 6.25 + max(6.25, 4)) = 52.5. The ring lasts as long as its slowest member.
   times = hdp_sim.schedule_times(sched, lengths, tokens_per_device=4, model=UNIT)
-  np.testing.assert_allclose(times, [69.0, 69.0])
+  np.testing.assert_allclose(times, [52.5, 52.5])
 
 
 def test_schedule_times_local_batch_by_hand():

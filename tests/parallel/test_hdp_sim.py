@@ -103,17 +103,18 @@ def test_run_executor_hops_over_its_own_devices():
 def test_schedule_cost_is_the_simulators_time():
   cost = hdp_sim.ScheduleCost(UNIT, tokens_per_device=2)
   # As test_run_executor_hops_over_its_own_devices: L=5 on a run of 3 devices, 31.
-  assert cost.ring([5], 3) == pytest.approx(31.0)
+  assert cost.ring([5], 3, 2) == pytest.approx(31.0)
   step = [[([5], (0, 1, 2))]]
   member = hdp_sim.device_times(step, num_devices=3, tokens_per_device=2, model=UNIT,
                                 executor="run")[0].max()
-  assert cost.ring(np.array([5]), 3) == pytest.approx(member)
+  assert cost.ring(np.array([5]), 3, 2) == pytest.approx(member)
   # A whole short sequence: 3 * (linear 3 + attention 9).
   assert cost.short(3) == pytest.approx(36.0)
-  # Without padding compute an empty cell costs nothing; with it, tpd tokens of matmuls.
-  assert cost.cell() == 0.0
+  # Without padding compute an empty cell costs nothing; with it, its slots' matmuls.
+  assert cost.cell(2) == 0.0
   padded = hdp_sim.ScheduleCost(dataclasses.replace(UNIT, pad_compute=True), 2)
-  assert padded.cell() == pytest.approx(3 * 2.0)
+  assert padded.cell(2) == pytest.approx(3 * 2.0)
+  assert padded.cell(1) == pytest.approx(3 * 1.0)
 
 
 def test_slow_links_keep_rings_tight():
