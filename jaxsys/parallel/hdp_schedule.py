@@ -237,6 +237,7 @@ def _build(arr, groups, num_devices, cap, d_model, widen, cost, rule
   fill: dict[tuple[int, int], list[int]] = {cell_id: [] for cell_id in cells}
   local: list[list[list[int]]] = [[] for _ in range(num_devices)]
   room: list[list[int]] = [[] for _ in range(num_devices)]  # free slots per local batch
+  most_room = np.zeros(num_devices, np.int64)  # max(room[d])
   new_cell = cost.cell(cap)
   short = [i for i in range(arr.size) if arr[i] <= cap]
   for i in sorted(short, key=lambda i: (-arr[i], i)):
@@ -244,10 +245,7 @@ def _build(arr, groups, num_devices, cap, d_model, widen, cost, rule
     attention = cost.short(n) - cost.cell(n)
     fits = np.flatnonzero(spare >= n)
     in_ring = (load[on[fits]].min() if fits.size else np.inf) + attention
-    # A device's first local batch with room (first fit), else a new one.
-    first = [next((b for b, free in enumerate(room[d]) if free >= n), None)
-             for d in range(num_devices)]
-    ends = load + attention + np.array([0.0 if b is not None else new_cell for b in first])
+    ends = load + attention + np.where(most_room >= n, 0.0, new_cell)
     d = int(np.argmin(ends))
     if in_ring <= ends[d]:
       j = int(fits[np.argmin(load[on[fits]])])
@@ -255,12 +253,15 @@ def _build(arr, groups, num_devices, cap, d_model, widen, cost, rule
       spare[j] -= n
       load[on[j]] = in_ring
       continue
-    if first[d] is None:
+    # The device's first local batch with room (first fit), else a new one.
+    b = next((b for b, free in enumerate(room[d]) if free >= n), None)
+    if b is None:
       local[d].append([])
       room[d].append(cap)
-      first[d] = len(room[d]) - 1
-    local[d][first[d]].append(i)
-    room[d][first[d]] -= n
+      b = len(room[d]) - 1
+    local[d][b].append(i)
+    room[d][b] -= n
+    most_room[d] = max(room[d])
     load[d] = ends[d]
 
   return float(load.max(initial=0.0)), Schedule(
