@@ -130,14 +130,15 @@ def cell_size(tokens: int, tokens_per_device: int) -> int:
   return min(tokens_per_device, -(-max(1, tokens) // step) * step)
 
 
-def _free_run(load: np.ndarray, c: int) -> int:
-  """The first device of the run of c devices, inside an aligned block of
-  hdp.block_size(c), whose members are all free first (the lowest such start on ties)."""
+def _runs(load: np.ndarray, c: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """Every run of c devices inside an aligned block of hdp.block_size(c): (first device,
+  when all its members are free, the time they wait for the last one)."""
   block = hdp.block_size(c)
-  starts = np.lib.stride_tricks.sliding_window_view(load, c).max(axis=1)
-  first = np.arange(starts.size)
-  starts[first // block != (first + c - 1) // block] = np.inf
-  return int(np.argmin(starts))
+  windows = np.lib.stride_tricks.sliding_window_view(load, c)
+  firsts = np.arange(windows.shape[0])
+  firsts = firsts[firsts // block == (firsts + c - 1) // block]
+  starts = windows[firsts].max(axis=1)
+  return firsts, starts, c * starts - windows[firsts].sum(axis=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,9 +186,9 @@ def schedule(lengths: Sequence[int], *, num_devices: int, tokens_per_device: int
   need = {i: hdp.devices_needed(int(n), tokens_per_device) for i, n in enumerate(arr)}
   alone = [((i,), c) for i, c in need.items() if c > 1]
   shared = hdp.share_groups(arr, tokens_per_device, num_devices)
-  options = [_build(arr, groups, num_devices, tokens_per_device, d_model, widen, cost, rule)
+  options = [_build(arr, groups, num_devices, tokens_per_device, d_model, widened, cost, rule)
              for groups in ([shared] if shared == alone else [shared, alone])
-             for rule in (RULES if widen else RULES[:1])]
+             for widened, rule in ([(True, r) for r in RULES] if widen else []) + [(False, RULES[0])]]
   return min(options, key=lambda option: option[0])[1]
 
 
@@ -211,29 +212,36 @@ def _build(arr, groups, num_devices, cap, d_model, widen, cost, rule
     options = []
     for c in _ring_sizes(need, num_devices, widen):
       cell, member = tight(seqs, c)
-      first = _free_run(load, c)
-      end = load[first:first + c].max() + member
-      # A wider ring ends sooner, but the device time its empty slots and exposed hops
-      # waste is lost to the pool. "share": that time spread over the pool adds to the
-      # end. "bound": the schedule ends no sooner than this ring, nor than the mean
-      # device once all else is placed (ties: the least device time).
+      firsts, starts, idle = _runs(load, c)
+      ends = starts + member
+      # A ring ends sooner when wider or on a run free sooner, but device time is lost to
+      # the pool: its empty slots, exposed hops and members waiting for the last one.
+      # "share": that time spread over the pool adds to the end. "bound": the schedule
+      # ends no sooner than this ring, nor than the mean device once all else is placed
+      # (ties: the least device time lost).
+      lost = c * member + idle
       if rule == "share":
-        key = (end + c * member / num_devices, 0.0)
+        keys = np.stack([ends + lost / num_devices, np.zeros_like(ends)])
       else:
-        busy = load.sum() - load[first:first + c].sum() + c * end
-        key = (max(end, (busy + todo) / num_devices), c * member)
-      options.append((*key, end, c, first, cell))
+        busy = load.sum() + c * member + idle
+        keys = np.stack([np.maximum(ends, (busy + todo) / num_devices), lost])
+      k = int(np.lexsort(keys[::-1])[0])
+      options.append((*keys[:, k], ends[k], c, int(firsts[k]), cell))
     *_, end, c, first, cell = min(options)
     load[first:first + c] = end
     rings.append((seqs, tuple(range(first, first + c)), cell))
 
   # Short sequences, heaviest first, where they end soonest: into spare slots of a ring
   # cell or of a device's open local micro-batch (their matmuls are paid already: only
-  # the attention adds), or into a new local micro-batch (a whole cell's matmuls).
+  # the attention adds), or into a new local micro-batch (a whole cell's matmuls). A ring
+  # lasts as long as its slowest member, so a member's fill beyond the ring's most delays
+  # all its members.
   cells = [(r, k) for r, (_, devices, _) in enumerate(rings) for k in range(len(devices))]
   spare = np.concatenate([cell - member_tokens(arr[list(seqs)], len(devices))
                           for seqs, devices, cell in rings] or [np.zeros(0, np.int64)])
-  on = np.array([rings[r][1][k] for r, k in cells], np.int64)
+  ring_of = np.array([r for r, _ in cells], np.int64)
+  extra = np.zeros(len(cells))  # fill attention per cell
+  most = np.zeros(len(rings))   # its ring's largest
   fill: dict[tuple[int, int], list[int]] = {cell_id: [] for cell_id in cells}
   local: list[list[list[int]]] = [[] for _ in range(num_devices)]
   room: list[list[int]] = [[] for _ in range(num_devices)]  # free slots per local batch
@@ -243,16 +251,20 @@ def _build(arr, groups, num_devices, cap, d_model, widen, cost, rule
   for i in sorted(short, key=lambda i: (-arr[i], i)):
     n = int(arr[i])
     attention = cost.short(n) - cost.cell(n)
-    fits = np.flatnonzero(spare >= n)
-    in_ring = (load[on[fits]].min() if fits.size else np.inf) + attention
     ends = load + attention + np.where(most_room >= n, 0.0, new_cell)
     d = int(np.argmin(ends))
-    if in_ring <= ends[d]:
-      j = int(fits[np.argmin(load[on[fits]])])
-      fill[cells[j]].append(i)
-      spare[j] -= n
-      load[on[j]] = in_ring
-      continue
+    fits = np.flatnonzero(spare >= n)
+    if fits.size:  # the cell that delays its ring least
+      delay = np.maximum(0.0, extra[fits] + attention - most[ring_of[fits]])
+      j = int(fits[np.argmin(delay)])
+      r, members = ring_of[j], list(rings[ring_of[j]][1])
+      if load[members].max() + delay.min() <= ends[d]:
+        fill[cells[j]].append(i)
+        spare[j] -= n
+        extra[j] += attention
+        load[members] += max(0.0, extra[j] - most[r])
+        most[r] = max(most[r], extra[j])
+        continue
     # The device's first local batch with room (first fit), else a new one.
     b = next((b for b, free in enumerate(room[d]) if free >= n), None)
     if b is None:

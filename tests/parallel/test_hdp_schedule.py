@@ -141,6 +141,16 @@ def test_a_ring_widens_when_it_ends_sooner(cell, work, hop, widen, width):
   _check_schedule(sched, [8 * T], 64, T, widen=widen)
 
 
+def test_runs_inside_aligned_blocks_with_their_wait():
+  load = np.array([0.0, 5.0, 5.0, 5.0, 1.0, 2.0, 3.0, 4.0])
+  firsts, starts, idle = hdp_schedule._runs(load, 2)
+  assert firsts.tolist() == [0, 2, 4, 6]  # blocks of 2
+  assert starts.tolist() == [5.0, 5.0, 2.0, 4.0] and idle.tolist() == [5.0, 0.0, 1.0, 1.0]
+  firsts, starts, idle = hdp_schedule._runs(load, 3)  # inside blocks of 4
+  assert firsts.tolist() == [0, 1, 4, 5]
+  assert starts.tolist() == [5.0, 5.0, 3.0, 4.0] and idle.tolist() == [5.0, 0.0, 3.0, 3.0]
+
+
 def test_cells_are_sized_to_the_largest_share():
   # 100 tokens zigzag over 4: chunks of 13,13,13,13,12,12,12,12: members hold 25 each.
   assert hdp_schedule.member_tokens([100], 4).tolist() == [25, 25, 25, 25]
