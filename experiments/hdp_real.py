@@ -132,7 +132,7 @@ def per_rank_stats(sched, lengths, *, tokens_per_device: int, d_model: int) -> d
                                 model=model).max()
   perfect = 3.0 * float(np.sum(model.attention(lengths) + model.linear(lengths))) / n
   return dict(micro_steps=float(counts.max()),
-              waste=1.0 - lengths.sum() / sched.slots(tokens_per_device),
+              waste=1.0 - lengths.sum() / sched.slots(lengths, tokens_per_device),
               flop_imbalance=float(span / perfect),
               token_imbalance=float(tokens.max() / tokens.mean()))
 
@@ -182,7 +182,7 @@ def real_part(*, size: str = "tiny", tokens_per_device: int = 1024, max_len: int
   params = init().params
   lockstep.compile_all(params)
   for run in per_rank.values():
-    run.compile_for(params, [run.plan([len(d) - 1 for d in docs]) for docs in batch_list])
+    run.compile_for(params, batch_list)
   rows = []
   for name in LAYOUTS:
     state, times, stats = init(), [], []

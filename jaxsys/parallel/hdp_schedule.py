@@ -31,8 +31,7 @@ each rule) and the one whose estimate ends first is kept.
 
 Example:
   s = schedule([9000, 300, 5000, 120], num_devices=4, tokens_per_device=4096)
-  s.rings    # (Ring(seqs=(0,), devices=(0, 1, 2, 3), fill=((1,), (3,), (), ()), cell=2560),
-             #  Ring(seqs=(2,), devices=(0, 1, 2, 3), fill=((), (), (), ()), cell=1536))
+  s.rings    # (Ring(seqs=(0, 2), devices=(0, 1, 2, 3), fill=((), (), (), ()), cell=3584),)
   s.local    # per device: its micro-batches (tuples of sequence indices)
   s.micro_batches()  # per device: rings + local micro-batches
 """
@@ -40,6 +39,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -49,6 +49,9 @@ from jaxsys.parallel import hdp
 # A ring's cells are sized to its largest share in steps of tokens_per_device / CELL_STEPS:
 # its matmuls and K/V hops then carry (nearly) only real tokens.
 CELL_STEPS = 8
+# A device's local micro-batches hold tpd, tpd / 2, ... tpd / 2^(LOCAL_SIZES - 1) slots:
+# the smallest that holds their tokens (one program per size).
+LOCAL_SIZES = 4
 # How a ring's size is chosen among those it may take (see _build); each is tried.
 RULES = ("share", "bound")
 
@@ -88,11 +91,12 @@ class Schedule:
       counts[list(ring.devices)] += 1
     return counts
 
-  def slots(self, tokens_per_device: int) -> int:
+  def slots(self, lengths, tokens_per_device: int) -> int:
     """Token slots every micro-batch runs, padding included (a ring's c cells, a local
-    micro-batch's tokens_per_device)."""
+    micro-batch's `local_cell`), for sequences of `lengths`."""
     return (sum(len(r.devices) * r.cell for r in self.rings)
-            + tokens_per_device * sum(len(batches) for batches in self.local))
+            + sum(local_cell(int(sum(lengths[i] for i in batch)), tokens_per_device)
+                  for batches in self.local for batch in batches))
 
   def sequences(self) -> list[int]:
     """Every sequence index the schedule runs, each once (sorted)."""
@@ -128,6 +132,22 @@ def cell_size(tokens: int, tokens_per_device: int) -> int:
   tokens_per_device / CELL_STEPS, so at most CELL_STEPS shapes per run of devices."""
   step = -(-tokens_per_device // CELL_STEPS)
   return min(tokens_per_device, -(-max(1, tokens) // step) * step)
+
+
+def local_sizes(tokens_per_device: int) -> np.ndarray:
+  """The slots a local micro-batch may have, ascending: tokens_per_device / 2^k for
+  k < LOCAL_SIZES (rounded up)."""
+  return np.array(_local_sizes(tokens_per_device))
+
+
+@functools.lru_cache(maxsize=64)
+def _local_sizes(tokens_per_device: int) -> tuple[int, ...]:
+  return tuple(sorted({-(-tokens_per_device // 2 ** k) for k in range(LOCAL_SIZES)}))
+
+
+def local_cell(tokens: int, tokens_per_device: int) -> int:
+  """A local micro-batch's slots: the smallest of `local_sizes` that holds `tokens`."""
+  return next(size for size in _local_sizes(tokens_per_device) if size >= tokens)
 
 
 def _runs(load: np.ndarray, c: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -186,16 +206,21 @@ def schedule(lengths: Sequence[int], *, num_devices: int, tokens_per_device: int
   need = {i: hdp.devices_needed(int(n), tokens_per_device) for i, n in enumerate(arr)}
   alone = [((i,), c) for i, c in need.items() if c > 1]
   shared = hdp.share_groups(arr, tokens_per_device, num_devices)
-  options = [_build(arr, groups, num_devices, tokens_per_device, d_model, widened, cost, rule)
-             for groups in ([shared] if shared == alone else [shared, alone])
-             for widened, rule in ([(True, r) for r in RULES] if widen else []) + [(False, RULES[0])]]
-  return min(options, key=lambda option: option[0])[1]
+  # Each candidate's end is estimated before the short sequences are placed (they even
+  # out the devices): the latest ring, or the mean device once they are in.
+  short_work = sum(cost.short(int(n)) for n in arr[arr <= tokens_per_device])
+  candidates = [_place_rings(arr, groups, num_devices, tokens_per_device, d_model, widened,
+                             cost, rule, short_work)
+                for groups in ([shared] if shared == alone else [shared, alone])
+                for widened, rule in [(True, r) for r in RULES if widen] + [(False, RULES[0])]]
+  rings, load = min(candidates, key=lambda c: max(c[1].max(initial=0.0),
+                                                  (c[1].sum() + short_work) / num_devices))
+  return _place_shorts(arr, rings, load, tokens_per_device, cost)
 
 
-def _build(arr, groups, num_devices, cap, d_model, widen, cost, rule
-           ) -> tuple[float, Schedule]:
-  """(estimated end, schedule) of `groups`, the rings' sequences, their sizes chosen by
-  `rule` (see below and `schedule`)."""
+def _place_rings(arr, groups, num_devices, cap, d_model, widen, cost, rule, short_work):
+  """(rings as (sequences, devices, cell), load: when each device is done with them) of
+  `groups`, the rings' sequences, their sizes chosen by `rule` (see below)."""
   costs = hdp.sequence_cost(arr, d_model=d_model) if arr.size else np.zeros(0)
   load = np.zeros(num_devices)
 
@@ -204,8 +229,7 @@ def _build(arr, groups, num_devices, cap, d_model, widen, cost, rule
     return cell, cost.ring(arr[list(seqs)], c, cell)
 
   # Device time still to place: every ring on the devices it needs, every short sequence.
-  todo = sum(need * tight(seqs, need)[1] for seqs, need in groups) + sum(
-      cost.short(int(n)) for n in arr[arr <= cap])
+  todo = sum(need * tight(seqs, need)[1] for seqs, need in groups) + short_work
   rings: list[tuple[tuple[int, ...], tuple[int, ...], int]] = []
   for seqs, need in sorted(groups, key=lambda g: (-costs[list(g[0])].sum(), g[0])):
     todo -= need * tight(seqs, need)[1]
@@ -231,6 +255,13 @@ def _build(arr, groups, num_devices, cap, d_model, widen, cost, rule
     load[first:first + c] = end
     rings.append((seqs, tuple(range(first, first + c)), cell))
 
+  return rings, load
+
+
+def _place_shorts(arr, rings, load, cap, cost) -> Schedule:
+  """The schedule: `rings` (placed, devices busy until `load`) and the short sequences."""
+  num_devices = load.size
+  load = load.copy()
   # Short sequences, heaviest first, where they end soonest: into spare slots of a ring
   # cell or of a device's open local micro-batch (their matmuls are paid already: only
   # the attention adds), or into a new local micro-batch (a whole cell's matmuls). A ring
@@ -244,14 +275,22 @@ def _build(arr, groups, num_devices, cap, d_model, widen, cost, rule
   most = np.zeros(len(rings))   # its ring's largest
   fill: dict[tuple[int, int], list[int]] = {cell_id: [] for cell_id in cells}
   local: list[list[list[int]]] = [[] for _ in range(num_devices)]
-  room: list[list[int]] = [[] for _ in range(num_devices)]  # free slots per local batch
-  most_room = np.zeros(num_devices, np.int64)  # max(room[d])
-  new_cell = cost.cell(cap)
+  held: list[list[int]] = [[] for _ in range(num_devices)]  # tokens per local batch
+  sizes = local_sizes(cap)
+  size_cost = np.array([cost.cell(int(size)) for size in sizes])
+  free = np.zeros(num_devices, np.int64)     # most slots a batch has before it grows
+  last = np.full(num_devices, cap + 1)       # tokens in the newest batch (none: cap + 1)
   short = [i for i in range(arr.size) if arr[i] <= cap]
   for i in sorted(short, key=lambda i: (-arr[i], i)):
     n = int(arr[i])
     attention = cost.short(n) - cost.cell(n)
-    ends = load + attention + np.where(most_room >= n, 0.0, new_cell)
+    # Per device: a batch with room (free), the newest batch grown to the next size, or
+    # a new batch of the smallest size that holds it.
+    new = size_cost[np.searchsorted(sizes, n)]
+    grow = np.where(last + n <= cap, size_cost[np.searchsorted(sizes, np.minimum(last + n, cap))]
+                    - size_cost[np.searchsorted(sizes, np.minimum(last, cap))], np.inf)
+    adds = np.where(free >= n, 0.0, np.minimum(grow, new))
+    ends = load + attention + adds
     d = int(np.argmin(ends))
     fits = np.flatnonzero(spare >= n)
     if fits.size:  # the cell that delays its ring least
@@ -265,18 +304,21 @@ def _build(arr, groups, num_devices, cap, d_model, widen, cost, rule
         load[members] += max(0.0, extra[j] - most[r])
         most[r] = max(most[r], extra[j])
         continue
-    # The device's first local batch with room (first fit), else a new one.
-    b = next((b for b, free in enumerate(room[d]) if free >= n), None)
-    if b is None:
+    if free[d] >= n:  # the first batch with room
+      b = next(b for b, t in enumerate(held[d]) if local_cell(t, cap) - t >= n)
+    elif grow[d] <= new:
+      b = len(held[d]) - 1
+    else:
       local[d].append([])
-      room[d].append(cap)
-      b = len(room[d]) - 1
+      held[d].append(0)
+      b = len(held[d]) - 1
     local[d][b].append(i)
-    room[d][b] -= n
-    most_room[d] = max(room[d])
+    held[d][b] += n
+    free[d] = max(local_cell(t, cap) - t for t in held[d])
+    last[d] = held[d][-1]
     load[d] = ends[d]
 
-  return float(load.max(initial=0.0)), Schedule(
+  return Schedule(
       rings=tuple(Ring(seqs, devices, tuple(tuple(fill[r, k]) for k in range(len(devices))),
                        cell) for r, (seqs, devices, cell) in enumerate(rings)),
       local=tuple(tuple(tuple(b) for b in batches) for batches in local))

@@ -423,7 +423,9 @@ def schedule_jobs(sched: hdp_schedule.Schedule, lengths, *, tokens_per_device: i
   for d, batches in enumerate(sched.local):
     for batch in batches:
       lens = lengths[list(batch)]
-      tokens = tokens_per_device if model.pad_compute else int(lens.sum())
+      tokens = int(lens.sum())
+      if model.pad_compute:
+        tokens = hdp_schedule.local_cell(tokens, tokens_per_device)
       secs = model.device(attention=0.0, linear=float(model.linear(tokens)),
                           local_attention=float(np.sum(model.attention(lens))))
       start = finish[d]
@@ -476,7 +478,7 @@ def simulate_per_rank(lengths, *, num_devices: int, tokens_per_device: int,
                                 widen=widen, cost=ScheduleCost(model, tokens_per_device))
   finish = schedule_times(sched, lengths, tokens_per_device=tokens_per_device, model=model)
   counts = sched.micro_batches()
-  slots = sched.slots(tokens_per_device)
+  slots = sched.slots(lengths, tokens_per_device)
   return Result("hdp_per_rank", float(finish.max(initial=0.0)), int(counts.max(initial=0)),
                 float(finish.max() / finish.mean()) if finish.mean() else 1.0,
                 1.0 - int(lengths.sum()) / slots if slots else 0.0,

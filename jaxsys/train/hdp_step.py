@@ -178,15 +178,16 @@ class PerRankHDPStep(_HDPBase):
   """Per-rank HDP (ByteScale's DP-Balance): each device runs its own micro-batches of
   `hdp_schedule.schedule`, and only the gradient all-reduce at the end waits for all.
 
-  A ring is one program over its run of devices (`data = 1, context = c`); each run's
-  programs accumulate on the run. Then one program over the pool runs every
-  device's local micro-batches in a loop of its own length (`shard_map`: no collective
-  inside, so a device that is done does not wait), from zero sums kept per device. The
-  rings are dispatched first, so a device starts its local work when its own rings are
-  done; finally one all-reduce sums the per-device and per-run sums. Programs compile
-  per run of devices used (runs inside aligned blocks: N(N+1)/2 at most, far fewer in
-  practice) and cell size (`hdp_schedule.CELL_STEPS` at most), and per power of two of
-  local micro-batches.
+  A ring is one program over its run of devices (`data = 1, context = c`), with cells
+  of the ring's size; each run's programs accumulate on the run. Then, per local
+  micro-batch size (`hdp_schedule.local_cell`), one program over the pool runs every
+  device's local micro-batches of that size in a loop of its own length (`shard_map`: no
+  collective inside, so a device that is done does not wait), from zero sums kept per
+  device. The rings are dispatched first, so a device starts its local work when its
+  own rings are done; finally one all-reduce sums the per-device and per-run sums.
+  Programs compile per run of devices used (runs inside aligned blocks: N(N+1)/2 at
+  most, far fewer in practice) and cell size (`hdp_schedule.CELL_STEPS` at most), and
+  per local size (`hdp_schedule.LOCAL_SIZES`) and power of two of local micro-batches.
   """
 
   def __init__(self, *args, widen: bool = False, **kwargs):
@@ -208,7 +209,8 @@ class PerRankHDPStep(_HDPBase):
         lambda p: jax.tree.map(lambda x: jnp.zeros((n,) + x.shape, x.dtype), _zero_sums(p)),
         out_shardings=self._stacked_sh)
     self._reduce = jax.jit(
-        lambda local, rings: jax.tree.map(lambda a, b: a.sum(0) + b.sum(0), local, rings),
+        lambda locals_, rings: jax.tree.map(
+            lambda ring, *local: sum(x.sum(0) for x in local) + ring.sum(0), rings, *locals_),
         out_shardings=self._acc_sh)
 
   def plan(self, lengths) -> hdp_schedule.Schedule:
@@ -243,40 +245,52 @@ class PerRankHDPStep(_HDPBase):
                                 out_shardings=self._stacked_sh)
     return self._locals[k]
 
-  def compile_for(self, params, schedules) -> None:
-    """Compiles (by running once on padding) the programs `schedules` need, so later
-    steps time only compute: a benchmark's warm-up."""
-    for block, cell in {(ring.devices, ring.cell) for sched in schedules
-                        for ring in sched.rings}:
+  def compile_for(self, params, batches) -> None:
+    """Compiles (by running once on padding) the programs that the schedules of
+    `batches` (lists of documents) need, so later steps time only compute: a
+    benchmark's warm-up."""
+    rings, locals_ = set(), set()
+    for docs in batches:
+      lengths = [len(doc) - 1 for doc in docs]
+      sched = self.plan(lengths)
+      rings |= {(ring.devices, ring.cell) for ring in sched.rings}
+      locals_ |= {(_axis(local), size)
+                  for size, local in self._local_batches(sched, lengths).items()}
+    for block, cell in rings:
       fn, batch_sh, zeros, rep = self.ring_program(block)
       _, fields = hdp_layout.pack_step([], [], num_devices=len(block), tokens_per_device=cell,
                                        view=len(block))
       jax.block_until_ready(fn(_on(params, rep), _put(fields, batch_sh),
                                zeros(_on(params, rep))))
-    for k in {self._local_size(sched) for sched in schedules}:
+    for k, size in locals_:
       no_batches = [()] * self.num_devices
-      jax.block_until_ready(self.local_program(k)(params, *self._local_inputs(k, no_batches, [])))
+      jax.block_until_ready(
+          self.local_program(k)(params, *self._local_inputs(k, size, no_batches, [])))
 
-  def _local_inputs(self, k: int, local, docs):
-    """The local program's inputs: every device's micro-batches (`local[d]`, lists of
-    document indices) packed into fields [N, k, tpd], and their counts [N]."""
-    tpd = self.tokens_per_device
-    fields = {f: np.zeros((self.num_devices, k, tpd), np.float32 if f == "loss_mask"
+  def _local_batches(self, sched: hdp_schedule.Schedule, lengths) -> dict[int, list]:
+    """The local micro-batches by their slots (`hdp_schedule.local_cell`): {slots: each
+    device's micro-batches of that size}, one local program each."""
+    out: dict[int, list] = {}
+    for d, batches in enumerate(sched.local):
+      for batch in batches:
+        size = hdp_schedule.local_cell(sum(lengths[i] for i in batch), self.tokens_per_device)
+        out.setdefault(size, [[] for _ in range(self.num_devices)])[d].append(batch)
+    return out
+
+  def _local_inputs(self, k: int, size: int, local, docs):
+    """A local program's inputs: every device's micro-batches (`local[d]`, lists of
+    document indices) packed into fields [N, k, size], and their counts [N]."""
+    fields = {f: np.zeros((self.num_devices, k, size), np.float32 if f == "loss_mask"
                           else np.int32) for f in FIELDS}
     for d, batches in enumerate(local):
       for b, batch in enumerate(batches):
         _, cell = hdp_layout.pack_step([(i, (0,)) for i in batch], docs, num_devices=1,
-                                       tokens_per_device=tpd)
+                                       tokens_per_device=size)
         for f in FIELDS:
           fields[f][d, b] = cell[f][0]
     counts = np.array([len(batches) for batches in local], np.int32)
     stacked = self._stacked_sh[0]
     return _put(fields, stacked), _put({"n": counts}, stacked)["n"]
-
-  @staticmethod
-  def _local_size(sched: hdp_schedule.Schedule) -> int:
-    """The local program's micro-batch axis: the most any device runs, to a power of two."""
-    return hdp.block_size(max(1, max(len(batches) for batches in sched.local)))
 
   def run(self, state: TrainState, docs, sched: hdp_schedule.Schedule):
     """One update over `docs` as the schedule lays them out."""
@@ -294,8 +308,10 @@ class PerRankHDPStep(_HDPBase):
       if self._one_ring_at_a_time:
         jax.block_until_ready(block_sums[block])
 
-    k = self._local_size(sched)
-    local_sums = self.local_program(k)(state.params, *self._local_inputs(k, sched.local, docs))
+    by_size = self._local_batches(sched, [len(doc) - 1 for doc in docs])
+    local_sums = [self.local_program(_axis(local))(
+        state.params, *self._local_inputs(_axis(local), size, local, docs))
+        for size, local in sorted(by_size.items())]
     ring_sums = self._per_device(block_sums, state.params)
     acc = self._reduce(local_sums, ring_sums)
     # One all-reduce over the pool, and one over each ring's run per ring micro-batch
@@ -317,6 +333,11 @@ class PerRankHDPStep(_HDPBase):
           zeros.shape, zeros.sharding, [shards[s.device] for s in zeros.addressable_shards])
 
     return jax.tree.map(stack, self._stacked_zeros(params), *block_sums.values())
+
+
+def _axis(local) -> int:
+  """A local program's micro-batch axis: the most any device runs, to a power of two."""
+  return hdp.block_size(max(1, max(len(batches) for batches in local)))
 
 
 def _on(tree, sharding):
