@@ -12,22 +12,25 @@ gradient all-reduce waits for all of them. A schedule has two kinds of work:
          it (`hdp.share_groups`). Its program's cells are sized to its largest share, in
          steps of tpd / CELL_STEPS, so its matmuls and K/V hops carry (nearly) only real
          tokens; a member's spare slots take whole short sequences;
-  local: a device's own micro-batches of whole short sequences, tpd slots each.
+  local: a device's own micro-batches of whole short sequences, each of tpd, tpd/2, ...
+         or tpd / 2^(LOCAL_SIZES - 1) slots, the smallest that holds them (`local_cell`).
 
 Placement is LPT on estimated time (`FlopCost` by default: a ring member runs its cell
 through the matmuls plus its share of the attention; a short sequence costs
-`hdp.sequence_cost`): rings heaviest first, each on the run whose members are all free
-first (a ring's members start together). A ring may instead take an aligned power-of-two
-block of up to twice the devices it needs (widen=True): it then ends sooner, but the
-device time its empty slots and exposed hops waste is lost to the pool; two rules weigh
-that (`RULES`). Then short sequences, heaviest first, where they end soonest: in spare
-slots of a ring cell or of a device's open local micro-batch (only their attention adds),
-or in a new local micro-batch (a whole cell's matmuls). A device runs its rings in order,
-then its local micro-batches.
+`hdp.sequence_cost`): rings heaviest first, each on a run of devices chosen with the
+time its members wait for the last one counted as lost (a ring's members start
+together). A ring may instead take an aligned power-of-two block of up to twice the
+devices it needs (widen=True): it then ends sooner, but the device time its empty slots
+and exposed hops waste is lost to the pool; two rules weigh that (`RULES`). Then short
+sequences, heaviest first, where they end soonest: in spare slots of a ring cell (a ring
+lasts as long as its slowest member) or of a device's local micro-batch (only their
+attention adds), in the device's newest micro-batch grown to the next size, or in a new
+one. A device runs its rings in order, then its local micro-batches.
 
-Several candidates are built (rings shared or one per sequence: shared rings fill their
-cells, but each hop then carries all their shares for a fraction of the attention; and
-each rule) and the one whose estimate ends first is kept.
+Ring placements are built as candidates (rings shared or one per sequence: shared rings
+fill their cells, but each hop then carries all their shares for a fraction of the
+attention; widened under each rule, and tight) and the one whose estimate ends first,
+short sequences counted at their mean, is kept.
 
 Example:
   s = schedule([9000, 300, 5000, 120], num_devices=4, tokens_per_device=4096)
@@ -52,7 +55,7 @@ CELL_STEPS = 8
 # A device's local micro-batches hold tpd, tpd / 2, ... tpd / 2^(LOCAL_SIZES - 1) slots:
 # the smallest that holds their tokens (one program per size).
 LOCAL_SIZES = 4
-# How a ring's size is chosen among those it may take (see _build); each is tried.
+# How a ring's size is chosen among those it may take (see _place_rings); each is tried.
 RULES = ("share", "bound")
 
 
@@ -192,17 +195,13 @@ def schedule(lengths: Sequence[int], *, num_devices: int, tokens_per_device: int
              cost=None) -> Schedule:
   """The per-rank schedule of `lengths` (see the module docstring); errors as hdp.plan.
 
-  widen=False keeps every ring on the devices it needs (least padding). cost: the time
-  estimate balanced (cell(tokens), ring(lengths, devices, cell), short(length), all in
-  one unit);
-  default FlopCost(tokens_per_device, d_model). A simulator passes its own, links
-  included (`hdp_sim.ScheduleCost`).
+  widen=False keeps every ring on the devices it needs. cost: the time estimate balanced
+  (cell(tokens), ring(lengths, devices, cell), short(length), all in one unit); default
+  FlopCost(tokens_per_device, d_model). A simulator passes its own, links included
+  (`hdp_sim.ScheduleCost`).
   """
   arr = hdp._check(lengths, num_devices, tokens_per_device)
   cost = FlopCost(tokens_per_device, d_model) if cost is None else cost
-  # Rings shared by several long sequences fill their cells, but each hop then carries
-  # all of their shares for a fraction of the attention: with slow links, one ring per
-  # sequence can end sooner. Both are built; the one whose estimate ends first is kept.
   need = {i: hdp.devices_needed(int(n), tokens_per_device) for i, n in enumerate(arr)}
   alone = [((i,), c) for i, c in need.items() if c > 1]
   shared = hdp.share_groups(arr, tokens_per_device, num_devices)
@@ -262,11 +261,9 @@ def _place_shorts(arr, rings, load, cap, cost) -> Schedule:
   """The schedule: `rings` (placed, devices busy until `load`) and the short sequences."""
   num_devices = load.size
   load = load.copy()
-  # Short sequences, heaviest first, where they end soonest: into spare slots of a ring
-  # cell or of a device's open local micro-batch (their matmuls are paid already: only
-  # the attention adds), or into a new local micro-batch (a whole cell's matmuls). A ring
-  # lasts as long as its slowest member, so a member's fill beyond the ring's most delays
-  # all its members.
+  # Short sequences, heaviest first, where they end soonest (see the module docstring).
+  # A ring lasts as long as its slowest member, so fill that makes a member the slowest
+  # delays all of them.
   cells = [(r, k) for r, (_, devices, _) in enumerate(rings) for k in range(len(devices))]
   spare = np.concatenate([cell - member_tokens(arr[list(seqs)], len(devices))
                           for seqs, devices, cell in rings] or [np.zeros(0, np.int64)])
