@@ -20,10 +20,12 @@ class MetricWriter:
   """Appends one JSON object per line to `<workdir>/metrics.jsonl` and mirrors scalars to TensorBoard.
 
   TensorBoard files go to `<workdir>/tensorboard` when tensorboardX is installed
-  (`pip install 'jaxsys[tb]'`). Only process 0 writes.
+  (`pip install 'jaxsys[tb]'`). Only process 0 writes. A run resumed at `resume_step`
+  replays the steps after it: their rows are dropped from `metrics.jsonl` first (and a
+  row a crash cut short), and TensorBoard is told to purge its events from there on.
   """
 
-  def __init__(self, workdir: str, *, tensorboard: bool = True):
+  def __init__(self, workdir: str, *, tensorboard: bool = True, resume_step: int | None = None):
     self.enabled = jax.process_index() == 0
     self.path = os.path.join(workdir, "metrics.jsonl")
     self.tb_dir = None
@@ -31,6 +33,8 @@ class MetricWriter:
     if not self.enabled:
       return
     os.makedirs(workdir, exist_ok=True)
+    if resume_step is not None and os.path.exists(self.path):
+      self._drop_after(resume_step)
     self._file = open(self.path, "a", encoding="utf-8")
     if tensorboard:
       try:
@@ -40,7 +44,33 @@ class MetricWriter:
                         "(pip install 'jaxsys[tb]'). metrics.jsonl is still written.")
       else:
         self.tb_dir = os.path.join(workdir, "tensorboard")
-        self._tb = SummaryWriter(self.tb_dir)
+        self._tb = SummaryWriter(self.tb_dir, purge_step=None if resume_step is None
+                                 else resume_step + 1)
+
+  def _drop_after(self, step: int) -> None:
+    """Moves rows past `step`, and a row cut short, from metrics.jsonl to
+    metrics.replayed.jsonl (appended: nothing is lost); the rewrite is an atomic replace."""
+    with open(self.path, encoding="utf-8") as f:
+      lines = f.readlines()
+    kept, moved = [], []
+    for line in lines:
+      try:
+        row = json.loads(line)
+      except ValueError:
+        row = None
+      good = row is not None and line.endswith("\n") and row.get("step", 0) <= step
+      (kept if good else moved).append(line if line.endswith("\n") else line + "\n")
+    if not moved:
+      return
+    replayed = os.path.join(os.path.dirname(self.path), "metrics.replayed.jsonl")
+    with open(replayed, "a", encoding="utf-8") as f:
+      f.writelines(moved)
+    tmp = self.path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+      f.writelines(kept)
+    os.replace(tmp, self.path)
+    logging.info("%s: %d rows past the resumed step %d (replayed now) moved to %s",
+                 self.path, len(moved), step, replayed)
 
   def write(self, step: int, metrics: dict[str, Any]) -> None:
     if not self.enabled:

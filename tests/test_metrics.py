@@ -92,3 +92,20 @@ def test_cpu_and_unlisted_chips_measure():
   assert {c.args for c in measure.call_args_list} == {("bfloat16", 1024), ("bfloat16", 2048)}
   with mock.patch.object(metrics, "measure_matmul_flops", return_value=1e11):
     assert metrics.peak_flops() == (1e11, "measured float32 matmul peak of the host")
+
+
+def test_a_resumed_writer_moves_replayed_rows_aside(tmp_path):
+  w = metrics.MetricWriter(str(tmp_path), tensorboard=False)
+  for step in (1, 2, 3, 4):
+    w.write(step, {"loss": float(step)})
+  w.close()
+  with open(tmp_path / "metrics.jsonl", "a", encoding="utf-8") as f:
+    f.write('{"step": 5, "lo')  # a row a crash cut short
+  w = metrics.MetricWriter(str(tmp_path), tensorboard=False, resume_step=2)
+  w.write(3, {"loss": 30.0})
+  w.close()
+  assert [(r["step"], r["loss"]) for r in metrics.read_metrics(str(tmp_path))] == [
+      (1, 1.0), (2, 2.0), (3, 30.0)]
+  moved = (tmp_path / "metrics.replayed.jsonl").read_text().splitlines()
+  assert moved[:2] == ['{"step": 3, "loss": 3.0}', '{"step": 4, "loss": 4.0}']
+  assert moved[2] == '{"step": 5, "lo'

@@ -9,10 +9,12 @@ before anything is restored so a checkpoint of another model is refused).
 from __future__ import annotations
 
 import os
+import shutil
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from absl import logging
 
 
 class Checkpointer:
@@ -24,6 +26,19 @@ class Checkpointer:
                                            enable_async_checkpointing=async_save)
     self._manager = ocp.CheckpointManager(self.directory, options=options,
                                           item_names=("state", "data", "meta"))
+
+  def remove_partial_saves(self) -> list[str]:
+    """Deletes what saves that never committed left behind (orbax's
+    `*.orbax-checkpoint-tmp-*` directories: never a checkpoint); returns their paths.
+    Only for the run that holds the workdir's lock: another run's save may be in flight."""
+    removed = []
+    for name in sorted(os.listdir(self.directory)):
+      if ".orbax-checkpoint-tmp-" in name:
+        path = os.path.join(self.directory, name)
+        logging.warning("removing %s: a save that never committed", path)
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()

@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxsys import flops as flops_lib
 from jaxsys import mesh as mesh_lib
 from jaxsys import metrics as metrics_lib
+from jaxsys.checkpoint.lock import WorkdirLock
 from jaxsys.checkpoint.manager import Checkpointer, check_same_model
 from jaxsys.checkpoint.reader import read_params
 from jaxsys.data.documents import make_document_loader
@@ -334,7 +335,7 @@ class _Loop:
     self.step = self.saved_step = int(jax.device_get(state.step))
     self.schedule = make_schedule(config.optimizer, config.total_steps)
     self.meter = _throughput_meter(config, parts.model_cfg)
-    self.writer = metrics_lib.MetricWriter(workdir)
+    self.writer = metrics_lib.MetricWriter(workdir, resume_step=self.step)
     self.progress = metrics_lib.Progress(config.total_steps, self.step)
     self.pending: list[tuple[int, dict]] = []  # step metrics still on device
     # A sync deferred into the next inner step's program (CO2); run on its own before eval/save.
@@ -439,17 +440,22 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   """
   config_check.check_config(config, workdir)
   workdir = os.path.abspath(workdir)
-  parts = _set_up(config, workdir)
-  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.keep_checkpoints)
-  try:
-    loop = _Loop(parts, config, _restore_or_init(parts, config, ckpt), ckpt, workdir)
+  # One run per workdir (process 0 holds the lock for all of its processes).
+  lock = WorkdirLock(workdir) if jax.process_index() == 0 else contextlib.nullcontext()
+  with lock:
+    parts = _set_up(config, workdir)
+    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.keep_checkpoints)
+    if jax.process_index() == 0:
+      ckpt.remove_partial_saves()
     try:
-      with _stop_requests() as stop:
-        preempted = loop.run(stop)
+      loop = _Loop(parts, config, _restore_or_init(parts, config, ckpt), ckpt, workdir)
+      try:
+        with _stop_requests() as stop:
+          preempted = loop.run(stop)
+      finally:
+        loop.close()
     finally:
-      loop.close()
-  finally:
-    ckpt.close()
+      ckpt.close()
   return {"workdir": workdir, "checkpoints": ckpt.directory, "metrics": loop.writer.path,
           "tensorboard": loop.writer.tb_dir, **loop.last_eval, "step": loop.step,
           "preempted": preempted}

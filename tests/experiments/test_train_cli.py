@@ -79,3 +79,29 @@ def test_bad_input_gets_one_line_error(small_corpus, tmp_path, flags, message):
   # The error is the only line besides absl log lines (e.g. jax's backend probe).
   assert [l for l in proc.stderr.splitlines() if not re.match(r"[IWEF]\d{4} ", l)] == [last]
   assert not (tmp_path / "run" / "checkpoints").exists() or not os.listdir(tmp_path / "run" / "checkpoints")
+
+
+def test_a_workdir_in_use_is_refused_and_partial_saves_removed(small_corpus, tmp_path):
+  """A second run on a held workdir: one line naming the holder, nothing touched. Once the
+  lock is free, a save that never committed is removed and the replayed rows moved aside."""
+  from jaxsys.checkpoint import lock
+  partial = tmp_path / "checkpoints" / "8.orbax-checkpoint-tmp-1700000000"
+  partial.mkdir(parents=True)
+  (tmp_path / "metrics.jsonl").write_text('{"step": 7, "loss": 1.0}\n')
+  flags = ["--config.total_steps=2", "--config.eval_every=0", "--config.log_every=1",
+           "--config.checkpoint_every=0"]
+  with lock.WorkdirLock(tmp_path):
+    proc = subprocess.run(_cmd(tmp_path, small_corpus, *flags), cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+  assert proc.returncode != 0
+  last = proc.stderr.strip().splitlines()[-1]
+  assert last.startswith(f"error: workdir {tmp_path} is in use by pid {os.getpid()}"), \
+      proc.stderr[-2000:]
+  assert partial.exists() and _rows(tmp_path) == [{"step": 7, "loss": 1.0}]
+  proc = subprocess.run(_cmd(tmp_path, small_corpus, *flags), cwd=ROOT,
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert not partial.exists() and "a save that never committed" in proc.stderr
+  assert [r["step"] for r in _rows(tmp_path) if "loss" in r] == [1, 2]  # step 7 moved aside
+  assert '"step": 7' in (tmp_path / "metrics.replayed.jsonl").read_text()
+  assert not (tmp_path / lock.LOCK_NAME).exists()

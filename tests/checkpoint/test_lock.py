@@ -1,0 +1,71 @@
+"""Tests for jaxsys.checkpoint.lock: one run per workdir, across real processes."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from jaxsys.checkpoint import lock
+
+# Takes the lock in another process and reports: "held" (then waits for stdin to close)
+# or the error line.
+_OTHER = textwrap.dedent("""
+    import sys
+    from jaxsys.checkpoint import lock
+    try:
+      with lock.WorkdirLock(sys.argv[1]):
+        print("held", flush=True)
+        sys.stdin.read()
+    except lock.WorkdirInUse as e:
+      print(f"refused: {e}", flush=True)
+""")
+
+
+def _other(workdir, **kw):
+  return subprocess.Popen([sys.executable, "-c", _OTHER, str(workdir)], text=True,
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, **kw)
+
+
+def test_a_second_run_is_refused_in_one_line(tmp_path):
+  with lock.WorkdirLock(tmp_path) as held:
+    holder = json.loads(open(held.path).read())
+    assert holder["pid"] == os.getpid() and holder["host"] == socket.gethostname()
+    out, _ = _other(tmp_path).communicate(timeout=60)
+  line = out.strip()
+  assert line.startswith(f"refused: workdir {tmp_path} is in use by pid {os.getpid()} on host "
+                         f"{socket.gethostname()} since ")
+  assert "\n" not in line and "another --workdir" in line
+  assert not (tmp_path / lock.LOCK_NAME).exists()  # released on exit
+
+
+def test_the_lock_of_a_live_process_holds_and_is_released(tmp_path):
+  proc = _other(tmp_path)
+  assert proc.stdout.readline().strip() == "held"
+  with pytest.raises(lock.WorkdirInUse, match=f"in use by pid {proc.pid}"):
+    lock.WorkdirLock(tmp_path).acquire()
+  proc.communicate("", timeout=60)  # closes its stdin: it releases and exits
+  with lock.WorkdirLock(tmp_path):
+    pass
+
+
+def test_a_stale_lock_is_taken_over(tmp_path):
+  dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                        capture_output=True, text=True, check=True)
+  pid = int(dead.stdout)
+  path = tmp_path / lock.LOCK_NAME
+  path.write_text(json.dumps({"pid": pid, "host": socket.gethostname(), "started": 0}))
+  with lock.WorkdirLock(tmp_path) as held:
+    assert json.loads(path.read_text())["pid"] == os.getpid() == json.loads(
+        open(held.path).read())["pid"]
+
+
+def test_another_hosts_lock_is_never_taken_over(tmp_path):
+  (tmp_path / lock.LOCK_NAME).write_text(json.dumps(
+      {"pid": 1, "host": "elsewhere.example", "started": 0}))
+  with pytest.raises(lock.WorkdirInUse, match="pid 1 on host elsewhere.example"):
+    lock.WorkdirLock(tmp_path).acquire()
+  assert (tmp_path / lock.LOCK_NAME).exists()
