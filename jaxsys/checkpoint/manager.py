@@ -5,6 +5,8 @@ asynchronously and restored straight into the shardings of the current mesh),
 `data` (the loader position, JSON) and `meta` (the model config, JSON, checked
 before anything is restored so a checkpoint of another model is refused).
 `reader.read_params` reads only the parameters, for evaluation and `init_from`.
+Once a step has committed, process 0 seals it (`integrity.seal`: every file's CRC-32);
+`restore_step` verifies a step before anything of it is read.
 """
 from __future__ import annotations
 
@@ -15,6 +17,13 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 from absl import logging
+from jax.experimental import multihost_utils
+
+from jaxsys.checkpoint import integrity
+
+
+class CorruptCheckpoint(ValueError):
+  """A step's files fail their checksums (a ValueError: the binaries print one line)."""
 
 
 class Checkpointer:
@@ -26,6 +35,58 @@ class Checkpointer:
                                            enable_async_checkpointing=async_save)
     self._manager = ocp.CheckpointManager(self.directory, options=options,
                                           item_names=("state", "data", "meta"))
+    self._unsealed: list[int] = []
+
+  def step_dir(self, step: int) -> str:
+    return os.path.join(self.directory, str(step))
+
+  def _seal_committed(self) -> None:
+    """Seals the steps saved so far whose directories exist: committed (orbax renames a
+    step's temporary directory into place last)."""
+    for step in list(self._unsealed):
+      if os.path.isdir(self.step_dir(step)):
+        if jax.process_index() == 0:
+          integrity.seal(self.step_dir(step))
+        self._unsealed.remove(step)
+
+  def problem(self, step: int) -> str | None:
+    """None when `step` verifies against its checksums; else what fails (see integrity)."""
+    return integrity.problem(self.step_dir(step))
+
+  def restore_step(self, on_corrupt: str = "error") -> int | None:
+    """The step to resume from: the latest, if it verifies (or has no checksums: restored
+    unverified, with a warning). A corrupt latest step stops with one line naming the
+    file and the newest earlier step that verifies, or, with on_corrupt="previous",
+    resumes from that step with a warning."""
+    steps = sorted(self.all_steps(), reverse=True)
+    if not steps:
+      return None
+    bad = self.problem(steps[0])
+    if bad is None:
+      return steps[0]
+    if bad == integrity.UNSEALED:
+      logging.warning("checkpoint step %d in %s: %s; restoring it unverified", steps[0],
+                      self.directory, bad)
+      return steps[0]
+    good = next((s for s in steps[1:] if self.problem(s) in (None, integrity.UNSEALED)), None)
+    where = f"checkpoint step {steps[0]} in {self.directory} is corrupt: {bad}"
+    if good is None:
+      raise CorruptCheckpoint(f"{where}; no earlier step verifies (steps there: "
+                              f"{sorted(steps)}); use another --workdir to start afresh")
+    if on_corrupt != "previous":
+      raise CorruptCheckpoint(f"{where}; step {good} verifies: set "
+                              "--config.checkpoint.on_corrupt=previous to resume from it")
+    # The newer steps move aside (kept, never deleted), so this run can save them anew.
+    if jax.process_index() == 0:
+      for step in (s for s in steps if s > good):
+        aside = f"{self.step_dir(step)}.corrupt"
+        os.rename(self.step_dir(step), aside)
+        logging.warning("moved step %d aside to %s", step, aside)
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices("jaxsys: corrupt steps moved aside")
+    self._manager.reload()
+    logging.warning("%s; resuming from step %d, which verifies", where, good)
+    return good
 
   def remove_partial_saves(self) -> list[str]:
     """Deletes what saves that never committed left behind (orbax's
@@ -50,7 +111,12 @@ class Checkpointer:
     """Starts an asynchronous save; returns whether one was started."""
     args = ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data),
                               meta=ocp.args.JsonSave(meta))
-    return self._manager.save(step, args=args, force=force)
+    started = self._manager.save(step, args=args, force=force)
+    self._seal_committed()  # the saves before this one have finished by now
+    if started:
+      self._unsealed.append(step)
+      self._seal_committed()  # a synchronous save has committed already
+    return started
 
   def read_meta(self, step: int) -> dict:
     return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
@@ -66,9 +132,11 @@ class Checkpointer:
 
   def wait(self) -> None:
     self._manager.wait_until_finished()
+    self._seal_committed()
 
   def close(self) -> None:
     self._manager.wait_until_finished()
+    self._seal_committed()
     self._manager.close()
 
 

@@ -13,7 +13,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxsys.checkpoint.manager import check_same_model
+from jaxsys.checkpoint import integrity
+from jaxsys.checkpoint.manager import CorruptCheckpoint, check_same_model
 from jaxsys.models import transformer
 
 
@@ -66,6 +67,9 @@ def read_params(path: str, step: int | None = None, *, expect_model: dict | None
     step = max(steps) if step is None else step
     if step not in steps:
       raise ValueError(f"{directory}: no checkpoint at step {step}; steps there: {sorted(steps)}")
+    bad = integrity.problem(os.path.join(directory, str(step)))
+    if bad not in (None, integrity.UNSEALED):
+      raise CorruptCheckpoint(f"checkpoint step {step} in {directory} is corrupt: {bad}")
     meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     if expect_model is not None:
       check_same_model(meta["model"], expect_model, directory, allow_model_change)

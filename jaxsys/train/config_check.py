@@ -88,6 +88,7 @@ FIELDS: dict[str, Rule] = {
     "eval_steps": integer(1),
     "checkpoint_every": integer(0, meaning="0: save only at the end"),
     "keep_checkpoints": integer(1),
+    "checkpoint.on_corrupt": one_of("error", "previous"),
     # parse_mesh_spec raises its own line for a malformed spec.
     "mesh": Rule(lambda v: isinstance(v, str) and bool(mesh_lib.parse_mesh_spec(v)),
                  f"a mesh spec such as 'data=-1' or 'data=2,tensor=4' over axes "

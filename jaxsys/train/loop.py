@@ -283,7 +283,7 @@ def _set_up(config, workdir: str) -> _Parts:
 
 def _restore_or_init(parts: _Parts, config, ckpt: Checkpointer):
   """The workdir's latest checkpoint (state and loader position), else a fresh state."""
-  latest = ckpt.latest_step()
+  latest = ckpt.restore_step(config.get("checkpoint", {}).get("on_corrupt", "error"))
   if latest is None:
     return _fresh_state(parts, config)
   saved = ckpt.read_meta(latest)

@@ -105,3 +105,36 @@ def test_a_workdir_in_use_is_refused_and_partial_saves_removed(small_corpus, tmp
   assert [r["step"] for r in _rows(tmp_path) if "loss" in r] == [1, 2]  # step 7 moved aside
   assert '"step": 7' in (tmp_path / "metrics.replayed.jsonl").read_text()
   assert not (tmp_path / lock.LOCK_NAME).exists()
+
+
+def test_a_corrupt_checkpoint_is_refused_or_skipped(small_corpus, tmp_path):
+  """A flipped bit in the latest step's array data: one line naming the step, the file and
+  the step that verifies; with on_corrupt=previous the run resumes from that step."""
+  flags = ["--config.eval_every=0", "--config.log_every=1", "--config.checkpoint_every=2",
+           "--config.keep_checkpoints=3"]
+  proc = subprocess.run(_cmd(tmp_path, small_corpus, "--config.total_steps=4", *flags),
+                        cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  step_dir = tmp_path / "checkpoints" / "4"
+  data = max((p for p in step_dir.rglob("*") if p.is_file() and p.parent.name == "d"),
+             key=lambda p: p.stat().st_size)
+  raw = bytearray(data.read_bytes())
+  raw[len(raw) // 2] ^= 0x10
+  data.write_bytes(bytes(raw))
+  proc = subprocess.run(_cmd(tmp_path, small_corpus, "--config.total_steps=6", *flags),
+                        cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert proc.returncode != 0
+  last = proc.stderr.strip().splitlines()[-1]
+  rel = data.relative_to(step_dir)
+  assert last == (f"error: checkpoint step 4 in {tmp_path / 'checkpoints'} is corrupt: {rel}: "
+                  "checksum mismatch (the file changed after it was saved); step 2 verifies: "
+                  "set --config.checkpoint.on_corrupt=previous to resume from it"), \
+      proc.stderr[-2000:]
+  proc = subprocess.run(_cmd(tmp_path, small_corpus, "--config.total_steps=6",
+                             "--config.checkpoint.on_corrupt=previous", *flags),
+                        cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "resuming from step 2, which verifies" in proc.stderr
+  assert Checkpointer(str(tmp_path / "checkpoints")).all_steps() == [2, 4, 6]
+  assert (tmp_path / "checkpoints" / "4.corrupt").is_dir()
+  assert [r["step"] for r in _rows(tmp_path) if "loss" in r] == [1, 2, 3, 4, 5, 6]
