@@ -138,3 +138,11 @@ def test_a_corrupt_checkpoint_is_refused_or_skipped(small_corpus, tmp_path):
   assert Checkpointer(str(tmp_path / "checkpoints")).all_steps() == [2, 4, 6]
   assert (tmp_path / "checkpoints" / "4.corrupt").is_dir()
   assert [r["step"] for r in _rows(tmp_path) if "loss" in r] == [1, 2, 3, 4, 5, 6]
+  # experiments.checkpoint_info: every step verified, the corrupt one listed as moved aside.
+  from experiments import checkpoint_info
+  lines = checkpoint_info.describe(str(tmp_path))
+  assert lines[0] == f"{tmp_path / 'checkpoints'}:"
+  steps = [l for l in lines if l.lstrip().startswith("step")]
+  assert [l.split()[1] for l in steps] == ["2", "4", "6"]
+  assert all("verified; d_model" in l and "one model, mesh data=-1" in l for l in steps)
+  assert any("4.corrupt" in l and "moved aside as corrupt" in l for l in lines)
