@@ -10,6 +10,7 @@ Once a step has committed, process 0 seals it (`integrity.seal`: every file's CR
 """
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import shutil
 from typing import Any
@@ -36,18 +37,33 @@ class Checkpointer:
     self._manager = ocp.CheckpointManager(self.directory, options=options,
                                           item_names=("state", "data", "meta"))
     self._unsealed: list[int] = []
+    # Sealing reads a whole step (about 1 s per GB): a thread of its own, off the loop.
+    self._sealer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxsys-seal")
+    self._sealing: list[concurrent.futures.Future] = []
 
   def step_dir(self, step: int) -> str:
     return os.path.join(self.directory, str(step))
 
-  def _seal_committed(self) -> None:
-    """Seals the steps saved so far whose directories exist: committed (orbax renames a
-    step's temporary directory into place last)."""
+  def _seal_committed(self, wait: bool = False) -> None:
+    """Seals, in the background, the steps saved so far whose directories exist:
+    committed (orbax renames a step's temporary directory into place last). wait: until
+    every seal started is written (its errors raised here)."""
     for step in list(self._unsealed):
       if os.path.isdir(self.step_dir(step)):
         if jax.process_index() == 0:
-          integrity.seal(self.step_dir(step))
+          self._sealing.append(self._sealer.submit(self._seal, self.step_dir(step)))
         self._unsealed.remove(step)
+    if wait:
+      sealing, self._sealing = self._sealing, []
+      for future in sealing:
+        future.result()
+
+  @staticmethod
+  def _seal(step_dir: str) -> None:
+    try:
+      integrity.seal(step_dir)
+    except FileNotFoundError:  # deleted meanwhile (max_to_keep): nothing to seal
+      pass
 
   def problem(self, step: int) -> str | None:
     """None when `step` verifies against its checksums; else what fails (see integrity)."""
@@ -132,12 +148,15 @@ class Checkpointer:
 
   def wait(self) -> None:
     self._manager.wait_until_finished()
-    self._seal_committed()
+    self._seal_committed(wait=True)
 
   def close(self) -> None:
-    self._manager.wait_until_finished()
-    self._seal_committed()
-    self._manager.close()
+    try:
+      self._manager.wait_until_finished()
+      self._seal_committed(wait=True)
+    finally:
+      self._sealer.shutdown()
+      self._manager.close()
 
 
 # Model fields that change parameter shapes or types: a checkpoint of another value is
