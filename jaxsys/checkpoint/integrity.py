@@ -7,7 +7,8 @@ atomically (temporary file, then rename) after the step has committed. `problem(
 names the first file that is missing, truncated or changed, or None when all verify.
 
 A step without the manifest was saved before it existed, or by a run that stopped
-between the commit and the manifest; it cannot be verified (`UNSEALED`).
+between the commit and the manifest; it cannot be verified (`UNSEALED`), but it must
+still hold the files every step has (`REQUIRED`).
 
 Example:
   seal("/w/checkpoints/30")
@@ -21,6 +22,9 @@ import zlib
 
 MANIFEST = "checksums.json"
 UNSEALED = "no checksums.json (saved before checksums, or stopped before writing them)"
+# Files every step of a run has (jaxsys.checkpoint.manager's items): checked when a step
+# has no manifest, so an empty or half-deleted step is never taken as a checkpoint.
+REQUIRED = ("meta/metadata", "data/metadata", "state/_METADATA")
 _BLOCK = 8 << 20
 
 
@@ -67,7 +71,9 @@ def problem(step_dir: str) -> str | None:
     with open(os.path.join(step_dir, MANIFEST), encoding="utf-8") as f:
       files = json.load(f)["crc32"]
   except FileNotFoundError:
-    return UNSEALED
+    missing = next((rel for rel in REQUIRED if not os.path.exists(os.path.join(step_dir, rel))),
+                   None)
+    return UNSEALED if missing is None else f"{missing}: missing (and no {MANIFEST})"
   except (OSError, ValueError, KeyError, TypeError) as e:
     return f"{MANIFEST}: unreadable ({type(e).__name__})"
   for rel, (size, crc) in sorted(files.items()):

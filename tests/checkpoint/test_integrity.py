@@ -107,3 +107,24 @@ def test_read_params_refuses_a_corrupt_step(tmp_path):
   os.truncate(_data_file(tmp_path / "5"), 3)
   with pytest.raises(CorruptCheckpoint, match=f"checkpoint step 5 in {tmp_path} is corrupt: "):
     reader.read_params(str(tmp_path))
+
+
+@pytest.mark.parametrize("damage", ["empty", "no_state_metadata"])
+def test_an_unsealed_step_missing_its_files_is_corrupt(tmp_path, damage):
+  _save_steps(tmp_path, [1])
+  if damage == "empty":
+    os.makedirs(tmp_path / "5")
+    says = "meta/metadata: missing (and no checksums.json)"
+  else:
+    _save_steps(tmp_path, [5])
+    os.remove(tmp_path / "5" / integrity.MANIFEST)
+    os.remove(tmp_path / "5" / "state" / "_METADATA")
+    says = "state/_METADATA: missing (and no checksums.json)"
+  ckpt = Checkpointer(str(tmp_path))
+  try:
+    with pytest.raises(CorruptCheckpoint, match=f"step 5 in {tmp_path} is corrupt: "
+                       + says.replace("(", r"\(").replace(")", r"\)") + "; step 1 verifies"):
+      ckpt.restore_step()
+    assert ckpt.restore_step("previous") == 1
+  finally:
+    ckpt.close()
