@@ -19,9 +19,6 @@ from absl import app, flags
 from jaxsys.checkpoint import integrity
 from jaxsys.checkpoint.reader import checkpoints_dir
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "A run's workdir or its checkpoints dir.")
-flags.mark_flags_as_required(["workdir"])
-
 
 def _size(path: str) -> int:
   return sum(os.path.getsize(os.path.join(r, n)) for r, _, ns in os.walk(path) for n in ns)
@@ -79,10 +76,13 @@ def describe(path: str) -> list[str]:
 def main(argv):
   del argv
   try:
-    print("\n".join(describe(_WORKDIR.value)))
+    print("\n".join(describe(flags.FLAGS.workdir)))
   except ValueError as e:
     sys.exit(f"error: {e}")
 
 
 if __name__ == "__main__":
+  # Defined only when run: tests import describe() beside other binaries' flags.
+  flags.DEFINE_string("workdir", None, "A run's workdir or its checkpoints dir.")
+  flags.mark_flags_as_required(["workdir"])
   app.run(main)
