@@ -208,8 +208,15 @@ def schedule(lengths: Sequence[int], *, num_devices: int, tokens_per_device: int
   # Each candidate's end is estimated before the short sequences are placed (they even
   # out the devices): the latest ring, or the mean device once they are in.
   short_work = sum(cost.short(int(n)) for n in arr[arr <= tokens_per_device])
-  candidates = [_place_rings(arr, groups, num_devices, tokens_per_device, d_model, widened,
-                             cost, rule, short_work)
+
+  @functools.cache
+  def ring_time(seqs: tuple[int, ...], c: int) -> tuple[int, float]:
+    """(cell, member time) of a ring of `seqs` on c devices: shared by the candidates."""
+    cell = cell_size(int(member_tokens(arr[list(seqs)], c).max()), tokens_per_device)
+    return cell, cost.ring(arr[list(seqs)], c, cell)
+
+  candidates = [_place_rings(arr, groups, num_devices, d_model, widened, ring_time, rule,
+                             short_work)
                 for groups in ([shared] if shared == alone else [shared, alone])
                 for widened, rule in [(True, r) for r in RULES if widen] + [(False, RULES[0])]]
   rings, load = min(candidates, key=lambda c: max(c[1].max(initial=0.0),
@@ -217,24 +224,20 @@ def schedule(lengths: Sequence[int], *, num_devices: int, tokens_per_device: int
   return _place_shorts(arr, rings, load, tokens_per_device, cost)
 
 
-def _place_rings(arr, groups, num_devices, cap, d_model, widen, cost, rule, short_work):
+def _place_rings(arr, groups, num_devices, d_model, widen, ring_time, rule, short_work):
   """(rings as (sequences, devices, cell), load: when each device is done with them) of
-  `groups`, the rings' sequences, their sizes chosen by `rule` (see below)."""
+  `groups`, the rings' sequences, their sizes chosen by `rule` (see below); ring_time:
+  (seqs, c) -> (cell, member time)."""
   costs = hdp.sequence_cost(arr, d_model=d_model) if arr.size else np.zeros(0)
   load = np.zeros(num_devices)
-
-  def tight(seqs, c):  # (cell, member time) of a ring on c devices
-    cell = cell_size(int(member_tokens(arr[list(seqs)], c).max()), cap)
-    return cell, cost.ring(arr[list(seqs)], c, cell)
-
   # Device time still to place: every ring on the devices it needs, every short sequence.
-  todo = sum(need * tight(seqs, need)[1] for seqs, need in groups) + short_work
+  todo = sum(need * ring_time(seqs, need)[1] for seqs, need in groups) + short_work
   rings: list[tuple[tuple[int, ...], tuple[int, ...], int]] = []
   for seqs, need in sorted(groups, key=lambda g: (-costs[list(g[0])].sum(), g[0])):
-    todo -= need * tight(seqs, need)[1]
+    todo -= need * ring_time(seqs, need)[1]
     options = []
     for c in _ring_sizes(need, num_devices, widen):
-      cell, member = tight(seqs, c)
+      cell, member = ring_time(seqs, c)
       firsts, starts, idle = _runs(load, c)
       ends = starts + member
       # A ring ends sooner when wider or on a run free sooner, but device time is lost to

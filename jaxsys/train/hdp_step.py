@@ -309,9 +309,11 @@ class PerRankHDPStep(_HDPBase):
         jax.block_until_ready(block_sums[block])
 
     by_size = self._local_batches(sched, [len(doc) - 1 for doc in docs])
-    local_sums = [self.local_program(_axis(local))(
-        state.params, *self._local_inputs(_axis(local), size, local, docs))
-        for size, local in sorted(by_size.items())]
+    local_sums = []
+    for size, local in sorted(by_size.items()):
+      k = _axis(local)
+      local_sums.append(self.local_program(k)(state.params,
+                                              *self._local_inputs(k, size, local, docs)))
     ring_sums = self._per_device(block_sums, state.params)
     acc = self._reduce(local_sums, ring_sums)
     # One all-reduce over the pool, and one over each ring's run per ring micro-batch
