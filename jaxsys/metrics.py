@@ -21,8 +21,9 @@ class MetricWriter:
 
   TensorBoard files go to `<workdir>/tensorboard` when tensorboardX is installed
   (`pip install 'jaxsys[tb]'`). Only process 0 writes. A run resumed at `resume_step`
-  replays the steps after it: their rows are dropped from `metrics.jsonl` first (and a
-  row a crash cut short), and TensorBoard is told to purge its events from there on.
+  replays the steps after it: their rows (and a row a crash cut short) move from
+  `metrics.jsonl` to `metrics.replayed.jsonl` first, and TensorBoard is told to purge
+  its events from there on.
   """
 
   def __init__(self, workdir: str, *, tensorboard: bool = True, resume_step: int | None = None):

@@ -128,10 +128,10 @@ class Checkpointer:
     args = ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data),
                               meta=ocp.args.JsonSave(meta))
     started = self._manager.save(step, args=args, force=force)
-    self._seal_committed()  # the saves before this one have finished by now
     if started:
       self._unsealed.append(step)
-      self._seal_committed()  # a synchronous save has committed already
+    # The saves before this one have finished by now; a synchronous one has too.
+    self._seal_committed()
     return started
 
   def read_meta(self, step: int) -> dict:
