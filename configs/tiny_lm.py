@@ -47,9 +47,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.eval_steps = 8  # val batches per evaluation, >= 1
   c.checkpoint_every = max(1, steps // 3)  # 0: save only at the end
   c.keep_checkpoints = 3  # >= 1
-  # A checkpoint step whose files fail their checksums: "error" stops naming the file and
-  # the newest earlier step that verifies; "previous" resumes from that step, warning.
-  c.checkpoint = ml_collections.ConfigDict(dict(on_corrupt="error"))
+  # on_corrupt: a checkpoint step whose files fail their checksums: "error" stops naming
+  # the file and the newest earlier step that verifies; "previous" resumes from that step.
+  # merge_replicas: resuming a replica run (optimizer.outer) as fewer replicas or one model
+  # takes the replicas' "mean" or "replica0"; the inner optimizer's moments follow.
+  c.checkpoint = ml_collections.ConfigDict(dict(on_corrupt="error", merge_replicas="mean"))
   c.mesh = "data=-1"  # e.g. "fsdp=8" or "data=2,tensor=4"; see jaxsys/mesh.py
   # Another run's workdir (or its checkpoints dir): a fresh run starts from its latest
   # parameters (inner/outer optimizer state, step and data position start fresh); a

@@ -137,13 +137,27 @@ class Checkpointer:
   def read_meta(self, step: int) -> dict:
     return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
-  def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
-    """(state, data position) at `step`; `abstract_state` leaves carry the target shardings."""
+  def restore(self, step: int, abstract_state: Any, *, partial: bool = False) -> tuple[Any, dict]:
+    """(state, data position) at `step`; `abstract_state` leaves carry the target shardings.
+    Each process reads only the pieces its devices hold. partial: `abstract_state` may
+    name a subset of the saved tree (e.g. a dict of some of its fields)."""
     target = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
         abstract_state)
-    restored = self._manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()))
+    if not partial:
+      restored = self._manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()))
+      return restored["state"], restored["data"]
+    # A partial read needs the PyTree handler, which this run's manager (bound to the
+    # Standard one for its saves) cannot switch to: a read-only manager of its own.
+    options = ocp.CheckpointManagerOptions(create=False, read_only=True)
+    handlers = {"state": ocp.PyTreeCheckpointHandler(), "data": ocp.JsonCheckpointHandler()}
+    with ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers) as m:
+      restored = m.restore(step, args=ocp.args.Composite(
+          state=ocp.args.PyTreeRestore(
+              target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+              partial_restore=True),
+          data=ocp.args.JsonRestore()))
     return restored["state"], restored["data"]
 
   def wait(self) -> None:

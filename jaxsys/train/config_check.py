@@ -18,6 +18,7 @@ import ml_collections
 import numpy as np
 
 from jaxsys import mesh as mesh_lib
+from jaxsys.checkpoint import layouts
 from jaxsys.checkpoint.manager import NUMERIC_FIELDS
 from jaxsys.data.tokenizer import MIN_BPE_VOCAB, TOKENIZERS
 from jaxsys.kernels.backends import IMPLS
@@ -89,6 +90,7 @@ FIELDS: dict[str, Rule] = {
     "checkpoint_every": integer(0, meaning="0: save only at the end"),
     "keep_checkpoints": integer(1),
     "checkpoint.on_corrupt": one_of("error", "previous"),
+    "checkpoint.merge_replicas": one_of(*layouts.MERGES),
     # parse_mesh_spec raises its own line for a malformed spec.
     "mesh": Rule(lambda v: isinstance(v, str) and bool(mesh_lib.parse_mesh_spec(v)),
                  f"a mesh spec such as 'data=-1' or 'data=2,tensor=4' over axes "

@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxsys import flops as flops_lib
 from jaxsys import mesh as mesh_lib
 from jaxsys import metrics as metrics_lib
+from jaxsys.checkpoint import layouts
 from jaxsys.checkpoint.lock import WorkdirLock
 from jaxsys.checkpoint.manager import Checkpointer, check_same_model
 from jaxsys.checkpoint.reader import read_params
@@ -219,7 +220,8 @@ class _Parts:
   eval_fn: Callable  # (those parameters, batch) -> eval sums
   sync_every: int  # 0 without an outer optimizer
   comm_bytes: Callable[[int], float]  # bytes one worker has sent after that many steps
-  meta: dict  # saved with every checkpoint: model, config and, with replicas, outer
+  form: layouts.Form  # how the state is saved: one model, or replicas stacked
+  meta: dict  # saved with every checkpoint: model, config, layout and, with replicas, outer
 
 
 def _loaders(config, model_cfg, mesh, workdir: str) -> tuple[Any, Validation]:
@@ -277,8 +279,22 @@ def _set_up(config, workdir: str) -> _Parts:
                      "sync_every": sync_every}
     logging.info("outer optimizer %s over %d replicas, sync every %d steps, %d bytes sent per "
                  "replica per sync", outer.name, setup.replicas, sync_every, setup.bytes_per_sync)
+  form = layouts.Form(setup.replicas, outer.name) if outer else layouts.Form()
+  meta["layout"] = layouts.describe(setup.saved_target(), form, transformer.param_axes(model_cfg),
+                                    _run_view(config, mesh, setup))
   return _Parts(model_cfg, train_loader, val, setup, outer, param_sh, eval_params, eval_fn,
-                sync_every, comm_bytes, meta)
+                sync_every, comm_bytes, form, meta)
+
+
+def _run_view(config, mesh, setup) -> dict:
+  """The view the run trains in, beyond its saved form (recorded in each checkpoint)."""
+  view = {"mesh": config.mesh, "devices": mesh_lib.describe(mesh)}
+  layout = getattr(setup, "layout", None)
+  if isinstance(layout, pipelined.pipeline.Layout):
+    view["pipeline"] = {"schedule": config.pipeline.schedule, "stages": layout.stages,
+                        "virtual": layout.virtual, "padded_vocab": layout.padded_vocab,
+                        "saved": "canonical: stage view and vocabulary padding undone"}
+  return view
 
 
 def _restore_or_init(parts: _Parts, config, ckpt: Checkpointer):
@@ -289,21 +305,43 @@ def _restore_or_init(parts: _Parts, config, ckpt: Checkpointer):
   saved = ckpt.read_meta(latest)
   check_same_model(saved["model"], parts.meta["model"], ckpt.directory,
                    config.get("allow_model_change", ""))
-  if saved.get("outer") != parts.meta.get("outer"):
-    raise ValueError(f"checkpoint in {ckpt.directory} was written with outer optimizer "
-                     f"{saved.get('outer')} but the config asks for {parts.meta.get('outer')}; "
-                     "use another --workdir or a matching --config")
-  setup = parts.setup
-  if parts.outer is None:
-    state, data_state = ckpt.restore(latest, setup.saved_target())
-    state = setup.from_saved(state)
+  source = layouts.form_of(saved)
+  if source == parts.form:  # any mesh: orbax reads the pieces into this run's shardings
+    state, data_state = ckpt.restore(latest, parts.setup.saved_target())
   else:
-    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                          setup.abstract, setup.state_sh)
-    state, data_state = ckpt.restore(latest, target)
+    state, data_state = _restore_converted(parts, config, ckpt, latest, source)
   parts.train_loader.set_state(data_state)
   logging.info("resumed from %s at step %d", ckpt.directory, latest)
-  return state
+  return parts.setup.from_saved(state)
+
+
+def _restore_converted(parts: _Parts, config, ckpt: Checkpointer, step: int,
+                       source: layouts.Form):
+  """A checkpoint saved in another form (replicas <-> one model, another replica count or
+  outer optimizer): its parameters and inner optimizer state, read into this mesh, then
+  regrouped (`layouts.convert`); a fresh outer state. The saved outer state is not read."""
+  setup, target = parts.setup, parts.form
+  how = config.get("checkpoint", {}).get("merge_replicas", "mean")
+  try:
+    layouts.check_regroup(source.replicas, target.replicas)
+  except ValueError as e:
+    raise ValueError(f"cannot resume step {step} in {ckpt.directory}: {e}") from None
+  one = setup.one_target()
+  mesh = setup.batch_sh.mesh
+  read = {"step": one.step, **{k: layouts.stacked_target(getattr(one, k), source.replicas, mesh)
+                               for k in ("params", "opt_state")}}
+  got, data_state = ckpt.restore(step, read, partial=True)
+
+  def convert(got):
+    params, opt_state = layouts.convert(setup.optimizer, got["params"], got["opt_state"],
+                                        source, target, how)
+    return setup.assemble(got["step"], params, opt_state)
+  state = jax.jit(convert, out_shardings=jax.tree.map(lambda x: x.sharding,
+                                                      setup.saved_target()))(got)
+  logging.warning("checkpoint step %d was saved as %s, this run trains %s: %s", step, source,
+                  target, "replicas merged by " + how if source.replicas > target.replicas
+                  else "parameters and inner optimizer state copied, outer state fresh")
+  return state, data_state
 
 
 def _fresh_state(parts: _Parts, config):
@@ -426,7 +464,7 @@ class _Loop:
       self._log()
     self._flush_sync()
     _check_finite_params(self.state.params, self.step, self.ckpt)
-    saved = self.state if self.parts.outer else self.parts.setup.to_saved(self.state)
+    saved = self.parts.setup.to_saved(self.state)
     self.ckpt.save(self.step, saved, data=self.parts.train_loader.get_state(),
                    meta=self.parts.meta, force=True)
     self.saved_step = self.step

@@ -25,6 +25,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxsys import mesh as mesh_lib
+from jaxsys.checkpoint import layouts
 from jaxsys.kernels import sharded
 from jaxsys.models import transformer
 from jaxsys.optim import outer as outer_lib
@@ -113,9 +114,9 @@ def init_replica_state(model_cfg, optimizer, outer: outer_lib.OuterOptimizer, re
 def start_from_params(step, params, optimizer, outer: outer_lib.OuterOptimizer,
                       replicas: int) -> ReplicaTrainState:
   """Every replica and the outer state at `params` (one replica's), fresh inner and outer states."""
-  stack = lambda tree: jax.tree.map(lambda x: jnp.broadcast_to(x, (replicas, *x.shape)), tree)
-  params_R = stack(params)
-  return ReplicaTrainState(step=step, params=params_R, opt_state=stack(optimizer.init(params)),
+  params_R = layouts.stack_replicas(params, replicas)
+  return ReplicaTrainState(step=step, params=params_R,
+                           opt_state=layouts.stack_replicas(optimizer.init(params), replicas),
                            outer=jax.vmap(outer.init)(params_R))
 
 
@@ -212,6 +213,7 @@ class ReplicaSetup:
   sync_train_fn: Callable | None
   eval_params: Callable  # state.params [R..] -> replica 0's parameters
   bytes_per_sync: int
+  one: TrainState  # one replica's state, abstract with shardings
 
   def device_batch(self, batch):
     """The loader's batch as train_fn takes it."""
@@ -221,6 +223,27 @@ class ReplicaSetup:
     return jax.jit(lambda: init_replica_state(self.model_cfg, self.optimizer, self.outer,
                                               self.replicas, seed),
                    out_shardings=self.state_sh)()
+
+  # The replica-stacked state is its own saved form (`checkpoint.layouts`).
+
+  def saved_target(self) -> ReplicaTrainState:
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        self.abstract, self.state_sh)
+
+  def one_target(self) -> TrainState:
+    """One replica's state, abstract with shardings (see `step.TrainSetup.one_target`)."""
+    return self.one
+
+  def assemble(self, step, params, opt_state) -> ReplicaTrainState:
+    """Replicas at converted parameters and inner states, the outer state fresh at them."""
+    return ReplicaTrainState(step=step, params=params, opt_state=opt_state,
+                             outer=jax.vmap(self.outer.init)(params))
+
+  def to_saved(self, state: ReplicaTrainState) -> ReplicaTrainState:
+    return state
+
+  def from_saved(self, state: ReplicaTrainState) -> ReplicaTrainState:
+    return state
 
 
 def make_replica_setup(config, model_cfg: transformer.TransformerConfig, mesh: Mesh,
@@ -255,11 +278,12 @@ def make_replica_setup(config, model_cfg: transformer.TransformerConfig, mesh: M
         lambda s, b: inner_step(sync_state(s), b), in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated),
         donate_argnums=0, compiler_options=opts)
   one_params, one_opt = _one_replica((abstract.params, abstract.opt_state))
-  one_sh = state_lib.state_shardings(
-      TrainState(step=abstract.step, params=one_params, opt_state=one_opt), model_cfg, optimizer,
-      mesh)
+  one = TrainState(step=abstract.step, params=one_params, opt_state=one_opt)
+  one_sh = state_lib.state_shardings(one, model_cfg, optimizer, mesh)
   eval_params = jax.jit(lambda p: jax.tree.map(lambda x: x[0], p),
                         in_shardings=(state_sh.params,), out_shardings=one_sh.params)
   return ReplicaSetup(model_cfg, optimizer, outer, replicas, abstract, state_sh, batch_sh,
                       one_sh.params, train_fn, sync_fn, sync_train_fn, eval_params,
-                      outer.bytes_per_sync(one_params, replicas))
+                      outer.bytes_per_sync(one_params, replicas),
+                      jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                   one, one_sh))

@@ -215,6 +215,15 @@ class TrainSetup:
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                         self.abstract, self.state_sh)
 
+  def one_target(self) -> TrainState:
+    """One model's canonical state, abstract with shardings: what another run's checkpoint
+    converts through (`checkpoint.layouts.convert`)."""
+    return self.saved_target()
+
+  def assemble(self, step, params, opt_state) -> TrainState:
+    """The saved form of a state from its converted parts (inside a jit)."""
+    return TrainState(step=step, params=params, opt_state=opt_state)
+
   def to_saved(self, state: TrainState) -> TrainState:
     return state
 

@@ -104,14 +104,6 @@ def test_bad_config_one_line_error(make_config, tmp_path, overrides, message):
   assert not os.path.exists(tmp_path / "checkpoints")
 
 
-def test_refuses_checkpoint_of_another_outer(make_config, tmp_path):
-  loop.train_and_evaluate(make_config(total_steps=2, eval_every=0), str(tmp_path))
-  with pytest.raises(ValueError, match=r"written with outer optimizer None but the config asks"):
-    loop.train_and_evaluate(make_config(total_steps=4, eval_every=0, mesh="replica=2,data=-1",
-                                        optimizer__outer="diloco"), str(tmp_path))
-  assert Checkpointer(str(tmp_path / "checkpoints")).all_steps() == [2]
-
-
 def test_data_parallel_logs_gradient_bytes(make_config, tmp_path):
   loop.train_and_evaluate(make_config(total_steps=2, eval_every=0, log_every=1), str(tmp_path))
   rows = _rows(str(tmp_path))

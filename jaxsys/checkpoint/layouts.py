@@ -1,0 +1,194 @@
+"""Checkpoint layouts: the form a run's state is saved in, its description, and the pure
+transforms that turn one run's saved state into another run's.
+
+A run trains a view of one canonical model (layers stacked `[L, ...]`, vocabulary
+unpadded). A checkpoint holds the state in its *saved form*:
+
+  - canonical, for a data/fsdp/tensor/context-parallel or pipelined run (the pipeline's
+    stage view and its vocabulary padding are undone before a save: `pipeline.from_stages`);
+  - replica-stacked `[R, ...]` for an outer-optimizer run: the R replicas differ between
+    syncs, so they are kept, with the outer optimizer's state.
+
+The saved form is described by a `Form` (replica count, outer optimizer) and each array
+by `describe` (logical axes, canonical and saved shapes, the transforms behind them, the
+mesh and partition spec it was saved under), which every checkpoint records in its meta.
+
+A resume whose form differs converts with `convert`: replicas regrouped (`regroup`: R to
+one model by `merge_replicas` "mean" or "replica0", one model to R copies, R to a
+divisor or multiple of R), inner optimizer moments following their parameters through
+`optax.tree_map_params`, and an outer state kept only where the outer optimizer and R are
+unchanged (else it starts fresh at the converted parameters). Mesh changes need no
+transform: orbax reads each saved piece straight into the new shardings.
+
+Adding a layout is one pair of pure functions (to the view, back to canonical) and a test;
+`TRANSFORMS` lists them.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxsys.parallel import pipeline
+
+MERGES = ("mean", "replica0")
+VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Form:
+  """How a checkpoint's state is stacked: `replicas` 0 for one model; the outer optimizer."""
+  replicas: int = 0
+  outer: str | None = None
+
+  def __str__(self) -> str:
+    return f"{self.replicas} replicas ({self.outer})" if self.replicas else "one model"
+
+
+def form_of(meta: dict) -> Form:
+  """The saved form a checkpoint's meta records (checkpoints older than `describe` too)."""
+  if "layout" in meta:
+    form = meta["layout"]["form"]
+    return Form(form["replicas"], form["outer"])
+  outer = meta.get("outer") or {}
+  return Form(outer.get("replicas", 0), outer.get("name"))
+
+
+# ---------------------------------------------------------------------------
+# Transforms: pure functions over a parameter-shaped tree
+# ---------------------------------------------------------------------------
+
+
+def stack_replicas(tree, replicas: int):
+  """One model -> `replicas` identical copies on a leading axis."""
+  return jax.tree.map(lambda x: jnp.broadcast_to(x, (replicas, *x.shape)), tree)
+
+
+def merge_replicas(tree, how: str = "mean"):
+  """[R, ...] -> one model: the replicas' mean, or replica 0's."""
+  if how not in MERGES:
+    raise ValueError(f"checkpoint.merge_replicas={how!r}; valid: {', '.join(MERGES)}")
+  if how == "replica0":
+    return jax.tree.map(lambda x: x[0], tree)
+  return jax.tree.map(lambda x: jnp.mean(x, axis=0, dtype=jnp.float32).astype(x.dtype)
+                      if jnp.issubdtype(x.dtype, jnp.floating) else x[0], tree)
+
+
+def check_regroup(saved: int, target: int) -> None:
+  """Refuses a replica count a checkpoint of `saved` replicas cannot become (0: one model)."""
+  if saved and target and saved % target and target % saved:
+    fits = sorted({d for d in range(1, saved + 1) if saved % d == 0} | {2 * saved})
+    raise ValueError(
+        f"the checkpoint holds {saved} replicas and the config's mesh has replica={target}: "
+        f"replicas can merge into a divisor of {saved} or be copied into a multiple of it "
+        f"(replica in {', '.join(map(str, fits))}, ...), or into one model (no replica axis)")
+
+
+def regroup(tree, saved: int, target: int, how: str = "mean"):
+  """Leaves of `saved` replicas (0: one model, no leading axis) -> `target` replicas.
+
+  R -> one model merges (`merge_replicas`); one model -> R stacks copies; R -> R/k merges
+  each group of k neighbouring replicas; R -> kR copies each replica k times.
+  """
+  check_regroup(saved, target)
+  if saved == target:
+    return tree
+  if not saved:
+    return stack_replicas(tree, target)
+  if not target:
+    return merge_replicas(tree, how)
+  if target > saved:
+    return jax.tree.map(lambda x: jnp.repeat(x, target // saved, axis=0), tree)
+  grouped = jax.tree.map(lambda x: x.reshape(target, saved // target, *x.shape[1:]), tree)
+  return jax.vmap(lambda t: merge_replicas(t, how))(grouped)
+
+
+def stacked_target(tree, replicas: int, mesh):
+  """Abstract leaves with shardings -> the same leaves stacked [replicas, ...] (0: unchanged):
+  what to read a replica-stacked checkpoint into on `mesh`. The replica dim splits over a
+  `replica` mesh axis whose size divides it; otherwise each device reads every replica's
+  share of its own piece (never the whole array)."""
+  if not replicas:
+    return tree
+  size = dict(mesh.shape).get("replica", 0)
+  axis = "replica" if size and replicas % size == 0 else None
+
+  def one(x):
+    spec = tuple(x.sharding.spec)
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(axis, *spec))
+    return jax.ShapeDtypeStruct((replicas, *x.shape), x.dtype, sharding=sharding)
+  return jax.tree.map(one, tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class Transform:
+  """A layout a run trains in: canonical -> view and back, both pure."""
+  to_view: Callable
+  to_canonical: Callable
+  what: str
+
+
+TRANSFORMS = {
+    "replicas": Transform(stack_replicas, merge_replicas,
+                          "a leading [replica] axis, one copy of the model per replica"),
+    "stages": Transform(pipeline.to_stages, pipeline.from_stages,
+                        "layers [virtual, stage, layers/chunk, ...] and the vocabulary padded "
+                        "to a multiple of the stages (vocabulary parallelism)"),
+}
+
+
+def map_state(optimizer: optax.GradientTransformation, fn: Callable, params, opt_state,
+              non_params: Callable | None = None):
+  """(fn(params), opt_state with fn applied to every parameter-shaped leaf: moments follow
+  their parameters). `non_params` maps the other leaves (Adam's count), default unchanged."""
+  return fn(params), optax.tree_map_params(optimizer, fn, opt_state,
+                                           transform_non_params=non_params)
+
+
+def convert(optimizer: optax.GradientTransformation, params, opt_state, saved: Form,
+            target: Form, how: str = "mean"):
+  """(params, opt_state) of `saved`'s replica count -> `target`'s: both regrouped the same
+  way, except leaves that are not parameter-shaped (counts), which take replica 0's."""
+  return map_state(optimizer, lambda t: regroup(t, saved.replicas, target.replicas, how),
+                   params, opt_state,
+                   lambda t: regroup(t, saved.replicas, target.replicas, "replica0"))
+
+
+# ---------------------------------------------------------------------------
+# The description each checkpoint records
+# ---------------------------------------------------------------------------
+
+
+def _logical_axes(path: str, by_param: dict[str, tuple]) -> tuple | None:
+  """A parameter's logical axes; a moment (a path ending in a parameter's path) takes its
+  parameter's."""
+  for ppath, axes in by_param.items():
+    if path.endswith(ppath):
+      return axes
+  return None
+
+
+def describe(saved_target: Any, form: Form, param_axes: dict, run: dict) -> dict:
+  """JSON: the saved form, the run's own view (`run`: mesh, pipeline...) and, for every array
+  of `saved_target` (abstract leaves with shardings), its logical axes, canonical and saved
+  shapes, the transforms that make the one from the other, and its partition spec."""
+  by_param = {jax.tree_util.keystr(p): tuple(a) for p, a in
+              jax.tree_util.tree_flatten_with_path(
+                  param_axes, is_leaf=lambda x: isinstance(x, tuple))[0]}
+  arrays = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(saved_target)[0]:
+    key = jax.tree_util.keystr(path)
+    axes = _logical_axes(key, by_param)
+    stacked = form.replicas and key.startswith((".params", ".opt_state", ".outer"))
+    shape = list(leaf.shape)
+    arrays[key] = {
+        "shape": shape,
+        "canonical_shape": shape[1:] if stacked else shape,
+        "logical_axes": (["replica"] if stacked else []) + list(axes) if axes else None,
+        "transforms": ["replicas"] if stacked else [],
+        "spec": str(getattr(getattr(leaf, "sharding", None), "spec", None)),
+    }
+  return {"version": VERSION, "form": dataclasses.asdict(form), "run": run, "arrays": arrays}
