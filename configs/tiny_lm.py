@@ -51,7 +51,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # the file and the newest earlier step that verifies; "previous" resumes from that step.
   # merge_replicas: resuming a replica run (optimizer.outer) as fewer replicas or one model
   # takes the replicas' "mean" or "replica0"; the inner optimizer's moments follow.
-  c.checkpoint = ml_collections.ConfigDict(dict(on_corrupt="error", merge_replicas="mean"))
+  # snapshot_every: also snapshot the state into RAM (snapshot_dir, default a directory on
+  # /dev/shm for this workdir) every N steps: a crashed process loses at most N steps (a
+  # lost machine: checkpoint_every). 0: none. One process only.
+  c.checkpoint = ml_collections.ConfigDict(dict(on_corrupt="error", merge_replicas="mean",
+                                                snapshot_every=0, snapshot_dir=""))
   c.mesh = "data=-1"  # e.g. "fsdp=8" or "data=2,tensor=4"; see jaxsys/mesh.py
   # Another run's workdir (or its checkpoints dir): a fresh run starts from its latest
   # parameters (inner/outer optimizer state, step and data position start fresh); a

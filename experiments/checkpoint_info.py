@@ -27,6 +27,15 @@ def _size(path: str) -> int:
 def _layout(meta: dict) -> str:
   config, outer = meta.get("config") or {}, meta.get("outer")
   where = f"mesh {config.get('mesh', '?')}"
+  if "layout" in meta:  # recorded by jaxsys.checkpoint.layouts.describe
+    layout = meta["layout"]
+    form, run = layout["form"], layout["run"]
+    saved = (f"{form['replicas']} replicas stacked [replica, ...] (outer {form['outer']})"
+             if form["replicas"] else "one model")
+    pipe = run.get("pipeline")
+    trained = (f", trained as {pipe['stages']} stages x {pipe['virtual']} ({pipe['schedule']}, "
+               f"vocab {pipe['padded_vocab']}), saved canonical" if pipe else "")
+    return f"{saved}, mesh {run['mesh']}{trained}; {len(layout['arrays'])} arrays described"
   if outer:
     return (f"{outer.get('replicas')} replicas stacked [replica, ...] "
             f"(outer {outer.get('name')}), {where}")

@@ -191,4 +191,6 @@ def describe(saved_target: Any, form: Form, param_axes: dict, run: dict) -> dict
         "transforms": ["replicas"] if stacked else [],
         "spec": str(getattr(getattr(leaf, "sharding", None), "spec", None)),
     }
-  return {"version": VERSION, "form": dataclasses.asdict(form), "run": run, "arrays": arrays}
+  used = ["replicas"] * bool(form.replicas) + ["stages"] * ("pipeline" in run)
+  return {"version": VERSION, "form": dataclasses.asdict(form), "run": run,
+          "transforms": {name: TRANSFORMS[name].what for name in used}, "arrays": arrays}

@@ -91,6 +91,9 @@ FIELDS: dict[str, Rule] = {
     "keep_checkpoints": integer(1),
     "checkpoint.on_corrupt": one_of("error", "previous"),
     "checkpoint.merge_replicas": one_of(*layouts.MERGES),
+    "checkpoint.snapshot_every": integer(0, meaning="0: no snapshots in RAM"),
+    "checkpoint.snapshot_dir": Rule(lambda v: isinstance(v, str),
+                                    "a directory in RAM, or '' (one on /dev/shm for the workdir)"),
     # parse_mesh_spec raises its own line for a malformed spec.
     "mesh": Rule(lambda v: isinstance(v, str) and bool(mesh_lib.parse_mesh_spec(v)),
                  f"a mesh spec such as 'data=-1' or 'data=2,tensor=4' over axes "

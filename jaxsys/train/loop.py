@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import shutil
 import signal
 import time
 from typing import Any, Callable, Iterator
@@ -27,7 +28,7 @@ from jaxsys import mesh as mesh_lib
 from jaxsys import metrics as metrics_lib
 from jaxsys.checkpoint import layouts
 from jaxsys.checkpoint.lock import WorkdirLock
-from jaxsys.checkpoint.manager import Checkpointer, check_same_model
+from jaxsys.checkpoint.manager import Checkpointer, check_same_model, snapshot_dir
 from jaxsys.checkpoint.reader import read_params
 from jaxsys.data.documents import make_document_loader
 from jaxsys.data.loader import Loader, make_loader
@@ -297,9 +298,13 @@ def _run_view(config, mesh, setup) -> dict:
   return view
 
 
-def _restore_or_init(parts: _Parts, config, ckpt: Checkpointer):
-  """The workdir's latest checkpoint (state and loader position), else a fresh state."""
-  latest = ckpt.restore_step(config.get("checkpoint", {}).get("on_corrupt", "error"))
+def _restore_or_init(parts: _Parts, config, ckpts: list[Checkpointer]):
+  """The newest step of `ckpts` (the workdir's checkpoints, then its RAM snapshots: the
+  first wins a tie) with its loader position, else a fresh state."""
+  on_corrupt = config.get("checkpoint", {}).get("on_corrupt", "error")
+  steps = [(c.restore_step(on_corrupt), c) for c in ckpts]
+  latest, ckpt = max(((s, c) for s, c in steps if s is not None), key=lambda sc: sc[0],
+                     default=(None, None))
   if latest is None:
     return _fresh_state(parts, config)
   saved = ckpt.read_meta(latest)
@@ -368,8 +373,11 @@ def _fresh_state(parts: _Parts, config):
 class _Loop:
   """The step loop's state: the train state, its step, metrics still on device, hooks."""
 
-  def __init__(self, parts: _Parts, config, state, ckpt: Checkpointer, workdir: str):
+  def __init__(self, parts: _Parts, config, state, ckpt: Checkpointer, workdir: str,
+               snapshots: Checkpointer | None = None):
     self.parts, self.config, self.state, self.ckpt = parts, config, state, ckpt
+    self.snapshots = snapshots
+    self.snapshot_every = config.get("checkpoint", {}).get("snapshot_every", 0)
     self.step = self.saved_step = int(jax.device_get(state.step))
     self.schedule = make_schedule(config.optimizer, config.total_steps)
     self.meter = _throughput_meter(config, parts.model_cfg)
@@ -432,6 +440,8 @@ class _Loop:
         self._evaluate()
       if last or (config.checkpoint_every and step % config.checkpoint_every == 0):
         self._save()
+      elif self.snapshots and step % self.snapshot_every == 0:
+        self._save(self.snapshots)
 
   def _flush_sync(self) -> None:
     if self.sync_due:
@@ -459,15 +469,17 @@ class _Loop:
     self.last_eval = ev
     logging.info("step %d: val_loss=%.4f val_bpb=%.4f", self.step, ev["val_loss"], ev["val_bpb"])
 
-  def _save(self) -> None:
+  def _save(self, ckpt: Checkpointer | None = None) -> None:
+    """A checkpoint of this step into `ckpt` (default: the workdir's)."""
     if self.pending:  # never save without checking the losses that led here
       self._log()
     self._flush_sync()
     _check_finite_params(self.state.params, self.step, self.ckpt)
     saved = self.parts.setup.to_saved(self.state)
-    self.ckpt.save(self.step, saved, data=self.parts.train_loader.get_state(),
-                   meta=self.parts.meta, force=True)
-    self.saved_step = self.step
+    (ckpt or self.ckpt).save(self.step, saved, data=self.parts.train_loader.get_state(),
+                             meta=self.parts.meta, force=True)
+    if ckpt is None:  # a snapshot in RAM does not survive the machine: SIGTERM still saves
+      self.saved_step = self.step
 
 
 def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
@@ -480,20 +492,33 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   workdir = os.path.abspath(workdir)
   # One run per workdir (process 0 holds the lock for all of its processes).
   lock = WorkdirLock(workdir) if jax.process_index() == 0 else contextlib.nullcontext()
+  snapshot_every = config.get("checkpoint", {}).get("snapshot_every", 0)
+  if snapshot_every and jax.process_count() > 1:
+    raise ValueError(f"checkpoint.snapshot_every={snapshot_every} needs one process (a RAM "
+                     f"directory is local to its host), but this run has {jax.process_count()}; "
+                     "set it to 0")
   with lock:
     parts = _set_up(config, workdir)
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.keep_checkpoints)
-    if jax.process_index() == 0:
-      ckpt.remove_partial_saves()
+    ckpts = [ckpt]
+    if snapshot_every:  # the newest only, in RAM: survives the process, not the machine
+      ckpts.append(Checkpointer(snapshot_dir(workdir, config.checkpoint.snapshot_dir), keep=1))
     try:
-      loop = _Loop(parts, config, _restore_or_init(parts, config, ckpt), ckpt, workdir)
+      if jax.process_index() == 0:
+        for c in ckpts:
+          c.remove_partial_saves()
+      loop = _Loop(parts, config, _restore_or_init(parts, config, ckpts), ckpt, workdir,
+                   snapshots=ckpts[1] if snapshot_every else None)
       try:
         with _stop_requests() as stop:
           preempted = loop.run(stop)
       finally:
         loop.close()
     finally:
-      ckpt.close()
+      for c in ckpts:
+        c.close()
+    if snapshot_every:  # the run saved its last step to disk: the RAM copy is spent
+      shutil.rmtree(ckpts[1].directory, ignore_errors=True)
   return {"workdir": workdir, "checkpoints": ckpt.directory, "metrics": loop.writer.path,
           "tensorboard": loop.writer.tb_dir, **loop.last_eval, "step": loop.step,
           "preempted": preempted}
