@@ -77,6 +77,12 @@ def test_two_processes_match_one(small_corpus, tmp_path):
   # Same global batches (rows split between processes), so the same losses.
   np.testing.assert_allclose([b[s] for s in a], [a[s] for s in a], rtol=1e-5)
   assert Checkpointer(str(tmp_path / "multi" / "checkpoints")).all_steps() == [4]
+  # Each process wrote its own pieces of the state (orbax's per-process ocdbt stores):
+  # about half each, never the whole state gathered on one.
+  state = tmp_path / "multi" / "checkpoints" / "4" / "state"
+  sizes = [sum(f.stat().st_size for f in (state / f"ocdbt.process_{i}").rglob("*") if f.is_file())
+           for i in range(2)]
+  assert all(0.35 < s / sum(sizes) < 0.65 for s in sizes), sizes
 
 
 def test_pipeline_across_two_processes_matches_one_unpipelined(small_corpus, tmp_path):
