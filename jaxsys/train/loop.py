@@ -307,6 +307,11 @@ def _restore_or_init(parts: _Parts, config, ckpts: list[Checkpointer]):
                      default=(None, None))
   if latest is None:
     return _fresh_state(parts, config)
+  return _restore_at(parts, config, ckpt, latest)
+
+
+def _restore_at(parts: _Parts, config, ckpt: Checkpointer, latest: int):
+  """The state and loader position at step `latest` of `ckpt`, in this run's view."""
   saved = ckpt.read_meta(latest)
   check_same_model(saved["model"], parts.meta["model"], ckpt.directory,
                    config.get("allow_model_change", ""))
@@ -318,6 +323,25 @@ def _restore_or_init(parts: _Parts, config, ckpts: list[Checkpointer]):
   parts.train_loader.set_state(data_state)
   logging.info("resumed from %s at step %d", ckpt.directory, latest)
   return parts.setup.from_saved(state)
+
+
+def restore(config, workdir: str, step: int | None = None):
+  """(setup, state): the run `config` would resume `workdir` with, in its own mesh and view,
+  without training (for notebooks and tools). `step` None: the newest that verifies. The
+  state is converted from whatever layout the checkpoint was saved in (`checkpoint.layouts`).
+  """
+  config_check.check_config(config, workdir)
+  parts = _set_up(config, os.path.abspath(workdir))
+  ckpt = Checkpointer(os.path.join(os.path.abspath(workdir), "checkpoints"))
+  try:
+    if step is None:
+      step = ckpt.restore_step(config.get("checkpoint", {}).get("on_corrupt", "error"))
+    if step is None:
+      raise ValueError(f"workdir {workdir} holds no checkpoint")
+    state = _restore_at(parts, config, ckpt, step)
+  finally:
+    ckpt.close()
+  return parts.setup, state
 
 
 def _restore_converted(parts: _Parts, config, ckpt: Checkpointer, step: int,

@@ -91,16 +91,9 @@ def test_resume_under_another_layout_is_exact(make_config, tmp_path, a, b, extra
 
 
 def _restored(make_config, workdir, **overrides):
-  """The state a run of `overrides` resumes `workdir` with, and the step's saved state."""
-  config = make_config(**overrides)
-  parts = loop._set_up(config, workdir)
-  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"))
-  try:
-    state = loop._restore_or_init(parts, config, ckpt)
-    step = ckpt.latest_step()
-  finally:
-    ckpt.close()
-  return parts, state, step
+  """(setup, state) a run of `overrides` resumes `workdir` with, and the step it resumes."""
+  setup, state = loop.restore(make_config(**overrides), workdir)
+  return setup, state, int(state.step)
 
 
 def _saved(workdir, step):
@@ -122,7 +115,7 @@ def test_one_model_to_diloco_replicas_and_back(make_config, tmp_path):
   loop.train_and_evaluate(make_config(total_steps=5, **dp), straight)
   loop.train_and_evaluate(make_config(total_steps=4, **dp), w)
   saved = _saved(w, 4)
-  parts, state, step = _restored(make_config, w, total_steps=8, **diloco)
+  setup, state, step = _restored(make_config, w, total_steps=8, **diloco)
   assert step == 4 and int(state.step) == 4
   stack4 = lambda t: jax.tree.map(lambda x: np.stack([x] * 4), t)
   chex.assert_trees_all_equal(state.params, stack4(saved["params"]))
@@ -130,7 +123,7 @@ def test_one_model_to_diloco_replicas_and_back(make_config, tmp_path):
   chex.assert_trees_all_equal(jax.tree.leaves(state.opt_state),
                               stack4(jax.tree.leaves(saved["opt_state"])))
   assert state.params["layers"]["wq"].sharding.spec[0] == "replica"
-  chex.assert_trees_all_equal(state.outer, jax.jit(jax.vmap(parts.outer.init))(state.params))
+  chex.assert_trees_all_equal(state.outer, jax.jit(jax.vmap(setup.outer.init))(state.params))
 
   loop.train_and_evaluate(make_config(total_steps=8, **diloco), w)
   np.testing.assert_allclose(_losses(w)[5], _losses(straight)[5], rtol=2e-5)
