@@ -128,3 +128,17 @@ def test_an_unsealed_step_missing_its_files_is_corrupt(tmp_path, damage):
     assert ckpt.restore_step("previous") == 1
   finally:
     ckpt.close()
+
+
+def test_no_metadata_is_pickled(tmp_path):
+  """Every file of a step is JSON, a commit marker, or ocdbt array storage (its manifest and
+  `d/` data files): nothing a restore would unpickle."""
+  import json
+  _save_steps(tmp_path, [1])
+  for root, _, names in os.walk(tmp_path / "1"):
+    for name in names:
+      path = os.path.join(root, name)
+      if name == "manifest.ocdbt" or os.path.basename(root) == "d" or name == "commit_success.txt":
+        continue
+      with open(path, "rb") as f:
+        json.loads(f.read())  # raises on anything else
