@@ -9,7 +9,8 @@ Re-running with the same --workdir resumes from its latest checkpoint.
 Exit status: 0 when the run reached total_steps (it prints "done at step N"); 75
 (EX_TEMPFAIL) when SIGTERM stopped it early, after saving a checkpoint (it prints
 "preempted at step N"): run the same command again to resume. With several processes,
-all of them stop at the same step and exit 75. Bad input exits 1 with one "error:" line.
+all of them stop at the same step and exit 75. Bad input exits 1 with one "error:" line;
+so does a write that fails (a full disk), naming what failed and the checkpoints left.
 Several processes (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID, or a
 cluster jax detects by itself) join one run through jax.distributed.
 """
@@ -23,6 +24,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from jaxsys import metrics as metrics_lib
+from jaxsys import storage
 from jaxsys.train import config_check
 from jaxsys.train.loop import train_and_evaluate
 
@@ -100,9 +102,16 @@ def main(argv):
   logging.info("config:\n%s", config)
   try:
     result = train_and_evaluate(config, _WORKDIR.value)
-  except ValueError as e:  # bad input: one line, no traceback
+  except (ValueError, storage.WriteError) as e:  # bad input, a full disk: one line, no traceback
     logging.error("%s", e)
     sys.exit(f"error: {e}")
+  except OSError as e:
+    if e.errno not in storage.NO_SPACE:
+      raise
+    error = storage.WriteError(f"writing in --workdir {_WORKDIR.value}", e,
+                               after=f"file {e.filename}" if e.filename else "")
+    logging.error("%s", error)
+    sys.exit(f"error: {error}")
   if jax.process_index() == 0:
     if result["preempted"]:
       print(f"preempted at step {result['step']} by SIGTERM: saved; run the same command again "

@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 from absl import logging
 
+from jaxsys import storage
+
 
 class MetricWriter:
   """Appends one JSON object per line to `<workdir>/metrics.jsonl` and mirrors scalars to TensorBoard.
@@ -77,33 +79,99 @@ class MetricWriter:
     if not self.enabled:
       return
     row = {"step": int(step), **{k: _to_python(v) for k, v in metrics.items()}}
-    self._file.write(json.dumps(row) + "\n")
-    self._file.flush()
+    try:
+      self._file.write(json.dumps(row) + "\n")
+      self._file.flush()
+    except OSError as e:  # e.g. a full disk: one line naming the file
+      raise storage.WriteError(f"writing {self.path}", e) from e
     if self._tb is not None:
       for k, v in row.items():
         if k != "step" and isinstance(v, (int, float)):
           self._tb.add_scalar(k, v, int(step))
 
   def close(self) -> None:
+    """Closes both files. A failure (the last rows flushed to a full disk) is raised as a
+    storage.WriteError, unless another exception is propagating (close runs in a
+    `finally`): then it is logged in one line, never masking the error that stopped the run."""
     if not self.enabled:
       return
-    self._file.close()
+    propagating = sys.exc_info()[1]
+    closers = [(self.path, self._file.close)]
     if self._tb is not None:
-      self._tb.close()
+      closers.append((self.tb_dir, lambda: _close_tensorboard(self._tb)))
+    failures = []
+    for what, close in closers:
+      try:
+        close()
+      except OSError as e:
+        failures.append(storage.WriteError(f"closing {what}", e))
+    if failures and propagating is None:
+      raise failures[0]
+    for failure in failures:
+      logging.error("%s", failure)
+
+
+def _close_tensorboard(tb) -> None:
+  """tb.close(). If its flush fails (a full disk), its event writers are marked closed and
+  their threads stopped anyway: tensorboardX would retry the close at exit, and its worker
+  thread would die on the queue torn down under it, each with a traceback."""
+  try:
+    tb.close()
+  except OSError:
+    for writer in (getattr(tb, "all_writers", None) or {}).values():
+      events = getattr(writer, "event_writer", None)
+      if events is not None and not getattr(events, "_closed", True):
+        events._closed = True  # tensorboardX 2.x: close() and its atexit hook skip it now
+        worker = getattr(events, "_worker", None)
+        if worker is not None:
+          worker.stop()
+    tb.all_writers = tb.file_writer = None
+    raise
 
 
 class _QuietLibraries(pylogging.Filter):
-  """Drops orbax's per-save INFO chatter (dozens of lines a checkpoint); keeps its warnings."""
+  """Drops orbax's per-save INFO chatter (dozens of lines a checkpoint); keeps its warnings
+  and errors, one line each. A failed save (a full disk) is raised to the binary, which
+  prints it in one line; orbax would also log it with a traceback from each of its
+  threads, and asyncio once per array piece ("Task exception was never retrieved")."""
 
   def filter(self, record: pylogging.LogRecord) -> bool:
-    return record.levelno >= pylogging.WARNING or "/orbax/" not in record.pathname
+    if "/orbax/" not in record.pathname:
+      return not (record.name == "asyncio" and "/orbax/" in record.getMessage())
+    if record.levelno < pylogging.WARNING:
+      return False
+    if record.exc_info and record.exc_info[1] is not None:  # the traceback -> its last line
+      error = record.exc_info[1]
+      reason = (str(error).strip().splitlines() or [""])[0][:300]
+      record.msg, record.args = f"{record.getMessage()}: {type(error).__name__}: {reason}", None
+      record.exc_info = record.exc_text = None
+    return True
+
+
+def _late_write_callback(unraisable) -> bool:
+  """A tensorstore write finishing after a failed save closed orbax's event loop: its
+  callback raises "Event loop is closed", once per array piece still in flight."""
+  error, tb = unraisable.exc_value, unraisable.exc_traceback
+  while tb is not None and tb.tb_next is not None:
+    tb = tb.tb_next
+  return (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+          and tb is not None and tb.tb_frame.f_code.co_name == "_check_closed")
 
 
 def quiet_library_logs() -> None:
-  """For experiment binaries: keep library INFO lines out of the absl log (idempotent)."""
+  """For experiment binaries: keep library INFO lines out of the absl log, and the
+  tracebacks a failed save would print by the hundred out of stderr (idempotent)."""
   handler = logging.get_absl_handler()
   if not any(isinstance(f, _QuietLibraries) for f in handler.filters):
     handler.addFilter(_QuietLibraries())
+  if not getattr(sys.unraisablehook, "jaxsys_quiet", False):
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+      if not _late_write_callback(unraisable):
+        previous(unraisable)
+    hook.jaxsys_quiet = True
+    sys.unraisablehook = hook
 
 
 def _to_python(v):

@@ -19,6 +19,8 @@ import time
 
 from absl import logging
 
+from jaxsys import storage
+
 LOCK_NAME = "run.lock"
 
 
@@ -74,8 +76,12 @@ class WorkdirLock:
             f"workdir {os.path.dirname(self.path)} is in use by pid {holder.get('pid', '?')} on "
             f"host {holder.get('host', '?')} since {since}; stop that run or use another "
             f"--workdir (delete {self.path} only if that run is gone)")
-      with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(me, f)
+      try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+          json.dump(me, f)
+      except OSError as e:  # e.g. a full disk: an empty lock would refuse every later run
+        os.remove(self.path)
+        raise storage.WriteError(f"writing {self.path}", e) from e
       self._held = True
       return
     raise WorkdirInUse(f"{self.path}: could not take the lock; another run keeps taking it")

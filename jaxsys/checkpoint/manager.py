@@ -11,8 +11,11 @@ Once a step has committed, process 0 seals it (`integrity.seal`: every file's CR
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import os
 import shutil
+import sys
+import tempfile
 from typing import Any
 
 import jax
@@ -20,6 +23,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 from jax.experimental import multihost_utils
 
+from jaxsys import storage
 from jaxsys.checkpoint import integrity
 
 
@@ -123,11 +127,24 @@ class Checkpointer:
   def all_steps(self) -> list[int]:
     return list(self._manager.all_steps())
 
+  # The save that failed, as raised: orbax raises its error again on every later wait.
+  _failure: storage.WriteError | None = None
+
   def save(self, step: int, state: Any, *, data: dict, meta: dict, force: bool = False) -> bool:
-    """Starts an asynchronous save; returns whether one was started."""
+    """Starts an asynchronous save; returns whether one was started.
+
+    A save that cannot be written (a full disk), this one or the previous one (written in
+    the background until now), raises storage.WriteError: one line naming its step, the
+    system's reason and the committed steps, which a failed save never touches."""
     args = ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data),
                               meta=ocp.args.JsonSave(meta))
-    started = self._manager.save(step, args=args, force=force)
+    self.wait(sealed=False)  # as orbax's save would, but naming the step that failed
+    try:
+      started = self._manager.save(step, args=args, force=force)
+    except Exception as e:
+      if storage.os_errno(e) is None:
+        raise
+      raise self._failed_save(step, e) from e
     if started:
       self._unsealed.append(step)
     # The saves before this one have finished by now; a synchronous one has too.
@@ -160,17 +177,67 @@ class Checkpointer:
           data=ocp.args.JsonRestore()))
     return restored["state"], restored["data"]
 
-  def wait(self) -> None:
-    self._manager.wait_until_finished()
-    self._seal_committed(wait=True)
-
-  def close(self) -> None:
+  def wait(self, *, sealed: bool = True) -> None:
+    """Blocks until the saves started have committed and, with `sealed`, their checksums
+    are written. A save that failed raises storage.WriteError (see `save`)."""
+    if self._failure is not None:
+      raise self._failure
     try:
       self._manager.wait_until_finished()
-      self._seal_committed(wait=True)
+    except Exception as e:
+      if storage.os_errno(e) is None:
+        raise
+      uncommitted = [s for s in self._unsealed if not os.path.isdir(self.step_dir(s))]
+      raise self._failed_save(max(uncommitted, default=None), e) from e
+    if sealed:
+      try:
+        self._seal_committed(wait=True)
+      except OSError as e:
+        raise storage.WriteError(f"writing checksums.json of a step in {self.directory}", e,
+                                 after="its checkpoint is committed and restores unverified") from e
+
+  def close(self) -> None:
+    """`wait`, then stops orbax's threads. A failure while another exception propagates
+    (close runs in a `finally`) is logged in one line instead: it never masks that one."""
+    propagating = sys.exc_info()[1]
+    try:
+      if self._failure is None:  # a failed save is raised once, where it was found
+        self.wait()
+    except Exception as e:
+      if propagating is None:
+        raise
+      logging.error("closing the checkpoints in %s: %s", self.directory, e)
     finally:
       self._sealer.shutdown()
-      self._manager.close()
+      try:
+        self._manager.close()
+      except Exception:
+        if self._failure is None:  # else orbax raises the failed save's error again
+          raise
+
+  def _failed_save(self, step: int | None, error: BaseException) -> storage.WriteError:
+    """The one-line error of a save that failed to write. Its partial directory stays, for
+    a later run to remove: tensorstore may still be writing the pieces that had not failed
+    yet, and would recreate it."""
+    self._unsealed = [s for s in self._unsealed if s != step]
+    # From the directory: orbax already forgot the steps this save was to replace
+    # (max_to_keep), though it deletes them only once a save has committed.
+    kept = sorted(int(n) for n in os.listdir(self.directory) if n.isdigit() and int(n) != step)
+    after = f"older checkpoints are intact: steps {kept}" if kept else "no earlier checkpoint"
+    what = "a checkpoint" if step is None else f"checkpoint step {step}"
+    self._failure = storage.WriteError(f"saving {what} to {self.directory}", error, after)
+    return self._failure
+
+
+def snapshot_dir(workdir: str, configured: str = "") -> str:
+  """Where a run's RAM snapshots live: `configured`, else a directory on /dev/shm (the
+  system temp dir without it) named by a hash of the workdir, so a restart finds it and
+  two runs never share it."""
+  if configured:
+    return os.path.abspath(configured)
+  ram = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+  digest = hashlib.sha1(os.path.abspath(workdir).encode()).hexdigest()[:16]
+  return os.path.join(ram, "jaxsys-snapshots", digest)
 
 
 # Model fields that change parameter shapes or types: a checkpoint of another value is
