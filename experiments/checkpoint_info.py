@@ -64,7 +64,7 @@ def describe(path: str) -> list[str]:
     size = f"{_size(full) / 2**20:9.1f} MiB"
     if not name.isdigit():
       kind = ("moved aside as corrupt" if name.endswith(".corrupt") else
-              "a save that never committed" if ".orbax-checkpoint-tmp-" in name else "not a step")
+              "a save that never committed" if ".orbax-checkpoint-tmp" in name else "not a step")
       lines.append(f"  {name:>10}  {size}  {kind}")
       continue
     bad = integrity.problem(full)

@@ -1,8 +1,8 @@
 """One run per workdir: a lock file naming its holder (pid, host, start time).
 
 Two runs on one workdir would overwrite each other's checkpoints and interleave
-`metrics.jsonl`. The lock is `<workdir>/run.lock`, created atomically (O_EXCL) and holding
-JSON. A second run refuses in one line naming the holder. A lock whose holder is gone (same
+`metrics.jsonl`. The lock is `<workdir>/run.lock`, created atomically (written whole, then
+hard-linked into place) and holding JSON. A second run refuses in one line naming the holder. A lock whose holder is gone (same
 host, no such pid) is stale: the next run takes it over with a warning. A lock from
 another host is never taken over, since its holder cannot be checked from here.
 
@@ -57,34 +57,42 @@ class WorkdirLock:
   def acquire(self) -> None:
     os.makedirs(os.path.dirname(self.path), exist_ok=True)
     me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
-    for _ in range(2):  # a second try after removing a stale lock
-      try:
-        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-      except FileExistsError:
-        holder = self._holder()
-        if holder is None:
-          continue  # released between our open and our read
-        if (holder.get("host") == me["host"] and isinstance(holder.get("pid"), int)
-            and not _alive(holder["pid"])):
-          logging.warning("%s: taking over a stale lock of pid %d on %s (no such process)",
-                          self.path, holder["pid"], holder["host"])
-          os.remove(self.path)
-          continue
-        since = (time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder["started"]))
-                 if isinstance(holder.get("started"), (int, float)) else "an unknown time")
-        raise WorkdirInUse(
-            f"workdir {os.path.dirname(self.path)} is in use by pid {holder.get('pid', '?')} on "
-            f"host {holder.get('host', '?')} since {since}; stop that run or use another "
-            f"--workdir (delete {self.path} only if that run is gone)")
-      try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-          json.dump(me, f)
-      except OSError as e:  # e.g. a full disk: an empty lock would refuse every later run
-        os.remove(self.path)
-        raise storage.WriteError(f"writing {self.path}", e) from e
-      self._held = True
-      return
-    raise WorkdirInUse(f"{self.path}: could not take the lock; another run keeps taking it")
+    # The lock appears whole or not at all: written to a file of our own, then hard-linked
+    # into place (link refuses an existing name, like O_EXCL). A kill can never leave an
+    # empty lock that refuses every later run.
+    mine = f"{self.path}.{me['pid']}.tmp"
+    try:
+      with open(mine, "w", encoding="utf-8") as f:
+        json.dump(me, f)
+    except OSError as e:  # e.g. a full disk
+      if os.path.exists(mine):
+        os.remove(mine)
+      raise storage.WriteError(f"writing {self.path}", e) from e
+    try:
+      for _ in range(2):  # a second try after removing a stale lock
+        try:
+          os.link(mine, self.path)
+        except FileExistsError:
+          holder = self._holder()
+          if holder is None:
+            continue  # released between our link and our read
+          if (holder.get("host") == me["host"] and isinstance(holder.get("pid"), int)
+              and not _alive(holder["pid"])):
+            logging.warning("%s: taking over a stale lock of pid %d on %s (no such process)",
+                            self.path, holder["pid"], holder["host"])
+            os.remove(self.path)
+            continue
+          since = (time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder["started"]))
+                   if isinstance(holder.get("started"), (int, float)) else "an unknown time")
+          raise WorkdirInUse(
+              f"workdir {os.path.dirname(self.path)} is in use by pid {holder.get('pid', '?')} "
+              f"on host {holder.get('host', '?')} since {since}; stop that run or use another "
+              f"--workdir (delete {self.path} only if that run is gone)")
+        self._held = True
+        return
+      raise WorkdirInUse(f"{self.path}: could not take the lock; another run keeps taking it")
+    finally:
+      os.remove(mine)
 
   def release(self) -> None:
     if self._held:

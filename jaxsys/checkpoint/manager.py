@@ -16,6 +16,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from typing import Any
 
 import jax
@@ -40,32 +41,39 @@ class Checkpointer:
                                            enable_async_checkpointing=async_save)
     self._manager = ocp.CheckpointManager(self.directory, options=options,
                                           item_names=("state", "data", "meta"))
-    self._unsealed: list[int] = []
-    # Sealing reads a whole step (about 1 s per GB): a thread of its own, off the loop.
+    self._unsealed: list[int] = []  # saves started, not yet seen committed
+    # Sealing reads a whole step (about 1 s per GB): a thread of its own, off the loop,
+    # that seals each step as soon as it commits.
     self._sealer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxsys-seal")
     self._sealing: list[concurrent.futures.Future] = []
+    # The newest step whose save has ended, committed or failed: a seal waiting for a step
+    # up to it that never appeared gives up.
+    self._settled = -1
+    self._last_started = -1
 
   def step_dir(self, step: int) -> str:
     return os.path.join(self.directory, str(step))
 
   def _seal_committed(self, wait: bool = False) -> None:
-    """Seals, in the background, the steps saved so far whose directories exist:
-    committed (orbax renames a step's temporary directory into place last). wait: until
-    every seal started is written (its errors raised here)."""
-    for step in list(self._unsealed):
-      if os.path.isdir(self.step_dir(step)):
-        if jax.process_index() == 0:
-          self._sealing.append(self._sealer.submit(self._seal, self.step_dir(step)))
-        self._unsealed.remove(step)
+    """Forgets the saves seen committed (their directories exist: orbax renames a step's
+    temporary directory into place last). wait: until every seal started is written (its
+    errors raised here)."""
+    self._unsealed = [s for s in self._unsealed if not os.path.isdir(self.step_dir(s))]
     if wait:
       sealing, self._sealing = self._sealing, []
       for future in sealing:
         future.result()
 
-  @staticmethod
-  def _seal(step_dir: str) -> None:
+  def _seal_when_committed(self, step: int) -> None:
+    """(The sealer thread.) Seals `step` as soon as it commits; returns if its save ends
+    without committing."""
+    path = self.step_dir(step)
+    while not os.path.isdir(path):
+      if self._settled >= step:
+        return
+      time.sleep(0.01)
     try:
-      integrity.seal(step_dir)
+      integrity.seal(path)
     except FileNotFoundError:  # deleted meanwhile (max_to_keep): nothing to seal
       pass
 
@@ -110,11 +118,11 @@ class Checkpointer:
 
   def remove_partial_saves(self) -> list[str]:
     """Deletes what saves that never committed left behind (orbax's
-    `*.orbax-checkpoint-tmp-*` directories: never a checkpoint); returns their paths.
+    `<step>.orbax-checkpoint-tmp*` directories: never a checkpoint); returns their paths.
     Only for the run that holds the workdir's lock: another run's save may be in flight."""
     removed = []
     for name in sorted(os.listdir(self.directory)):
-      if ".orbax-checkpoint-tmp-" in name:
+      if ".orbax-checkpoint-tmp" in name:
         path = os.path.join(self.directory, name)
         logging.warning("removing %s: a save that never committed", path)
         shutil.rmtree(path, ignore_errors=True)
@@ -147,6 +155,9 @@ class Checkpointer:
       raise self._failed_save(step, e) from e
     if started:
       self._unsealed.append(step)
+      self._last_started = step
+      if jax.process_index() == 0:
+        self._sealing.append(self._sealer.submit(self._seal_when_committed, step))
     # The saves before this one have finished by now; a synchronous one has too.
     self._seal_committed()
     return started
@@ -189,6 +200,8 @@ class Checkpointer:
         raise
       uncommitted = [s for s in self._unsealed if not os.path.isdir(self.step_dir(s))]
       raise self._failed_save(max(uncommitted, default=None), e) from e
+    finally:
+      self._settled = self._last_started
     if sealed:
       try:
         self._seal_committed(wait=True)
@@ -208,6 +221,7 @@ class Checkpointer:
         raise
       logging.error("closing the checkpoints in %s: %s", self.directory, e)
     finally:
+      self._settled = self._last_started  # no seal waits for a save that failed
       self._sealer.shutdown()
       try:
         self._manager.close()

@@ -85,7 +85,7 @@ def test_a_workdir_in_use_is_refused_and_partial_saves_removed(small_corpus, tmp
   """A second run on a held workdir: one line naming the holder, nothing touched. Once the
   lock is free, a save that never committed is removed and the replayed rows moved aside."""
   from jaxsys.checkpoint import lock
-  partial = tmp_path / "checkpoints" / "8.orbax-checkpoint-tmp-1700000000"
+  partial = tmp_path / "checkpoints" / "8.orbax-checkpoint-tmp"  # as orbax 0.12 names it
   partial.mkdir(parents=True)
   (tmp_path / "metrics.jsonl").write_text('{"step": 7, "loss": 1.0}\n')
   flags = ["--config.total_steps=2", "--config.eval_every=0", "--config.log_every=1",
