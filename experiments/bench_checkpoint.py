@@ -1,0 +1,799 @@
+r"""Checkpoint save, load and training-loop stall of `jaxsys.checkpoint.manager.Checkpointer`.
+
+  python -m experiments.bench_checkpoint --sizes=tiny,100m --repeats=5 \
+      --profile --json=/tmp/bench_checkpoint.json
+
+(The script sets 8 simulated CPU devices itself when XLA_FLAGS names no count.) For each
+state size (`tiny`: configs/tiny_lm.py's model, 3.3M parameters; `100m`: d_model 768, 12
+layers, 12 heads, d_ff 2048, vocabulary 10,240: 100.7M parameters) it builds the
+TrainState a run checkpoints, parameters and AdamW moments (3x the parameter bytes,
+float32), filled with random values (zeros would flatter a compressing writer), sharded
+over --mesh (fsdp=8) by `jaxsys.train.state.state_shardings`, and measures, every number
+--repeats times (median [min, max]; within a repeat the kinds of a measurement alternate,
+in an order that rotates from repeat to repeat, so a busy spell of the shared machine or of
+the VM's disk hits them alike):
+
+1. This disk's sequential bandwidth, in the same process: a file of the state's size
+   written with os.write in 64 MiB chunks, then os.fsync (write + fsync = the durable
+   rate a checkpoint can reach); read back after its pages are dropped from the guest's
+   page cache (posix_fadvise DONTNEED, on the clean pages the fsync left; a VM host may
+   still cache them) and again from the page cache. The same for --shm_dir (/dev/shm,
+   RAM: its "write" is page allocation + memcpy, fsync a no-op).
+2. Save throughput = state bytes / time from `Checkpointer.save` to the save being
+   committed (`wait_until_finished` of its orbax manager: the step directory renamed into
+   place); and to sealed + durable (`Checkpointer.wait`, which also writes the CRC-32
+   manifest, then an fsync of every file and directory of the step and of its parent).
+   TensorStore fsyncs the array data files it writes (its `file_io_sync` default) but
+   orbax's JSON metadata and the commit rename are not fsynced, hence the second number.
+   Against the disk's write + fsync bandwidth (target: >= 70%). The same for a synchronous
+   Checkpointer (`async_save=False`), for an asynchronous one on /dev/shm (an "in-memory
+   snapshot"), and for the orbax option sets of --variants (no zstd, zarr3, no OCDBT,
+   smaller OCDBT data files), swapped into the Checkpointer's manager
+   (`make_checkpointer`). The checkpointers keep every step and `prune` deletes the
+   previous one after each timed save (timed on its own: with max_to_keep, orbax deletes
+   it inside the next save's background finalize, so `wait` would include it).
+3. Load throughput: `Checkpointer.restore` of the step into the same shardings, after the
+   step's pages are dropped from the guest page cache; and into the shardings of
+   --reshard_mesh (data=2,tensor=4: the same shapes, other shardings; plain orbax
+   resharding), through `resharding_restore_vs_same_layout`, the hook a layout-converting
+   restore (`jaxsys/checkpoint/layouts.py`) plugs into with its own restore callable.
+4. The training-loop stall per save: the wall time `save()` blocks its caller for an
+   asynchronous save (disk, /dev/shm) and a synchronous one, called with the cores idle
+   (the saves of 2.); and as the loop sees it: `save()` called right after the real
+   jitted train step (`make_train_setup`'s, with donation; 8 rows of --step_seq tokens),
+   and the next step's time while the write competes for the cores, against the same step
+   with no save in flight. The step restored from that save is then checked equal to the
+   state at save time (the step donates the buffers the save reads).
+
+It prints two markdown tables (measurements; orbax options) and writes every sample to
+--json. --profile prints where one asynchronous and one synchronous save(), each called
+right after a train step, spend the caller's time (cProfile, cumulative).
+"""
+from __future__ import annotations
+
+import os
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + " --xla_force_host_platform_device_count=8").strip()
+
+import cProfile
+import dataclasses
+import io
+import json
+import pstats
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from absl import app, flags
+
+from configs import tiny_lm
+from jaxsys import mesh as mesh_lib
+from jaxsys import metrics as metrics_lib
+from jaxsys.checkpoint.manager import Checkpointer
+from jaxsys.data import packing
+from jaxsys.models import transformer
+from jaxsys.train import state as state_lib
+from jaxsys.train import step as step_lib
+
+CHUNK = 64 << 20  # bytes per os.write / os.readv of the bandwidth probe
+
+SIZE_NAMES = ("tiny", "100m")
+
+# orbax options of the state item, swapped into a Checkpointer's manager (make_checkpointer).
+# "default" is the Checkpointer as it is: OCDBT, zarr2, zstd level 1.
+VARIANTS: dict[str, dict[str, Any] | None] = {
+    "default": None,
+    "no_compression": dict(use_compression=False),
+    "no_compression_zarr3": dict(use_compression=False, use_zarr3=True),
+    "no_compression_no_ocdbt": dict(use_compression=False, use_ocdbt=False),
+    "no_compression_ocdbt_64mib_files": dict(use_compression=False,
+                                             ocdbt_target_data_file_size=64 << 20),
+}
+
+_SIZES = flags.DEFINE_list("sizes", ["tiny", "100m"], f"State sizes, of {SIZE_NAMES}.")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Repeats of every measurement (median [min, max]).")
+_DIR = flags.DEFINE_string("dir", "", "Disk directory to measure: a fresh subdirectory is made "
+                           "in it and removed at the end (default: the system temp dir).")
+_SHM_DIR = flags.DEFINE_string("shm_dir", "/dev/shm", "RAM directory for the in-memory rows "
+                               "(a fresh subdirectory, removed at the end); '' to skip them.")
+_MESH = flags.DEFINE_string("mesh", "fsdp=8", "Mesh the state is sharded over and saved from.")
+_RESHARD_MESH = flags.DEFINE_string("reshard_mesh", "data=2,tensor=4",
+                                    "Mesh of the resharding restore.")
+_VARIANTS = flags.DEFINE_list("variants", list(VARIANTS),
+                              f"orbax option sets, of {list(VARIANTS)}.")
+_STEP_SEQ = flags.DEFINE_integer("step_seq", 64, "Tokens per row of the train step (8 rows).")
+_PROFILE = flags.DEFINE_bool("profile", False, "cProfile one async and one sync save(), each "
+                            "called right after a train step.")
+_JSON = flags.DEFINE_string("json", "", "Optional path of a JSON file with every sample.")
+
+
+def log(msg: str) -> None:
+  print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------
+# States
+# ---------------------------------------------------------------------------
+
+
+def model_config(size: str) -> transformer.TransformerConfig:
+  if size == "tiny":
+    return transformer.TransformerConfig.from_config(tiny_lm.get_config().model)
+  if size == "100m":
+    return transformer.TransformerConfig(vocab_size=10240, d_model=768, n_layers=12, n_heads=12,
+                                         n_kv_heads=12, d_ff=2048, attention_impl="xla")
+  raise ValueError(f"--sizes: {size!r} is unknown; valid: {', '.join(SIZE_NAMES)}")
+
+
+def train_setup(model_cfg: transformer.TransformerConfig, mesh, step_seq: int):
+  """The loop's own train step (jit, shardings, donation) for 8 rows of `step_seq` tokens."""
+  config = tiny_lm.get_config()
+  config.data.batch_size = 8
+  config.data.seq_len = step_seq
+  return step_lib.make_train_setup(config, model_cfg, mesh)
+
+
+def random_state(setup, seed: int = 0):
+  """A TrainState of the setup's shape and shardings, every float leaf random: parameters
+  and first moments ~N(0, 0.02^2), second moments (0.001 N)^2 (non-negative, as AdamW's)."""
+  flat, treedef = jax.tree_util.tree_flatten_with_path(setup.abstract)
+
+  def fill():
+    keys = jax.random.split(jax.random.key(seed), len(flat))
+    out = []
+    for key, (path, leaf) in zip(keys, flat):
+      if not jnp.issubdtype(leaf.dtype, jnp.floating):
+        out.append(jnp.zeros(leaf.shape, leaf.dtype))
+        continue
+      x = jax.random.normal(key, leaf.shape, leaf.dtype)
+      second_moment = any(getattr(k, "name", None) == "nu" for k in path)
+      out.append(jnp.square(0.001 * x) if second_moment else 0.02 * x)
+    return treedef.unflatten(out)
+
+  return jax.jit(fill, out_shardings=setup.state_sh)()
+
+
+def state_bytes(tree) -> int:
+  return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def target_for(abstract, shardings):
+  """What `Checkpointer.restore` takes: abstract leaves carrying the target shardings."""
+  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                      abstract, shardings)
+
+
+# ---------------------------------------------------------------------------
+# Files: bandwidth, page cache, durability
+# ---------------------------------------------------------------------------
+
+
+def fs_type(path: str) -> str:
+  """The file system type of the mount holding `path` (from /proc/mounts; '' if unknown)."""
+  path, best, kind = os.path.realpath(path), "", ""
+  try:
+    with open("/proc/mounts", encoding="utf-8") as f:
+      for line in f:
+        parts = line.split()
+        mount = parts[1]
+        inside = path == mount or path.startswith(mount.rstrip("/") + "/")
+        if inside and len(mount) >= len(best):
+          best, kind = mount, parts[2]
+  except OSError:
+    pass
+  return kind
+
+
+def files_under(directory: str) -> list[str]:
+  return [os.path.join(root, n) for root, _, names in os.walk(directory) for n in names]
+
+
+def drop_page_cache(paths) -> bool:
+  """Drops the files' clean pages from the guest page cache (fsync first, then
+  posix_fadvise DONTNEED); False where that cannot drop anything (tmpfs: RAM is the store)."""
+  paths = list(paths)
+  if not paths or not hasattr(os, "posix_fadvise") or fs_type(paths[0]) in ("tmpfs", "ramfs"):
+    return False
+  for path in paths:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+      os.fsync(fd)
+      os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+      os.close(fd)
+  return True
+
+
+def fsync_tree(directory: str) -> None:
+  """fsyncs every file and directory under `directory`, and its parent (the rename)."""
+  dirs = [directory]
+  for root, subdirs, names in os.walk(directory):
+    dirs += [os.path.join(root, d) for d in subdirs]
+    for name in names:
+      fd = os.open(os.path.join(root, name), os.O_RDONLY)
+      try:
+        os.fsync(fd)
+      finally:
+        os.close(fd)
+  for d in dirs + [os.path.dirname(os.path.abspath(directory))]:
+    fd = os.open(d, os.O_RDONLY)
+    try:
+      os.fsync(fd)
+    finally:
+      os.close(fd)
+
+
+def _read_all(path: str, buf: bytearray) -> int:
+  fd, n = os.open(path, os.O_RDONLY), 0
+  try:
+    view = memoryview(buf)
+    while k := os.readv(fd, [view]):
+      n += k
+  finally:
+    os.close(fd)
+  return n
+
+
+def file_bandwidth(directory: str, nbytes: int) -> dict[str, Any]:
+  """Seconds to write `nbytes` sequentially (os.write in CHUNK pieces), to fsync them, and
+  to read them back with the guest page cache dropped and from the page cache."""
+  path = os.path.join(directory, f"bandwidth.{os.getpid()}.tmp")
+  data = memoryview(np.random.default_rng(0).bytes(min(CHUNK, nbytes)))
+  fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # never an existing file
+  try:
+    try:
+      t0, written = time.perf_counter(), 0
+      while written < nbytes:
+        written += os.write(fd, data[:min(len(data), nbytes - written)])
+      write_s = time.perf_counter() - t0
+      os.fsync(fd)
+      write_fsync_s = time.perf_counter() - t0
+    finally:
+      os.close(fd)
+    dropped = drop_page_cache([path])
+    buf = bytearray(min(CHUNK, nbytes))
+    t0 = time.perf_counter()
+    assert _read_all(path, buf) == nbytes
+    read_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    _read_all(path, buf)
+    read_hot_s = time.perf_counter() - t0
+  finally:
+    os.unlink(path)
+  return dict(bytes=nbytes, write_s=write_s, write_fsync_s=write_fsync_s, read_s=read_s,
+              read_hot_s=read_hot_s, cache_dropped=dropped)
+
+
+# ---------------------------------------------------------------------------
+# Checkpointers
+# ---------------------------------------------------------------------------
+
+DATA = {"position": 0}  # stand-ins for the loader position and the model meta of a run
+META = {"bench": "bench_checkpoint"}
+
+
+class _StateHandler(ocp.StandardCheckpointHandler):
+  """The state item's StandardCheckpointHandler with other PyTreeCheckpointHandler options;
+  `ocdbt_target_data_file_size` (a save argument in orbax) is passed with every save."""
+
+  def __init__(self, *, ocdbt_target_data_file_size: int | None = None, **options):
+    super().__init__()
+    self._impl = ocp.PyTreeCheckpointHandler(**options)
+    self._file_size = ocdbt_target_data_file_size
+
+  async def async_save(self, directory, item=None, save_args=None, args=None):
+    if self._file_size is None or args is None:
+      return await super().async_save(directory, item, save_args, args)
+    return await self._impl.async_save(directory, args=ocp.args.PyTreeSave(
+        item=self._validate_save_state(args.item, save_args=args.save_args),
+        save_args=args.save_args, custom_metadata=args.custom_metadata,
+        ocdbt_target_data_file_size=self._file_size))
+
+
+KEEP_ALL = 1 << 30  # orbax deletes no step itself: `prune` does, outside the timed saves
+
+
+def make_checkpointer(directory: str, *, async_save: bool = True,
+                      options: dict[str, Any] | None = None) -> Checkpointer:
+  """A `Checkpointer` that keeps every step (`prune` deletes them); with `options`, its orbax
+  manager is rebuilt with the state item's handler taking those PyTreeCheckpointHandler
+  options (what the class would pass: it has no parameter for them, so its private manager
+  is replaced here)."""
+  ckpt = Checkpointer(directory, keep=KEEP_ALL, async_save=async_save)
+  if options:
+    ckpt._manager.close()
+    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    handler = _StateHandler(**options)
+    registry.add("state", ocp.args.StandardSave, handler)
+    registry.add("state", ocp.args.StandardRestore, handler)
+    for item in ("data", "meta"):
+      registry.add(item, ocp.args.JsonSave, ocp.JsonCheckpointHandler)
+      registry.add(item, ocp.args.JsonRestore, ocp.JsonCheckpointHandler)
+    manager_options = ocp.CheckpointManagerOptions(max_to_keep=KEEP_ALL, create=True,
+                                                   enable_async_checkpointing=async_save)
+    ckpt._manager = ocp.CheckpointManager(ckpt.directory, options=manager_options,
+                                          handler_registry=registry)
+  return ckpt
+
+
+def prune(ckpt: Checkpointer) -> float:
+  """Deletes every step but the latest, as max_to_keep=1 would in orbax's background
+  finalize (where it would lengthen `wait_until_finished`); returns the seconds taken."""
+  steps = sorted(ckpt.all_steps())
+  t0 = time.perf_counter()
+  for step in steps[:-1]:
+    shutil.rmtree(ckpt.step_dir(step))
+  if len(steps) > 1:
+    ckpt._manager.reload()
+  return time.perf_counter() - t0
+
+
+def timed_save(ckpt: Checkpointer, step: int, state) -> dict[str, float]:
+  """Seconds from the call of `ckpt.save` until: it returns (the caller's stall), orbax has
+  committed the step, the step is sealed (`Checkpointer.wait`), and it is fsynced; then
+  the seconds `prune` takes to delete the previous step (not in the others)."""
+  t0 = time.perf_counter()
+  ckpt.save(step, state, data=DATA, meta=META, force=True)
+  block = time.perf_counter() - t0
+  ckpt._manager.wait_until_finished()  # the step directory renamed into place
+  commit = time.perf_counter() - t0
+  ckpt.wait()  # + the CRC-32 manifest
+  sealed = time.perf_counter() - t0
+  fsync_tree(ckpt.step_dir(step))
+  durable = time.perf_counter() - t0
+  return dict(block_s=block, commit_s=commit, sealed_s=sealed, durable_s=durable,
+              delete_previous_s=prune(ckpt))
+
+
+def timed_restore(restore: Callable[[], Any], drop_cache: Callable[[], bool]) -> tuple[float, bool]:
+  """(seconds of `restore()` until its arrays are ready, whether the page cache was dropped)."""
+  dropped = drop_cache()
+  t0 = time.perf_counter()
+  out = restore()
+  jax.block_until_ready(out)
+  seconds = time.perf_counter() - t0
+  del out
+  return seconds, dropped
+
+
+def resharding_restore_vs_same_layout(restore: Callable[[], Any],
+                                      same_layout_restore: Callable[[], Any], *, nbytes: int,
+                                      repeats: int, drop_cache: Callable[[], bool] = lambda: False,
+                                      label: str = "resharded") -> dict[str, Any]:
+  """THE HOOK for "resharding (or layout-converting) restore vs same-layout restore".
+
+  `restore()` and `same_layout_restore()` each restore the same checkpoint and return the
+  restored pytree (e.g. `lambda: ckpt.restore(step, other_target)[0]`, or a restore that
+  converts replica-stacked / pipelined / vocab-padded layouts through
+  `jaxsys.checkpoint.layouts`). They are timed alternately `repeats` times, each after
+  `drop_cache()` (returns whether the page cache was dropped), until every array is ready.
+  Returns {"label", "bytes", "same_layout_s": [...], "restore_s": [...], "cache_dropped"}:
+  `bench_rows` makes it two table rows with GB/s and the time ratio.
+  """
+  same, other, dropped = [], [], True
+  for _ in range(repeats):
+    s, d1 = timed_restore(same_layout_restore, drop_cache)
+    o, d2 = timed_restore(restore, drop_cache)
+    same.append(s)
+    other.append(o)
+    dropped = dropped and d1 and d2
+  return dict(label=label, bytes=nbytes, same_layout_s=same, restore_s=other,
+              cache_dropped=dropped)
+
+
+def _profile(fn: Callable[[], Any], top: int = 14) -> str:
+  prof = cProfile.Profile()
+  prof.enable()
+  fn()
+  prof.disable()
+  out = io.StringIO()
+  pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(top)
+  return out.getvalue()
+
+
+# ---------------------------------------------------------------------------
+# One size
+# ---------------------------------------------------------------------------
+
+
+def _host_busy() -> tuple[float, float] | None:
+  """(busy, total) CPU seconds of the whole host so far, from /proc/stat, else None."""
+  try:
+    with open("/proc/stat", encoding="ascii") as f:
+      ticks = [int(x) for x in f.readline().split()[1:]]
+  except (OSError, ValueError):
+    return None
+  hz = os.sysconf("SC_CLK_TCK")
+  return (sum(ticks) - ticks[3] - ticks[4]) / hz, sum(ticks) / hz
+
+
+def _own_cpu_s() -> float:
+  t = os.times()
+  return t.user + t.system
+
+
+def _other_share(busy0, own0) -> float | None:
+  """The share of the host's CPU other processes used since (_host_busy(), _own_cpu_s())."""
+  busy1, own1 = _host_busy(), _own_cpu_s()
+  if not (busy0 and busy1):
+    return None
+  return max(0.0, busy1[0] - busy0[0] - (own1 - own0)) / max(busy1[1] - busy0[1], 1e-9)
+
+
+def measure_size(size: str, *, repeats: int, disk_dir: str, shm_dir: str | None, mesh_spec: str,
+                 reshard_spec: str, variants, step_seq: int, profile: bool) -> dict[str, Any]:
+  """Every measurement of one state size (see the module docstring); raw samples."""
+  t_start, busy0, own0 = time.perf_counter(), _host_busy(), _own_cpu_s()
+  model_cfg = model_config(size)
+  mesh = mesh_lib.make_mesh(mesh_spec)
+  setup = train_setup(model_cfg, mesh, step_seq)
+  state = random_state(setup)
+  jax.block_until_ready(state)
+  nbytes = state_bytes(state)
+  n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(setup.abstract.params))
+  batch = setup.device_batch(packing.random_packed_batch(
+      8, step_seq, docs_per_row=2, vocab_size=model_cfg.vocab_size))
+  for _ in range(2):  # compile + warm up
+    state, _ = setup.train_fn(state, batch)
+  jax.block_until_ready(state)
+  log(f"{size}: {n_params / 1e6:.1f}M params, state {nbytes / 1e9:.3f} GB on {mesh_spec} "
+      f"({time.perf_counter() - t_start:.0f}s to build)")
+  out: dict[str, Any] = dict(size=size, params=n_params, bytes=nbytes, mesh=mesh_spec,
+                             model=dataclasses.asdict(model_cfg), step_rows=8, step_seq=step_seq)
+  root = os.path.join(disk_dir, size)
+  shm_root = os.path.join(shm_dir, size) if shm_dir else None
+
+  # 1 and 2, alternating within each repeat (the disk's speed drifts): the bandwidth of the
+  # disk and of RAM; saves: async and sync on disk, async on /dev/shm, option variants.
+  # (Steps are numbered in the order they are saved.)
+  out["bandwidth"] = {"disk": [], **({"shm": []} if shm_root else {})}
+  for d in [root] + ([shm_root] if shm_root else []):
+    os.makedirs(d)
+  ckpts = {"async_disk": make_checkpointer(os.path.join(root, "async"))}
+  ckpts["sync_disk"] = make_checkpointer(os.path.join(root, "sync"), async_save=False)
+  if shm_root:
+    ckpts["async_shm"] = make_checkpointer(os.path.join(shm_root, "async"))
+  for name in variants:
+    if VARIANTS[name] is not None:
+      ckpts[name] = make_checkpointer(os.path.join(root, name), options=VARIANTS[name])
+  saves = {k: [] for k in ckpts}
+  step = 0
+  try:
+    units = [("disk", root)] + ([("shm", shm_root)] if shm_root else []) + list(ckpts.items())
+    for r in range(repeats):
+      # Each repeat starts elsewhere in the list: every kind takes its turn right after the
+      # heaviest writes (the VM's disk slows down after a burst), none always first.
+      shift = r * len(units) // repeats
+      for kind, where in units[shift:] + units[:shift]:
+        if kind in ("disk", "shm"):
+          out["bandwidth"][kind].append(file_bandwidth(where, nbytes))
+        else:
+          step += 1
+          saves[kind].append(timed_save(where, step, state))
+      log(f"{size}: repeat {r + 1}/{repeats}: disk write+fsync "
+          f"{out['bandwidth']['disk'][-1]['write_fsync_s']:.2f}s, saves " + ", ".join(
+              f"{k} {v[-1]['commit_s']:.2f}s" for k, v in saves.items()))
+    out["saves"] = saves
+    out["step_bytes_on_disk"] = {
+        kind: sum(os.path.getsize(p) for p in files_under(ckpt.step_dir(ckpt.latest_step())))
+        for kind, ckpt in ckpts.items()}
+
+    # 3. Loads: same layout and resharded (the hook); each option variant's checkpoint.
+    saved = ckpts["async_disk"]
+    saved_step = saved.latest_step()
+    same_target = setup.saved_target()
+    try:
+      reshard_mesh = mesh_lib.make_mesh(reshard_spec)
+      other_target = target_for(setup.abstract, state_lib.state_shardings(
+          setup.abstract, model_cfg, setup.optimizer, reshard_mesh))
+    except ValueError as e:  # e.g. tiny's 2 kv heads over tensor=4
+      log(f"{size}: --reshard_mesh={reshard_spec} does not fit ({e}); using data=4,tensor=2")
+      reshard_spec = "data=4,tensor=2"
+      reshard_mesh = mesh_lib.make_mesh(reshard_spec)
+      other_target = target_for(setup.abstract, state_lib.state_shardings(
+          setup.abstract, model_cfg, setup.optimizer, reshard_mesh))
+    drop = lambda c=saved, s=saved_step: drop_page_cache(files_under(c.step_dir(s)))
+    restored, _ = saved.restore(saved_step, same_target)  # also: the bytes came back
+    out["restored_equal"] = all(jax.tree.leaves(jax.tree.map(
+        lambda a, b: bool(jnp.array_equal(a, b)), restored, state)))
+    del restored
+    out["reshard"] = resharding_restore_vs_same_layout(
+        lambda: saved.restore(saved_step, other_target)[0],
+        lambda: saved.restore(saved_step, same_target)[0], nbytes=nbytes, repeats=repeats,
+        drop_cache=drop, label=f"{mesh_spec} -> {reshard_spec}")
+    out["reshard_mesh"] = reshard_spec
+    out["loads"] = {"async_disk": out["reshard"]["same_layout_s"]}
+    equal = lambda tree: all(jax.tree.leaves(jax.tree.map(
+        lambda a, b: bool(jnp.array_equal(a, b)), tree, state)))
+    for kind in ckpts:
+      if kind in VARIANTS:
+        c = ckpts[kind]
+        restored, _ = c.restore(c.latest_step(), same_target)
+        out["restored_equal"] = out["restored_equal"] and equal(restored)
+        del restored
+        out["loads"][kind] = [timed_restore(
+            lambda c=c: c.restore(c.latest_step(), same_target)[0],
+            lambda c=c: drop_page_cache(files_under(c.step_dir(c.latest_step()))))[0]
+            for _ in range(repeats)]
+    log(f"{size}: loads " + ", ".join(f"{k} {_med(v):.2f}s" for k, v in out["loads"].items())
+        + f", resharded {_med(out['reshard']['restore_s']):.2f}s")
+
+    # 4. The step as the loop sees it: right after an async save() returns, against none.
+    loop_kinds = [k for k in ckpts if k != "sync_disk"]
+    loop = {"no_save": [], **{f"{w}_{k}": [] for k in loop_kinds for w in ("after", "block")}}
+    for _ in range(repeats):
+      for kind in loop_kinds:
+        t0 = time.perf_counter()
+        state, _ = setup.train_fn(state, batch)
+        jax.block_until_ready(state)
+        loop["no_save"].append(time.perf_counter() - t0)
+        step += 1
+        t0 = time.perf_counter()
+        ckpts[kind].save(step, state, data=DATA, meta=META, force=True)  # right after a step
+        t1 = time.perf_counter()
+        state, _ = setup.train_fn(state, batch)  # donates the buffers being saved
+        jax.block_until_ready(state)
+        loop[f"after_{kind}"].append(time.perf_counter() - t1)
+        loop[f"block_{kind}"].append(t1 - t0)
+        ckpts[kind].wait()
+        prune(ckpts[kind])
+    out["loop"] = loop
+    # Untimed: what a save read while the next step donated its buffers is what was saved.
+    step += 1
+    snapshot = jax.tree.map(np.array, state)  # host copy of what is saved
+    ckpts["async_disk"].save(step, state, data=DATA, meta=META, force=True)
+    state, _ = setup.train_fn(state, batch)
+    jax.block_until_ready(state)
+    ckpts["async_disk"].wait()
+    restored, _ = ckpts["async_disk"].restore(step, same_target)
+    out["saved_during_step_equal"] = all(jax.tree.leaves(jax.tree.map(
+        lambda a, b: bool(np.array_equal(np.asarray(a), b)), restored, snapshot)))
+    del restored, snapshot
+    prune(ckpts["async_disk"])
+    log(f"{size}: step {_med(loop['no_save']):.3f}s, right after an async save "
+        f"{_med(loop['after_async_disk']):.3f}s")
+
+    if profile:  # each save() called right after a train step, as in the loop
+      state, _ = setup.train_fn(state, batch)
+      jax.block_until_ready(state)
+      step += 1
+      out["profile_async_save"] = _profile(lambda: ckpts["async_disk"].save(
+          step, state, data=DATA, meta=META, force=True))
+      ckpts["async_disk"].wait()
+      prune(ckpts["async_disk"])
+      state, _ = setup.train_fn(state, batch)
+      jax.block_until_ready(state)
+      step += 1
+      out["profile_sync_save"] = _profile(lambda: ckpts["sync_disk"].save(
+          step, state, data=DATA, meta=META, force=True))
+      ckpts["sync_disk"].wait()
+      log(f"{size}: async save() profile\n{out['profile_async_save']}")
+      log(f"{size}: sync save() profile\n{out['profile_sync_save']}")
+  finally:
+    for ckpt in ckpts.values():
+      ckpt.close()
+  out["seconds"] = time.perf_counter() - t_start
+  out["other_processes_cpu_share"] = _other_share(busy0, own0)
+  return out
+
+
+# ---------------------------------------------------------------------------
+# Run, tables
+# ---------------------------------------------------------------------------
+
+
+def run(sizes, *, repeats: int = 3, disk_dir: str = "", shm_dir: str | None = "/dev/shm",
+        mesh_spec: str = "fsdp=8", reshard_spec: str = "data=2,tensor=4", variants=tuple(VARIANTS),
+        step_seq: int = 64, profile: bool = False, json_path: str = "") -> dict[str, Any]:
+  """Measures every size in fresh temporary directories (removed at the end); returns (and
+  writes to `json_path`) every sample."""
+  unknown = [v for v in variants if v not in VARIANTS]
+  if unknown:
+    raise ValueError(f"--variants: {unknown} unknown; valid: {', '.join(VARIANTS)}")
+  for size in sizes:
+    model_config(size)  # a bad name fails before any work
+  if repeats < 1:
+    raise ValueError(f"--repeats={repeats} must be >= 1")
+  load0, busy0, own0 = os.getloadavg(), _host_busy(), _own_cpu_s()
+  disk = tempfile.mkdtemp(prefix="bench_checkpoint.", dir=disk_dir or None)
+  shm = None
+  if shm_dir and os.path.isdir(shm_dir):
+    shm = tempfile.mkdtemp(prefix="bench_checkpoint.", dir=shm_dir)
+  result: dict[str, Any] = dict(
+      machine=metrics_lib.machine_info(), orbax=ocp.__version__,
+      tensorstore=_version("tensorstore"), argv=sys.argv, repeats=repeats,
+      disk_dir=disk, disk_fs=fs_type(disk), shm_dir=shm, shm_fs=fs_type(shm) if shm else None,
+      load_avg_start=load0, sizes=[])
+  try:
+    for size in sizes:
+      result["sizes"].append(measure_size(
+          size, repeats=repeats, disk_dir=disk, shm_dir=shm, mesh_spec=mesh_spec,
+          reshard_spec=reshard_spec, variants=variants, step_seq=step_seq, profile=profile))
+  finally:
+    shutil.rmtree(disk, ignore_errors=True)
+    if shm:
+      shutil.rmtree(shm, ignore_errors=True)
+  result["load_avg_end"] = os.getloadavg()
+  result["other_processes_cpu_share"] = _other_share(busy0, own0)
+  if json_path:
+    with open(json_path, "w") as f:
+      json.dump(result, f, indent=1)
+  return result
+
+
+def _version(module: str) -> str:
+  try:
+    return __import__(module).__version__
+  except (ImportError, AttributeError):
+    return ""
+
+
+def _med(xs) -> float:
+  return statistics.median(xs)
+
+
+def _t(x: float) -> str:
+  return f"{x * 1e3:.1f} ms" if x < 1 else f"{x:.2f} s"
+
+
+def _spread(xs) -> str:
+  return f"{_t(_med(xs))} [{_t(min(xs))}, {_t(max(xs))}]"
+
+
+def _gbs(nbytes: int, xs) -> float:
+  return nbytes / _med(xs) / 1e9
+
+
+def bench_rows(s: dict[str, Any]) -> list[dict[str, str]]:
+  """The measurement table's rows of one size: what, time, GB/s, against what."""
+  n, rows = s["bytes"], []
+  bw = s["bandwidth"]
+  disk_w = _gbs(n, [b["write_fsync_s"] for b in bw["disk"]])
+  disk_r = _gbs(n, [b["read_s"] for b in bw["disk"]])
+  shm_w = _gbs(n, [b["write_s"] for b in bw["shm"]]) if "shm" in bw else None
+
+  def row(what, xs, gbs=True, vs=""):
+    rows.append(dict(what=what, time=_spread(xs), gbs=f"{_gbs(n, xs):.2f}" if gbs else "",
+                     vs=vs))
+
+  row("disk: write + fsync (os.write, 64 MiB chunks)", [b["write_fsync_s"] for b in bw["disk"]],
+      vs="100% (reference)")
+  row("disk: write, before fsync", [b["write_s"] for b in bw["disk"]])
+  cold = "guest page cache dropped" if all(b["cache_dropped"] for b in bw["disk"]) else \
+      "page cache"
+  row(f"disk: read ({cold})", [b["read_s"] for b in bw["disk"]], vs="100% (reference)")
+  row("disk: read (page cache)", [b["read_hot_s"] for b in bw["disk"]])
+  if "shm" in bw:
+    row("/dev/shm: write (RAM)", [b["write_s"] for b in bw["shm"]], vs="100% (reference)")
+    row("/dev/shm: read (RAM)", [b["read_s"] for b in bw["shm"]])
+  sv = s["saves"]
+  pct = lambda xs, ref: f"{_gbs(n, xs) / ref:.0%} of write + fsync"
+  row("save async, disk: save() -> committed", [x["commit_s"] for x in sv["async_disk"]],
+      vs=pct([x["commit_s"] for x in sv["async_disk"]], disk_w))
+  row("save async, disk: -> sealed + fsync (durable)", [x["durable_s"] for x in sv["async_disk"]],
+      vs=pct([x["durable_s"] for x in sv["async_disk"]], disk_w))
+  deletes = [x["delete_previous_s"] for x in sv["async_disk"][1:]]
+  if deletes:
+    row("delete the previous step (max_to_keep's work, off the caller)", deletes, gbs=False,
+        vs="not in the save times")
+  row("save sync, disk: save() -> committed", [x["commit_s"] for x in sv["sync_disk"]],
+      vs=pct([x["commit_s"] for x in sv["sync_disk"]], disk_w))
+  if "async_shm" in sv:
+    xs = [x["commit_s"] for x in sv["async_shm"]]
+    row("save async, /dev/shm: save() -> committed", xs,
+        vs=f"{_gbs(n, xs) / shm_w:.0%} of /dev/shm write")
+  best = max((k for k in sv if k in VARIANTS), default=None,
+             key=lambda k: _gbs(n, [x["commit_s"] for x in sv[k]]))
+  if best:
+    row(f"save async, disk, {best}: -> committed", [x["commit_s"] for x in sv[best]],
+        vs=pct([x["commit_s"] for x in sv[best]], disk_w))
+    row(f"save async, disk, {best}: -> sealed + fsync", [x["durable_s"] for x in sv[best]],
+        vs=pct([x["durable_s"] for x in sv[best]], disk_w))
+  rs = s["reshard"]
+  state = "cold" if rs["cache_dropped"] else "page cache"
+  row(f"load, same layout ({s['mesh']}), {state}", rs["same_layout_s"],
+      vs=f"{_gbs(n, rs['same_layout_s']) / disk_r:.0%} of disk read")
+  row(f"load, resharded {rs['label']}, {state}", rs["restore_s"],
+      vs=f"{_med(rs['restore_s']) / _med(rs['same_layout_s']):.2f}x same-layout time")
+  a = [x["block_s"] for x in sv["async_disk"]]
+  y = [x["block_s"] for x in sv["sync_disk"]]
+  row("stall: async save() returns (disk, cores idle before)", a, gbs=False,
+      vs=f"{_med(y) / _med(a):.0f}x smaller than sync")
+  row("stall: sync save() returns (disk)", y, gbs=False)
+  if "async_shm" in sv:
+    m = [x["block_s"] for x in sv["async_shm"]]
+    row("stall: async save() returns (/dev/shm, cores idle before)", m, gbs=False,
+        vs=f"{_med(y) / _med(m):.0f}x smaller than sync")
+  lp = s["loop"]
+  for kind, where in (("async_disk", "disk"), ("async_shm", "/dev/shm")):
+    if f"block_{kind}" in lp:
+      xs = lp[f"block_{kind}"]
+      row(f"stall: async save() called right after a train step ({where})", xs, gbs=False,
+          vs=f"{_med(y) / _med(xs):.0f}x smaller than sync")
+  base = _med(lp["no_save"])
+  row(f"train step (8 x {s['step_seq']} tokens), no save in flight", lp["no_save"], gbs=False,
+      vs="the step before each save below")
+  for kind, where in (("async_disk", "disk"), ("async_shm", "/dev/shm")):
+    if f"after_{kind}" in lp:
+      xs = lp[f"after_{kind}"]
+      row(f"train step right after that async save() returns ({where})", xs, gbs=False,
+          vs=f"+{_t(_med(xs) - base)} ({_med(xs) / base - 1:+.0%})")
+  return rows
+
+
+def variant_rows(s: dict[str, Any]) -> list[dict[str, str]]:
+  n = s["bytes"]
+  disk_w = _gbs(n, [b["write_fsync_s"] for b in s["bandwidth"]["disk"]])
+  disk_r = _gbs(n, [b["read_s"] for b in s["bandwidth"]["disk"]])
+  base = _med(s["loop"]["no_save"])
+  out = []
+  for kind in ("async_disk", *[k for k in s["saves"] if k in VARIANTS]):
+    commit = [x["commit_s"] for x in s["saves"][kind]]
+    durable = [x["durable_s"] for x in s["saves"][kind]]
+    loads = s["loads"][kind]
+    after = s["loop"][f"after_{kind}"]
+    name = "default (ocdbt, zarr2, zstd)" if kind == "async_disk" else kind
+    out.append(dict(
+        options=name, on_disk=f"{s['step_bytes_on_disk'][kind] / n:.3f}",
+        commit=_spread(commit),
+        commit_gbs=f"{_gbs(n, commit):.2f} ({_gbs(n, commit) / disk_w:.0%})",
+        durable_gbs=f"{_gbs(n, durable):.2f} ({_gbs(n, durable) / disk_w:.0%})",
+        load=_spread(loads), load_gbs=f"{_gbs(n, loads):.2f} ({_gbs(n, loads) / disk_r:.0%})",
+        step=f"{_t(_med(after))} ({_med(after) / base - 1:+.0%})"))
+  return out
+
+
+def _size_label(s) -> str:
+  return f"{s['size']} ({s['params'] / 1e6:.1f}M params, {s['bytes'] / 1e9:.3f} GB)"
+
+
+def tables(result: dict[str, Any]) -> str:
+  lines = ["| state | measurement | time, median [min, max] | GB/s | vs |",
+           "|---|---|---:|---:|---|"]
+  for s in result["sizes"]:
+    for r in bench_rows(s):
+      lines.append(f"| {_size_label(s)} | {r['what']} | {r['time']} | {r['gbs']} | {r['vs']} |")
+  lines += ["", "| state | orbax options (state item) | bytes on disk / state | save -> committed "
+            "| GB/s committed (% of disk write + fsync) | GB/s sealed + fsync | load, cold "
+            "| load GB/s (% of disk read) | train step right after save() (vs none) |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+  for s in result["sizes"]:
+    for r in variant_rows(s):
+      lines.append(f"| {_size_label(s)} | {r['options']} | {r['on_disk']} | {r['commit']} | "
+                   f"{r['commit_gbs']} | {r['durable_gbs']} | {r['load']} | {r['load_gbs']} | "
+                   f"{r['step']} |")
+  checks = "; ".join(
+      f"{s['size']}: restored == saved {s['restored_equal']}, saved while the next step donated "
+      f"its buffers: restored == state at save {s['saved_during_step_equal']}"
+      + (f", other processes used {s['other_processes_cpu_share']:.0%} of the host's CPU"
+         if s.get("other_processes_cpu_share") is not None else "") for s in result["sizes"])
+  other = result.get("other_processes_cpu_share")
+  lines += ["", f"Checks: {checks}. Load average {result['load_avg_start'][0]:.2f} at the start, "
+            f"{result['load_avg_end'][0]:.2f} at the end"
+            + (f"; other processes used {other:.0%} of the host's CPU over the run." if other
+               is not None else ".")]
+  return "\n".join(lines)
+
+
+def main(argv):
+  del argv
+  result = run(_SIZES.value, repeats=_REPEATS.value, disk_dir=_DIR.value,
+               shm_dir=_SHM_DIR.value or None, mesh_spec=_MESH.value,
+               reshard_spec=_RESHARD_MESH.value, variants=_VARIANTS.value,
+               step_seq=_STEP_SEQ.value, profile=_PROFILE.value, json_path=_JSON.value)
+  print(tables(result))
+  log(f"done in {sum(s['seconds'] for s in result['sizes']):.0f}s"
+      + (f"; wrote {_JSON.value}" if _JSON.value else ""))
+
+
+if __name__ == "__main__":
+  app.run(main)

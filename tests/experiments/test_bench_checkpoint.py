@@ -1,0 +1,52 @@
+"""experiments/bench_checkpoint.py on the tiny state, once: table structure, positive numbers."""
+import json
+import os
+
+from experiments import bench_checkpoint
+
+
+def test_tiny_run(tmp_path):
+  disk, shm, out = tmp_path / "disk", tmp_path / "shm", tmp_path / "bench.json"
+  disk.mkdir()
+  shm.mkdir()
+  result = bench_checkpoint.run(
+      ["tiny"], repeats=1, disk_dir=str(disk), shm_dir=str(shm), reshard_spec="data=4,tensor=2",
+      variants=["default", "no_compression"], step_seq=16, json_path=str(out))
+  saved = json.loads(out.read_text())
+  assert {"machine", "orbax", "sizes", "load_avg_start", "load_avg_end"} <= set(saved)
+  assert os.listdir(disk) == [] and os.listdir(shm) == []  # its temporary directories are gone
+  (s,) = saved["sizes"]
+  assert s["size"] == "tiny" and s["bytes"] == 3 * 4 * s["params"] + 3 * 4  # + 3 int32 counts
+  assert s["restored_equal"] and s["saved_during_step_equal"]
+  assert set(s["saves"]) == {"async_disk", "sync_disk", "async_shm", "no_compression"}
+  for samples in s["saves"].values():
+    (x,) = samples
+    assert 0 < x["block_s"] <= x["commit_s"] <= x["sealed_s"] <= x["durable_s"]
+  for b in s["bandwidth"]["disk"] + s["bandwidth"]["shm"]:
+    assert b["bytes"] == s["bytes"] and 0 < b["write_s"] <= b["write_fsync_s"]
+    assert b["read_s"] > 0 and b["read_hot_s"] > 0
+  assert s["reshard"]["label"] == "fsdp=8 -> data=4,tensor=2"
+  assert all(t > 0 for t in s["reshard"]["restore_s"] + s["reshard"]["same_layout_s"])
+  assert set(s["loads"]) == {"async_disk", "no_compression"}
+  # One step before each loop save (3 checkpointers), one right after each.
+  assert {k: len(v) for k, v in s["loop"].items()} == {k: 3 if k == "no_save" else 1
+                                                       for k in s["loop"]}
+  assert all(t > 0 for v in s["loop"].values() for t in v)
+  assert set(s["loop"]) == {"no_save"} | {f"{w}_{k}" for w in ("after", "block")
+                                           for k in ("async_disk", "async_shm", "no_compression")}
+
+  text = bench_checkpoint.tables(result)
+  main, variants, checks = text.split("\n\n")
+  header, rule, *rows = main.splitlines()
+  assert header.count("|") == rule.count("|") == 6 and len(rows) == 22
+  for r in rows:
+    cells = [c.strip() for c in r.strip("|").split("|")]
+    assert len(cells) == 5 and cells[0].startswith("tiny (3.3M params")
+    if cells[3]:
+      assert float(cells[3]) > 0  # GB/s
+  stalls = [r for r in rows if "stall:" in r]
+  assert len(stalls) == 5 and "smaller than sync" in stalls[0]
+  header, rule, *rows = variants.splitlines()
+  assert len(rows) == 2 and "default" in rows[0] and "no_compression" in rows[1]
+  assert all(r.count("|") == header.count("|") == 10 for r in rows)
+  assert checks.startswith("Checks: tiny: restored == saved True")
