@@ -88,15 +88,15 @@ CHUNK = 64 << 20  # bytes per os.write / os.readv of the bandwidth probe
 
 SIZE_NAMES = ("tiny", "100m")
 
-# orbax options of the state item, swapped into a Checkpointer's manager (make_checkpointer).
-# "default" is the Checkpointer as it is: OCDBT, zarr2, zstd level 1.
+# orbax options of the state item (Checkpointer's state_options). "default" is the
+# Checkpointer as it is (manager.STATE_OPTIONS: no compression, 64 MiB OCDBT files);
+# "orbax_zstd" is orbax's own default (OCDBT, zarr2, zstd level 1).
 VARIANTS: dict[str, dict[str, Any] | None] = {
     "default": None,
+    "orbax_zstd": {},
     "no_compression": dict(use_compression=False),
     "no_compression_zarr3": dict(use_compression=False, use_zarr3=True),
     "no_compression_no_ocdbt": dict(use_compression=False, use_ocdbt=False),
-    "no_compression_ocdbt_64mib_files": dict(use_compression=False,
-                                             ocdbt_target_data_file_size=64 << 20),
 }
 
 _SIZES = flags.DEFINE_list("sizes", ["tiny", "100m"], f"State sizes, of {SIZE_NAMES}.")
@@ -281,48 +281,14 @@ DATA = {"position": 0}  # stand-ins for the loader position and the model meta o
 META = {"bench": "bench_checkpoint"}
 
 
-class _StateHandler(ocp.StandardCheckpointHandler):
-  """The state item's StandardCheckpointHandler with other PyTreeCheckpointHandler options;
-  `ocdbt_target_data_file_size` (a save argument in orbax) is passed with every save."""
-
-  def __init__(self, *, ocdbt_target_data_file_size: int | None = None, **options):
-    super().__init__()
-    self._impl = ocp.PyTreeCheckpointHandler(**options)
-    self._file_size = ocdbt_target_data_file_size
-
-  async def async_save(self, directory, item=None, save_args=None, args=None):
-    if self._file_size is None or args is None:
-      return await super().async_save(directory, item, save_args, args)
-    return await self._impl.async_save(directory, args=ocp.args.PyTreeSave(
-        item=self._validate_save_state(args.item, save_args=args.save_args),
-        save_args=args.save_args, custom_metadata=args.custom_metadata,
-        ocdbt_target_data_file_size=self._file_size))
-
-
 KEEP_ALL = 1 << 30  # orbax deletes no step itself: `prune` does, outside the timed saves
 
 
 def make_checkpointer(directory: str, *, async_save: bool = True,
                       options: dict[str, Any] | None = None) -> Checkpointer:
-  """A `Checkpointer` that keeps every step (`prune` deletes them); with `options`, its orbax
-  manager is rebuilt with the state item's handler taking those PyTreeCheckpointHandler
-  options (what the class would pass: it has no parameter for them, so its private manager
-  is replaced here)."""
-  ckpt = Checkpointer(directory, keep=KEEP_ALL, async_save=async_save)
-  if options:
-    ckpt._manager.close()
-    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
-    handler = _StateHandler(**options)
-    registry.add("state", ocp.args.StandardSave, handler)
-    registry.add("state", ocp.args.StandardRestore, handler)
-    for item in ("data", "meta"):
-      registry.add(item, ocp.args.JsonSave, ocp.JsonCheckpointHandler)
-      registry.add(item, ocp.args.JsonRestore, ocp.JsonCheckpointHandler)
-    manager_options = ocp.CheckpointManagerOptions(max_to_keep=KEEP_ALL, create=True,
-                                                   enable_async_checkpointing=async_save)
-    ckpt._manager = ocp.CheckpointManager(ckpt.directory, options=manager_options,
-                                          handler_registry=registry)
-  return ckpt
+  """A `Checkpointer` that keeps every step (`prune` deletes them), its state stored with
+  `options` (default: the Checkpointer's own, `manager.STATE_OPTIONS`)."""
+  return Checkpointer(directory, keep=KEEP_ALL, async_save=async_save, state_options=options)
 
 
 def prune(ckpt: Checkpointer) -> float:
@@ -741,7 +707,7 @@ def variant_rows(s: dict[str, Any]) -> list[dict[str, str]]:
     durable = [x["durable_s"] for x in s["saves"][kind]]
     loads = s["loads"][kind]
     after = s["loop"][f"after_{kind}"]
-    name = "default (ocdbt, zarr2, zstd)" if kind == "async_disk" else kind
+    name = "default (Checkpointer: no compression, 64 MiB OCDBT files)" if kind == "async_disk" else kind
     out.append(dict(
         options=name, on_disk=f"{s['step_bytes_on_disk'][kind] / n:.3f}",
         commit=_spread(commit),
