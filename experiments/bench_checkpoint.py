@@ -371,25 +371,14 @@ def _profile(fn: Callable[[], Any], top: int = 14) -> str:
 # ---------------------------------------------------------------------------
 
 
-def _host_busy() -> tuple[float, float] | None:
-  """(busy, total) CPU seconds of the whole host so far, from /proc/stat, else None."""
-  try:
-    with open("/proc/stat", encoding="ascii") as f:
-      ticks = [int(x) for x in f.readline().split()[1:]]
-  except (OSError, ValueError):
-    return None
-  hz = os.sysconf("SC_CLK_TCK")
-  return (sum(ticks) - ticks[3] - ticks[4]) / hz, sum(ticks) / hz
-
-
 def _own_cpu_s() -> float:
   t = os.times()
   return t.user + t.system
 
 
 def _other_share(busy0, own0) -> float | None:
-  """The share of the host's CPU other processes used since (_host_busy(), _own_cpu_s())."""
-  busy1, own1 = _host_busy(), _own_cpu_s()
+  """The share of the host's CPU other processes used since (metrics_lib.host_cpu_seconds(), _own_cpu_s())."""
+  busy1, own1 = metrics_lib.host_cpu_seconds(), _own_cpu_s()
   if not (busy0 and busy1):
     return None
   return max(0.0, busy1[0] - busy0[0] - (own1 - own0)) / max(busy1[1] - busy0[1], 1e-9)
@@ -398,7 +387,7 @@ def _other_share(busy0, own0) -> float | None:
 def measure_size(size: str, *, repeats: int, disk_dir: str, shm_dir: str | None, mesh_spec: str,
                  reshard_spec: str, variants, step_seq: int, profile: bool) -> dict[str, Any]:
   """Every measurement of one state size (see the module docstring); raw samples."""
-  t_start, busy0, own0 = time.perf_counter(), _host_busy(), _own_cpu_s()
+  t_start, busy0, own0 = time.perf_counter(), metrics_lib.host_cpu_seconds(), _own_cpu_s()
   model_cfg = model_config(size)
   mesh = mesh_lib.make_mesh(mesh_spec)
   setup = train_setup(model_cfg, mesh, step_seq)
@@ -529,19 +518,14 @@ def measure_size(size: str, *, repeats: int, disk_dir: str, shm_dir: str | None,
         f"{_med(loop['after_async_disk']):.3f}s")
 
     if profile:  # each save() called right after a train step, as in the loop
-      state, _ = setup.train_fn(state, batch)
-      jax.block_until_ready(state)
-      step += 1
-      out["profile_async_save"] = _profile(lambda: ckpts["async_disk"].save(
-          step, state, data=DATA, meta=META, force=True))
-      ckpts["async_disk"].wait()
-      prune(ckpts["async_disk"])
-      state, _ = setup.train_fn(state, batch)
-      jax.block_until_ready(state)
-      step += 1
-      out["profile_sync_save"] = _profile(lambda: ckpts["sync_disk"].save(
-          step, state, data=DATA, meta=META, force=True))
-      ckpts["sync_disk"].wait()
+      for kind, ckpt in (("async", ckpts["async_disk"]), ("sync", ckpts["sync_disk"])):
+        state, _ = setup.train_fn(state, batch)
+        jax.block_until_ready(state)
+        step += 1
+        out[f"profile_{kind}_save"] = _profile(
+            lambda: ckpt.save(step, state, data=DATA, meta=META, force=True))
+        ckpt.wait()
+        prune(ckpt)
       log(f"{size}: async save() profile\n{out['profile_async_save']}")
       log(f"{size}: sync save() profile\n{out['profile_sync_save']}")
   finally:
@@ -569,7 +553,7 @@ def run(sizes, *, repeats: int = 3, disk_dir: str = "", shm_dir: str | None = "/
     model_config(size)  # a bad name fails before any work
   if repeats < 1:
     raise ValueError(f"--repeats={repeats} must be >= 1")
-  load0, busy0, own0 = os.getloadavg(), _host_busy(), _own_cpu_s()
+  load0, busy0, own0 = os.getloadavg(), metrics_lib.host_cpu_seconds(), _own_cpu_s()
   disk = tempfile.mkdtemp(prefix="bench_checkpoint.", dir=disk_dir or None)
   shm = None
   if shm_dir and os.path.isdir(shm_dir):

@@ -60,25 +60,14 @@ _WAIT_IDLE = flags.DEFINE_float("wait_idle", 0.0, "On a shared host, wait up to 
 _OUT = flags.DEFINE_string("out", None, "Optional path of a JSON file with every number.")
 
 
-def _host_busy() -> tuple[float, float] | None:
-  """(busy, total) CPU seconds of the whole host so far, from /proc/stat (Linux), else None."""
-  try:
-    with open("/proc/stat", encoding="ascii") as f:
-      ticks = [int(x) for x in f.readline().split()[1:]]
-  except (OSError, ValueError):
-    return None
-  hz = os.sysconf("SC_CLK_TCK")
-  return (sum(ticks) - ticks[3] - ticks[4]) / hz, sum(ticks) / hz
-
-
 def wait_for_idle_host(max_wait_s: float, threshold: float = 0.1) -> float:
   """Sleeps until other processes use under `threshold` of the host's CPU (sampled over
   0.5 s), for at most `max_wait_s`; returns the seconds waited."""
   t0 = time.perf_counter()
   while time.perf_counter() - t0 < max_wait_s:
-    a = _host_busy()
+    a = metrics_lib.host_cpu_seconds()
     time.sleep(0.5)
-    b = _host_busy()
+    b = metrics_lib.host_cpu_seconds()
     if a is None or b is None or (b[0] - a[0]) / max(b[1] - a[1], 1e-9) < threshold:
       break
   return time.perf_counter() - t0
@@ -94,10 +83,10 @@ class Timer:
 
   def __call__(self, fn: Callable[[], Any], n: int) -> None:
     for _ in range(n):
-      r0, h0, t0 = resource.getrusage(resource.RUSAGE_SELF), _host_busy(), time.perf_counter()
+      r0, h0, t0 = resource.getrusage(resource.RUSAGE_SELF), metrics_lib.host_cpu_seconds(), time.perf_counter()
       fn()
       dt = time.perf_counter() - t0
-      r1, h1 = resource.getrusage(resource.RUSAGE_SELF), _host_busy()
+      r1, h1 = resource.getrusage(resource.RUSAGE_SELF), metrics_lib.host_cpu_seconds()
       self.seconds.append(dt)
       cpu = (r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime)
       self.cpu_s += cpu

@@ -289,6 +289,18 @@ def peak_flops(dtype: str = "float32") -> Peak:
               f"{jax.devices()[0].device_kind!r})")
 
 
+def host_cpu_seconds() -> tuple[float, float] | None:
+  """(busy, total) CPU seconds of the whole host so far, from /proc/stat (Linux), else None:
+  benchmarks compare two readings to say how much other processes used."""
+  try:
+    with open("/proc/stat", encoding="ascii") as f:
+      ticks = [int(x) for x in f.readline().split()[1:]]
+  except (OSError, ValueError):
+    return None
+  hz = os.sysconf("SC_CLK_TCK")
+  return (sum(ticks) - ticks[3] - ticks[4]) / hz, sum(ticks) / hz
+
+
 def machine_info() -> dict[str, Any]:
   """What a benchmark ran on: CPU model, cores, jax, backend, devices and the env knobs."""
   model = platform.processor() or ""
