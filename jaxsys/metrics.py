@@ -137,7 +137,7 @@ class _QuietLibraries(pylogging.Filter):
 
   def filter(self, record: pylogging.LogRecord) -> bool:
     if "/orbax/" not in record.pathname:
-      return not (record.name == "asyncio" and "/orbax/" in record.getMessage())
+      return not (record.name == "asyncio" and _from_orbax(record))
     if record.levelno < pylogging.WARNING:
       return False
     if record.exc_info and record.exc_info[1] is not None:  # the traceback -> its last line
@@ -146,6 +146,19 @@ class _QuietLibraries(pylogging.Filter):
       record.msg, record.args = f"{record.getMessage()}: {type(error).__name__}: {reason}", None
       record.exc_info = record.exc_text = None
     return True
+
+
+def _from_orbax(record: pylogging.LogRecord) -> bool:
+  """An asyncio record about an orbax save: its text names orbax (a module, or a step's
+  `.orbax-checkpoint-tmp` directory) or its traceback passes through orbax."""
+  if "orbax" in record.getMessage():
+    return True
+  tb = record.exc_info[2] if record.exc_info else None
+  while tb is not None:
+    if "/orbax/" in tb.tb_frame.f_code.co_filename:
+      return True
+    tb = tb.tb_next
+  return False
 
 
 def _late_write_callback(unraisable) -> bool:
