@@ -125,16 +125,18 @@ def stacked_target(tree, replicas: int, mesh):
 
 @dataclasses.dataclass(frozen=True)
 class Transform:
-  """A layout a run trains in: canonical -> view and back, both pure."""
+  """A layout a run trains in: `to_view(canonical, arg)` and `to_canonical(view, arg)`, both
+  pure, `arg` the layout's parameter (a replica count, a `pipeline.Layout`)."""
   to_view: Callable
   to_canonical: Callable
   what: str
 
 
 TRANSFORMS = {
-    "replicas": Transform(stack_replicas, merge_replicas,
+    "replicas": Transform(stack_replicas, lambda tree, replicas: merge_replicas(tree),
                           "a leading [replica] axis, one copy of the model per replica"),
-    "stages": Transform(pipeline.to_stages, pipeline.from_stages,
+    "stages": Transform(lambda tree, layout: pipeline.to_stages(layout, tree),
+                        lambda tree, layout: pipeline.from_stages(layout, tree),
                         "layers [virtual, stage, layers/chunk, ...] and the vocabulary padded "
                         "to a multiple of the stages (vocabulary parallelism)"),
 }
@@ -142,8 +144,10 @@ TRANSFORMS = {
 
 def map_state(optimizer: optax.GradientTransformation, fn: Callable, params, opt_state,
               non_params: Callable | None = None):
-  """(fn(params), opt_state with fn applied to every parameter-shaped leaf: moments follow
-  their parameters). `non_params` maps the other leaves (Adam's count), default unchanged."""
+  """(fn(params), opt_state with fn applied to each leaf that mirrors a parameter: moments
+  follow their parameters). `fn` maps one array, whatever its path (a path-dependent
+  view, the pipeline's, maps moments by their keys instead: `pipelined._map_state`).
+  `non_params` maps the other leaves (Adam's count), default unchanged."""
   return fn(params), optax.tree_map_params(optimizer, fn, opt_state,
                                            transform_non_params=non_params)
 

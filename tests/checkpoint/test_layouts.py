@@ -13,6 +13,8 @@ import pytest
 from jaxsys import metrics as metrics_lib
 from jaxsys.checkpoint import layouts
 from jaxsys.checkpoint.manager import Checkpointer
+from jaxsys.models import transformer
+from jaxsys.parallel import pipeline
 from jaxsys.train import loop
 
 
@@ -64,6 +66,28 @@ def test_moments_follow_their_parameters_and_counts_take_replica_0():
   assert adam.count == opt_state[0].count[0]
   # The merged state is one model's: the optimizer steps it.
   optimizer.update(merged_p, merged_s, merged_p)
+
+
+# One example parameter per registered layout: a transform added without one fails here.
+EXAMPLES = {"replicas": 4,  # a power of two: the mean of copies is exact
+            "stages": pipeline.Layout(stages=2, virtual=2, vocab_size=257, vocab_parallel=True)}
+
+
+@pytest.mark.parametrize("name", sorted(layouts.TRANSFORMS))
+def test_every_registered_layout_round_trips(name):
+  """canonical -> view -> canonical is the identity, for the parameters and Adam's moments."""
+  assert name in EXAMPLES, f"add an example for the layout {name!r} to EXAMPLES"
+  cfg = transformer.TransformerConfig(vocab_size=257, d_model=32, n_layers=4, n_heads=2,
+                                      n_kv_heads=1, d_ff=64)
+  params = transformer.init_params(cfg, jax.random.key(0))
+  transform, arg = layouts.TRANSFORMS[name], EXAMPLES[name]
+  view = transform.to_view(params, arg)
+  assert jax.tree.structure(view) == jax.tree.structure(params)
+  assert any(v.shape != p.shape for v, p in zip(jax.tree.leaves(view), jax.tree.leaves(params)))
+  chex.assert_trees_all_equal(transform.to_canonical(view, arg), params)
+  # Adam's moments are parameter-shaped trees: the same pair carries them.
+  mu = optax.adamw(1e-3).init(params)[0].mu
+  chex.assert_trees_all_equal(transform.to_canonical(transform.to_view(mu, arg), arg), mu)
 
 
 def _losses(workdir):
