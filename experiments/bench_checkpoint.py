@@ -166,12 +166,6 @@ def state_bytes(tree) -> int:
   return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
-def target_for(abstract, shardings):
-  """What `Checkpointer.restore` takes: abstract leaves carrying the target shardings."""
-  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                      abstract, shardings)
-
-
 # ---------------------------------------------------------------------------
 # Files: bandwidth, page cache, durability
 # ---------------------------------------------------------------------------
@@ -448,13 +442,13 @@ def measure_size(size: str, *, repeats: int, disk_dir: str, shm_dir: str | None,
     same_target = setup.saved_target()
     try:
       reshard_mesh = mesh_lib.make_mesh(reshard_spec)
-      other_target = target_for(setup.abstract, state_lib.state_shardings(
+      other_target = state_lib.with_shardings(setup.abstract, state_lib.state_shardings(
           setup.abstract, model_cfg, setup.optimizer, reshard_mesh))
     except ValueError as e:  # e.g. tiny's 2 kv heads over tensor=4
       log(f"{size}: --reshard_mesh={reshard_spec} does not fit ({e}); using data=4,tensor=2")
       reshard_spec = "data=4,tensor=2"
       reshard_mesh = mesh_lib.make_mesh(reshard_spec)
-      other_target = target_for(setup.abstract, state_lib.state_shardings(
+      other_target = state_lib.with_shardings(setup.abstract, state_lib.state_shardings(
           setup.abstract, model_cfg, setup.optimizer, reshard_mesh))
     drop = lambda c=saved, s=saved_step: drop_page_cache(files_under(c.step_dir(s)))
     restored, _ = saved.restore(saved_step, same_target)  # also: the bytes came back

@@ -2,9 +2,10 @@
 
 Two runs on one workdir would overwrite each other's checkpoints and interleave
 `metrics.jsonl`. The lock is `<workdir>/run.lock`, created atomically (written whole, then
-hard-linked into place) and holding JSON. A second run refuses in one line naming the holder. A lock whose holder is gone (same
-host, no such pid) is stale: the next run takes it over with a warning. A lock from
-another host is never taken over, since its holder cannot be checked from here.
+hard-linked into place) and holding JSON. A second run refuses in one line naming the
+holder. A lock whose holder is gone (same host, no such pid) is stale: the next run takes
+it over with a warning. A lock from another host is never taken over, since its holder
+cannot be checked from here.
 
 Example:
   with WorkdirLock(workdir):

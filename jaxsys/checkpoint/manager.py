@@ -32,6 +32,11 @@ class CorruptCheckpoint(ValueError):
   """A step's files fail their checksums (a ValueError: the binaries print one line)."""
 
 
+def corrupt_step(step: int, directory: str, problem: str) -> str:
+  """How every corrupt-step error starts: the step, its directory, what fails."""
+  return f"checkpoint step {step} in {directory} is corrupt: {problem}"
+
+
 # How the state's arrays are stored: uncompressed, in OCDBT data files of 64 MiB. orbax's
 # default zstd saves ~7% of float32 bytes but holds a save to 16% of this machine's disk
 # bandwidth at 100M parameters (77% without it): experiments/bench_checkpoint.py.
@@ -117,7 +122,7 @@ class Checkpointer:
                       self.directory, bad)
       return steps[0]
     good = next((s for s in steps[1:] if self.problem(s) in (None, integrity.UNSEALED)), None)
-    where = f"checkpoint step {steps[0]} in {self.directory} is corrupt: {bad}"
+    where = corrupt_step(steps[0], self.directory, bad)
     if good is None:
       raise CorruptCheckpoint(f"{where}; no earlier step verifies (steps there: "
                               f"{sorted(steps)}); use another --workdir to start afresh")

@@ -14,7 +14,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxsys.checkpoint import integrity
-from jaxsys.checkpoint.manager import CorruptCheckpoint, check_same_model
+from jaxsys.checkpoint.manager import CorruptCheckpoint, check_same_model, corrupt_step
 from jaxsys.models import transformer
 
 
@@ -69,7 +69,7 @@ def read_params(path: str, step: int | None = None, *, expect_model: dict | None
       raise ValueError(f"{directory}: no checkpoint at step {step}; steps there: {sorted(steps)}")
     bad = integrity.problem(os.path.join(directory, str(step)))
     if bad not in (None, integrity.UNSEALED):
-      raise CorruptCheckpoint(f"checkpoint step {step} in {directory} is corrupt: {bad}")
+      raise CorruptCheckpoint(corrupt_step(step, directory, bad))
     meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     if expect_model is not None:
       check_same_model(meta["model"], expect_model, directory, allow_model_change)

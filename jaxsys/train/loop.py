@@ -298,10 +298,15 @@ def _run_view(config, mesh, setup) -> dict:
   return view
 
 
+def _checkpoint_option(config, name: str, default):
+  """config.checkpoint.<name>; a config without the `checkpoint` group gets `default`."""
+  return config.get("checkpoint", {}).get(name, default)
+
+
 def _restore_or_init(parts: _Parts, config, ckpts: list[Checkpointer]):
   """The newest step of `ckpts` (the workdir's checkpoints, then its RAM snapshots: the
   first wins a tie) with its loader position, else a fresh state."""
-  on_corrupt = config.get("checkpoint", {}).get("on_corrupt", "error")
+  on_corrupt = _checkpoint_option(config, "on_corrupt", "error")
   steps = [(c.restore_step(on_corrupt), c) for c in ckpts]
   latest, ckpt = max(((s, c) for s, c in steps if s is not None), key=lambda sc: sc[0],
                      default=(None, None))
@@ -335,7 +340,7 @@ def restore(config, workdir: str, step: int | None = None):
   ckpt = Checkpointer(os.path.join(os.path.abspath(workdir), "checkpoints"))
   try:
     if step is None:
-      step = ckpt.restore_step(config.get("checkpoint", {}).get("on_corrupt", "error"))
+      step = ckpt.restore_step(_checkpoint_option(config, "on_corrupt", "error"))
     if step is None:
       raise ValueError(f"workdir {workdir} holds no checkpoint")
     state = _restore_at(parts, config, ckpt, step)
@@ -350,7 +355,7 @@ def _restore_converted(parts: _Parts, config, ckpt: Checkpointer, step: int,
   outer optimizer): its parameters and inner optimizer state, read into this mesh, then
   regrouped (`layouts.convert`); a fresh outer state. The saved outer state is not read."""
   setup, target = parts.setup, parts.form
-  how = config.get("checkpoint", {}).get("merge_replicas", "mean")
+  how = _checkpoint_option(config, "merge_replicas", "mean")
   try:
     layouts.check_regroup(source.replicas, target.replicas)
   except ValueError as e:
@@ -401,7 +406,7 @@ class _Loop:
                snapshots: Checkpointer | None = None):
     self.parts, self.config, self.state, self.ckpt = parts, config, state, ckpt
     self.snapshots = snapshots
-    self.snapshot_every = config.get("checkpoint", {}).get("snapshot_every", 0)
+    self.snapshot_every = _checkpoint_option(config, "snapshot_every", 0)
     self.step = self.saved_step = int(jax.device_get(state.step))
     self.schedule = make_schedule(config.optimizer, config.total_steps)
     self.meter = _throughput_meter(config, parts.model_cfg)
@@ -516,7 +521,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   workdir = os.path.abspath(workdir)
   # One run per workdir (process 0 holds the lock for all of its processes).
   lock = WorkdirLock(workdir) if jax.process_index() == 0 else contextlib.nullcontext()
-  snapshot_every = config.get("checkpoint", {}).get("snapshot_every", 0)
+  snapshot_every = _checkpoint_option(config, "snapshot_every", 0)
   if snapshot_every and jax.process_count() > 1:
     raise ValueError(f"checkpoint.snapshot_every={snapshot_every} needs one process (a RAM "
                      f"directory is local to its host), but this run has {jax.process_count()}; "
@@ -524,15 +529,16 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   with lock:
     parts = _set_up(config, workdir)
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.keep_checkpoints)
-    ckpts = [ckpt]
-    if snapshot_every:  # the newest only, in RAM: survives the process, not the machine
-      ckpts.append(Checkpointer(snapshot_dir(workdir, config.checkpoint.snapshot_dir), keep=1))
+    # The newest snapshot only, in RAM: it survives the process, not the machine.
+    snapshots = (Checkpointer(snapshot_dir(workdir, config.checkpoint.snapshot_dir), keep=1)
+                 if snapshot_every else None)
+    ckpts = [c for c in (ckpt, snapshots) if c is not None]
     try:
       if jax.process_index() == 0:
         for c in ckpts:
           c.remove_partial_saves()
       loop = _Loop(parts, config, _restore_or_init(parts, config, ckpts), ckpt, workdir,
-                   snapshots=ckpts[1] if snapshot_every else None)
+                   snapshots)
       try:
         with _stop_requests() as stop:
           preempted = loop.run(stop)
@@ -541,8 +547,8 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     finally:
       for c in ckpts:
         c.close()
-    if snapshot_every:  # the run saved its last step to disk: the RAM copy is spent
-      shutil.rmtree(ckpts[1].directory, ignore_errors=True)
+    if snapshots is not None:  # the run saved its last step to disk: the RAM copy is spent
+      shutil.rmtree(snapshots.directory, ignore_errors=True)
   return {"workdir": workdir, "checkpoints": ckpt.directory, "metrics": loop.writer.path,
           "tensorboard": loop.writer.tb_dir, **loop.last_eval, "step": loop.step,
           "preempted": preempted}

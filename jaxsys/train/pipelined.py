@@ -98,8 +98,7 @@ class PipelineSetup(step_lib.TrainSetup):
     return outer_lib.ring_allreduce_bytes(grads, shards) + 2 * self.schedule.ticks * activation
 
   def saved_target(self) -> TrainState:
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                        self.canonical, self.canonical_sh)
+    return state_lib.with_shardings(self.canonical, self.canonical_sh)
 
   def to_saved(self, state: TrainState) -> TrainState:
     return self._to_canonical(state)

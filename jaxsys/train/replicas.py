@@ -227,8 +227,7 @@ class ReplicaSetup:
   # The replica-stacked state is its own saved form (`checkpoint.layouts`).
 
   def saved_target(self) -> ReplicaTrainState:
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                        self.abstract, self.state_sh)
+    return state_lib.with_shardings(self.abstract, self.state_sh)
 
   def one_target(self) -> TrainState:
     """One replica's state, abstract with shardings (see `step.TrainSetup.one_target`)."""
@@ -285,5 +284,4 @@ def make_replica_setup(config, model_cfg: transformer.TransformerConfig, mesh: M
   return ReplicaSetup(model_cfg, optimizer, outer, replicas, abstract, state_sh, batch_sh,
                       one_sh.params, train_fn, sync_fn, sync_train_fn, eval_params,
                       outer.bytes_per_sync(one_params, replicas),
-                      jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                                   one, one_sh))
+                      state_lib.with_shardings(one, one_sh))

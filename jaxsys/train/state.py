@@ -47,5 +47,11 @@ def state_shardings(abstract_state: TrainState, model_cfg: transformer.Transform
   return TrainState(step=replicated, params=param_sh, opt_state=opt_sh)
 
 
+def with_shardings(abstract: Any, shardings: Any) -> Any:
+  """Abstract leaves carrying `shardings`: what a restore reads into, or a jit's target."""
+  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                      abstract, shardings)
+
+
 def abstract_train_state(model_cfg, optimizer, seed: int = 0) -> TrainState:
   return jax.eval_shape(lambda: init_train_state(model_cfg, optimizer, seed))

@@ -212,8 +212,7 @@ class TrainSetup:
 
   def saved_target(self) -> TrainState:
     """The canonical state's abstract leaves with shardings: what a checkpoint restores into."""
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                        self.abstract, self.state_sh)
+    return state_lib.with_shardings(self.abstract, self.state_sh)
 
   def one_target(self) -> TrainState:
     """One model's canonical state, abstract with shardings: what another run's checkpoint
