@@ -73,8 +73,18 @@ def merge_replicas(tree, how: str = "mean"):
     raise ValueError(f"checkpoint.merge_replicas={how!r}; valid: {', '.join(MERGES)}")
   if how == "replica0":
     return jax.tree.map(lambda x: x[0], tree)
-  return jax.tree.map(lambda x: jnp.mean(x, axis=0, dtype=jnp.float32).astype(x.dtype)
-                      if jnp.issubdtype(x.dtype, jnp.floating) else x[0], tree)
+  return jax.tree.map(lambda x: _mean_of_rows(x) if jnp.issubdtype(x.dtype, jnp.floating)
+                      else x[0], tree)
+
+
+def _mean_of_rows(x):
+  """x.mean(0) in float32, as a sum of slices: XLA:CPU runs a reduce over the leading axis
+  ~15x slower than the adds (4 s against 0.2 s to merge the 2 replicas of a 100M
+  model and its Adam moments, 2.4 GB, on 8 simulated devices)."""
+  total = x[0].astype(jnp.float32)
+  for row in range(1, x.shape[0]):
+    total = total + x[row]
+  return (total / x.shape[0]).astype(x.dtype)
 
 
 def check_regroup(saved: int, target: int) -> None:
