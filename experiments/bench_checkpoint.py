@@ -3,7 +3,9 @@ r"""Checkpoint save, load and training-loop stall of `jaxsys.checkpoint.manager.
   python -m experiments.bench_checkpoint --sizes=tiny,100m --repeats=5 \
       --profile --json=/tmp/bench_checkpoint.json
 
-(The script sets 8 simulated CPU devices itself when XLA_FLAGS names no count.) For each
+(The script sets 8 simulated CPU devices itself when XLA_FLAGS names no count, and, as
+experiments.train does, re-executes itself once with huge-page malloc: `jaxsys.hugepages`;
+JAXSYS_HUGE_PAGES=0 measures without.) For each
 state size (`tiny`: configs/tiny_lm.py's model, 3.3M parameters; `100m`: d_model 768, 12
 layers, 12 heads, d_ff 2048, vocabulary 10,240: 100.7M parameters) it builds the
 TrainState a run checkpoints, parameters and AdamW moments (3x the parameter bytes,
@@ -25,7 +27,9 @@ the VM's disk hits them alike):
    manifest, then an fsync of every file and directory of the step and of its parent).
    TensorStore fsyncs the array data files it writes (its `file_io_sync` default) but
    orbax's JSON metadata and the commit rename are not fsynced, hence the second number.
-   Against the disk's write + fsync bandwidth (target: >= 70%). The same for a synchronous
+   Against the disk's write + fsync bandwidth (target: >= 70%), as medians and, since this
+   VM's disk is bursty, pair by pair: each repeat times the probe right before (or, every
+   other repeat, right after) the default save. The same for a synchronous
    Checkpointer (`async_save=False`), for an asynchronous one on /dev/shm (an "in-memory
    snapshot"), and for the orbax option sets of --variants (no zstd, zarr3, no OCDBT,
    smaller OCDBT data files), swapped into the Checkpointer's manager
@@ -36,7 +40,10 @@ the VM's disk hits them alike):
    step's pages are dropped from the guest page cache; and into the shardings of
    --reshard_mesh (data=2,tensor=4: the same shapes, other shardings; plain orbax
    resharding), through `resharding_restore_vs_same_layout`, the hook a layout-converting
-   restore (`jaxsys/checkpoint/layouts.py`) plugs into with its own restore callable.
+   restore plugs into with its own restore callable; and a layout-converting one
+   (`replicas_to_one_model`): the state saved as 2 stacked replicas (an outer-optimizer
+   run's form) read back as saved, against the loop's conversion to one model on
+   --reshard_mesh (pieces read straight into that mesh, then the replicas' mean).
 4. The training-loop stall per save: the wall time `save()` blocks its caller for an
    asynchronous save (disk, /dev/shm) and a synchronous one, called with the cores idle
    (the saves of 2.); and as the loop sees it: `save()` called right after the real
@@ -52,6 +59,11 @@ right after a train step, spend the caller's time (cProfile, cumulative).
 from __future__ import annotations
 
 import os
+
+from jaxsys import hugepages
+
+if __name__ == "__main__":  # as experiments.train does, before jax starts
+  hugepages.reexec_with_huge_pages()
 
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
@@ -78,6 +90,7 @@ from absl import app, flags
 from configs import tiny_lm
 from jaxsys import mesh as mesh_lib
 from jaxsys import metrics as metrics_lib
+from jaxsys.checkpoint import layouts
 from jaxsys.checkpoint.manager import Checkpointer
 from jaxsys.data import packing
 from jaxsys.models import transformer
@@ -350,6 +363,51 @@ def resharding_restore_vs_same_layout(restore: Callable[[], Any],
               cache_dropped=dropped)
 
 
+REPLICAS = 2  # of the layout-converting restore's checkpoint
+
+
+def replicas_to_one_model(setup, state, one_target, directory: str, *, repeats: int,
+                          label: str) -> dict[str, Any]:
+  """A layout-converting restore, timed through the hook: `state`'s step, parameters and
+  optimizer state saved as REPLICAS stacked replicas (an outer-optimizer run's form), read
+  back as they were, against the loop's conversion into one model in `one_target`'s
+  shardings (`layouts.stacked_target` pieces read straight into that mesh, then
+  `layouts.convert`: the replicas' mean). Checks the conversion gives `state` back."""
+  fields = lambda t: {"step": t.step, "params": t.params, "opt_state": t.opt_state}
+  stack = lambda tree, mesh: dict(tree, **{k: layouts.stacked_target(tree[k], REPLICAS, mesh)
+                                           for k in ("params", "opt_state")})
+  mesh = jax.tree.leaves(state)[0].sharding.mesh
+  saved = stack(fields(setup.saved_target()), mesh)
+  one = fields(one_target)
+  read = stack(one, jax.tree.leaves(one_target)[0].sharding.mesh)
+  shardings = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
+  stacked = jax.jit(lambda s: dict(fields(s), **{k: layouts.stack_replicas(v, REPLICAS) for k, v
+                                                 in fields(s).items() if k != "step"}),
+                    out_shardings=shardings(saved))(state)
+  ckpt = make_checkpointer(directory)
+  try:
+    ckpt.save(1, stacked, data=DATA, meta=META, force=True)
+    ckpt.wait()
+    del stacked
+    source, target = layouts.Form(REPLICAS, "diloco"), layouts.Form()
+
+    def to_one(got):
+      params, opt_state = layouts.convert(setup.optimizer, got["params"], got["opt_state"],
+                                          source, target, "mean")
+      return dict(got, params=params, opt_state=opt_state)
+    to_one = jax.jit(to_one, out_shardings=shardings(one))
+    converted = lambda: to_one(ckpt.restore(1, read, partial=True)[0])
+    equal = all(jax.tree.leaves(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)),
+                                             converted(), fields(state))))
+    files = files_under(ckpt.step_dir(1))
+    out = resharding_restore_vs_same_layout(
+        converted, lambda: ckpt.restore(1, saved)[0], nbytes=REPLICAS * state_bytes(state),
+        repeats=repeats, drop_cache=lambda: drop_page_cache(files), label=label)
+  finally:
+    ckpt.close()
+  return dict(out, converted_equal=equal)
+
+
 def _profile(fn: Callable[[], Any], top: int = 14) -> str:
   prof = cProfile.Profile()
   prof.enable()
@@ -417,14 +475,21 @@ def measure_size(size: str, *, repeats: int, disk_dir: str, shm_dir: str | None,
   saves = {k: [] for k in ckpts}
   step = 0
   try:
-    units = [("disk", root)] + ([("shm", shm_root)] if shm_root else []) + list(ckpts.items())
+    units = [("disk", root)] + ([("shm", shm_root)] if shm_root else []) + [
+        (k, c) for k, c in ckpts.items() if k != "async_disk"]
     for r in range(repeats):
       # Each repeat starts elsewhere in the list: every kind takes its turn right after the
       # heaviest writes (the VM's disk slows down after a burst), none always first.
       shift = r * len(units) // repeats
       for kind, where in units[shift:] + units[:shift]:
-        if kind in ("disk", "shm"):
+        if kind == "shm":
           out["bandwidth"][kind].append(file_bandwidth(where, nbytes))
+        elif kind == "disk":  # the probe next to the default save (first in turns): a pair
+          step += 1
+          pair = [lambda: out["bandwidth"]["disk"].append(file_bandwidth(root, nbytes)),
+                  lambda: saves["async_disk"].append(timed_save(ckpts["async_disk"], step, state))]
+          for measure in pair[::1 if r % 2 == 0 else -1]:
+            measure()
         else:
           step += 1
           saves[kind].append(timed_save(where, step, state))
@@ -460,6 +525,9 @@ def measure_size(size: str, *, repeats: int, disk_dir: str, shm_dir: str | None,
         lambda: saved.restore(saved_step, same_target)[0], nbytes=nbytes, repeats=repeats,
         drop_cache=drop, label=f"{mesh_spec} -> {reshard_spec}")
     out["reshard_mesh"] = reshard_spec
+    out["convert"] = replicas_to_one_model(setup, state, other_target, os.path.join(root, "replicas"),
+                                           repeats=repeats, label=f"{REPLICAS} replicas on "
+                                           f"{mesh_spec} -> one model on {reshard_spec}")
     out["loads"] = {"async_disk": out["reshard"]["same_layout_s"]}
     equal = lambda tree: all(jax.tree.leaves(jax.tree.map(
         lambda a, b: bool(jnp.array_equal(a, b)), tree, state)))
@@ -474,7 +542,9 @@ def measure_size(size: str, *, repeats: int, disk_dir: str, shm_dir: str | None,
             lambda c=c: drop_page_cache(files_under(c.step_dir(c.latest_step()))))[0]
             for _ in range(repeats)]
     log(f"{size}: loads " + ", ".join(f"{k} {_med(v):.2f}s" for k, v in out["loads"].items())
-        + f", resharded {_med(out['reshard']['restore_s']):.2f}s")
+        + f", resharded {_med(out['reshard']['restore_s']):.2f}s, {REPLICAS} replicas as they "
+        f"were {_med(out['convert']['same_layout_s']):.2f}s, converted to one model "
+        f"{_med(out['convert']['restore_s']):.2f}s")
 
     # 4. The step as the loop sees it: right after an async save() returns, against none.
     loop_kinds = [k for k in ckpts if k != "sync_disk"]
@@ -556,7 +626,7 @@ def run(sizes, *, repeats: int = 3, disk_dir: str = "", shm_dir: str | None = "/
       machine=metrics_lib.machine_info(), orbax=ocp.__version__,
       tensorstore=_version("tensorstore"), argv=sys.argv, repeats=repeats,
       disk_dir=disk, disk_fs=fs_type(disk), shm_dir=shm, shm_fs=fs_type(shm) if shm else None,
-      load_avg_start=load0, sizes=[])
+      huge_pages=hugepages.enabled(), load_avg_start=load0, sizes=[])
   try:
     for size in sizes:
       result["sizes"].append(measure_size(
@@ -605,8 +675,8 @@ def bench_rows(s: dict[str, Any]) -> list[dict[str, str]]:
   disk_r = _gbs(n, [b["read_s"] for b in bw["disk"]])
   shm_w = _gbs(n, [b["write_s"] for b in bw["shm"]]) if "shm" in bw else None
 
-  def row(what, xs, gbs=True, vs=""):
-    rows.append(dict(what=what, time=_spread(xs), gbs=f"{_gbs(n, xs):.2f}" if gbs else "",
+  def row(what, xs, gbs=True, vs="", nbytes=n):
+    rows.append(dict(what=what, time=_spread(xs), gbs=f"{_gbs(nbytes, xs):.2f}" if gbs else "",
                      vs=vs))
 
   row("disk: write + fsync (os.write, 64 MiB chunks)", [b["write_fsync_s"] for b in bw["disk"]],
@@ -625,6 +695,10 @@ def bench_rows(s: dict[str, Any]) -> list[dict[str, str]]:
       vs=pct([x["commit_s"] for x in sv["async_disk"]], disk_w))
   row("save async, disk: -> sealed + fsync (durable)", [x["durable_s"] for x in sv["async_disk"]],
       vs=pct([x["durable_s"] for x in sv["async_disk"]], disk_w))
+  paired = [b["write_fsync_s"] / x["durable_s"] for b, x in zip(bw["disk"], sv["async_disk"])]
+  row("save async, disk: -> sealed + fsync, each against the probe next to it",
+      [x["durable_s"] for x in sv["async_disk"]],
+      vs=f"{_med(paired):.0%} [{min(paired):.0%}, {max(paired):.0%}] of write + fsync")
   deletes = [x["delete_previous_s"] for x in sv["async_disk"][1:]]
   if deletes:
     row("delete the previous step (max_to_keep's work, off the caller)", deletes, gbs=False,
@@ -648,6 +722,12 @@ def bench_rows(s: dict[str, Any]) -> list[dict[str, str]]:
       vs=f"{_gbs(n, rs['same_layout_s']) / disk_r:.0%} of disk read")
   row(f"load, resharded {rs['label']}, {state}", rs["restore_s"],
       vs=f"{_med(rs['restore_s']) / _med(rs['same_layout_s']):.2f}x same-layout time")
+  cv = s["convert"]
+  row(f"load, {REPLICAS}-replica checkpoint as saved, {state}", cv["same_layout_s"],
+      nbytes=cv["bytes"])
+  row(f"load, layout-converting: {cv['label']} (mean), {state}", cv["restore_s"],
+      nbytes=cv["bytes"],
+      vs=f"{_med(cv['restore_s']) / _med(cv['same_layout_s']):.2f}x same-layout time")
   a = [x["block_s"] for x in sv["async_disk"]]
   y = [x["block_s"] for x in sv["sync_disk"]]
   row("stall: async save() returns (disk, cores idle before)", a, gbs=False,
@@ -716,12 +796,15 @@ def tables(result: dict[str, Any]) -> str:
                    f"{r['commit_gbs']} | {r['durable_gbs']} | {r['load']} | {r['load_gbs']} | "
                    f"{r['step']} |")
   checks = "; ".join(
-      f"{s['size']}: restored == saved {s['restored_equal']}, saved while the next step donated "
+      f"{s['size']}: restored == saved {s['restored_equal']}, {REPLICAS} replicas converted "
+      f"to one model == the model {s['convert']['converted_equal']}, saved while the next step donated "
       f"its buffers: restored == state at save {s['saved_during_step_equal']}"
       + (f", other processes used {s['other_processes_cpu_share']:.0%} of the host's CPU"
          if s.get("other_processes_cpu_share") is not None else "") for s in result["sizes"])
   other = result.get("other_processes_cpu_share")
-  lines += ["", f"Checks: {checks}. Load average {result['load_avg_start'][0]:.2f} at the start, "
+  malloc = ("huge-page malloc (glibc.malloc.hugetlb=1)" if result.get("huge_pages") else
+            "malloc in 4 KiB pages (JAXSYS_HUGE_PAGES=0 or no THP)")
+  lines += ["", f"Checks: {checks}. {malloc}. Load average {result['load_avg_start'][0]:.2f} at the start, "
             f"{result['load_avg_end'][0]:.2f} at the end"
             + (f"; other processes used {other:.0%} of the host's CPU over the run." if other
                is not None else ".")]

@@ -27,6 +27,8 @@ def test_tiny_run(tmp_path):
     assert b["read_s"] > 0 and b["read_hot_s"] > 0
   assert s["reshard"]["label"] == "fsdp=8 -> data=4,tensor=2"
   assert all(t > 0 for t in s["reshard"]["restore_s"] + s["reshard"]["same_layout_s"])
+  assert s["convert"]["converted_equal"] and s["convert"]["bytes"] == 2 * s["bytes"]
+  assert s["convert"]["label"] == "2 replicas on fsdp=8 -> one model on data=4,tensor=2"
   assert set(s["loads"]) == {"async_disk", "no_compression"}
   # One step before each loop save (3 checkpointers), one right after each.
   assert {k: len(v) for k, v in s["loop"].items()} == {k: 3 if k == "no_save" else 1
@@ -38,7 +40,7 @@ def test_tiny_run(tmp_path):
   text = bench_checkpoint.tables(result)
   main, variants, checks = text.split("\n\n")
   header, rule, *rows = main.splitlines()
-  assert header.count("|") == rule.count("|") == 6 and len(rows) == 22
+  assert header.count("|") == rule.count("|") == 6 and len(rows) == 25
   for r in rows:
     cells = [c.strip() for c in r.strip("|").split("|")]
     assert len(cells) == 5 and cells[0].startswith("tiny (3.3M params")
