@@ -99,12 +99,20 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       outer_staleness_penalty=placeholder(float), outer_momentum_clip=placeholder(float),
       # co2: a setting outside its stability bound is refused unless this is True (then a
       # warning), e.g. the authors' outer_staleness_penalty=1.0 (jaxsys/optim/co2.py)
-      outer_allow_unstable=False))
+      outer_allow_unstable=False,
+      # streaming_diloco: layers synced in outer_fragments fragments at staggered offsets,
+      # each every outer_sync_every steps; the outer step lands outer_overlap_steps inner
+      # steps after its collective starts, mixed into the local parameters as
+      # (1 - outer_mixing) global + outer_mixing local (jaxsys/optim/streaming.py)
+      outer_fragments=1, outer_overlap_steps=0, outer_mixing=0.0))
   # Pipeline parallelism over the mesh's `stage` axis (jaxsys/parallel/pipeline.py): none,
   # gpipe, 1f1b or interleaved_1f1b, e.g. --config.mesh=stage=4,data=2
   # --config.pipeline.schedule=1f1b --config.pipeline.microbatches=8
   # --config.pipeline.vocab_parallel=true (embedding and output layer split over stages;
   # vocab_algorithm 2 syncs once per microbatch, 1 is the paper's naive baseline).
+  # routing (with an outer optimizer over a replica x stage mesh): fixed sends each
+  # microbatch to the next stage of its own replica; random to the next stage of a replica
+  # drawn per microbatch from a seeded permutation (NoLoCo, arXiv 2506.10911).
   # Context parallelism: a `context` mesh axis > 1 splits every sequence over it and runs
   # ring attention (jaxsys/parallel/context.py), e.g. --config.mesh=data=2,context=4;
   # context_layout zigzag evens the causal work, contiguous is the naive order.
@@ -121,5 +129,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                                               hdp_schedule="per_rank",
                                               hdp_widen_rings=False))
   c.pipeline = ml_collections.ConfigDict(dict(
-      schedule="none", microbatches=4, virtual_stages=1, vocab_parallel=False, vocab_algorithm=2))
+      schedule="none", microbatches=4, virtual_stages=1, vocab_parallel=False, vocab_algorithm=2,
+      routing="fixed"))
   return c

@@ -158,12 +158,16 @@ FIELDS: dict[str, Rule] = {
     "optimizer.outer_staleness_penalty": optional(number(0, lo_open=True), _ALGORITHM_DEFAULT),
     "optimizer.outer_momentum_clip": optional(number(0, lo_open=True), "no clipping"),
     "optimizer.outer_allow_unstable": BOOL,
+    "optimizer.outer_fragments": integer(1, meaning="fragments of layers synced in turn"),
+    "optimizer.outer_overlap_steps": integer(0, meaning="inner steps a sync overlaps"),
+    "optimizer.outer_mixing": number(0, 1),
     "pipeline.schedule": one_of(*pipeline.SCHEDULES),
     "pipeline.microbatches": integer(1),
     "pipeline.virtual_stages": integer(1),
     "pipeline.vocab_parallel": BOOL,
     "pipeline.vocab_algorithm": Rule(lambda v: _is_int(v) and v in (1, 2),
                                      "1 or 2 (the Vocabulary Parallelism paper's algorithms)"),
+    "pipeline.routing": one_of("fixed", "random"),
 }
 
 
@@ -241,6 +245,10 @@ RELATIONS: tuple[Relation, ...] = (
              "be 1 with a pipeline (pipeline.microbatches splits the batch)"),
     Relation(("optimizer.outer", "pipeline.schedule"), lambda o, sched: o == "none" or sched == "none",
              "be none with a pipeline (outer optimizers over pipelined replicas are not built yet)"),
+    Relation(("pipeline.routing", "mesh axis replica", "mesh axis stage"),
+             lambda routing, r, p: routing == "fixed" or (r > 1 and p > 1),
+             "be fixed unless the mesh has both a replica and a stage axis larger than 1 "
+             "(random routing sends microbatches between the replicas' pipelines)"),
     Relation(("data.seq_len", "mesh axis context", "parallel.context_layout"),
              lambda t, n, layout: t % (2 * n if layout == "zigzag" else n) == 0,
              "divide into the layout's chunks: 2 x (mesh axis context) for zigzag, "
