@@ -93,4 +93,4 @@ def co2(*, sync_every: int, outer_lr: float = 1.0, outer_momentum: float = 0.5,
   return outer_lib.OuterOptimizer(
       "co2", sync_every, init, sync, bytes_per_sync,
       dict(outer_lr=alpha, outer_momentum=beta, staleness_penalty=lam, momentum_clip=clip,
-           allow_unstable=allow_unstable))
+           allow_unstable=allow_unstable), overlaps=True)

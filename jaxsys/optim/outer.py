@@ -36,13 +36,37 @@ _QDTYPE = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 
 @dataclasses.dataclass(frozen=True)
 class OuterOptimizer:
-  """An outer optimizer: `init(params) -> state`, `sync(params, state, *, axis_name)`."""
+  """An outer optimizer: `init(params) -> state`, `sync(params, state, *, axis_name)`.
+
+  The loop calls `sync` after each inner step for which `due(step)` holds (every
+  `sync_every` steps unless `due_at` says otherwise). `bytes_per_sync` is what one replica
+  sends per round of `sync_every` steps; `peak_bytes_per_sync` the most one call sends.
+  `overlaps`: a sync's result is not needed by the next inner step, so the loop may run
+  the two as one program and the collective can overlap that step's compute.
+  """
   name: str
   sync_every: int
   init: Callable[[Any], Any]
   sync: Callable[..., tuple[Any, Any]]
   bytes_per_sync: Callable[[Any, int], int]
   hparams: dict[str, Any] = dataclasses.field(default_factory=dict)
+  due_at: Callable[[int], bool] | None = None
+  peak_bytes: Callable[[Any, int], int] | None = None
+  bytes_by_step: Callable[[Any, int, int], int] | None = None
+  overlaps: bool = False
+
+  def due(self, step: int) -> bool:
+    """Whether the loop calls `sync` after inner step `step` (1-based)."""
+    return self.due_at(step) if self.due_at else step % self.sync_every == 0
+
+  def peak_bytes_per_sync(self, params, num_replicas: int) -> int:
+    return (self.peak_bytes or self.bytes_per_sync)(params, num_replicas)
+
+  def bytes_after(self, params, num_replicas: int, steps: int) -> int:
+    """Bytes one replica has sent after `steps` inner steps."""
+    if self.bytes_by_step:
+      return self.bytes_by_step(params, num_replicas, steps)
+    return steps // self.sync_every * self.bytes_per_sync(params, num_replicas)
 
 
 def check_sync_every(sync_every: Any, where: str = "sync_every") -> int:
