@@ -88,7 +88,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       schedule_steps=0,  # 0: decay over total_steps
       schedule_offset=0))  # steps of the curve already taken (e.g. by the init_from run)
   # Outer (low-communication) optimizer over the mesh's `replica` axis: none (plain data
-  # parallel), diloco, noloco or co2; e.g. --config.optimizer.outer=diloco
+  # parallel), diloco, streaming_diloco, noloco or co2; e.g. --config.optimizer.outer=diloco
   # --config.mesh=replica=4,data=-1. Unset (None) fields take the algorithm's published
   # default (jaxsys/optim/diloco.py, noloco.py, co2.py).
   c.optimizer.update(dict(

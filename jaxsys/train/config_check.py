@@ -160,7 +160,7 @@ FIELDS: dict[str, Rule] = {
     "optimizer.outer_allow_unstable": BOOL,
     "optimizer.outer_fragments": integer(1, meaning="fragments of layers synced in turn"),
     "optimizer.outer_overlap_steps": integer(0, meaning="inner steps a sync overlaps"),
-    "optimizer.outer_mixing": number(0, 1),
+    "optimizer.outer_mixing": number(0, 1),  # streaming_diloco's alpha
     "pipeline.schedule": one_of(*pipeline.SCHEDULES),
     "pipeline.microbatches": integer(1),
     "pipeline.virtual_stages": integer(1),
@@ -225,7 +225,7 @@ RELATIONS: tuple[Relation, ...] = (
     Relation(("data.batch_size", "processes"), lambda b, p: b % p == 0,
              "divide over the processes"),
     Relation(("mesh axis replica", "optimizer.outer"), lambda r, outer: r == 1 or outer != "none",
-             "be 1 without an outer optimizer (optimizer.outer=diloco, noloco or co2); "
+             "be 1 without an outer optimizer (optimizer.outer=diloco, streaming_diloco, noloco or co2); "
              "for data parallelism use a data axis"),
     Relation(("mesh axis stage", "pipeline.schedule"), lambda p, sched: p == 1 or sched != "none",
              "be 1 without a pipeline (pipeline.schedule=gpipe, 1f1b or interleaved_1f1b)"),
@@ -270,6 +270,16 @@ RELATIONS: tuple[Relation, ...] = (
              "each device's share in a micro-step)"),
     Relation(("optimizer.grad_accum_steps", "parallel.hdp"), lambda a, hdp: a == 1 or not hdp,
              "be 1 with HDP (its micro-steps already accumulate gradients)"),
+    Relation(("optimizer.outer_fragments", "model.n_layers", "optimizer.outer"),
+             lambda f, n, outer: outer != "streaming_diloco" or n % f == 0,
+             "divide model.n_layers (fragment p syncs layers p, p + fragments, ...)"),
+    Relation(("optimizer.outer_sync_every", "optimizer.outer_fragments", "optimizer.outer"),
+             lambda h, f, outer: outer != "streaming_diloco" or h % f == 0,
+             "be a multiple of optimizer.outer_fragments (the fragments sync at staggered "
+             "offsets, one every outer_sync_every / outer_fragments steps)"),
+    Relation(("optimizer.outer_overlap_steps", "optimizer.outer_sync_every", "optimizer.outer"),
+             lambda tau, h, outer: outer != "streaming_diloco" or tau < h,
+             "be < optimizer.outer_sync_every (a fragment's result lands before it syncs again)"),
     Relation(("optimizer.outer_group_size", "optimizer.outer", "mesh axis replica"),
              lambda g, outer, r: outer != "noloco" or _groups_replicas(g, r),
              "be 2 (random pairs, for an even replica count) or the replica count (one group)"),

@@ -219,7 +219,6 @@ class _Parts:
   param_sh: Any  # one model's canonical parameters (init_from reads into them)
   eval_params: Callable  # state.params -> the parameters eval_fn scores
   eval_fn: Callable  # (those parameters, batch) -> eval sums
-  sync_every: int  # 0 without an outer optimizer
   comm_bytes: Callable[[int], float]  # bytes one worker has sent after that many steps
   form: layouts.Form  # how the state is saved: one model, or replicas stacked
   meta: dict  # saved with every checkpoint: model, config, layout and, with replicas, outer
@@ -269,22 +268,24 @@ def _set_up(config, workdir: str) -> _Parts:
         logging.info("pipeline ticks (F forward, b backward, . idle):\n%s",
                      setup.schedule.chart())
       comm_bytes = lambda s: s * per_step
-    param_sh, eval_params, sync_every = setup.param_sh, (lambda p: p), 0
+    param_sh, eval_params = setup.param_sh, (lambda p: p)
     eval_fn = setup.jit_eval_step(val.token_bytes)
   else:
     setup = replicas_lib.make_replica_setup(config, model_cfg, mesh, outer)
-    param_sh, eval_params, sync_every = setup.param_sh, setup.eval_params, outer.sync_every
+    param_sh, eval_params = setup.param_sh, setup.eval_params
     eval_fn = step_lib.jit_eval_step(model_cfg, param_sh, setup.batch_sh, val.token_bytes)
-    comm_bytes = lambda s: (s // sync_every) * setup.bytes_per_sync
+    comm_bytes = lambda s: outer.bytes_after(setup.one.params, setup.replicas, s)
     meta["outer"] = {"view": "replica", "name": outer.name, "replicas": setup.replicas,
-                     "sync_every": sync_every}
+                     "sync_every": outer.sync_every}
     logging.info("outer optimizer %s over %d replicas, sync every %d steps, %d bytes sent per "
-                 "replica per sync", outer.name, setup.replicas, sync_every, setup.bytes_per_sync)
+                 "replica per round (at most %d at once)", outer.name, setup.replicas,
+                 outer.sync_every, setup.bytes_per_sync,
+                 outer.peak_bytes_per_sync(setup.one.params, setup.replicas))
   form = layouts.Form(setup.replicas, outer.name) if outer else layouts.Form()
   meta["layout"] = layouts.describe(setup.saved_target(), form, transformer.param_axes(model_cfg),
                                     _run_view(config, mesh, setup))
   return _Parts(model_cfg, train_loader, val, setup, outer, param_sh, eval_params, eval_fn,
-                sync_every, comm_bytes, form, meta)
+                comm_bytes, form, meta)
 
 
 def _run_view(config, mesh, setup) -> dict:
@@ -444,7 +445,7 @@ class _Loop:
     else:
       self.state, m = setup.train_fn(self.state, batch)
     self.step += 1
-    if self.parts.sync_every and self.step % self.parts.sync_every == 0:
+    if self.parts.outer and self.parts.outer.due(self.step):
       if self.fused is None:
         self.state = setup.sync_fn(self.state)
       else:

@@ -4,12 +4,13 @@ The run's arrays get a leading [R] dim sharded on `replica` (one model, many
 layouts: the DiLoCo view `[replica, ...]` of the same parameters); each replica may itself be
 sharded over data/fsdp/tensor. The inner step is the plain `train_step`, vmapped
 over replicas (replica r takes rows r*B/R.. of the global batch), so inner optimizer
-states stay per replica and are never averaged. Every `sync_every` steps the loop
+states stay per replica and are never averaged. After each step the outer optimizer
+says is due (every `sync_every` steps; Streaming DiLoCo's fragments in between) the loop
 calls `sync_fn`: the outer optimizer's `sync` under `jax.shard_map` over `replica`
 only (the other axes stay automatic), so its collectives are explicit in the HLO.
-For CO2 the loop instead runs `sync_train_fn`, the sync and the next inner step as one
-program: the update does not wait for the all-reduce it launches, so the collective
-can overlap that step's compute.
+For an outer optimizer that `overlaps` (CO2; Streaming DiLoCo with overlap_steps > 0) the
+loop instead runs `sync_train_fn`, the sync and the next inner step as one program: the
+step does not wait for the collective the sync launches, so the two can overlap.
 """
 from __future__ import annotations
 
@@ -33,11 +34,12 @@ from jaxsys.optim.co2 import co2
 from jaxsys.optim.diloco import diloco
 from jaxsys.optim.noloco import noloco
 from jaxsys.optim.inner import make_optimizer
+from jaxsys.optim.streaming import streaming_diloco
 from jaxsys.train import state as state_lib
 from jaxsys.train import step as step_lib
 from jaxsys.train.state import TrainState
 
-OUTERS = ("none", "diloco", "noloco", "co2")
+OUTERS = ("none", "diloco", "noloco", "co2", "streaming_diloco")
 AXIS = "replica"
 
 
@@ -65,14 +67,16 @@ def make_outer_optimizer(cfg) -> outer_lib.OuterOptimizer | None:
     return None
   fields = {"diloco": ("lr", "momentum", "nesterov", "compression", "error_feedback"),
             "noloco": ("lr", "momentum", "gamma", "group_size", "seed"),
-            "co2": ("lr", "momentum", "staleness_penalty", "momentum_clip", "allow_unstable")}[name]
+            "co2": ("lr", "momentum", "staleness_penalty", "momentum_clip", "allow_unstable"),
+            "streaming_diloco": ("lr", "momentum", "nesterov", "compression", "fragments",
+                                 "overlap_steps", "mixing")}[name]
   kw = {}
   for key in fields:  # optimizer.outer_<key>: the library's `outer_lr`, `gamma`, ...
     value = _field(cfg, f"outer_{key}")
     if value is not None:
       kw[key if key not in ("lr", "momentum") else f"outer_{key}"] = value
   try:
-    return {"diloco": diloco, "noloco": noloco, "co2": co2}[name](
+    return {"diloco": diloco, "noloco": noloco, "co2": co2, "streaming_diloco": streaming_diloco}[name](
         sync_every=cfg.outer_sync_every, **kw)
   except ValueError as e:  # name the config fields: sync_every=0 -> optimizer.outer_sync_every=0
     raise ValueError(_OUTER_ARG.sub(r"optimizer.outer_\1", str(e))) from None
@@ -82,7 +86,7 @@ def make_outer_optimizer(cfg) -> outer_lib.OuterOptimizer | None:
 # before momentum); each is the config field optimizer.outer_<name>.
 _OUTER_ARG = re.compile(r"\b(?:outer_)?(sync_every|lr|momentum_clip|momentum|nesterov|compression|"
                         r"error_feedback|gamma|group_size|seed|staleness_penalty|"
-                        r"allow_unstable)(?==)")
+                        r"allow_unstable|fragments|overlap_steps|mixing)(?==)")
 
 
 def num_replicas(mesh: Mesh, outer_name: str) -> int:
@@ -208,8 +212,9 @@ class ReplicaSetup:
   param_sh: Any  # one replica's parameters, as eval reads them
   train_fn: Callable
   sync_fn: Callable
-  # CO2 only: the sync fused into the next round's first inner step, one program, so the
-  # all-reduce (needed only at the next sync) can overlap that step's compute.
+  # An outer optimizer that `overlaps` (CO2, Streaming DiLoCo with overlap_steps): the sync
+  # fused into the next inner step, one program, so its collective (whose result that step
+  # does not need) can overlap the step's compute.
   sync_train_fn: Callable | None
   eval_params: Callable  # state.params [R..] -> replica 0's parameters
   bytes_per_sync: int
@@ -272,7 +277,7 @@ def make_replica_setup(config, model_cfg: transformer.TransformerConfig, mesh: M
   sync_fn = jax.jit(sync_state, in_shardings=(state_sh,), out_shardings=state_sh,
                     donate_argnums=0, compiler_options=opts)
   sync_train_fn = None
-  if outer.name == "co2":
+  if outer.overlaps:
     sync_train_fn = jax.jit(
         lambda s, b: inner_step(sync_state(s), b), in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated),
         donate_argnums=0, compiler_options=opts)

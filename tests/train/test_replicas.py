@@ -50,6 +50,30 @@ def test_resume_is_exact_with_outer_state(make_config, tmp_path):
   assert w.shape[0] == 4 and not np.allclose(w[0], w[1])
 
 
+def test_streaming_diloco_resumes_exactly_mid_overlap(make_config, tmp_path):
+  """Streaming DiLoCo, 2 fragments of the 2-layer model, every 4 steps, each landing a step
+  after it starts (fused into that step's program): 8 steps straight == 4, stop (fragment 1
+  started, not landed), restore, 4 more. Each start sends half of DiLoCo's bytes."""
+  kw = dict(mesh="replica=4,data=2", log_every=1, eval_every=0, checkpoint_every=100,
+            optimizer__schedule_steps=8, optimizer__outer="streaming_diloco",
+            optimizer__outer_sync_every=4, optimizer__outer_fragments=2,
+            optimizer__outer_overlap_steps=1, optimizer__outer_mixing=0.25)
+  straight, legs = str(tmp_path / "straight"), str(tmp_path / "legs")
+  loop.train_and_evaluate(make_config(total_steps=8, **kw), straight)
+  loop.train_and_evaluate(make_config(total_steps=4, **kw), legs)
+  loop.train_and_evaluate(make_config(total_steps=8, **kw), legs)
+  a = {r["step"]: (r["loss"], r["comm_bytes"]) for r in _rows(straight)}
+  b = {r["step"]: (r["loss"], r["comm_bytes"]) for r in _rows(legs)}
+  np.testing.assert_allclose([b[s] for s in a], [a[s] for s in a], rtol=1e-6)
+  sa, sb = _restore_state(straight, 8), _restore_state(legs, 8)
+  chex.assert_trees_all_close(sb["params"], sa["params"], atol=1e-6)
+  chex.assert_trees_all_close(sb["outer"], sa["outer"], atol=1e-6)
+  assert int(sa["outer"]["events"][0]) == 8  # starts at 2, 4, 6, 8 and landings at 3, 5, 7, 9
+  n = sum(x.size for x in jax.tree.leaves(sa["params"])) // 4
+  round_bytes = 2 * 3 * n * 4 // 4  # DiLoCo's ring all-reduce over 4 replicas
+  assert [a[s][1] for s in (1, 2, 4, 8)] == [0, round_bytes // 2, round_bytes, 2 * round_bytes]
+
+
 def test_layout_and_sync(make_config):
   """Params/opt_state/outer have a leading [R] dim sharded on `replica`; a sync makes DiLoCo's
   replicas equal again, while the inner (AdamW) moments stay per replica."""
@@ -84,7 +108,10 @@ def test_layout_and_sync(make_config):
 
 @pytest.mark.parametrize("overrides, message", [
     (dict(optimizer__outer="dilcoo"),
-     r"^optimizer.outer='dilcoo' is unknown; valid: none, diloco, noloco, co2$"),
+     r"^optimizer.outer='dilcoo' is unknown; valid: none, diloco, noloco, co2, streaming_diloco$"),
+    (dict(optimizer__outer="streaming_diloco", optimizer__outer_fragments=2,
+          optimizer__outer_mixing=1.5),
+     r"^optimizer.outer_mixing=1.5 is invalid; it must be a number >= 0 and <= 1$"),
     (dict(optimizer__outer="diloco", optimizer__outer_sync_every=0),
      r"^optimizer.outer_sync_every=0 is invalid; it must be an int >= 1"),
     (dict(optimizer__outer="diloco", optimizer__outer_compression="int4"),
