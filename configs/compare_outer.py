@@ -4,6 +4,8 @@ Run (8 simulated devices; on a 2-core CPU about 3 minutes of pretraining, then a
 5 minutes per row, 85 minutes for the 15 rows):
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m experiments.compare_outer \
       --config=configs/compare_outer.py --workdir=/tmp/jaxsys_outer_warm [--runs=dp,diloco_k4_h50]
+`configs/compare_outer.py:streaming`: data parallel, DiLoCo and Streaming DiLoCo (2 and 4
+fragments; 4 with the paper's overlap and mixing) on a 4-layer model of the same size.
 
 Protocol (DiLoCo, arXiv 2311.08105 Sec. 3): one data-parallel run of `pretrain_steps`
 steps (in <workdir>/pretrain, data seed `seed + 1` so the rows do not replay its
@@ -34,8 +36,9 @@ def _outer(name, k, h, **kw):
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  if arg:
-    raise ValueError(f"configs/compare_outer.py takes no argument; got {arg!r}")
+  if arg not in (None, "", "streaming"):
+    raise ValueError(f"configs/compare_outer.py: argument {arg!r} is unknown; valid: none, "
+                     "or 'streaming' (the Streaming DiLoCo rows, on a 4-layer model)")
   c = _tiny_lm().get_config("size=test")
   # Between the `test` and `tiny` sizes: big enough that the methods separate, small enough
   # that a row takes about 5 minutes on 2 quiet CPU cores.
@@ -83,6 +86,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   for k in (4, 8):
     for h in (10, 50, 100):
       runs.setdefault(f"diloco_k{k}_h{h}", _outer("diloco", k, h))
+  if arg == "streaming":
+    # Streaming DiLoCo syncs fragments of layers (fragments must divide n_layers): 4 layers
+    # of d=96, about the 2-layer model's parameters (491k against 459k) and cost.
+    c.model.update(dict(d_model=96, n_layers=4, d_ff=288))
+    runs = {"dp": dict(), "diloco_k4_h50": _outer("diloco", 4, 50)}
+    for f in (2, 4):  # each fragment every 50 steps: DiLoCo's total bytes, 1/f at a time
+      runs[f"streaming_k4_h50_f{f}"] = _outer("streaming_diloco", 4, 50, outer_fragments=f)
+    # The paper's overlap and mixing: each result lands 5 steps after its all-reduce starts,
+    # half global, half local.
+    runs["streaming_k4_h50_f4_t5_a05"] = _outer("streaming_diloco", 4, 50, outer_fragments=4,
+                                                outer_overlap_steps=5, outer_mixing=0.5)
   c.runs = ",".join(runs)
   c.run_specs = ml_collections.ConfigDict(runs)
   return c

@@ -1,4 +1,4 @@
-r"""Compares data parallel with DiLoCo, NoLoCo and CO2: final val bpb and bytes communicated.
+r"""Compares data parallel with DiLoCo, Streaming DiLoCo, NoLoCo and CO2: final val bpb, bytes.
 
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m experiments.compare_outer \
       --config=configs/compare_outer.py --workdir=/tmp/jaxsys_outer_warm [--runs=dp,noloco_k4_h50]
@@ -77,8 +77,10 @@ def summarize(name: str, config, workdir: str, wall_s: float | None, scored: dic
   model_cfg = transformer.TransformerConfig.from_config(config.model)
   params = jax.eval_shape(lambda: transformer.init_params(model_cfg, jax.random.key(0)))
   k = outer_lib.num_workers(config.mesh)
-  dp_bytes = config.total_steps * outer_lib.ring_allreduce_bytes(outer_lib.tree_bytes(params), k)
+  step_bytes = outer_lib.ring_allreduce_bytes(outer_lib.tree_bytes(params), k)
+  dp_bytes = config.total_steps * step_bytes
   o = config.optimizer
+  outer = replicas_lib.make_outer_optimizer(o)
   final = evals[-1]
   return {"run": name, "method": o.outer if o.outer != "none" else "data parallel",
           "workers": k, "sync_every": o.outer_sync_every if o.outer != "none" else 1,
@@ -87,6 +89,8 @@ def summarize(name: str, config, workdir: str, wall_s: float | None, scored: dic
           "val_bpb_replica_mean": scored.get("val_bpb_replica_mean"),
           "val_bpb_last_eval": final["val_bpb"],
           "comm_bytes": final["comm_bytes"], "dp_bytes_same_k": dp_bytes,
+          # the most one sync sends (data parallel: every step's gradient all-reduce)
+          "peak_bytes_per_sync": outer.peak_bytes_per_sync(params, k) if outer else step_bytes,
           "bytes_reduction": dp_bytes / final["comm_bytes"] if final["comm_bytes"] else None,
           "wall_s": wall_s,
           "curve": [(r["step"], r["val_loss"], r["comm_bytes"]) for r in evals]}
@@ -156,8 +160,8 @@ def write_table(results: list[dict], workdir: str, protocol: str = "") -> str:
   dp = next((r for r in results if r["method"] == "data parallel"), None)
   lines = [protocol, ""] if protocol else []
   lines += ["| run | method | k | H | compression | val bpb | vs DP | replicas' mean bpb | "
-            "bytes sent / worker | x fewer than DP (same k) | wall s |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "bytes sent / worker | x fewer than DP (same k) | peak bytes / sync | wall s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in results:
     rel = f"{_gap_pct(r, dp):+.2f}%" if dp else "-"
     red = f"{r['bytes_reduction']:.1f}x" if r["bytes_reduction"] else "-"
@@ -165,7 +169,9 @@ def write_table(results: list[dict], workdir: str, protocol: str = "") -> str:
     mean = f"{r['val_bpb_replica_mean']:.4f}" if r["val_bpb_replica_mean"] else "-"
     lines.append(f"| {r['run']} | {r['method']} | {r['workers']} | {r['sync_every']} | "
                  f"{r['compression']} | {r['val_bpb']:.4f} | {rel} | {mean} | "
-                 f"{_fmt_bytes(r['comm_bytes'])} | {red} | {wall} |")
+                 f"{_fmt_bytes(r['comm_bytes'])} | {red} | "
+                 f"{_fmt_bytes(r['peak_bytes_per_sync']) if 'peak_bytes_per_sync' in r else '-'} "
+                 f"| {wall} |")
   table = "\n".join(lines) + "\n"
   with open(os.path.join(workdir, "results.md"), "w") as f:
     f.write(table)

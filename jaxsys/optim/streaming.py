@@ -4,7 +4,7 @@ The parameters are split into P fragments: fragment p holds the layers p, p + P,
 ... (the paper's strided pattern, which it found slightly better than consecutive
 layers) and, so that the fragments weigh the same, rows p, p + P, ... of the other
 leaves (embedding, final norm, output layer). Each fragment takes DiLoCo's outer step
-every H = `sync_every` inner steps, fragment p at steps t = (p + 1) H / P (mod H), so the
+every H = `sync_every` inner steps, fragment p at t = floor((p + 1) H / P) (mod H), so the
 collectives of one round are spread over it and the peak bytes of a sync are about 1/P of
 DiLoCo's:
 
@@ -117,10 +117,10 @@ def streaming_diloco(*, sync_every: int, fragments: int, overlap_steps: int = 0,
   sync_every = outer_lib.check_sync_every(sync_every)
   if isinstance(fragments, bool) or not isinstance(fragments, (int, np.integer)) or fragments < 1:
     raise ValueError(f"fragments={fragments!r} is invalid; it must be an int >= 1")
-  if sync_every % fragments:
+  if sync_every < fragments:
     raise ValueError(f"sync_every={sync_every} is invalid with fragments={fragments}; it must "
-                     "be a multiple of fragments (fragment p syncs at (p + 1) sync_every / "
-                     "fragments in each round)")
+                     "be >= fragments (fragment p syncs at step floor((p + 1) sync_every / "
+                     "fragments) of each round)")
   if (isinstance(overlap_steps, bool) or not isinstance(overlap_steps, (int, np.integer))
       or not 0 <= overlap_steps < sync_every):
     raise ValueError(f"overlap_steps={overlap_steps!r} is invalid; it must be an int >= 0 and "

@@ -274,9 +274,9 @@ RELATIONS: tuple[Relation, ...] = (
              lambda f, n, outer: outer != "streaming_diloco" or n % f == 0,
              "divide model.n_layers (fragment p syncs layers p, p + fragments, ...)"),
     Relation(("optimizer.outer_sync_every", "optimizer.outer_fragments", "optimizer.outer"),
-             lambda h, f, outer: outer != "streaming_diloco" or h % f == 0,
-             "be a multiple of optimizer.outer_fragments (the fragments sync at staggered "
-             "offsets, one every outer_sync_every / outer_fragments steps)"),
+             lambda h, f, outer: outer != "streaming_diloco" or h >= f,
+             "be >= optimizer.outer_fragments (the fragments sync at staggered offsets, one "
+             "every outer_sync_every / outer_fragments steps)"),
     Relation(("optimizer.outer_overlap_steps", "optimizer.outer_sync_every", "optimizer.outer"),
              lambda tau, h, outer: outer != "streaming_diloco" or tau < h,
              "be < optimizer.outer_sync_every (a fragment's result lands before it syncs again)"),

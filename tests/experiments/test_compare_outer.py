@@ -60,6 +60,8 @@ def test_two_rows_from_a_warm_start(small_corpus, tmp_path):
   # DP's step also sums the loss and a few flags across workers: under 100 bytes.
   assert 0 <= dp_step - dp["comm_bytes"] / 4 < 100, (dp_step, dp["comm_bytes"])
   assert diloco["comm_bytes"] == 2 * diloco_sync  # 2 syncs in 4 steps
+  assert diloco["peak_bytes_per_sync"] == diloco_sync
+  assert dp["peak_bytes_per_sync"] == dp["comm_bytes"] / 4
   assert diloco["dp_bytes_same_k"] == 4 * outer_lib.ring_allreduce_bytes(
       outer_lib.tree_bytes(_params()), 4)
   assert diloco["bytes_reduction"] == diloco["dp_bytes_same_k"] / diloco["comm_bytes"]
@@ -73,7 +75,7 @@ def test_two_rows_from_a_warm_start(small_corpus, tmp_path):
   assert table.startswith("Protocol: every row starts from one data-parallel run pretrained for 2")
   assert "the learning-rate curve continued" in table.splitlines()[0]
   assert "val bpb: the final parameters (replica 0) on the val split, all of it" in table
-  assert "| replicas' mean bpb |" in table
+  assert "| replicas' mean bpb |" in table and "| peak bytes / sync |" in table
   assert "| diloco_k4_h10 | diloco | 4 | 2 |" in table
   assert (tmp_path / "outer_comparison.png").stat().st_size > 10_000
   timing = json.loads((tmp_path.parent / "sync_timing.json").read_text())["diloco_k4_h10"]
@@ -151,3 +153,21 @@ def test_bad_seeds_is_one_line(tmp_path):
   assert proc.returncode != 0
   assert "--seeds=0,x: expected comma-separated integers, e.g. --seeds=0,1,2" in proc.stderr
   assert not list(tmp_path.iterdir())
+
+
+def test_streaming_variant_rows_pass_the_config_check():
+  """`configs/compare_outer.py:streaming`: every row valid, Streaming DiLoCo's fragments
+  dividing its 4 layers, each row's total bytes DiLoCo's."""
+  from experiments import compare_outer  # pylint: disable=import-outside-toplevel
+  from jaxsys.train import config_check  # pylint: disable=import-outside-toplevel
+  spec = importlib.util.spec_from_file_location("compare", ROOT / "configs" / "compare_outer.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  base = module.get_config("streaming")
+  assert base.runs.split(",")[:2] == ["dp", "diloco_k4_h50"]
+  for name in base.runs.split(","):
+    config = compare_outer.run_config(base, base.run_specs[name].to_dict())
+    config_check.check_config(config)
+    assert config.model.n_layers == 4
+  with pytest.raises(ValueError, match="argument 'stream' is unknown"):
+    module.get_config("stream")

@@ -113,6 +113,7 @@ def test_schedule_and_fragments():
   assert [t for t in range(1, 17) if s.due(t)] == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
                                                    14, 15, 16]
   assert [t for t in range(1, 17) if streaming.Schedule(8, 2, 0).due(t)] == [4, 8, 12, 16]
+  assert [streaming.Schedule(50, 4, 0).start(p) for p in range(4)] == [12, 25, 37, 50]
   owned = streaming.fragments_of(_params(), 2)
   leaves = jax.tree.leaves(_params())
   count = [np.zeros(x.shape[:1], int) for x in leaves]
@@ -142,7 +143,7 @@ def test_peak_bytes_per_sync_matches_the_compiled_hlo():
 
 
 @pytest.mark.parametrize("kw,message", [
-    (dict(sync_every=8, fragments=3), "sync_every=8 is invalid with fragments=3"),
+    (dict(sync_every=2, fragments=4), "sync_every=2 is invalid with fragments=4"),
     (dict(sync_every=8, fragments=2, overlap_steps=8), "overlap_steps=8 is invalid"),
     (dict(sync_every=8, fragments=2, mixing=1.5), "mixing=1.5 is invalid"),
     (dict(sync_every=8, fragments=0), "fragments=0 is invalid"),
