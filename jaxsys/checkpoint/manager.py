@@ -79,7 +79,7 @@ class Checkpointer:
   def step_dir(self, step: int) -> str:
     return os.path.join(self.directory, str(step))
 
-  def _seal_committed(self, wait: bool = False) -> None:
+  def _forget_committed(self, wait: bool = False) -> None:
     """Forgets the saves seen committed (their directories exist: orbax renames a step's
     temporary directory into place last). wait: until every seal started is written (its
     errors raised here)."""
@@ -185,7 +185,7 @@ class Checkpointer:
       if jax.process_index() == 0:
         self._sealing.append(self._sealer.submit(self._seal_when_committed, step))
     # The saves before this one have finished by now; a synchronous one has too.
-    self._seal_committed()
+    self._forget_committed()
     return started
 
   def read_meta(self, step: int) -> dict:
@@ -203,6 +203,12 @@ class Checkpointer:
             target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
             partial_restore=partial),
         data=ocp.args.JsonRestore()))
+    path = self.step_dir(step)
+    if jax.process_index() == 0 and not integrity.is_sealed(path):
+      # Committed but never sealed (a run killed before the manifest) and read without
+      # error: sealed now, so that a change to its files from now on is caught.
+      integrity.seal(path)
+      logging.info("checkpoint step %d in %s: sealed after restoring it", step, self.directory)
     return restored["state"], restored["data"]
 
   def wait(self, *, sealed: bool = True) -> None:
@@ -221,7 +227,7 @@ class Checkpointer:
       self._settled = self._last_started
     if sealed:
       try:
-        self._seal_committed(wait=True)
+        self._forget_committed(wait=True)
       except OSError as e:
         raise storage.WriteError(f"writing checksums.json of a step in {self.directory}", e,
                                  after="its checkpoint is committed and restores unverified") from e

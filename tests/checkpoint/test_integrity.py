@@ -97,6 +97,9 @@ def test_an_unsealed_step_is_restored_unverified(tmp_path, caplog):
     with caplog.at_level("WARNING"):
       assert ckpt.restore_step() == 4
     assert "restoring it unverified" in caplog.text
+    state, _ = ckpt.restore(4, {"w": jnp.zeros((64, 64)), "b": jnp.zeros(8)})
+    np.testing.assert_array_equal(state["b"], np.arange(8.0) + 4)
+    assert integrity.is_sealed(ckpt.step_dir(4)) and ckpt.problem(4) is None  # sealed now
   finally:
     ckpt.close()
 
