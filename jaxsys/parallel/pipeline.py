@@ -23,6 +23,14 @@ inside the schedule rather than after it. Without it the first and last stage ow
 
 Loss and gradients are those of the summed token loss; the caller divides once by the
 token count, so the step equals the unpipelined one.
+
+`replica_loss_and_grads` runs R such pipelines at once, one per replica of a `replica` x
+`stage` mesh (parameters [R, ...], the shard_map manual over both axes). With fixed
+routing they are independent; with `shifts` (`routing.py`, NoLoCo's random routing) each
+chunk boundary moves a microbatch's activation to another replica's next stage, and its
+gradient back along the same path. Every replica then holds the whole batch's small
+integer arrays, so the chunk, head and embedding that meet a microbatch read its
+positions, targets and mask from the replica it started on; its loss is counted there.
 """
 from __future__ import annotations
 
@@ -35,11 +43,12 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from jaxsys.models import transformer
-from jaxsys.parallel import dependence, vocab
+from jaxsys.parallel import dependence, routing, vocab
 from jaxsys.parallel.schedules import BACKWARD, FORWARD, IDLE, Schedule, make_schedule
 
 __all__ = ["make_schedule", "Schedule", "Layout", "to_stages", "from_stages",
-           "pipeline_loss_and_grads", "pipeline_loss", "split_microbatches"]
+           "pipeline_loss_and_grads", "pipeline_loss", "replica_loss_and_grads",
+           "split_microbatches"]
 
 AXIS = "stage"
 SCHEDULES = ("none", "gpipe", "1f1b", "interleaved_1f1b")
@@ -294,7 +303,30 @@ def pipeline_loss_and_grads(cfg: transformer.TransformerConfig, schedule: Schedu
   """
   loss, grads, counts = _execute(cfg, schedule, layout, params, batch, mesh=mesh, train=True,
                                  vocab_algorithm=vocab_algorithm, attention_fn=attention_fn)
-  return (loss, grads, counts) if with_counts else (loss, grads)
+  return (loss[0], grads, counts) if with_counts else (loss[0], grads)
+
+
+def replica_loss_and_grads(cfg: transformer.TransformerConfig, schedule: Schedule,
+                           layout: Layout, params, batch: Batch, *, mesh, shifts=None,
+                           weights=None, vocab_algorithm: int = 2,
+                           attention_fn: Callable | None = None):
+  """(loss sums [R], gradients [R, ...]) of R pipelines, one per replica of the `replica` axis.
+
+  `params`: [R, ...] in the `to_stages` view; `batch`: [B, T], replica r's rows
+  r*B/R .. (r+1)*B/R - 1. `shifts`: None (fixed routing: replica r runs its own rows) or
+  [microbatches, chunks - 1] ints (`routing.draw_shifts`): the boundary after chunk g
+  moves microbatch m to the replica shifts[m, g] further on. loss[r] sums the token loss
+  of replica r's rows wherever they ran. The gradients are those of sum_r weights[r] *
+  loss[r] (weights: [R], default ones), each replica's for its own parameters.
+  """
+  replicas = jax.tree.leaves(params)[0].shape[0]
+  if dict(mesh.shape).get(routing.AXIS) != replicas:
+    raise ValueError(f"parameters of {replicas} replicas need a mesh with replica={replicas}, "
+                     f"not {dict(mesh.shape)}")
+  loss, grads, _ = _execute(cfg, schedule, layout, params, batch, mesh=mesh, train=True,
+                            vocab_algorithm=vocab_algorithm, attention_fn=attention_fn,
+                            replicas=replicas, shifts=shifts, weights=weights)
+  return loss, grads
 
 
 def pipeline_loss(cfg: transformer.TransformerConfig, schedule: Schedule, layout: Layout, params,
@@ -302,14 +334,29 @@ def pipeline_loss(cfg: transformer.TransformerConfig, schedule: Schedule, layout
   """The summed token loss of `batch`, forward only (evaluation), by `schedule.forward_only()`."""
   loss, _, _ = _execute(cfg, schedule.forward_only(), layout, params, batch, mesh=mesh,
                         train=False, vocab_algorithm=1, attention_fn=attention_fn)
-  return loss
+  return loss[0]
+
+
+def _replica_microbatches(batch: Batch, replicas: int, n: int) -> Batch:
+  """[B, ...] -> [replicas, n, B/(replicas n), ...]: each replica's contiguous rows, split."""
+  by_replica = jax.tree.map(lambda x: x.reshape(replicas, x.shape[0] // replicas, *x.shape[1:]),
+                            batch)
+  return jax.vmap(lambda b: split_microbatches(b, n))(by_replica)
 
 
 def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, mesh, train: bool,
-             vocab_algorithm: int, attention_fn):
-  """Runs `schedule`'s ticks; without `train` only forwards and the head's loss."""
+             vocab_algorithm: int, attention_fn, replicas: int = 1, shifts=None, weights=None):
+  """Runs `schedule`'s ticks; without `train` only forwards and the head's loss.
+
+  Loss sums come back as a vector over the replicas whose rows they are ([1] for one
+  pipeline). `replicas` > 1: params carry a leading [R] dim, the `replica` axis is manual.
+  """
   _, attention_fn = transformer.default_inputs(cfg, batch["inputs"], None, attention_fn)
-  mbs = split_microbatches(batch, schedule.microbatches)
+  R, routed, scaled = replicas, shifts is not None, weights is not None
+  mbs = _replica_microbatches(batch, R, schedule.microbatches)  # [R, M, Bm, T]
+  offsets = (routing.offsets(jnp.asarray(shifts, jnp.int32), R) if routed
+             else jnp.zeros((schedule.microbatches, layout.chunks), jnp.int32))
+  weights = jnp.ones((R,), jnp.float32) if weights is None else jnp.asarray(weights, jnp.float32)
   tables = {k: jnp.asarray(getattr(schedule, k)) for k in (
       "kind", "microbatch", "virtual", "res_slot", "act_recv", "act_in", "grad_recv", "grad_in")}
   tick_tables = {k: jnp.asarray(getattr(schedule, k)) for k in (
@@ -319,11 +366,22 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
   p = layout.stages
   G = layout.chunks
 
-  def per_stage(params, mbs):
+  def per_stage(params, mbs, offsets, weights):
     stage = jax.lax.axis_index(AXIS)
+    replica = jax.lax.axis_index(routing.AXIS) if R > 1 else 0
+    if R > 1:
+      params = jax.tree.map(lambda x: x[0], params)
     layers = jax.tree.map(lambda x: x[:, 0], params["layers"])  # [virtual, chunk, ...]
     vocab_params = {k: v for k, v in params.items() if k != "layers"}
-    Bm, T = mbs["inputs"].shape[1:]
+    Bm, T = mbs["inputs"].shape[2:]
+
+    def origin(mb_index, g):
+      """The replica whose rows microbatch `mb_index` is, met at chunk g on this replica."""
+      return (replica - offsets[mb_index, jnp.clip(g, 0, G - 1)]) % R
+
+    def microbatch(mb_index, g):
+      # Routed: every replica holds all R replicas' rows; fixed: only its own.
+      return _take(_take(mbs, origin(mb_index, g) if routed else 0), mb_index)
     act = jax.ShapeDtypeStruct((Bm, T, cfg.d_model), jnp.dtype(cfg.dtype))
 
     def buffer(n, like):
@@ -331,10 +389,10 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
 
     zero_act = jnp.zeros(act.shape, act.dtype)
     carry = dict(act_inbox=buffer(schedule.act_slots, act), arrive_f=zero_act, send_f=zero_act,
-                 x0=zero_act, head_in=zero_act, loss=jnp.zeros((), jnp.float32),
+                 x0=zero_act, head_in=zero_act, loss=jnp.zeros((R,), jnp.float32),
                  counts=jnp.zeros((3,), jnp.int32))
     if train:
-      res_shapes = chunk.residual_shapes(_take(layers, 0), act, _take(mbs, 0))
+      res_shapes = chunk.residual_shapes(_take(layers, 0), act, microbatch(0, 0))
       carry.update(
           grad_inbox=buffer(schedule.grad_slots, act),
           residuals=[buffer(schedule.res_slots, r) for r in res_shapes],
@@ -353,12 +411,12 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
       emb_mb = rows["embed_microbatch"]
       c["x0"] = jax.lax.cond(
           emb_mb >= 0,
-          lambda: vl.embed(vocab_params, _take(mbs, emb_mb)["inputs"], stage),
+          lambda: vl.embed(vocab_params, microbatch(emb_mb, 0)["inputs"], stage),
           lambda: c["x0"])
 
       mb_index, virtual = mine["microbatch"], mine["virtual"]
       g = virtual * p + stage
-      mb = _take(mbs, jnp.maximum(mb_index, 0))
+      mb = microbatch(jnp.maximum(mb_index, 0), g)
       chunk_params = _take(layers, jnp.maximum(virtual, 0))
 
       def forward(c):
@@ -392,59 +450,82 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
       head_mb = rows["head_microbatch"]
 
       def head(c):
-        mb = _take(mbs, head_mb)
+        mb, source = microbatch(head_mb, G - 1), origin(head_mb, G - 1)
         if not train:
-          return dict(c, loss=c["loss"] + vl.loss(vocab_params, c["head_in"], mb, stage))
+          return dict(c, loss=c["loss"].at[source].add(
+              vl.loss(vocab_params, c["head_in"], mb, stage)))
         value, dy, dhp = vl.head(vocab_params, c["head_in"], mb, stage)
-        c = dict(c, loss=c["loss"] + value)
+        if scaled:  # the gradient of weights[source] * this microbatch's loss
+          w = weights[source]
+          dy, dhp = (dy * w).astype(dy.dtype), jax.tree.map(lambda d: d * w, dhp)
+        c = dict(c, loss=c["loss"].at[source].add(value))
         c["grad_inbox"] = _put(c["grad_inbox"], _trash(
             jnp.where(stage == p - 1, rows["head_slot"], -1), schedule.grad_slots), dy)
         c["vocab_grads"] = {k: v + dhp[k] if k in dhp else v for k, v in c["vocab_grads"].items()}
         return c
       c = jax.lax.cond(head_mb >= 0, head, lambda c: c, c)
 
-      c["arrive_f"] = jax.lax.ppermute(c["send_f"], AXIS, [(i, (i + 1) % p) for i in range(p)])
+      mb_at = jnp.maximum(mb_index, 0)
+      send_f = c["send_f"]
+      if routed:  # on to the replica that runs the microbatch's next chunk
+        k = offsets[mb_at, jnp.clip(g + 1, 0, G - 1)] - offsets[mb_at, jnp.clip(g, 0, G - 1)]
+        send_f = routing.shift(send_f, jnp.where(mine["kind"] == FORWARD, k, 0), R)
+      c["arrive_f"] = jax.lax.ppermute(send_f, AXIS, [(i, (i + 1) % p) for i in range(p)])
       if not train:
         return c, None
 
       emb_grad_mb = rows["embed_grad_microbatch"]
 
       def embed_grad(c):
-        d = vl.embed_grad(vocab_params, c["dx0"], _take(mbs, emb_grad_mb)["inputs"], stage)
+        d = vl.embed_grad(vocab_params, c["dx0"], microbatch(emb_grad_mb, 0)["inputs"], stage)
         grads = dict(c["vocab_grads"], embedding=c["vocab_grads"]["embedding"] + d)
         return dict(c, vocab_grads=grads)
       c = jax.lax.cond(emb_grad_mb >= 0, embed_grad, lambda c: c, c)
-      c["arrive_b"] = jax.lax.ppermute(c["send_b"], AXIS, [(i, (i - 1) % p) for i in range(p)])
+      send_b = c["send_b"]
+      if routed:  # back to the replica that ran the microbatch's previous chunk
+        k = offsets[mb_at, jnp.clip(g - 1, 0, G - 1)] - offsets[mb_at, jnp.clip(g, 0, G - 1)]
+        send_b = routing.shift(send_b, jnp.where(mine["kind"] == BACKWARD, k, 0), R)
+      c["arrive_b"] = jax.lax.ppermute(send_b, AXIS, [(i, (i - 1) % p) for i in range(p)])
       return c, None
 
     c, _ = jax.lax.scan(tick, carry, {**tables, **tick_tables})
     # Replicated head: only the last stage added loss; parallel: every stage holds the total.
     loss = c["loss"] if layout.vocab_parallel else jax.lax.psum(c["loss"], AXIS)
+    if R > 1:  # each replica's head added the losses of the rows it met
+      loss = jax.lax.psum(loss, routing.AXIS)
     if not train:
       return loss, None, c["counts"][None]
     layer_grads = jax.tree.map(lambda x: x[:, None], c["layer_grads"])
     vocab_grads = {k: (v if layout.vocab_parallel and k in VOCAB_PARAMS
                        else jax.lax.psum(v, AXIS)) for k, v in c["vocab_grads"].items()}
-    return loss, {**vocab_grads, "layers": layer_grads}, c["counts"][None]
+    grads = {**vocab_grads, "layers": layer_grads}
+    if R > 1:
+      grads = jax.tree.map(lambda x: x[None], grads)
+    return loss, grads, c["counts"][None]
 
-  param_specs = _param_specs(layout, params)
-  fn = jax.shard_map(per_stage, mesh=mesh, in_specs=(param_specs, P()),
-                     out_specs=(P(), param_specs if train else None, P(AXIS)), axis_names={AXIS},
+  param_specs = _param_specs(layout, params, R > 1)
+  mbs_spec = P(routing.AXIS) if R > 1 and not routed else P()
+  fn = jax.shard_map(per_stage, mesh=mesh, in_specs=(param_specs, mbs_spec, P(), P()),
+                     out_specs=(P(), param_specs if train else None, P(AXIS)),
+                     axis_names={AXIS, routing.AXIS} if R > 1 else {AXIS},
                      # Per-stage branches mix stage-varying and uniform values everywhere;
                      # the executor's collectives are explicit, none is differentiated.
                      check_vma=False)
-  return fn(params, mbs)
+  return fn(params, mbs, offsets, weights)
 
 
-def _param_specs(layout: Layout, params):
-  """shard_map specs over `stage` only: layers on their stage dim, vocab layers when parallel."""
+def _param_specs(layout: Layout, params, replicas: bool = False):
+  """shard_map specs over `stage` (and a leading `replica` dim): layers on their stage dim,
+  vocab layers when parallel."""
+  lead = (routing.AXIS,) if replicas else ()
+
   def spec(path, x):
     kind = _kind(path)
     if kind == "layers":
-      return P(None, AXIS)
+      return P(*lead, None, AXIS)
     if layout.vocab_parallel and kind == "embedding":
-      return P(AXIS)
+      return P(*lead, AXIS)
     if layout.vocab_parallel and kind == "unembedding":
-      return P(None, AXIS)
-    return P()
+      return P(*lead, None, AXIS)
+    return P(*lead)
   return jax.tree_util.tree_map_with_path(spec, params)

@@ -243,8 +243,10 @@ RELATIONS: tuple[Relation, ...] = (
     Relation(("optimizer.grad_accum_steps", "pipeline.schedule"),
              lambda a, sched: a == 1 or sched == "none",
              "be 1 with a pipeline (pipeline.microbatches splits the batch)"),
-    Relation(("optimizer.outer", "pipeline.schedule"), lambda o, sched: o == "none" or sched == "none",
-             "be none with a pipeline (outer optimizers over pipelined replicas are not built yet)"),
+    Relation(("optimizer.outer", "pipeline.schedule"),
+             lambda o, sched: sched == "none" or o in ("none", "diloco", "noloco", "co2"),
+             "be none, diloco, noloco or co2 with a pipeline (streaming_diloco's layer fragments "
+             "over a pipeline's stage view are not built yet)"),
     Relation(("pipeline.routing", "mesh axis replica", "mesh axis stage"),
              lambda routing, r, p: routing == "fixed" or (r > 1 and p > 1),
              "be fixed unless the mesh has both a replica and a stage axis larger than 1 "

@@ -38,6 +38,7 @@ from jaxsys.optim.inner import make_schedule
 from jaxsys.train import config_check
 from jaxsys.train import hdp_step
 from jaxsys.train import pipelined
+from jaxsys.train import replica_pipeline
 from jaxsys.train import replicas as replicas_lib
 from jaxsys.train import step as step_lib
 
@@ -270,11 +271,17 @@ def _set_up(config, workdir: str) -> _Parts:
       comm_bytes = lambda s: s * per_step
     param_sh, eval_params = setup.param_sh, (lambda p: p)
     eval_fn = setup.jit_eval_step(val.token_bytes)
-  else:
+  elif config.pipeline.schedule == "none":
     setup = replicas_lib.make_replica_setup(config, model_cfg, mesh, outer)
-    param_sh, eval_params = setup.param_sh, setup.eval_params
-    eval_fn = step_lib.jit_eval_step(model_cfg, param_sh, setup.batch_sh, val.token_bytes)
+    eval_fn = step_lib.jit_eval_step(model_cfg, setup.param_sh, setup.batch_sh, val.token_bytes)
     comm_bytes = lambda s: outer.bytes_after(setup.one.params, setup.replicas, s)
+  else:  # the outer optimizer over replicas that are each a pipeline
+    setup = replica_pipeline.make_replica_pipeline_setup(config, model_cfg, mesh, outer)
+    eval_fn, comm_bytes = setup.jit_eval_step(val.token_bytes), setup.comm_bytes
+    logging.info("pipeline per replica: %s, routing %s; %d bytes sent per device per inner "
+                 "step", setup.schedule.summary(), setup.routing, setup.bytes_per_step())
+  if outer is not None:
+    param_sh, eval_params = setup.param_sh, setup.eval_params
     meta["outer"] = {"view": "replica", "name": outer.name, "replicas": setup.replicas,
                      "sync_every": outer.sync_every}
     logging.info("outer optimizer %s over %d replicas, sync every %d steps, %d bytes sent per "
@@ -393,7 +400,7 @@ def _fresh_state(parts: _Parts, config):
                      "workdir or its checkpoints dir, or '' to start from random parameters")
   logging.info("init_from: parameters of step %d in %s", saved.step, saved.directory)
   params = jax.device_put(saved.one(), parts.param_sh)
-  if parts.outer is None:
+  if parts.outer is None or isinstance(setup, replica_pipeline.ReplicaPipelineSetup):
     return setup.start_from(state, params)
   start = lambda s, p: replicas_lib.start_from_params(s.step, p, setup.optimizer, parts.outer,
                                                       setup.replicas)

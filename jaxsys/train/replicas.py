@@ -138,13 +138,16 @@ def _path_suffix_shardings(tree, params, param_sh, replicated):
   return jax.tree_util.tree_map_with_path(one, tree)
 
 
-def replica_state_shardings(abstract: ReplicaTrainState, model_cfg, optimizer,
-                            mesh: Mesh) -> ReplicaTrainState:
-  """Per-replica shardings by logical axes, with `replica` prepended on the leading [R] dim."""
+def replica_state_shardings(abstract: ReplicaTrainState, model_cfg, optimizer, mesh: Mesh,
+                            rules=mesh_lib.DEFAULT_RULES, axes=None) -> ReplicaTrainState:
+  """Per-replica shardings by logical axes, with `replica` prepended on the leading [R] dim.
+
+  `rules`, `axes`: as `state.state_shardings` takes them (a pipeline's stage view).
+  """
   one = _one_replica((abstract.params, abstract.opt_state, abstract.outer))
   base = state_lib.state_shardings(
       TrainState(step=abstract.step, params=one[0], opt_state=one[1]),
-      model_cfg, optimizer, mesh)
+      model_cfg, optimizer, mesh, rules, axes)
   replicated = NamedSharding(mesh, PartitionSpec())
   outer_sh = _path_suffix_shardings(one[2], one[0], base.params, replicated)
   add = lambda tree: jax.tree.map(_with_replica, tree)

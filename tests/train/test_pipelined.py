@@ -4,6 +4,7 @@ import os
 import chex
 import jax
 import numpy as np
+import pytest
 
 from jaxsys import mesh as mesh_lib
 from jaxsys import metrics as metrics_lib
@@ -59,3 +60,44 @@ def test_views_round_trip(make_config):
   chex.assert_trees_all_equal(setup.to_saved(state).params, params)
   again = setup.from_saved(setup.to_saved(state))
   chex.assert_trees_all_equal(again, state)
+
+
+def test_outer_optimizer_over_pipelined_replicas_with_random_routing(make_config, tmp_path):
+  """NoLoCo over two replicas of a two-stage 1F1B pipeline, randomly routed: 2 steps, stop,
+  resume, 2 more (a sync at step 3, an eval at the end); the checkpoint holds the canonical
+  replica form, the logged bytes are the setup's count."""
+  from jaxsys.train import replica_pipeline
+  kw = dict(mesh="replica=2,stage=2,data=2", pipeline__schedule="1f1b",
+            pipeline__microbatches=2, pipeline__routing="random", optimizer__outer="noloco",
+            optimizer__outer_sync_every=3, log_every=1, eval_steps=1, checkpoint_every=100,
+            optimizer__schedule_steps=4)
+  workdir = str(tmp_path / "run")
+  loop.train_and_evaluate(make_config(total_steps=2, eval_every=0, **kw), workdir)
+  result = loop.train_and_evaluate(make_config(total_steps=4, eval_every=4, **kw), workdir)
+  assert result["step"] == 4 and np.isfinite(result["val_loss"])
+  rows = [r for r in metrics_lib.read_metrics(workdir) if "loss" in r]
+  assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(np.isfinite(r["loss"]) for r in rows)
+  saved = _saved_params(workdir, 4)["params"]
+  config = make_config(**kw)
+  assert saved["layers"]["wq"].shape[:2] == (2, config.model.n_layers)  # [R, layers, ...]
+  assert not np.allclose(saved["layers"]["wq"][0], saved["layers"]["wq"][1])  # a step apart
+  setup = replica_pipeline.make_replica_pipeline_setup(
+      config, transformer.TransformerConfig.from_config(config.model),
+      mesh_lib.make_mesh(config.mesh), loop.replicas_lib.make_outer_optimizer(config.optimizer))
+  assert [r["comm_bytes"] for r in rows] == [setup.comm_bytes(s) for s in range(1, 5)]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(mesh="stage=2,data=-1", pipeline__schedule="1f1b", pipeline__routing="random"),
+     r"^pipeline.routing='random' is invalid with mesh axis replica=1, mesh axis stage=2; it "
+     r"must be fixed unless the mesh has both a replica and a stage axis larger than 1"),
+    (dict(mesh="replica=2,stage=2,data=-1", pipeline__schedule="1f1b",
+          optimizer__outer="streaming_diloco"),
+     r"^optimizer.outer='streaming_diloco' is invalid with pipeline.schedule='1f1b'; it must be "
+     r"none, diloco, noloco or co2 with a pipeline"),
+])
+def test_bad_routing_config_one_line_error(make_config, tmp_path, overrides, message):
+  with pytest.raises(ValueError, match=message) as err:
+    loop.train_and_evaluate(make_config(total_steps=2, **overrides), str(tmp_path))
+  assert "\n" not in str(err.value)
+  assert not os.path.exists(tmp_path / "checkpoints")
