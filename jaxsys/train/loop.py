@@ -196,7 +196,10 @@ class Validation:
     sums = None
     for _, batch in zip(range(self.steps if steps is None else steps), self.loader):
       out = eval_fn(params, step_lib.global_batch(batch, self.batch_sh))
-      sums = out if sums is None else jax.tree.map(lambda a, b: a + b, sums, out)
+      # At most two batches in flight, as in training: a deep queue of collective programs
+      # can starve one of XLA:CPU's simulated devices past its rendezvous timeout.
+      sums = out if sums is None else jax.tree.map(lambda a, b: a + b,
+                                                   jax.block_until_ready(sums), out)
     if sums is None:
       raise ValueError("the val split gave no batch; lower data.batch_size or data.seq_len")
     return step_lib.summarize_eval({k: float(v) for k, v in jax.device_get(sums).items()})
