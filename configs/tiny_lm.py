@@ -112,7 +112,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # vocab_algorithm 2 syncs once per microbatch, 1 is the paper's naive baseline).
   # routing (with an outer optimizer over a replica x stage mesh): fixed sends each
   # microbatch to the next stage of its own replica; random to the next stage of a replica
-  # drawn per microbatch from a seeded permutation (NoLoCo, arXiv 2506.10911).
+  # drawn per step, microbatch and boundary, seeded by optimizer.outer_seed (NoLoCo, arXiv
+  # 2506.10911; jaxsys/train/replica_pipeline.py).
   # Context parallelism: a `context` mesh axis > 1 splits every sequence over it and runs
   # ring attention (jaxsys/parallel/context.py), e.g. --config.mesh=data=2,context=4;
   # context_layout zigzag evens the causal work, contiguous is the naive order.

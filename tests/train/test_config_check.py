@@ -212,9 +212,9 @@ class RelationsTest(parameterized.TestCase):
        "optimizer.grad_accum_steps=2 is invalid with pipeline.schedule='gpipe'; it must be 1 "
        "with a pipeline"),
       ("pipeline_outer", dict(mesh="replica=2,stage=2,data=-1", pipeline__schedule="gpipe",
-                              optimizer__outer="diloco"),
-       "optimizer.outer='diloco' is invalid with pipeline.schedule='gpipe'; it must be none "
-       "with a pipeline"),
+                              optimizer__outer="streaming_diloco"),
+       "optimizer.outer='streaming_diloco' is invalid with pipeline.schedule='gpipe'; it must "
+       "be none, diloco, noloco or co2 with a pipeline"),
       ("context_chunks", dict(mesh="data=2,context=-1", data__seq_len=36),
        "data.seq_len=36 is invalid with mesh axis context=4, parallel.context_layout='zigzag'; "
        "it must divide into the layout's chunks: 2 x (mesh axis context) for zigzag"),
