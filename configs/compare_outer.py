@@ -6,6 +6,8 @@ Run (8 simulated devices; on a 2-core CPU about 3 minutes of pretraining, then a
       --config=configs/compare_outer.py --workdir=/tmp/jaxsys_outer_warm [--runs=dp,diloco_k4_h50]
 `configs/compare_outer.py:streaming`: data parallel, DiLoCo and Streaming DiLoCo (2 and 4
 fragments; 4 with the paper's overlap and mixing) on a 4-layer model of the same size.
+`configs/compare_outer.py:routing`: DiLoCo and NoLoCo over replicas that are each a 2-stage
+pipeline (k = 2 and 4), NoLoCo with and without random routing between the replicas.
 
 Protocol (DiLoCo, arXiv 2311.08105 Sec. 3): one data-parallel run of `pretrain_steps`
 steps (in <workdir>/pretrain, data seed `seed + 1` so the rows do not replay its
@@ -36,9 +38,11 @@ def _outer(name, k, h, **kw):
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  if arg not in (None, "", "streaming"):
+  if arg not in (None, "", "streaming", "routing"):
     raise ValueError(f"configs/compare_outer.py: argument {arg!r} is unknown; valid: none, "
-                     "or 'streaming' (the Streaming DiLoCo rows, on a 4-layer model)")
+                     "'streaming' (the Streaming DiLoCo rows, on a 4-layer model) or 'routing' "
+                     "(DiLoCo and NoLoCo over 2-stage pipelined replicas, NoLoCo with and "
+                     "without random routing)")
   c = _tiny_lm().get_config("size=test")
   # Between the `test` and `tiny` sizes: big enough that the methods separate, small enough
   # that a row takes about 5 minutes on 2 quiet CPU cores.
@@ -97,6 +101,18 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # half global, half local.
     runs["streaming_k4_h50_f4_t5_a05"] = _outer("streaming_diloco", 4, 50, outer_fragments=4,
                                                 outer_overlap_steps=5, outer_mixing=0.5)
+  if arg == "routing":
+    # Each replica a 2-stage 1F1B pipeline (one layer a stage); NoLoCo with its activations
+    # routed at random between the replicas' stages (arXiv 2506.10911) and without.
+    runs = {"dp": dict()}
+    for k in (2, 4):
+      mesh = f"replica={k},stage=2" + (f",data={8 // (2 * k)}" if k < 4 else "")
+      piped = lambda name, **kw: dict(_outer(name, k, 50, **kw), mesh=mesh,
+                                      pipeline=dict(schedule="1f1b", microbatches=4))
+      runs[f"diloco_k{k}_h50_pp"] = piped("diloco")
+      runs[f"noloco_k{k}_h50_pp"] = piped("noloco")
+      runs[f"noloco_k{k}_h50_pp_routed"] = dict(piped("noloco"), pipeline=dict(
+          schedule="1f1b", microbatches=4, routing="random"))
   c.runs = ",".join(runs)
   c.run_specs = ml_collections.ConfigDict(runs)
   return c

@@ -155,19 +155,25 @@ def test_bad_seeds_is_one_line(tmp_path):
   assert not list(tmp_path.iterdir())
 
 
-def test_streaming_variant_rows_pass_the_config_check():
-  """`configs/compare_outer.py:streaming`: every row valid, Streaming DiLoCo's fragments
-  dividing its 4 layers, each row's total bytes DiLoCo's."""
+@pytest.mark.parametrize("variant,rows", [
+    ("streaming", ["dp", "diloco_k4_h50", "streaming_k4_h50_f2", "streaming_k4_h50_f4",
+                   "streaming_k4_h50_f4_t5_a05"]),
+    ("routing", ["dp"] + [f"{m}_k{k}_h50_pp{r}" for k in (2, 4) for m, r in
+                          (("diloco", ""), ("noloco", ""), ("noloco", "_routed"))]),
+])
+def test_variant_rows_pass_the_config_check(variant, rows):
+  """`configs/compare_outer.py:streaming` and `:routing`: every row valid (Streaming DiLoCo's
+  fragments divide its 4 layers; routing has a replica and a stage axis)."""
   from experiments import compare_outer  # pylint: disable=import-outside-toplevel
   from jaxsys.train import config_check  # pylint: disable=import-outside-toplevel
   spec = importlib.util.spec_from_file_location("compare", ROOT / "configs" / "compare_outer.py")
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  base = module.get_config("streaming")
-  assert base.runs.split(",")[:2] == ["dp", "diloco_k4_h50"]
-  for name in base.runs.split(","):
+  base = module.get_config(variant)
+  assert base.runs.split(",") == rows
+  for name in rows:
     config = compare_outer.run_config(base, base.run_specs[name].to_dict())
     config_check.check_config(config)
-    assert config.model.n_layers == 4
+    assert name.endswith("_routed") == (config.pipeline.routing == "random")
   with pytest.raises(ValueError, match="argument 'stream' is unknown"):
     module.get_config("stream")
