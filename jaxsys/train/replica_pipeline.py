@@ -194,8 +194,7 @@ class ReplicaPipelineSetup:
 
   def assemble(self, step, params, opt_state) -> ReplicaTrainState:
     """The saved (canonical) form from converted parameters and inner states, outer fresh."""
-    return ReplicaTrainState(step=step, params=params, opt_state=opt_state,
-                             outer=jax.vmap(self.outer.init)(params))
+    return replicas_lib.with_fresh_outer(self.outer, step, params, opt_state)
 
   @functools.cached_property
   def _to_canonical(self):

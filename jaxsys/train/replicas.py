@@ -118,10 +118,14 @@ def init_replica_state(model_cfg, optimizer, outer: outer_lib.OuterOptimizer, re
 def start_from_params(step, params, optimizer, outer: outer_lib.OuterOptimizer,
                       replicas: int) -> ReplicaTrainState:
   """Every replica and the outer state at `params` (one replica's), fresh inner and outer states."""
-  params_R = layouts.stack_replicas(params, replicas)
-  return ReplicaTrainState(step=step, params=params_R,
-                           opt_state=layouts.stack_replicas(optimizer.init(params), replicas),
-                           outer=jax.vmap(outer.init)(params_R))
+  return with_fresh_outer(outer, step, layouts.stack_replicas(params, replicas),
+                          layouts.stack_replicas(optimizer.init(params), replicas))
+
+
+def with_fresh_outer(outer: outer_lib.OuterOptimizer, step, params, opt_state) -> ReplicaTrainState:
+  """Replicas at `params` [R, ...] and inner states, the outer state fresh at them."""
+  return ReplicaTrainState(step=step, params=params, opt_state=opt_state,
+                           outer=jax.vmap(outer.init)(params))
 
 
 def _path_suffix_shardings(tree, params, param_sh, replicated):
@@ -243,8 +247,7 @@ class ReplicaSetup:
 
   def assemble(self, step, params, opt_state) -> ReplicaTrainState:
     """Replicas at converted parameters and inner states, the outer state fresh at them."""
-    return ReplicaTrainState(step=step, params=params, opt_state=opt_state,
-                             outer=jax.vmap(self.outer.init)(params))
+    return with_fresh_outer(self.outer, step, params, opt_state)
 
   def to_saved(self, state: ReplicaTrainState) -> ReplicaTrainState:
     return state

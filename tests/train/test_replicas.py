@@ -25,20 +25,25 @@ def _rows(workdir):
   return [r for r in metrics_lib.read_metrics(workdir) if "loss" in r]
 
 
+def _straight_and_in_two_legs(make_config, tmp_path, **kw):
+  """8 steps straight and 4 + stop + 4: each run's {step: (loss, comm_bytes)}, and each
+  run's state at step 8."""
+  straight, legs = str(tmp_path / "straight"), str(tmp_path / "legs")
+  loop.train_and_evaluate(make_config(total_steps=8, **kw), straight)
+  loop.train_and_evaluate(make_config(total_steps=4, **kw), legs)
+  loop.train_and_evaluate(make_config(total_steps=8, **kw), legs)
+  rows = lambda w: {r["step"]: (r["loss"], r["comm_bytes"]) for r in _rows(w)}
+  return rows(straight), rows(legs), _restore_state(straight, 8), _restore_state(legs, 8)
+
+
 def test_resume_is_exact_with_outer_state(make_config, tmp_path):
   """CO2 (the most outer state: anchor, previous anchor, pending average, momentum):
   8 steps straight == 4 steps, stop, restore, 4 more; syncs every 3 steps cross the stop."""
   kw = dict(mesh="replica=4,data=2", log_every=1, eval_every=0, checkpoint_every=100,
             optimizer__schedule_steps=8, optimizer__outer="co2", optimizer__outer_sync_every=3)
-  straight, legs = str(tmp_path / "straight"), str(tmp_path / "legs")
-  loop.train_and_evaluate(make_config(total_steps=8, **kw), straight)
-  loop.train_and_evaluate(make_config(total_steps=4, **kw), legs)
-  loop.train_and_evaluate(make_config(total_steps=8, **kw), legs)
-  a = {r["step"]: (r["loss"], r["comm_bytes"]) for r in _rows(straight)}
-  b = {r["step"]: (r["loss"], r["comm_bytes"]) for r in _rows(legs)}
+  a, b, sa, sb = _straight_and_in_two_legs(make_config, tmp_path, **kw)
   assert sorted(a) == sorted(b) == list(range(1, 9))
   np.testing.assert_allclose([b[s] for s in a], [a[s] for s in a], rtol=1e-6)
-  sa, sb = _restore_state(straight, 8), _restore_state(legs, 8)
   chex.assert_trees_all_close(sb["params"], sa["params"], atol=1e-6)
   chex.assert_trees_all_close(sb["outer"], sa["outer"], atol=1e-6)
   chex.assert_trees_all_close(sb["opt_state"], sa["opt_state"], atol=1e-6)
@@ -58,14 +63,8 @@ def test_streaming_diloco_resumes_exactly_mid_overlap(make_config, tmp_path):
             optimizer__schedule_steps=8, optimizer__outer="streaming_diloco",
             optimizer__outer_sync_every=4, optimizer__outer_fragments=2,
             optimizer__outer_overlap_steps=1, optimizer__outer_mixing=0.25)
-  straight, legs = str(tmp_path / "straight"), str(tmp_path / "legs")
-  loop.train_and_evaluate(make_config(total_steps=8, **kw), straight)
-  loop.train_and_evaluate(make_config(total_steps=4, **kw), legs)
-  loop.train_and_evaluate(make_config(total_steps=8, **kw), legs)
-  a = {r["step"]: (r["loss"], r["comm_bytes"]) for r in _rows(straight)}
-  b = {r["step"]: (r["loss"], r["comm_bytes"]) for r in _rows(legs)}
+  a, b, sa, sb = _straight_and_in_two_legs(make_config, tmp_path, **kw)
   np.testing.assert_allclose([b[s] for s in a], [a[s] for s in a], rtol=1e-6)
-  sa, sb = _restore_state(straight, 8), _restore_state(legs, 8)
   chex.assert_trees_all_close(sb["params"], sa["params"], atol=1e-6)
   chex.assert_trees_all_close(sb["outer"], sa["outer"], atol=1e-6)
   assert int(sa["outer"]["events"][0]) == 8  # starts at 2, 4, 6, 8 and landings at 3, 5, 7, 9
