@@ -87,6 +87,7 @@ def summarize(name: str, config, workdir: str, wall_s: float | None, scored: dic
           "compression": o.outer_compression if o.outer == "diloco" else "none",
           "steps": final["step"], "val_bpb": scored["val_bpb"],
           "val_bpb_replica_mean": scored.get("val_bpb_replica_mean"),
+          "val_bpb_outer": scored.get("val_bpb_outer"),
           "val_bpb_last_eval": final["val_bpb"],
           "comm_bytes": final["comm_bytes"], "dp_bytes_same_k": dp_bytes,
           # the most one sync sends (data parallel: every step's gradient all-reduce)
@@ -101,13 +102,16 @@ def final_eval(config, run_dir: str, batches: int) -> dict:
 
   Scores replica 0, the model a worker holds (and the one the run's own evals
   scored), and for replica runs also the mean of the replicas, which NoLoCo never
-  forms: the gap between the two is what its replicas still disagree on. Cached in
+  forms: the gap between the two is what its replicas still disagree on. For Streaming
+  DiLoCo also its outer (global) parameters, which every replica holds. Cached in
   <run_dir>/final_eval.json while the batches and the run's step count are unchanged.
   """
   cache = os.path.join(run_dir, "final_eval.json")
+  streaming = config.optimizer.outer == "streaming_diloco"
   if os.path.exists(cache):
     cached = json.load(open(cache))
-    if (cached["batches"], cached["step"]) == (batches, config.total_steps):
+    if ((cached["batches"], cached["step"]) == (batches, config.total_steps)
+        and (not streaming or "val_bpb_outer" in cached)):
       return cached
   model_cfg = transformer.TransformerConfig.from_config(config.model)
   saved = read_params(run_dir, expect_model=dataclasses.asdict(model_cfg))
@@ -119,6 +123,9 @@ def final_eval(config, run_dir: str, batches: int) -> dict:
   result = {"batches": batches, "step": saved.step, "val_bpb": score(saved.one())}
   if saved.replicas:
     result["val_bpb_replica_mean"] = score(jax.tree.map(lambda x: x.mean(0), saved.params))
+  if streaming:  # the global parameters every replica holds (most fragments mid-round)
+    outer = read_params(run_dir, saved.step, field=("outer", "anchor"))
+    result["val_bpb_outer"] = score(outer.one())
   with open(cache, "w") as f:
     json.dump(result, f)
   return result
@@ -160,15 +167,17 @@ def write_table(results: list[dict], workdir: str, protocol: str = "") -> str:
   dp = next((r for r in results if r["method"] == "data parallel"), None)
   lines = [protocol, ""] if protocol else []
   lines += ["| run | method | k | H | compression | val bpb | vs DP | replicas' mean bpb | "
-            "bytes sent / worker | x fewer than DP (same k) | peak bytes / sync | wall s |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "outer params bpb | bytes sent / worker | x fewer than DP (same k) | "
+            "peak bytes / sync | wall s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in results:
     rel = f"{_gap_pct(r, dp):+.2f}%" if dp else "-"
     red = f"{r['bytes_reduction']:.1f}x" if r["bytes_reduction"] else "-"
     wall = f"{r['wall_s']:.0f}" if r["wall_s"] else "-"
     mean = f"{r['val_bpb_replica_mean']:.4f}" if r["val_bpb_replica_mean"] else "-"
+    outer = f"{r['val_bpb_outer']:.4f}" if r.get("val_bpb_outer") else "-"
     lines.append(f"| {r['run']} | {r['method']} | {r['workers']} | {r['sync_every']} | "
-                 f"{r['compression']} | {r['val_bpb']:.4f} | {rel} | {mean} | "
+                 f"{r['compression']} | {r['val_bpb']:.4f} | {rel} | {mean} | {outer} | "
                  f"{_fmt_bytes(r['comm_bytes'])} | {red} | "
                  f"{_fmt_bytes(r['peak_bytes_per_sync']) if 'peak_bytes_per_sync' in r else '-'} "
                  f"| {wall} |")

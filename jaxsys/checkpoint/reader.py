@@ -48,13 +48,15 @@ def _read_only(directory: str) -> ocp.CheckpointManager:
 
 
 def read_params(path: str, step: int | None = None, *, expect_model: dict | None = None,
-                allow_model_change: str = "") -> SavedParams | None:
+                allow_model_change: str = "",
+                field: tuple[str, ...] = ("params",)) -> SavedParams | None:
   """The parameters saved at `step` (default: the latest) of the run at `path`; None if it has none.
 
   `path` is a run's workdir or its checkpoints directory. With `expect_model` (a model
   config as a dict) a checkpoint of another model is refused before any array is read
   (see `manager.check_same_model`). Arrays that disagree with the meta's model config
-  are refused in one line.
+  are refused in one line. `field`: the path in the saved state of the parameter-shaped
+  tree to read, e.g. ("outer", "anchor"): an outer optimizer's global parameters.
   """
   directory = checkpoints_dir(path)
   if not os.path.isdir(directory):
@@ -75,13 +77,18 @@ def read_params(path: str, step: int | None = None, *, expect_model: dict | None
       check_same_model(meta["model"], expect_model, directory, allow_model_change)
     model_cfg = transformer.TransformerConfig(**meta["model"])
     replicas = (meta.get("outer") or {}).get("replicas") or 0
-    target = {"params": _abstract_params(model_cfg, replicas)}
+    abstract = _abstract_params(model_cfg, replicas)
+    target = abstract
+    for key in reversed(field):
+      target = {key: target}
     restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), target)
     params = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-        target, restore_args=restore_args, partial_restore=True)))["state"]["params"]
+        target, restore_args=restore_args, partial_restore=True)))["state"]
+    for key in field:
+      params = params[key]
   finally:
     manager.close()
-  _check_shapes(params, target["params"], f"checkpoint step {step} in {directory}", meta["model"])
+  _check_shapes(params, abstract, f"checkpoint step {step} in {directory}", meta["model"])
   return SavedParams(directory, step, params, replicas, model_cfg, meta)
 
 

@@ -34,8 +34,9 @@ def _save(workdir, steps, replicas=0):
     if replicas:  # replica r holds the parameters of seed step + r
       params = jax.tree.map(lambda *xs: np.stack(xs), *[_params(step + r) for r in range(replicas)])
     saved[step] = params
-    ckpt.save(step, {"step": np.int32(step), "params": params, "opt_state": {"count": np.int32(0)}},
-              data={}, meta=meta)
+    outer = {"anchor": jax.tree.map(lambda x: x + 1, params)} if replicas else {}
+    ckpt.save(step, {"step": np.int32(step), "params": params, "opt_state": {"count": np.int32(0)},
+                     **({"outer": outer} if replicas else {})}, data={}, meta=meta)
   ckpt.close()
   return saved
 
@@ -65,6 +66,8 @@ class ReaderTest(parameterized.TestCase):
     self.assertEqual(got.replicas, 2)
     chex.assert_trees_all_equal(got.params, saved[2])
     chex.assert_trees_all_equal(got.one(), _params(2))
+    anchor = reader.read_params(self.workdir, field=("outer", "anchor"))  # the outer state's
+    chex.assert_trees_all_equal(anchor.params, jax.tree.map(lambda x: x + 1, saved[2]))
 
   def test_no_checkpoint_is_none_and_missing_step_one_line(self):
     self.assertIsNone(reader.read_params(os.path.join(self.workdir, "nowhere")))
