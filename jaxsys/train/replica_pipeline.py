@@ -232,7 +232,6 @@ def make_replica_pipeline_setup(config, model_cfg: transformer.TransformerConfig
   state_sh = replicas_lib.replica_state_shardings(abstract, model_cfg, optimizer, mesh,
                                                   layout.rules(mesh_lib.DEFAULT_RULES), axes)
   batch_sh = mesh_lib.batch_sharding(mesh)
-  replicated = NamedSharding(mesh, PartitionSpec())
   opts = step_lib.compiler_options(model_cfg, mesh)
   routing_name = config.pipeline.routing
   inner_step = sharded.under_mesh(functools.partial(
@@ -240,22 +239,8 @@ def make_replica_pipeline_setup(config, model_cfg: transformer.TransformerConfig
       layout=layout, mesh=mesh, replicas=replicas,
       routing_seed=config.optimizer.outer_seed if routing_name == "random" else None,
       vocab_algorithm=config.pipeline.vocab_algorithm), mesh)
-  train_fn = jax.jit(inner_step, in_shardings=(state_sh, batch_sh),
-                     out_shardings=(state_sh, replicated), donate_argnums=0,
-                     compiler_options=opts)
-  sync = replicas_lib.make_sync(outer, mesh)
-
-  def sync_state(state: ReplicaTrainState) -> ReplicaTrainState:
-    params, outer_state = sync(state.params, state.outer)
-    return state.replace(params=params, outer=outer_state)
-
-  sync_fn = jax.jit(sync_state, in_shardings=(state_sh,), out_shardings=state_sh,
-                    donate_argnums=0, compiler_options=opts)
-  sync_train_fn = None
-  if outer.overlaps:
-    sync_train_fn = jax.jit(lambda s, b: inner_step(sync_state(s), b),
-                            in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated),
-                            donate_argnums=0, compiler_options=opts)
+  train_fn, sync_fn, sync_train_fn = replicas_lib.jit_steps(inner_step, outer, mesh, state_sh,
+                                                             batch_sh, opts)
   one_of = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), tree)
   one = TrainState(step=canonical.step, params=one_of(canonical.params),
                    opt_state=one_of(canonical.opt_state))

@@ -206,6 +206,27 @@ def dp_bytes_per_step(params, mesh: Mesh) -> int:
   return outer_lib.ring_allreduce_bytes(outer_lib.tree_bytes(params), n) if n > 1 else 0
 
 
+def jit_steps(inner_step: Callable, outer: outer_lib.OuterOptimizer, mesh: Mesh, state_sh,
+              batch_sh, compiler_options) -> tuple[Callable, Callable, Callable | None]:
+  """(train_fn, sync_fn, sync_train_fn) of a replica run, jitted with donation: the inner
+  step, the outer sync and, for an outer optimizer that `overlaps`, the two as one program
+  (None otherwise)."""
+  replicated = NamedSharding(mesh, PartitionSpec())
+  sync = make_sync(outer, mesh)
+
+  def sync_state(state: ReplicaTrainState) -> ReplicaTrainState:
+    params, outer_state = sync(state.params, state.outer)
+    return state.replace(params=params, outer=outer_state)
+
+  def jit(fn, ins, outs):
+    return jax.jit(fn, in_shardings=ins, out_shardings=outs, donate_argnums=0,
+                   compiler_options=compiler_options)
+  step_out = (state_sh, replicated)
+  return (jit(inner_step, (state_sh, batch_sh), step_out), jit(sync_state, (state_sh,), state_sh),
+          jit(lambda s, b: inner_step(sync_state(s), b), (state_sh, batch_sh), step_out)
+          if outer.overlaps else None)
+
+
 @dataclasses.dataclass(frozen=True)
 class ReplicaSetup:
   """Like `step.TrainSetup`, plus the outer optimizer, its jitted sync and eval's parameter view."""
@@ -265,28 +286,12 @@ def make_replica_setup(config, model_cfg: transformer.TransformerConfig, mesh: M
                                                        config.seed))
   state_sh = replica_state_shardings(abstract, model_cfg, optimizer, mesh)
   batch_sh = mesh_lib.batch_sharding(mesh)
-  replicated = NamedSharding(mesh, PartitionSpec())
   opts = step_lib.compiler_options(model_cfg, mesh)
   inner_step = sharded.under_mesh(  # Pallas kernels split over the mesh inside the vmap
       lambda s, b: replica_train_step(s, b, model_cfg=model_cfg, optimizer=optimizer,
                                       replicas=replicas,
                                       accum_steps=config.optimizer.grad_accum_steps), mesh)
-  train_fn = jax.jit(
-      inner_step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated), donate_argnums=0,
-      compiler_options=opts)
-  sync = make_sync(outer, mesh)
-
-  def sync_state(state: ReplicaTrainState) -> ReplicaTrainState:
-    params, outer_state = sync(state.params, state.outer)
-    return state.replace(params=params, outer=outer_state)
-
-  sync_fn = jax.jit(sync_state, in_shardings=(state_sh,), out_shardings=state_sh,
-                    donate_argnums=0, compiler_options=opts)
-  sync_train_fn = None
-  if outer.overlaps:
-    sync_train_fn = jax.jit(
-        lambda s, b: inner_step(sync_state(s), b), in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated),
-        donate_argnums=0, compiler_options=opts)
+  train_fn, sync_fn, sync_train_fn = jit_steps(inner_step, outer, mesh, state_sh, batch_sh, opts)
   one_params, one_opt = _one_replica((abstract.params, abstract.opt_state))
   one = TrainState(step=abstract.step, params=one_params, opt_state=one_opt)
   one_sh = state_lib.state_shardings(one, model_cfg, optimizer, mesh)
