@@ -25,6 +25,7 @@ event of a round: a conditional whose branches each hold one fragment's collecti
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -67,9 +68,14 @@ class Schedule:
         out.append((offset, acts))
     return out
 
+  @functools.cached_property
+  def _offsets(self) -> frozenset[int]:
+    return frozenset(o for o, _ in self.events())
+
   def due(self, step: int) -> bool:
-    offsets = {o for o, _ in self.events()}
-    return step >= 1 and (step - 1) % self.sync_every + 1 in offsets
+    """Whether some fragment starts or lands after inner step `step` (the loop asks every
+    step, so the round's offsets are computed once)."""
+    return step >= 1 and (step - 1) % self.sync_every + 1 in self._offsets
 
   def starts_up_to(self, p: int, steps: int) -> int:
     """How many times fragment p has started in the first `steps` inner steps."""
