@@ -403,11 +403,7 @@ def _fresh_state(parts: _Parts, config):
                      "workdir or its checkpoints dir, or '' to start from random parameters")
   logging.info("init_from: parameters of step %d in %s", saved.step, saved.directory)
   params = jax.device_put(saved.one(), parts.param_sh)
-  if parts.outer is None or isinstance(setup, replica_pipeline.ReplicaPipelineSetup):
-    return setup.start_from(state, params)
-  start = lambda s, p: replicas_lib.start_from_params(s.step, p, setup.optimizer, parts.outer,
-                                                      setup.replicas)
-  return jax.jit(start, out_shardings=setup.state_sh, donate_argnums=0)(state, params)
+  return setup.start_from(state, params)
 
 
 class _Loop:

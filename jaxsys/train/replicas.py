@@ -257,6 +257,11 @@ class ReplicaSetup:
                                               self.replicas, seed),
                    out_shardings=self.state_sh)()
 
+  def start_from(self, state: ReplicaTrainState, params) -> ReplicaTrainState:
+    """Every replica at one model's `params`, fresh inner and outer states (init_from)."""
+    start = lambda s, p: start_from_params(s.step, p, self.optimizer, self.outer, self.replicas)
+    return jax.jit(start, out_shardings=self.state_sh, donate_argnums=0)(state, params)
+
   # The replica-stacked state is its own saved form (`checkpoint.layouts`).
 
   def saved_target(self) -> ReplicaTrainState:
