@@ -307,15 +307,18 @@ def _mean_std(values: list[float], fmt: str) -> str:
 
 
 def write_seed_table(per_seed: dict[int, list[dict]], workdir: str) -> str:
-  """Mean ± sample std over seeds of each row's val bpb and its gaps to DP and to DiLoCo."""
+  """Mean ± sample std over seeds of each row's val bpb, its gaps to DP and to DiLoCo, and
+  for replica runs how far replica 0 is behind the replicas' mean (what they disagree on)."""
   seeds = sorted(per_seed)
-  gaps = {}  # run -> {"bpb": [...], "dp": [...], "diloco": [...]}, one entry per seed
+  gaps = {}  # run -> {"bpb": [...], "dp": [...], "diloco": [...], "spread": [...]}, per seed
   for s in seeds:
     rows = per_seed[s]
     dp = next((r for r in rows if r["method"] == "data parallel"), None)
     for r in rows:
-      g = gaps.setdefault(r["run"], {"row": r, "bpb": [], "dp": [], "diloco": []})
+      g = gaps.setdefault(r["run"], {"row": r, "bpb": [], "dp": [], "diloco": [], "spread": []})
       g["bpb"].append(r["val_bpb"])
+      if r.get("val_bpb_replica_mean"):
+        g["spread"].append(100 * (r["val_bpb"] / r["val_bpb_replica_mean"] - 1))
       if dp is not None:
         g["dp"].append(_gap_pct(r, dp))
       ref = _diloco_reference(r, rows)
@@ -323,15 +326,17 @@ def write_seed_table(per_seed: dict[int, list[dict]], workdir: str) -> str:
         g["diloco"].append(_gap_pct(r, ref))
   lines = [f"Mean ± sample std over seeds {', '.join(map(str, seeds))} (each seed: its own "
            "pretrain, data order and init; gaps are taken per seed, then averaged).", "",
-           "| run | k | H | val bpb | vs DP (%) | vs DiLoCo, same k and H (%) | per seed vs DP |",
-           "|---|---|---|---|---|---|---|"]
+           "| run | k | H | val bpb | vs DP (%) | vs DiLoCo, same k and H (%) | per seed vs DP | "
+           "replica 0 vs replicas' mean (%) |",
+           "|---|---|---|---|---|---|---|---|"]
   for run, g in gaps.items():
     r = g["row"]
     vs_dp = _mean_std(g["dp"], "+.2f") if g["dp"] and r["method"] != "data parallel" else "-"
     vs_dl = _mean_std(g["diloco"], "+.2f") if g["diloco"] else "-"
     per = " / ".join(f"{x:+.2f}" for x in g["dp"]) if r["method"] != "data parallel" else "-"
+    spread = _mean_std(g["spread"], "+.2f") if g["spread"] else "-"
     lines.append(f"| {run} | {r['workers']} | {r['sync_every']} | {_mean_std(g['bpb'], '.4f')} | "
-                 f"{vs_dp} | {vs_dl} | {per} |")
+                 f"{vs_dp} | {vs_dl} | {per} | {spread} |")
   table = "\n".join(lines) + "\n"
   with open(os.path.join(workdir, "results_seeds.md"), "w") as f:
     f.write(table)
