@@ -87,6 +87,7 @@ def summarize(name: str, config, workdir: str, wall_s: float | None, scored: dic
           "compression": o.outer_compression if o.outer == "diloco" else "none",
           "steps": final["step"], "val_bpb": scored["val_bpb"],
           "val_bpb_replica_mean": scored.get("val_bpb_replica_mean"),
+          "replica_distance": scored.get("replica_distance"),
           "val_bpb_outer": scored.get("val_bpb_outer"),
           "val_bpb_last_eval": final["val_bpb"],
           "comm_bytes": final["comm_bytes"], "dp_bytes_same_k": dp_bytes,
@@ -103,8 +104,9 @@ def final_eval(config, run_dir: str, batches: int) -> dict:
   Scores replica 0, the model a worker holds (and the one the run's own evals
   scored), and for replica runs also the mean of the replicas, which NoLoCo never
   forms: the gap between the two is what its replicas still disagree on. For Streaming
-  DiLoCo also its outer (global) parameters, which every replica holds. Cached in
-  <run_dir>/final_eval.json while the batches and the run's step count are unchanged.
+  DiLoCo also its outer (global) parameters, which every replica holds. Replica runs also
+  get the replicas' distance to their mean in parameter space (`replica_distance`). Cached
+  in <run_dir>/final_eval.json while the batches and the run's step count are unchanged.
   """
   cache = os.path.join(run_dir, "final_eval.json")
   streaming = config.optimizer.outer == "streaming_diloco"
@@ -112,6 +114,10 @@ def final_eval(config, run_dir: str, batches: int) -> dict:
     cached = json.load(open(cache))
     if ((cached["batches"], cached["step"]) == (batches, config.total_steps)
         and (not streaming or "val_bpb_outer" in cached)):
+      if "val_bpb_replica_mean" in cached and "replica_distance" not in cached:  # older cache
+        cached["replica_distance"] = replica_distance(read_params(run_dir, cached["step"]).params)
+        with open(cache, "w") as f:
+          json.dump(cached, f)
       return cached
   model_cfg = transformer.TransformerConfig.from_config(config.model)
   saved = read_params(run_dir, expect_model=dataclasses.asdict(model_cfg))
@@ -123,12 +129,22 @@ def final_eval(config, run_dir: str, batches: int) -> dict:
   result = {"batches": batches, "step": saved.step, "val_bpb": score(saved.one())}
   if saved.replicas:
     result["val_bpb_replica_mean"] = score(jax.tree.map(lambda x: x.mean(0), saved.params))
+    result["replica_distance"] = replica_distance(saved.params)
   if streaming:  # the global parameters every replica holds (most fragments mid-round)
     outer = read_params(run_dir, saved.step, field=("outer", "anchor"))
     result["val_bpb_outer"] = score(outer.one())
   with open(cache, "w") as f:
     json.dump(result, f)
   return result
+
+
+def replica_distance(params) -> float:
+  """How far R stacked replicas are from their mean: ||p_r - mean|| / ||mean|| over all
+  parameters, averaged over r (0 for replicas that just synced to one value)."""
+  flat = np.concatenate([np.asarray(x, np.float64).reshape(x.shape[0], -1)
+                         for x in jax.tree.leaves(params)], axis=1)
+  mean = flat.mean(0)
+  return float(np.mean(np.linalg.norm(flat - mean, axis=1)) / np.linalg.norm(mean))
 
 
 def _fmt_bytes(n: float) -> str:
@@ -310,15 +326,18 @@ def write_seed_table(per_seed: dict[int, list[dict]], workdir: str) -> str:
   """Mean ± sample std over seeds of each row's val bpb, its gaps to DP and to DiLoCo, and
   for replica runs how far replica 0 is behind the replicas' mean (what they disagree on)."""
   seeds = sorted(per_seed)
-  gaps = {}  # run -> {"bpb": [...], "dp": [...], "diloco": [...], "spread": [...]}, per seed
+  gaps = {}  # run -> {"bpb": [...], "dp": [...], "diloco": [...], ...}, one entry per seed
   for s in seeds:
     rows = per_seed[s]
     dp = next((r for r in rows if r["method"] == "data parallel"), None)
     for r in rows:
-      g = gaps.setdefault(r["run"], {"row": r, "bpb": [], "dp": [], "diloco": [], "spread": []})
+      g = gaps.setdefault(r["run"], {"row": r, "bpb": [], "dp": [], "diloco": [], "spread": [],
+                                     "distance": []})
       g["bpb"].append(r["val_bpb"])
       if r.get("val_bpb_replica_mean"):
         g["spread"].append(100 * (r["val_bpb"] / r["val_bpb_replica_mean"] - 1))
+      if r.get("replica_distance") is not None:
+        g["distance"].append(r["replica_distance"])
       if dp is not None:
         g["dp"].append(_gap_pct(r, dp))
       ref = _diloco_reference(r, rows)
@@ -327,16 +346,17 @@ def write_seed_table(per_seed: dict[int, list[dict]], workdir: str) -> str:
   lines = [f"Mean ± sample std over seeds {', '.join(map(str, seeds))} (each seed: its own "
            "pretrain, data order and init; gaps are taken per seed, then averaged).", "",
            "| run | k | H | val bpb | vs DP (%) | vs DiLoCo, same k and H (%) | per seed vs DP | "
-           "replica 0 vs replicas' mean (%) |",
-           "|---|---|---|---|---|---|---|---|"]
+           "replica 0 vs replicas' mean (%) | replicas' distance to their mean |",
+           "|---|---|---|---|---|---|---|---|---|"]
   for run, g in gaps.items():
     r = g["row"]
     vs_dp = _mean_std(g["dp"], "+.2f") if g["dp"] and r["method"] != "data parallel" else "-"
     vs_dl = _mean_std(g["diloco"], "+.2f") if g["diloco"] else "-"
     per = " / ".join(f"{x:+.2f}" for x in g["dp"]) if r["method"] != "data parallel" else "-"
     spread = _mean_std(g["spread"], "+.2f") if g["spread"] else "-"
+    distance = _mean_std(g["distance"], ".5f") if g["distance"] else "-"
     lines.append(f"| {run} | {r['workers']} | {r['sync_every']} | {_mean_std(g['bpb'], '.4f')} | "
-                 f"{vs_dp} | {vs_dl} | {per} | {spread} |")
+                 f"{vs_dp} | {vs_dl} | {per} | {spread} | {distance} |")
   table = "\n".join(lines) + "\n"
   with open(os.path.join(workdir, "results_seeds.md"), "w") as f:
     f.write(table)

@@ -8,6 +8,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jaxsys import mesh as mesh_lib
@@ -124,29 +125,41 @@ def test_unknown_run_is_one_line(small_corpus, tmp_path):
   assert not (tmp_path / "results.md").exists()
 
 
-def _row(run, method, bpb, k=4, h=50, compression="none", replica_mean=None):
+def _row(run, method, bpb, k=4, h=50, compression="none", replica_mean=None, distance=None):
   return {"run": run, "method": method, "workers": k, "sync_every": h,
-          "compression": compression, "val_bpb": bpb, "val_bpb_replica_mean": replica_mean}
+          "compression": compression, "val_bpb": bpb, "val_bpb_replica_mean": replica_mean,
+          "replica_distance": distance}
 
 
 def test_seed_table_gaps_are_per_seed(tmp_path):
   from experiments import compare_outer  # pylint: disable=import-outside-toplevel
   per_seed = {
       0: [_row("dp", "data parallel", 2.0, k=8, h=1), _row("dl", "diloco", 2.02),
-          _row("dl8", "diloco", 2.04, compression="int8"), _row("nl", "noloco", 2.0402, replica_mean=2.0)],
+          _row("dl8", "diloco", 2.04, compression="int8"), _row("nl", "noloco", 2.0402, replica_mean=2.0, distance=0.01)],
       1: [_row("dp", "data parallel", 1.0, k=8, h=1), _row("dl", "diloco", 1.03),
-          _row("dl8", "diloco", 1.05, compression="int8"), _row("nl", "noloco", 1.0403, replica_mean=1.0)]}
+          _row("dl8", "diloco", 1.05, compression="int8"), _row("nl", "noloco", 1.0403, replica_mean=1.0, distance=0.02)]}
   table = compare_outer.write_seed_table(per_seed, str(tmp_path))
   lines = {l.split(" | ")[0][2:]: l for l in table.splitlines() if l.startswith("| ")}
   # DiLoCo: +1% and +3% vs DP -> 2.00 ± 1.41; NoLoCo vs the uncompressed DiLoCo: +1% twice.
   assert "| +2.00 ± 1.41 | - | +1.00 / +3.00 |" in lines["dl"]
-  # Replica 0 against the replicas' mean: +2.01% and +4.03%, a column only replica runs fill.
-  assert "| +1.00 ± 0.00 |" in lines["nl"] and lines["nl"].endswith("| +3.02 ± 1.43 |")
-  assert lines["dp"].endswith("| 1.5000 ± 0.7071 | - | - | - | - |")
-  assert lines["dl"].endswith(" | - |")
+  # Replica 0 against the replicas' mean: +2.01% and +4.03%; then the replicas' distance to
+  # their mean. Columns only replica runs fill.
+  assert "| +1.00 ± 0.00 |" in lines["nl"]
+  assert lines["nl"].endswith("| +3.02 ± 1.43 | 0.01500 ± 0.00707 |")
+  assert lines["dp"].endswith("| 1.5000 ± 0.7071 | - | - | - | - | - |")
+  assert lines["dl"].endswith(" | - | - |")
   saved = json.loads((tmp_path / "results_seeds.json").read_text())
   assert saved["nl"]["diloco"] == pytest.approx([1.0, 1.0])
   assert (tmp_path / "results_seeds.md").read_text() == table
+
+
+def test_replica_distance():
+  from experiments import compare_outer  # pylint: disable=import-outside-toplevel
+  # Two replicas over two leaves: mean (2, 0, 0), each replica 1 away from it.
+  params = {"a": np.array([[1.0, 0.0], [3.0, 0.0]]), "b": np.zeros((2, 1, 1))}
+  assert compare_outer.replica_distance(params) == pytest.approx(0.5)
+  synced = {"a": np.ones((4, 3))}
+  assert compare_outer.replica_distance(synced) == 0.0
 
 
 def test_bad_seeds_is_one_line(tmp_path):
