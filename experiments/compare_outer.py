@@ -324,7 +324,8 @@ def _mean_std(values: list[float], fmt: str) -> str:
 
 def write_seed_table(per_seed: dict[int, list[dict]], workdir: str) -> str:
   """Mean ± sample std over seeds of each row's val bpb, its gaps to DP and to DiLoCo, and
-  for replica runs how far replica 0 is behind the replicas' mean (what they disagree on)."""
+  for replica runs what the replicas disagree on: how far replica 0 scores behind their
+  mean, and how far their parameters are from it."""
   seeds = sorted(per_seed)
   gaps = {}  # run -> {"bpb": [...], "dp": [...], "diloco": [...], ...}, one entry per seed
   for s in seeds:
