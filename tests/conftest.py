@@ -1,19 +1,10 @@
-"""Test setup: 8 simulated CPU devices, set before jax initialises its backends, and a
-persistent compilation cache shared by the xdist workers and the processes tests start."""
+"""Test setup: 8 simulated CPU devices, set before jax initialises its backends."""
 import os
-import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# Many tests compile the same programs (a run and its resume, the same tiny model in several
-# files): the cache serves the repeats. Its keys hold the whole program, jax's version and
-# the devices, so a stale entry is never used; at most 1 GiB, least recently used evicted.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
-                      os.path.join(tempfile.gettempdir(), "jaxsys-tests-xla-cache"))
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(1 << 30))
 
 import functools
 import importlib.util
