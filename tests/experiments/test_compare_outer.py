@@ -135,9 +135,11 @@ def test_seed_table_gaps_are_per_seed(tmp_path):
   from experiments import compare_outer  # pylint: disable=import-outside-toplevel
   per_seed = {
       0: [_row("dp", "data parallel", 2.0, k=8, h=1), _row("dl", "diloco", 2.02),
-          _row("dl8", "diloco", 2.04, compression="int8"), _row("nl", "noloco", 2.0402, replica_mean=2.0, distance=0.01)],
+          _row("dl8", "diloco", 2.04, compression="int8"),
+          _row("nl", "noloco", 2.0402, replica_mean=2.0, distance=0.01)],
       1: [_row("dp", "data parallel", 1.0, k=8, h=1), _row("dl", "diloco", 1.03),
-          _row("dl8", "diloco", 1.05, compression="int8"), _row("nl", "noloco", 1.0403, replica_mean=1.0, distance=0.02)]}
+          _row("dl8", "diloco", 1.05, compression="int8"),
+          _row("nl", "noloco", 1.0403, replica_mean=1.0, distance=0.02)]}
   table = compare_outer.write_seed_table(per_seed, str(tmp_path))
   lines = {l.split(" | ")[0][2:]: l for l in table.splitlines() if l.startswith("| ")}
   # DiLoCo: +1% and +3% vs DP -> 2.00 ± 1.41; NoLoCo vs the uncompressed DiLoCo: +1% twice.
