@@ -47,7 +47,7 @@ the VM's disk hits them alike):
 4. The training-loop stall per save: the wall time `save()` blocks its caller for an
    asynchronous save (disk, /dev/shm) and a synchronous one, called with the cores idle
    (the saves of 2.); and as the loop sees it: `save()` called right after the real
-   jitted train step (`make_train_setup`'s, with donation; 8 rows of --step_seq tokens),
+   jitted train step (`make_setup`'s, with donation; 8 rows of --step_seq tokens),
    and the next step's time while the write competes for the cores, against the same step
    with no save in flight. The step restored from that save is then checked equal to the
    state at save time (the step donates the buffers the save reads).
@@ -95,7 +95,7 @@ from jaxsys.checkpoint.manager import Checkpointer
 from jaxsys.data import packing
 from jaxsys.models import transformer
 from jaxsys.train import state as state_lib
-from jaxsys.train import step as step_lib
+from jaxsys.train.setup import make_setup
 
 CHUNK = 64 << 20  # bytes per os.write / os.readv of the bandwidth probe
 
@@ -152,7 +152,7 @@ def train_setup(model_cfg: transformer.TransformerConfig, mesh, step_seq: int):
   config = tiny_lm.get_config()
   config.data.batch_size = 8
   config.data.seq_len = step_seq
-  return step_lib.make_train_setup(config, model_cfg, mesh)
+  return make_setup(config, model_cfg, mesh)
 
 
 def random_state(setup, seed: int = 0):

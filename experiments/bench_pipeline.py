@@ -55,11 +55,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from configs import tiny_lm
 from jaxsys import mesh as mesh_lib
+from jaxsys.checkpoint import layouts
 from jaxsys.data import packing
 from jaxsys.models import transformer
 from jaxsys.optim.inner import make_optimizer
 from jaxsys.parallel import pipeline, vocab
-from jaxsys.train import pipelined
 from jaxsys.train import state as state_lib
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -286,11 +286,11 @@ def _leaf_kind(path) -> str:
 
 def state_bytes_by_kind(cfg, layout, mesh, optimizer) -> dict[str, int]:
   """Per-device bytes of the stage-view train state (parameters + optimizer), by leaf kind."""
-  canonical = state_lib.abstract_train_state(cfg, optimizer)
-  abstract = jax.eval_shape(lambda s: s.replace(params=pipeline.to_stages(layout, s.params),
-                                                opt_state=pipeline.to_stages(layout, s.opt_state)),
-                            canonical)
-  shardings = pipelined.stage_state_shardings(abstract, cfg, optimizer, layout, mesh)
+  view = layouts.View(stages=layout)
+  abstract = jax.eval_shape(view.to_view, state_lib.abstract_train_state(cfg, optimizer))
+  shardings = state_lib.state_shardings(abstract, cfg, optimizer, mesh,
+                                        view.rules(mesh_lib.DEFAULT_RULES),
+                                        view.param_axes(transformer.param_axes(cfg)))
   out = {k: 0 for k in ("layers", *VOCAB_KINDS, "other")}
   leaves = jax.tree_util.tree_flatten_with_path(abstract)[0]
   for (path, leaf), sh in zip(leaves, jax.tree.leaves(shardings)):

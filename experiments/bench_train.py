@@ -48,6 +48,7 @@ from jaxsys import metrics as metrics_lib
 from jaxsys.data import packing
 from jaxsys.models import transformer
 from jaxsys.train import step as step_lib
+from jaxsys.train.setup import make_setup
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny_lm.py",
                                           "Path to a config file (:arg optional).", lock_config=True)
@@ -155,7 +156,7 @@ def bench(config, steps: int, warmup: int, segments: int, rounds: int, wait_idle
   model_cfg = transformer.TransformerConfig.from_config(config.model)
   B, T = config.data.batch_size, config.data.seq_len
   mesh = mesh_lib.make_mesh(config.mesh)
-  setup = step_lib.make_train_setup(config, model_cfg, mesh)
+  setup = make_setup(config, model_cfg, mesh)
   train_fn, batch_sh = setup.train_fn, setup.batch_sh
   state = setup.init_state(config.seed)
   host_batch = packing.random_packed_batch(B, T, docs_per_row=segments,

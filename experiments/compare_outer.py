@@ -36,6 +36,7 @@ from jaxsys.optim import outer as outer_lib
 from jaxsys.train import config_check
 from jaxsys.train import replicas as replicas_lib
 from jaxsys.train.loop import Validation, train_and_evaluate
+from jaxsys.train.setup import make_setup
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/compare_outer.py", "Comparison config.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.")
@@ -90,12 +91,19 @@ def summarize(name: str, config, workdir: str, wall_s: float | None, scored: dic
           "replica_distance": scored.get("replica_distance"),
           "val_bpb_outer": scored.get("val_bpb_outer"),
           "val_bpb_last_eval": final["val_bpb"],
-          "comm_bytes": final["comm_bytes"], "dp_bytes_same_k": dp_bytes,
+          "comm_bytes": _between_workers(final), "dp_bytes_same_k": dp_bytes,
           # the most one sync sends (data parallel: every step's gradient all-reduce)
           "peak_bytes_per_sync": outer.peak_bytes_per_sync(params, k) if outer else step_bytes,
-          "bytes_reduction": dp_bytes / final["comm_bytes"] if final["comm_bytes"] else None,
+          "bytes_reduction": (dp_bytes / _between_workers(final) if _between_workers(final)
+                              else None),
           "wall_s": wall_s,
-          "curve": [(r["step"], r["val_loss"], r["comm_bytes"]) for r in evals]}
+          "curve": [(r["step"], r["val_loss"], _between_workers(r)) for r in evals]}
+
+
+def _between_workers(row: dict) -> float:
+  """Bytes one worker sent to the others: a replica run's outer syncs (`outer_bytes`; its
+  replicas' own gradient all-reduces stay inside each worker), data parallel's gradients."""
+  return row.get("outer_bytes", row["comm_bytes"])
 
 
 def final_eval(config, run_dir: str, batches: int) -> dict:
@@ -240,8 +248,7 @@ def time_sync(config, reps: int) -> dict:
   """
   mesh = mesh_lib.make_mesh(config.mesh)
   model_cfg = transformer.TransformerConfig.from_config(config.model)
-  outer = replicas_lib.make_outer_optimizer(config.optimizer)
-  setup = replicas_lib.make_replica_setup(config, model_cfg, mesh, outer)
+  setup = make_setup(config, model_cfg, mesh)
   b, t = config.data.batch_size, config.data.seq_len
   tokens = np.random.default_rng(0).integers(0, model_cfg.vocab_size, (b, t + 1))
   batch = jax.device_put({

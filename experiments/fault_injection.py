@@ -68,7 +68,7 @@ class Crash:
   # Older steps failing their checksums: only ever one that orbax's max_to_keep was
   # deleting when the kill came (it deletes in place); never restored, deleted later.
   older_bad: list[str]
-  next_run: str = ""  # the next run's kill point, or "to the end"
+  next_run: str = ""  # the next run's kill point, NOTHING_SAVED (killed before any), "to the end"
   next_resumed: int | None = None  # from the next run's log; None: it logged no resume
   next_warned_unverified: bool = False
   next_took_lock: bool = False
@@ -152,6 +152,9 @@ def _kill(pid: int) -> None:
   os.waitpid(pid, 0)
 
 
+NOTHING_SAVED = "nothing saved yet"
+
+
 def _left(ckpt_dir: str, since_ns: int, problem: str | None, newest: int | None) -> str:
   """What the kill left of the save in flight (the child's own entries only)."""
   mine = _entries(ckpt_dir, since_ns)
@@ -164,7 +167,7 @@ def _left(ckpt_dir: str, since_ns: int, problem: str | None, newest: int | None)
     return f"step {sealing[-1]} committed, checksums half-written"
   if problem == integrity.UNSEALED and (newest, str(newest)) in mine:
     return f"step {newest} committed, no checksums yet"
-  return "no save in flight" if mine else "nothing saved yet"
+  return "no save in flight" if mine else NOTHING_SAVED
 
 
 def _lock_pid(workdir: str) -> int | None:
@@ -238,8 +241,9 @@ def _check_crash(crash: Crash) -> list[str]:
   where = f"crash {crash.number} ({crash.plan}, {crash.left})"
   if crash.newest_problem not in (None, integrity.UNSEALED):
     out.append(f"{where}: newest step {crash.newest} is corrupt: {crash.newest_problem}")
-  # A next run that reached a save has restored (or started afresh) before it.
-  restored = crash.next_resumed is not None or crash.next_run != "start-up"
+  # A next run that reached a save has restored (or started afresh) before it; one killed
+  # while it had written nothing may not have got that far (a loaded machine's slow start).
+  restored = crash.next_resumed is not None or crash.next_run not in ("start-up", NOTHING_SAVED)
   if restored and crash.next_resumed != crash.newest:
     out.append(f"{where}: the next run resumed from step {crash.next_resumed}, "
                f"not the newest committed step {crash.newest}")
@@ -288,8 +292,9 @@ def run(workdir: str, crashes: int, seed: int, total_steps: int, source: str) ->
     log = os.path.join(logs, f"run{len(done)}.log")
     crash = _crash_once(config, crashed, log, len(done), rng, startup)
     if done:
-      _read_next_log(done[-1], crash.plan if crash else "to the end",
-                     pathlib.Path(log).read_text())
+      next_run = ("to the end" if crash is None
+                  else NOTHING_SAVED if crash.left == NOTHING_SAVED else crash.plan)
+      _read_next_log(done[-1], next_run, pathlib.Path(log).read_text())
     if crash is None:  # the run reached total_steps: no kill point left
       break
     done.append(crash)

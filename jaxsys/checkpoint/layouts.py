@@ -20,8 +20,10 @@ divisor or multiple of R), inner optimizer moments following their parameters th
 unchanged (else it starts fresh at the converted parameters). Mesh changes need no
 transform: orbax reads each saved piece straight into the new shardings.
 
-Adding a layout is one pair of pure functions (to the view, back to canonical) and a test;
-`TRANSFORMS` lists them.
+A run's `View` (its saved form plus the pipeline's stage view) applies the registered
+`TRANSFORMS`; training, evaluation and checkpoints convert state through it and nowhere
+else. Adding a layout is one pair of pure functions (to the view, back to canonical), a
+`View` field, and a test.
 """
 from __future__ import annotations
 
@@ -152,11 +154,69 @@ TRANSFORMS = {
 }
 
 
+# Canonical layers split over `stage` in contiguous blocks: for one chunk per stage that is
+# the stage view's own placement, so saving a pipelined run moves no data between devices.
+STAGED_CANONICAL_RULES = (("layers", pipeline.AXIS),)
+
+
+@dataclasses.dataclass(frozen=True)
+class View:
+  """How a run holds the canonical state: its saved `form` (one model, or replicas stacked
+  `[R, ...]`) and, within each replica, the pipeline's stage view (`stages`; None: none).
+
+  `to_view` and `to_saved` are the only conversions between what a run trains and what it
+  saves, evaluates from or resumes: they apply the registered `TRANSFORMS` to the parameters
+  and, by the same keys, to every optimizer leaf that mirrors them (Adam's moments, an outer
+  optimizer's anchor); counts pass through.
+  """
+  form: Form = Form()
+  stages: pipeline.Layout | None = None
+
+  @property
+  def replicas(self) -> int:
+    return self.form.replicas
+
+  @property
+  def transforms(self) -> tuple[str, ...]:
+    return ("replicas",) * bool(self.replicas) + ("stages",) * (self.stages is not None)
+
+  def _map(self, transform: Callable, state):
+    if self.stages is None:
+      return state
+    fn = lambda tree: transform(tree, self.stages)
+    if self.replicas:
+      fn = jax.vmap(fn)
+    go = lambda tree: fn(tree) if jax.tree.leaves(tree) else tree
+    return state.replace(params=go(state.params), opt_state=go(state.opt_state),
+                         outer=go(state.outer))
+
+  def to_view(self, state):
+    """A state in the saved form -> the view the run trains (pure; jit it)."""
+    return self._map(TRANSFORMS["stages"].to_view, state)
+
+  def to_saved(self, state):
+    """The inverse of `to_view`."""
+    return self._map(TRANSFORMS["stages"].to_canonical, state)
+
+  def param_axes(self, axes: dict) -> dict:
+    """One replica's parameters' logical axes in the view."""
+    return axes if self.stages is None else self.stages.logical_axes(axes)
+
+  def rules(self, rules) -> tuple:
+    """Logical-axis rules of the view (vocabulary parallelism splits vocab over `stage`)."""
+    return tuple(rules) if self.stages is None else self.stages.rules(rules)
+
+  def saved_rules(self, rules) -> tuple:
+    """Rules of the saved form on this run's mesh: a pipelined run keeps its layers on the
+    stages that train them."""
+    return (STAGED_CANONICAL_RULES if self.stages is not None else ()) + tuple(rules)
+
+
 def map_state(optimizer: optax.GradientTransformation, fn: Callable, params, opt_state,
               non_params: Callable | None = None):
   """(fn(params), opt_state with fn applied to each leaf that mirrors a parameter: moments
   follow their parameters). `fn` maps one array, whatever its path (a path-dependent
-  view, the pipeline's, maps moments by their keys instead: `pipelined._map_state`).
+  view, the pipeline's, maps moments by their keys instead: `View`).
   `non_params` maps the other leaves (Adam's count), default unchanged."""
   return fn(params), optax.tree_map_params(optimizer, fn, opt_state,
                                            transform_non_params=non_params)
@@ -185,10 +245,11 @@ def _logical_axes(path: str, by_param: dict[str, tuple]) -> tuple | None:
   return None
 
 
-def describe(saved_target: Any, form: Form, param_axes: dict, run: dict) -> dict:
+def describe(saved_target: Any, view: View, param_axes: dict, run: dict) -> dict:
   """JSON: the saved form, the run's own view (`run`: mesh, pipeline...) and, for every array
   of `saved_target` (abstract leaves with shardings), its logical axes, canonical and saved
   shapes, the transforms that make the one from the other, and its partition spec."""
+  form = view.form
   by_param = {jax.tree_util.keystr(p): tuple(a) for p, a in
               jax.tree_util.tree_flatten_with_path(
                   param_axes, is_leaf=lambda x: isinstance(x, tuple))[0]}
@@ -205,6 +266,6 @@ def describe(saved_target: Any, form: Form, param_axes: dict, run: dict) -> dict
         "transforms": ["replicas"] if stacked else [],
         "spec": str(getattr(getattr(leaf, "sharding", None), "spec", None)),
     }
-  used = ["replicas"] * bool(form.replicas) + ["stages"] * ("pipeline" in run)
   return {"version": VERSION, "form": dataclasses.asdict(form), "run": run,
-          "transforms": {name: TRANSFORMS[name].what for name in used}, "arrays": arrays}
+          "transforms": {name: TRANSFORMS[name].what for name in view.transforms},
+          "arrays": arrays}

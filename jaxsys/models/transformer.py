@@ -154,7 +154,11 @@ def _is_qweight(w) -> bool:
 
 def block(p: dict[str, jax.Array], x_BTD, positions_BT, segment_ids_BT, cfg: TransformerConfig,
           attention_fn: Callable):
-  """One pre-norm decoder layer on ONE layer's parameters (no leading `layers` axis)."""
+  """One pre-norm decoder layer on ONE layer's parameters (no leading `layers` axis).
+
+  `attention_fn(q, k, v, *, segment_ids, positions, causal)`: the tokens' positions go with
+  them, so an injected attention (a ring over `context`) masks right in any token order.
+  """
   dt = jnp.dtype(cfg.dtype)
   H, K, hd, D, F = cfg.n_heads, cfg.n_kv_heads, cfg.hd, cfg.d_model, cfg.d_ff
   h = rms_norm(x_BTD, p["attn_norm"], cfg.norm_eps)
@@ -162,7 +166,7 @@ def block(p: dict[str, jax.Array], x_BTD, positions_BT, segment_ids_BT, cfg: Tra
   k = _dense(h, p["wk"], out_shape=(K, hd), dtype=dt)
   v = _dense(h, p["wv"], out_shape=(K, hd), dtype=dt)
   q, k = rope(q, positions_BT, cfg.rope_theta), rope(k, positions_BT, cfg.rope_theta)
-  o = attention_fn(q, k, v, segment_ids=segment_ids_BT, causal=True)
+  o = attention_fn(q, k, v, segment_ids=segment_ids_BT, positions=positions_BT, causal=True)
   x_BTD = x_BTD + _dense(o, p["wo"], n_in=2, out_shape=(D,), dtype=dt)
   h = rms_norm(x_BTD, p["mlp_norm"], cfg.norm_eps)
   gate = _dense(h, p["w_gate"], out_shape=(F,), dtype=dt)
@@ -246,8 +250,14 @@ def default_inputs(cfg: TransformerConfig, tokens_BT, positions_BT, attention_fn
   if positions_BT is None:
     positions_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
   if attention_fn is None:
-    attention_fn = functools.partial(attention_lib.attention, impl=cfg.attention_impl)
+    attention_fn = functools.partial(local_attention, impl=cfg.attention_impl)
   return positions_BT, attention_fn
+
+
+def local_attention(q, k, v, *, segment_ids=None, positions=None, causal=True, impl="auto"):
+  """The attention kernel on the tokens in their own order (positions are not needed)."""
+  del positions
+  return attention_lib.attention(q, k, v, segment_ids=segment_ids, causal=causal, impl=impl)
 
 
 def embed(cfg: TransformerConfig, embedding_VD, tokens_BT) -> jax.Array:

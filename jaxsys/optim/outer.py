@@ -43,6 +43,9 @@ class OuterOptimizer:
   sends per round of `sync_every` steps; `peak_bytes_per_sync` the most one call sends.
   `overlaps`: a sync's result is not needed by the next inner step, so the loop may run
   the two as one program and the collective can overlap that step's compute.
+  `elementwise`: `sync` treats every parameter entry alike, so it runs on any view of the
+  parameters (a pipeline's stages); False (Streaming DiLoCo's layer fragments) needs the
+  canonical `[layers, ...]` form.
   """
   name: str
   sync_every: int
@@ -54,6 +57,7 @@ class OuterOptimizer:
   peak_bytes: Callable[[Any, int], int] | None = None
   bytes_by_step: Callable[[Any, int, int], int] | None = None
   overlaps: bool = False
+  elementwise: bool = True
 
   def due(self, step: int) -> bool:
     """Whether the loop calls `sync` after inner step `step` (1-based)."""

@@ -205,4 +205,4 @@ def streaming_diloco(*, sync_every: int, fragments: int, overlap_steps: int = 0,
            outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov,
            compression=compression),
       due_at=schedule.due, peak_bytes=peak_bytes_per_sync, bytes_by_step=bytes_after,
-      overlaps=schedule.overlap_steps > 0)
+      overlaps=schedule.overlap_steps > 0, elementwise=False)

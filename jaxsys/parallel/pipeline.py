@@ -35,11 +35,11 @@ positions, targets and mask from the replica it started on; its loss is counted 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import optax
 from jax.sharding import PartitionSpec as P
 
 from jaxsys.models import transformer
@@ -207,7 +207,14 @@ class _Chunk:
 
 
 def _losses(logits, mb: Batch):
-  return optax.softmax_cross_entropy_with_integer_labels(logits, mb["targets"]) * mb["loss_mask"]
+  """Per-token cross-entropy, the label's logit picked by a one-hot product, not a gather: a
+  gather from logits whose vocabulary is split over `tensor`, inside the executor's
+  shard_map over `stage`, crashes XLA's SPMD partitioner (jax 0.10.2; mesh data x stage x
+  tensor)."""
+  logits = logits.astype(jnp.float32)
+  label = jnp.sum(logits * jax.nn.one_hot(mb["targets"], logits.shape[-1], dtype=logits.dtype),
+                  axis=-1)
+  return (jax.nn.logsumexp(logits, axis=-1) - label) * mb["loss_mask"]
 
 
 class _VocabLayers:
@@ -350,7 +357,14 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
 
   Loss sums come back as a vector over the replicas whose rows they are ([1] for one
   pipeline). `replicas` > 1: params carry a leading [R] dim, the `replica` axis is manual.
+
+  With the sequence split over a `context` axis, attention (a ring) runs collectives inside
+  a chunk; a collective inside a branch that differs between stages (one stage's forward,
+  its neighbour's backward) never gathers all its participants on XLA (a crash on
+  XLA:CPU), so then every stage runs the forward and the backward each tick and keeps the
+  one its schedule says ("uniform ticks": correct, at up to twice a tick's compute).
   """
+  uniform_ticks = dict(mesh.shape).get("context", 1) > 1
   _, attention_fn = transformer.default_inputs(cfg, batch["inputs"], None, attention_fn)
   R, routed, scaled = replicas, shifts is not None, weights is not None
   mbs = _replica_microbatches(batch, R, schedule.microbatches)  # [R, M, Bm, T]
@@ -442,10 +456,19 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
           return dict(c, counts=c["counts"].at[kind].add(1))
         return run
 
-      branches = [counted(lambda c: c, IDLE), counted(forward, FORWARD)]
-      if train:
-        branches.append(counted(backward, BACKWARD))
-      c = jax.lax.switch(mine["kind"], branches, c)
+      if uniform_ticks:  # every stage runs every action; the schedule's one is kept
+        kind = mine["kind"]
+        outcomes = [forward(c)] + ([backward(c)] if train else [])
+        pick = lambda old, *new: functools.reduce(
+            lambda acc, kn: jnp.where(kind == kn[0], kn[1], acc),
+            zip((FORWARD, BACKWARD), new), old)
+        c = jax.tree.map(pick, c, *outcomes)
+        c = dict(c, counts=c["counts"].at[kind].add(1))
+      else:
+        branches = [counted(lambda c: c, IDLE), counted(forward, FORWARD)]
+        if train:
+          branches.append(counted(backward, BACKWARD))
+        c = jax.lax.switch(mine["kind"], branches, c)
 
       head_mb = rows["head_microbatch"]
 

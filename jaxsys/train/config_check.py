@@ -235,18 +235,12 @@ RELATIONS: tuple[Relation, ...] = (
     Relation(("model.n_layers", "mesh axis stage", "pipeline.virtual_stages", "pipeline.schedule"),
              lambda n, p, v, sched: sched == "none" or n % (p * v) == 0,
              "split evenly into (mesh axis stage) x pipeline.virtual_stages chunks"),
-    Relation(("data.batch_size", "pipeline.microbatches", "mesh shards of 'batch'",
-              "pipeline.schedule"),
-             lambda b, m, shards, sched: sched == "none" or (b % m == 0 and (b // m) % shards == 0),
-             "split into pipeline.microbatches equal microbatches that divide over the mesh axes "
-             "that shard the batch"),
-    Relation(("optimizer.grad_accum_steps", "pipeline.schedule"),
-             lambda a, sched: a == 1 or sched == "none",
-             "be 1 with a pipeline (pipeline.microbatches splits the batch)"),
-    Relation(("optimizer.outer", "pipeline.schedule"),
-             lambda o, sched: sched == "none" or o in ("none", "diloco", "noloco", "co2"),
-             "be none, diloco, noloco or co2 with a pipeline (streaming_diloco's layer fragments "
-             "over a pipeline's stage view are not built yet)"),
+    Relation(("data.batch_size", "pipeline.microbatches", "optimizer.grad_accum_steps",
+              "mesh shards of 'batch'", "pipeline.schedule"),
+             lambda b, m, a, shards, sched: sched == "none" or (
+                 b % (a * m) == 0 and (b // (a * m)) % shards == 0),
+             "split into optimizer.grad_accum_steps x pipeline.microbatches equal microbatches "
+             "that divide over the mesh axes that shard the batch"),
     Relation(("pipeline.routing", "mesh axis replica", "mesh axis stage"),
              lambda routing, r, p: routing == "fixed" or (r > 1 and p > 1),
              "be fixed unless the mesh has both a replica and a stage axis larger than 1 "
@@ -255,10 +249,6 @@ RELATIONS: tuple[Relation, ...] = (
              lambda t, n, layout: t % (2 * n if layout == "zigzag" else n) == 0,
              "divide into the layout's chunks: 2 x (mesh axis context) for zigzag, "
              "(mesh axis context) for contiguous"),
-    Relation(("mesh axis context", "pipeline.schedule"), lambda n, sched: n == 1 or sched == "none",
-             "be 1 with a pipeline (ring attention inside pipeline stages is not built yet)"),
-    Relation(("mesh axis context", "optimizer.outer"), lambda n, outer: n == 1 or outer == "none",
-             "be 1 with an outer optimizer (ring attention inside replicas is not built yet)"),
     Relation(("parallel.hdp", "data.variable_length"), lambda hdp, var: hdp == var,
              "equal data.variable_length (HDP trains whole documents; whole documents train "
              "only with HDP)"),

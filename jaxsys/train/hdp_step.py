@@ -15,7 +15,6 @@ replicated on every device, so each view reads them where they are.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any, Callable
 
@@ -28,14 +27,13 @@ from jaxsys.kernels import sharded
 from jaxsys.models import transformer
 from jaxsys.data.packing import FIELDS
 from jaxsys.parallel import hdp, hdp_layout, hdp_schedule
-from jaxsys.train import replicas as replicas_lib
 from jaxsys.train import step as step_lib
 from jaxsys.train.state import TrainState
 
 
 def micro_step_sums(params, batch, acc, *, model_cfg: transformer.TransformerConfig, ring: bool):
   """acc + (summed token loss, token count, its gradients) of one packed micro-step."""
-  attention_fn = step_lib.ring_attention_fn(batch["positions"]) if ring else None
+  attention_fn = step_lib.ring_attention_fn() if ring else None
 
   def loss_sum(p):
     losses = step_lib.token_losses(model_cfg, p, batch, attention_fn=attention_fn)
@@ -104,6 +102,10 @@ class _HDPBase:
         kept, plan = kept + [i], trial
     # The plan indexes the kept documents; callers pass docs[kept] alongside it.
     return kept, plan
+
+  def reductions_per_step(self) -> float:
+    """Pool-wide gradient all-reduces per step so far, on average (1 before any step)."""
+    return self.reductions_run / self.steps_run if self.steps_run else 1.0
 
   def _finish(self, state, acc, micro_batches: int, reductions: float):
     state, metrics = self._update(state, acc)
@@ -358,31 +360,23 @@ def _local_sums(params, batch, counts, *, model_cfg: transformer.TransformerConf
   return jax.tree.map(lambda x: x[None], acc)
 
 
-@dataclasses.dataclass(frozen=True)
-class HDPSetup(step_lib.TrainSetup):
-  """`step.TrainSetup` whose train_fn is an `HDPStep` taking whole-document batches.
+class Planner:
+  """The loader's documents -> an HDP step's batch: the step fills `micro_steps` micro-steps.
 
-  A step fills `micro_steps` micro-steps: the loader offers more documents than fit, the
-  step keeps, in order, each one its plan still fits and gives the rest back to `loader`
-  (the next batch starts with them), so micro-steps are not left part empty by a token cut.
+  The loader offers more documents than fit; the planner keeps, in order, each one its plan
+  still fits and gives the rest back to `loader` (the next batch starts with them), so
+  micro-steps are not left part empty by a token cut.
   """
-  loader: Any = None
-  micro_steps: int = 1
 
-  def device_batch(self, batch):
+  def __init__(self, executor: "HDPStep | PerRankHDPStep", loader, micro_steps: int):
+    self.executor, self.loader, self.micro_steps = executor, loader, micro_steps
+
+  def __call__(self, batch):
     docs = batch["tokens"]
-    kept, steps = self.train_fn.fit(docs, self.micro_steps)
+    kept, steps = self.executor.fit(docs, self.micro_steps)
     if len(kept) < len(docs):
       self.loader.give_back(sorted(set(range(len(docs))) - set(kept)))
     return {"tokens": [docs[i] for i in kept], "plan": steps}
-
-  def comm_bytes(self, steps: int) -> float:
-    """Gradient all-reduce bytes per device over `steps` steps, at this process's mean
-    number of all-reduces per step so far (lock-step: one per micro-step; per-rank: one,
-    plus the rings' over their blocks); ring attention's K/V traffic is not counted."""
-    per_reduce = replicas_lib.dp_bytes_per_step(self.abstract.params, self.batch_sh.mesh)
-    run = self.train_fn
-    return steps * per_reduce * (run.reductions_run / run.steps_run if run.steps_run else 1.0)
 
 
 def micro_steps_per_step(config, num_devices: int) -> int:
@@ -400,15 +394,10 @@ def loader_budget(slots: int, max_len: int) -> int:
   return slots + max(max_len, slots // 2)
 
 
-def make_hdp_setup(config, model_cfg: transformer.TransformerConfig, mesh, loader) -> HDPSetup:
-  """The HDP step of `config` on the data-only `mesh`, data.seq_len tokens per device,
-  taking its documents from (and giving the unused back to) `loader`."""
-  base = step_lib.make_train_setup(config, model_cfg, mesh)
-  args = (model_cfg, base.optimizer, mesh, base.state_sh, config.data.seq_len)
+def make_executor(config, model_cfg: transformer.TransformerConfig, optimizer, mesh,
+                  state_sh: TrainState) -> "HDPStep | PerRankHDPStep":
+  """The HDP step of `config` on the data-only `mesh`, data.seq_len tokens per device."""
+  args = (model_cfg, optimizer, mesh, state_sh, config.data.seq_len)
   if config.parallel.hdp_schedule == "per_rank":
-    train_fn = PerRankHDPStep(*args, widen=config.parallel.hdp_widen_rings)
-  else:
-    train_fn = HDPStep(*args)
-  return HDPSetup(**{**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)},
-                     "train_fn": train_fn}, loader=loader,
-                  micro_steps=micro_steps_per_step(config, mesh.size))
+    return PerRankHDPStep(*args, widen=config.parallel.hdp_widen_rings)
+  return HDPStep(*args)

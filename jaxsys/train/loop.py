@@ -18,7 +18,6 @@ from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from absl import logging
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
@@ -30,16 +29,13 @@ from jaxsys.checkpoint import layouts
 from jaxsys.checkpoint.lock import WorkdirLock
 from jaxsys.checkpoint.manager import Checkpointer, check_same_model, snapshot_dir
 from jaxsys.checkpoint.reader import read_params
-from jaxsys.data.documents import make_document_loader
+from jaxsys.data.documents import DocumentLoader, make_document_loader
 from jaxsys.data.loader import Loader, make_loader
 from jaxsys.models import transformer
-from jaxsys.optim import outer as outer_lib
 from jaxsys.optim.inner import make_schedule
 from jaxsys.train import config_check
 from jaxsys.train import hdp_step
-from jaxsys.train import pipelined
-from jaxsys.train import replica_pipeline
-from jaxsys.train import replicas as replicas_lib
+from jaxsys.train import setup as setup_lib
 from jaxsys.train import step as step_lib
 
 
@@ -216,19 +212,14 @@ class Validation:
 class _Parts:
   """What a run sets up before its first step."""
   model_cfg: transformer.TransformerConfig
-  train_loader: Loader
+  train_loader: Loader | DocumentLoader
   val: Validation
-  setup: Any  # step.TrainSetup, or replicas.ReplicaSetup with an outer optimizer
-  outer: outer_lib.OuterOptimizer | None
-  param_sh: Any  # one model's canonical parameters (init_from reads into them)
-  eval_params: Callable  # state.params -> the parameters eval_fn scores
-  eval_fn: Callable  # (those parameters, batch) -> eval sums
-  comm_bytes: Callable[[int], float]  # bytes one worker has sent after that many steps
-  form: layouts.Form  # how the state is saved: one model, or replicas stacked
+  setup: setup_lib.Setup
+  eval_fn: Callable  # (eval parameters, batch) -> eval sums
   meta: dict  # saved with every checkpoint: model, config, layout and, with replicas, outer
 
 
-def _loaders(config, model_cfg, mesh, workdir: str) -> tuple[Any, Validation]:
+def _loaders(config, model_cfg, mesh, workdir: str) -> tuple[Loader | DocumentLoader, Validation]:
   batch = config.data.batch_size
   if config.data.variable_length:  # whole documents, the same global batch on every process
     train = make_document_loader(config.data, "train", seed=config.seed, workdir=workdir,
@@ -251,62 +242,35 @@ def _set_up(config, workdir: str) -> _Parts:
   model_cfg = transformer.TransformerConfig.from_config(config.model)
   logging.info("mesh: %s", mesh_lib.describe(mesh))
   train_loader, val = _loaders(config, model_cfg, mesh, workdir)
+  setup = setup_lib.make_setup(config, model_cfg, mesh, train_loader)
+  _log_setup(config, setup)
   meta = {"model": dataclasses.asdict(model_cfg), "config": config.to_dict()}
-  outer = replicas_lib.make_outer_optimizer(config.optimizer)
-  if outer is None:  # data parallel, optionally pipelined over `stage`
-    if config.parallel.hdp:
-      setup = hdp_step.make_hdp_setup(config, model_cfg, mesh, train_loader)
-      comm_bytes = setup.comm_bytes
-      logging.info("HDP: whole documents up to %d tokens, %d tokens per device per micro-step",
-                   config.data.max_len, config.data.seq_len)
-    elif config.pipeline.schedule == "none":
-      setup = step_lib.make_train_setup(config, model_cfg, mesh)
-      per_step = replicas_lib.dp_bytes_per_step(setup.abstract.params, mesh)
-      comm_bytes = lambda s: s * per_step
-    else:
-      setup = pipelined.make_pipeline_setup(config, model_cfg, mesh)
-      per_step = setup.bytes_per_step()
-      logging.info("pipeline: %s; %d bytes sent per device per step", setup.schedule.summary(),
-                   per_step)
-      if setup.schedule.ticks <= 48:  # the chart of a longer one is too wide to read
-        logging.info("pipeline ticks (F forward, b backward, . idle):\n%s",
-                     setup.schedule.chart())
-      comm_bytes = lambda s: s * per_step
-    param_sh, eval_params = setup.param_sh, (lambda p: p)
-    eval_fn = setup.jit_eval_step(val.token_bytes)
-  elif config.pipeline.schedule == "none":
-    setup = replicas_lib.make_replica_setup(config, model_cfg, mesh, outer)
-    eval_fn = step_lib.jit_eval_step(model_cfg, setup.param_sh, setup.batch_sh, val.token_bytes)
-    comm_bytes = lambda s: outer.bytes_after(setup.one.params, setup.replicas, s)
-  else:  # the outer optimizer over replicas that are each a pipeline
-    setup = replica_pipeline.make_replica_pipeline_setup(config, model_cfg, mesh, outer)
-    eval_fn, comm_bytes = setup.jit_eval_step(val.token_bytes), setup.comm_bytes
-    logging.info("pipeline per replica: %s, routing %s; %d bytes sent per device per inner "
-                 "step", setup.schedule.summary(), setup.routing, setup.bytes_per_step())
-  if outer is not None:
-    param_sh, eval_params = setup.param_sh, setup.eval_params
-    meta["outer"] = {"view": "replica", "name": outer.name, "replicas": setup.replicas,
-                     "sync_every": outer.sync_every}
+  if setup.outer is not None:
+    meta["outer"] = {"view": "replica", "name": setup.outer.name, "replicas": setup.replicas,
+                     "sync_every": setup.outer.sync_every}
+  meta["layout"] = layouts.describe(setup.saved_target(), setup.view,
+                                    transformer.param_axes(model_cfg), setup.run_view)
+  return _Parts(model_cfg, train_loader, val, setup, setup.jit_eval_step(val.token_bytes), meta)
+
+
+def _log_setup(config, setup: setup_lib.Setup) -> None:
+  """What the run composes, one line per strategy present."""
+  comm = setup.comm
+  logging.info("saved as %s; trained as %s; %d bytes sent per device per step", setup.view.form,
+               " x ".join(setup.view.transforms) or "the canonical model",
+               comm.grads_per_step + comm.pipeline_per_step)
+  if config.parallel.hdp:
+    logging.info("HDP: whole documents up to %d tokens, %d tokens per device per micro-step",
+                 config.data.max_len, config.data.seq_len)
+  if setup.schedule is not None:
+    logging.info("pipeline: %s, routing %s", setup.schedule.summary(), setup.routing)
+    if setup.schedule.ticks <= 48:  # the chart of a longer one is too wide to read
+      logging.info("pipeline ticks (F forward, b backward, . idle):\n%s", setup.schedule.chart())
+  if setup.outer is not None:
     logging.info("outer optimizer %s over %d replicas, sync every %d steps, %d bytes sent per "
-                 "replica per round (at most %d at once)", outer.name, setup.replicas,
-                 outer.sync_every, setup.bytes_per_sync,
-                 outer.peak_bytes_per_sync(setup.one.params, setup.replicas))
-  form = layouts.Form(setup.replicas, outer.name) if outer else layouts.Form()
-  meta["layout"] = layouts.describe(setup.saved_target(), form, transformer.param_axes(model_cfg),
-                                    _run_view(config, mesh, setup))
-  return _Parts(model_cfg, train_loader, val, setup, outer, param_sh, eval_params, eval_fn,
-                comm_bytes, form, meta)
-
-
-def _run_view(config, mesh, setup) -> dict:
-  """The view the run trains in, beyond its saved form (recorded in each checkpoint)."""
-  view = {"mesh": config.mesh, "devices": mesh_lib.describe(mesh)}
-  layout = getattr(setup, "layout", None)
-  if isinstance(layout, pipelined.pipeline.Layout):
-    view["pipeline"] = {"schedule": config.pipeline.schedule, "stages": layout.stages,
-                        "virtual": layout.virtual, "padded_vocab": layout.padded_vocab,
-                        "saved": "canonical: stage view and vocabulary padding undone"}
-  return view
+                 "replica per round (at most %d at once)", setup.outer.name, setup.replicas,
+                 setup.outer.sync_every, setup.outer.bytes_per_sync(comm.synced, setup.replicas),
+                 setup.outer.peak_bytes_per_sync(comm.synced, setup.replicas))
 
 
 def _checkpoint_option(config, name: str, default):
@@ -332,7 +296,7 @@ def _restore_at(parts: _Parts, config, ckpt: Checkpointer, latest: int):
   check_same_model(saved["model"], parts.meta["model"], ckpt.directory,
                    config.get("allow_model_change", ""))
   source = layouts.form_of(saved)
-  if source == parts.form:  # any mesh: orbax reads the pieces into this run's shardings
+  if source == parts.setup.view.form:  # any mesh: orbax reads the pieces into this run's shardings
     state, data_state = ckpt.restore(latest, parts.setup.saved_target())
   else:
     state, data_state = _restore_converted(parts, config, ckpt, latest, source)
@@ -365,14 +329,15 @@ def _restore_converted(parts: _Parts, config, ckpt: Checkpointer, step: int,
   """A checkpoint saved in another form (replicas <-> one model, another replica count or
   outer optimizer): its parameters and inner optimizer state, read into this mesh, then
   regrouped (`layouts.convert`); a fresh outer state. The saved outer state is not read."""
-  setup, target = parts.setup, parts.form
+  setup = parts.setup
+  target = setup.view.form
   how = _checkpoint_option(config, "merge_replicas", "mean")
   try:
     layouts.check_regroup(source.replicas, target.replicas)
   except ValueError as e:
     raise ValueError(f"cannot resume step {step} in {ckpt.directory}: {e}") from None
   one = setup.one_target()
-  mesh = setup.batch_sh.mesh
+  mesh = setup.mesh
   read = {"step": one.step, **{k: layouts.stacked_target(getattr(one, k), source.replicas, mesh)
                                for k in ("params", "opt_state")}}
   got, data_state = ckpt.restore(step, read, partial=True)
@@ -402,7 +367,7 @@ def _fresh_state(parts: _Parts, config):
     raise ValueError(f"init_from={config.init_from!r} holds no checkpoint; it must be a run's "
                      "workdir or its checkpoints dir, or '' to start from random parameters")
   logging.info("init_from: parameters of step %d in %s", saved.step, saved.directory)
-  params = jax.device_put(saved.one(), parts.param_sh)
+  params = jax.device_put(saved.one(), setup.param_sh)
   return setup.start_from(state, params)
 
 
@@ -422,7 +387,7 @@ class _Loop:
     self.pending: list[tuple[int, dict]] = []  # step metrics still on device
     # A sync deferred into the next inner step's program (CO2); run on its own before eval/save.
     self.sync_due = False
-    self.fused = getattr(parts.setup, "sync_train_fn", None)
+    self.fused = parts.setup.sync_train_fn
     self.last_eval: dict[str, float] = {}
 
   def run(self, stop: Callable[[int], bool]) -> bool:
@@ -451,7 +416,7 @@ class _Loop:
     else:
       self.state, m = setup.train_fn(self.state, batch)
     self.step += 1
-    if self.parts.outer and self.parts.outer.due(self.step):
+    if setup.outer is not None and setup.outer.due(self.step):
       if self.fused is None:
         self.state = setup.sync_fn(self.state)
       else:
@@ -491,16 +456,25 @@ class _Loop:
     m = fetched[-1][1]
     row = {"loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),
            "lr": float(self.schedule(self.step - 1)),
-           "comm_bytes": float(self.parts.comm_bytes(self.step)), **self.meter.rates()}
+           **self._comm_bytes(), **self.meter.rates()}
     self.writer.write(self.step, row)
     self.progress.update(self.step,
                          **{k: row[k] for k in ("loss", "tokens_per_s", "mfu") if k in row})
 
+  def _comm_bytes(self) -> dict[str, float]:
+    """Bytes one device has sent so far, every collective; with an outer optimizer also
+    its syncs' alone (what crosses the replicas' slow links)."""
+    comm = self.parts.setup.comm
+    out = {"comm_bytes": float(comm.after(self.step))}
+    if comm.outer is not None:
+      out["outer_bytes"] = float(comm.outer_after(self.step))
+    return out
+
   def _evaluate(self) -> None:
     self._flush_sync()
     parts = self.parts
-    ev = parts.val.run(parts.eval_fn, parts.eval_params(self.state.params))
-    ev["comm_bytes"] = float(parts.comm_bytes(self.step))
+    ev = parts.val.run(parts.eval_fn, parts.setup.eval_params(self.state.params))
+    ev.update(self._comm_bytes())
     self.writer.write(self.step, ev)
     self.last_eval = ev
     logging.info("step %d: val_loss=%.4f val_bpb=%.4f", self.step, ev["val_loss"], ev["val_bpb"])

@@ -1,7 +1,6 @@
 """Pure training and evaluation steps, and their jitted, sharded forms."""
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from typing import Any, Callable
@@ -12,13 +11,10 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxsys import mesh as mesh_lib
 from jaxsys.kernels import sharded
 from jaxsys.kernels.attention_inputs import segment_pair
 from jaxsys.models import transformer
-from jaxsys.parallel import context, pipeline
-from jaxsys.optim.inner import make_optimizer
-from jaxsys.train import state as state_lib
+from jaxsys.parallel import context
 from jaxsys.train.state import TrainState
 
 Batch = dict[str, jax.Array]  # inputs, targets, segment_ids, positions, loss_mask: [B, T]
@@ -54,44 +50,20 @@ def context_parallel(batch: Batch, layout: str, axis: str = "context"
   """
   n = jax.sharding.get_abstract_mesh().shape[axis]
   laid = {k: context.to_layout(x, n, layout, axis=1) for k, x in batch.items()}
-  return laid, ring_attention_fn(laid["positions"], layout, axis)
+  return laid, ring_attention_fn(layout, axis)
 
 
-def ring_attention_fn(positions, layout: str = "zigzag", axis: str = "context") -> Callable:
+def ring_attention_fn(layout: str = "zigzag", axis: str = "context") -> Callable:
   """An attention_fn for the model: ring attention over mesh axis `axis`.
 
-  The documents' positions [B, T] go round the ring with the keys as causal keys, so
+  The tokens' positions [B, T] go round the ring with the keys as causal keys, so
   masking (with the segment ids) is exact whatever order the tokens are in.
   """
-  def attention_fn(q, k, v, *, segment_ids=None, causal=True):
+  def attention_fn(q, k, v, *, segment_ids=None, positions, causal=True):
     q_seg, kv_seg = segment_pair(segment_ids)
     return sharded.sharded_context_attention(context.ring_attention, q, k, v, q_seg, kv_seg,
                                              positions, axis=axis, causal=causal, layout=layout)
   return attention_fn
-
-
-def train_step(state: TrainState, batch: Batch, *, model_cfg: transformer.TransformerConfig,
-               optimizer: optax.GradientTransformation, accum_steps: int = 1,
-               context_layout: str | None = None) -> tuple[TrainState, dict[str, jax.Array]]:
-  """One optimizer step on `batch`, split into `accum_steps` microbatches.
-
-  Gradients are of the summed token loss and divided by the total token count at
-  the end, so accumulation gives exactly the gradient of the whole batch.
-  """
-  def loss_sum(params, mb):
-    losses = token_losses(model_cfg, params, mb, context_layout)
-    return jnp.sum(losses), jnp.sum(mb["loss_mask"])
-
-  grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
-  if accum_steps == 1:
-    (total, count), grads = grad_fn(state.params, batch)
-  else:
-    def body(carry, mb):
-      (l, n), g = grad_fn(state.params, mb)
-      return jax.tree.map(jnp.add, carry, (l, n, g)), None
-    zeros = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, state.params))
-    (total, count, grads), _ = jax.lax.scan(body, zeros, pipeline.split_microbatches(batch, accum_steps))
-  return apply_gradients(state, optimizer, total, count, grads)
 
 
 def apply_gradients(state: TrainState, optimizer: optax.GradientTransformation, total, count,
@@ -99,15 +71,20 @@ def apply_gradients(state: TrainState, optimizer: optax.GradientTransformation, 
   """The optimizer step from gradients of the summed token loss `total` over `count` tokens."""
   denom = jnp.maximum(count, 1.0)
   grads = jax.tree.map(lambda g: g / denom, grads)
-  updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-  params = optax.apply_updates(state.params, updates)
-  metrics = {"loss": total / denom, "grad_norm": optax.tree.norm(grads), "tokens": count}
+  params, opt_state, norm = update(optimizer, state.params, state.opt_state, grads)
+  metrics = {"loss": total / denom, "grad_norm": norm, "tokens": count}
   return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+
+def update(optimizer: optax.GradientTransformation, params, opt_state, grads):
+  """(params, opt_state, gradient norm) after one optimizer update with `grads`."""
+  updates, opt_state = optimizer.update(grads, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
 
 
 def eval_step(params, batch: Batch, *, model_cfg: transformer.TransformerConfig,
               token_bytes: jax.Array, context_layout: str | None = None) -> dict[str, jax.Array]:
-  """`eval_sums` of the model's per-token losses."""
+  """`eval_sums` of the model's per-token losses (its summed loss, scored tokens and bytes)."""
   losses = token_losses(model_cfg, params, batch, context_layout)
   return eval_sums_of_loss(jnp.sum(losses), batch, token_bytes)
 
@@ -150,17 +127,6 @@ def context_layout_of(mesh, layout: str) -> str | None:
   return layout if dict(mesh.shape).get("context", 1) > 1 else None
 
 
-def jit_train_step(model_cfg, optimizer, state_sh: TrainState, batch_sh: NamedSharding,
-                   accum_steps: int = 1, context_layout: str = "zigzag") -> Callable:
-  """`train_step` jitted with explicit shardings; the input state's buffers are donated."""
-  replicated = NamedSharding(batch_sh.mesh, PartitionSpec())
-  fn = functools.partial(train_step, model_cfg=model_cfg, optimizer=optimizer, accum_steps=accum_steps,
-                         context_layout=context_layout_of(batch_sh.mesh, context_layout))
-  fn = sharded.under_mesh(fn, batch_sh.mesh)  # Pallas kernels split over the mesh
-  return jax.jit(fn, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated),
-                 donate_argnums=0, compiler_options=compiler_options(model_cfg, batch_sh.mesh))
-
-
 def jit_eval_step(model_cfg, param_sh: Any, batch_sh: NamedSharding, token_bytes,
                   context_layout: str = "zigzag") -> Callable:
   replicated = NamedSharding(batch_sh.mesh, PartitionSpec())
@@ -175,73 +141,3 @@ def jit_eval_step(model_cfg, param_sh: Any, batch_sh: NamedSharding, token_bytes
 def global_batch(local: dict[str, np.ndarray], sharding: NamedSharding) -> Batch:
   """A process's block of the global batch (what its loader reads) as global arrays."""
   return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items()}
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainSetup:
-  """Everything a run needs to step: optimizer, state layout and the jitted step."""
-  model_cfg: transformer.TransformerConfig
-  optimizer: optax.GradientTransformation
-  abstract: TrainState
-  state_sh: TrainState
-  batch_sh: NamedSharding
-  train_fn: Callable
-  context_layout: str = "zigzag"  # the sequence order over a `context` axis, if any
-
-  @property
-  def param_sh(self) -> Any:
-    """Shardings of the canonical parameters."""
-    return self.state_sh.params
-
-  def device_batch(self, batch: dict[str, np.ndarray]) -> Batch:
-    """The loader's batch as train_fn takes it."""
-    return global_batch(batch, self.batch_sh)
-
-  def jit_eval_step(self, token_bytes) -> Callable:
-    """(state.params, batch) -> eval sums, jitted."""
-    return jit_eval_step(self.model_cfg, self.param_sh, self.batch_sh, token_bytes,
-                         self.context_layout)
-
-  def init_state(self, seed: int) -> TrainState:
-    """A fresh state created directly in its shardings."""
-    return jax.jit(lambda: state_lib.init_train_state(self.model_cfg, self.optimizer, seed),
-                   out_shardings=self.state_sh)()
-
-  # A run's state may be a view of the canonical arrays (a pipeline's stages); checkpoints
-  # and evals always see the canonical form. Here the two are the same.
-
-  def saved_target(self) -> TrainState:
-    """The canonical state's abstract leaves with shardings: what a checkpoint restores into."""
-    return state_lib.with_shardings(self.abstract, self.state_sh)
-
-  def one_target(self) -> TrainState:
-    """One model's canonical state, abstract with shardings: what another run's checkpoint
-    converts through (`checkpoint.layouts.convert`)."""
-    return self.saved_target()
-
-  def assemble(self, step, params, opt_state) -> TrainState:
-    """The saved form of a state from its converted parts (inside a jit)."""
-    return TrainState(step=step, params=params, opt_state=opt_state)
-
-  def to_saved(self, state: TrainState) -> TrainState:
-    return state
-
-  def from_saved(self, state: TrainState) -> TrainState:
-    return state
-
-  def start_from(self, state: TrainState, params) -> TrainState:
-    """`state` restarted at canonical `params` with a fresh optimizer state (init_from)."""
-    start = lambda s, p: s.replace(params=p, opt_state=self.optimizer.init(p))
-    return jax.jit(start, out_shardings=self.state_sh, donate_argnums=0)(state, params)
-
-
-def make_train_setup(config, model_cfg: transformer.TransformerConfig, mesh) -> TrainSetup:
-  """The train step of `config` on `mesh`, built as the loop and the benchmarks use it."""
-  optimizer = make_optimizer(config.optimizer, config.total_steps)
-  abstract = state_lib.abstract_train_state(model_cfg, optimizer, config.seed)
-  state_sh = state_lib.state_shardings(abstract, model_cfg, optimizer, mesh)
-  batch_sh = mesh_lib.batch_sharding(mesh)
-  layout = config.parallel.context_layout
-  train_fn = jit_train_step(model_cfg, optimizer, state_sh, batch_sh,
-                            config.optimizer.grad_accum_steps, layout)
-  return TrainSetup(model_cfg, optimizer, abstract, state_sh, batch_sh, train_fn, layout)

@@ -14,8 +14,7 @@ import pytest
 from jaxsys import mesh as mesh_lib
 from jaxsys.models import transformer
 from jaxsys.optim import outer as outer_lib
-from jaxsys.train import replicas as replicas_lib
-from jaxsys.train import step as step_lib
+from jaxsys.train.setup import make_setup
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -104,15 +103,13 @@ def _compiled_bytes(name: str) -> int:
   config = _run_config(name)
   mesh = mesh_lib.make_mesh(config.mesh)
   model_cfg = transformer.TransformerConfig.from_config(config.model)
-  outer = replicas_lib.make_outer_optimizer(config.optimizer)
-  if outer is None:
-    setup = step_lib.make_train_setup(config, model_cfg, mesh)
+  setup = make_setup(config, model_cfg, mesh)
+  if setup.outer is None:
     b, t = config.data.batch_size, config.data.seq_len
     batch = {k: jax.ShapeDtypeStruct((b, t), jnp.float32 if k == "loss_mask" else jnp.int32)
              for k in ("inputs", "targets", "segment_ids", "positions", "loss_mask")}
     compiled = setup.train_fn.lower(setup.abstract, batch).compile()
   else:
-    setup = replicas_lib.make_replica_setup(config, model_cfg, mesh, outer)
     compiled = setup.sync_fn.lower(setup.abstract).compile()
   return outer_lib.collective_bytes_from_hlo(compiled.as_text(), outer_lib.num_workers(config.mesh))
 

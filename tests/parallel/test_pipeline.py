@@ -12,6 +12,7 @@ from jaxsys.data import packing
 from jaxsys.models import transformer
 from jaxsys.parallel import pipeline
 from jaxsys.train import step as step_lib
+from jaxsys.train.setup import make_setup
 
 CFG = transformer.TransformerConfig(vocab_size=61, d_model=32, n_layers=4, n_heads=4,
                                     n_kv_heads=2, d_ff=64, attention_impl="xla")
@@ -158,12 +159,11 @@ def test_layout_round_trip():
 @pytest.mark.parametrize("vocab_parallel", [False, True])
 def test_vocab_layer_bytes_per_device(vocab_parallel, make_config):
   """With VP every device holds 1/stages of the (padded) vocab layers and their Adam moments."""
-  from jaxsys.train import pipelined
   config = make_config(mesh="stage=4,data=2", pipeline__schedule="1f1b",
                        pipeline__vocab_parallel=vocab_parallel, model__n_layers=4)
   model_cfg = transformer.TransformerConfig.from_config(config.model)
   mesh = mesh_lib.make_mesh(config.mesh)
-  setup = pipelined.make_pipeline_setup(config, model_cfg, mesh)
+  setup = make_setup(config, model_cfg, mesh)
 
   def vocab_bytes(sharding_tree, abstract_tree):
     total = 0
@@ -176,7 +176,7 @@ def test_vocab_layer_bytes_per_device(vocab_parallel, make_config):
 
   per_device = vocab_bytes(setup.state_sh.params, setup.abstract.params)
   whole = 2 * model_cfg.vocab_size * model_cfg.d_model * 4  # embedding + output layer, f32
-  padded = 2 * setup.layout.padded_vocab * model_cfg.d_model * 4
+  padded = 2 * setup.view.stages.padded_vocab * model_cfg.d_model * 4
   assert per_device == (padded // 4 if vocab_parallel else whole)
 
 
@@ -200,11 +200,10 @@ def test_forward_only_loss(mesh_spec, name, virtual, vocab_parallel):
 
 def test_residual_slots_hold_no_weights():
   """Stored residuals scale with the microbatch: none is a (reshaped) copy of a weight."""
-  from jaxsys.kernels import attention
   params = transformer.init_params(CFG, jax.random.key(0))["layers"]
 
   def stored_bytes(rows):
-    chunk = pipeline._Chunk(CFG, functools.partial(attention.attention, impl="xla"))
+    chunk = pipeline._Chunk(CFG, functools.partial(transformer.local_attention, impl="xla"))
     x = jax.ShapeDtypeStruct((rows, 16, CFG.d_model), jnp.float32)
     mb = {k: jax.ShapeDtypeStruct((rows, 16), jnp.int32) for k in ("positions", "segment_ids")}
     return sum(r.size * r.dtype.itemsize for r in chunk.residual_shapes(params, x, mb))

@@ -15,6 +15,7 @@ from jaxsys.data import packing
 from jaxsys.models import transformer
 from jaxsys.optim import outer as outer_lib
 from jaxsys.parallel import pipeline, routing
+from jaxsys.train import setup as setup_lib
 from jaxsys.train import step as step_lib
 
 CFG = transformer.TransformerConfig(vocab_size=61, d_model=32, n_layers=4, n_heads=4,
@@ -189,13 +190,12 @@ def test_random_routing_attributes_losses_to_their_rows():
 
 
 def test_bytes_match_the_compiled_program():
-  """`replica_pipeline.transfer_bytes` against the executors' HLO (ring rules): the tick's
+  """`setup.transfer_bytes` against the executors' HLO (ring rules): the tick's
   collective-permutes, and routing's extra bytes (shifts per tick, the batch gathered once)."""
-  from jaxsys.train import replica_pipeline
   schedule = pipeline.make_schedule(SCHEDULE, stages=2, microbatches=M, virtual_stages=V)
   mesh = mesh_lib.make_mesh(MESH)
   batch = _inputs()[1]
-  (tick_f, once_f), (tick_r, once_r) = (replica_pipeline.transfer_bytes(
+  (tick_f, once_f), (tick_r, once_r) = (setup_lib.transfer_bytes(
       CFG, schedule, mesh, batch["inputs"].shape[0], batch["inputs"].shape[1], routed)
       for routed in (False, True))
   assert once_f == 0 and tick_r == 2 * tick_f  # two replicas: one more hop each way

@@ -198,32 +198,23 @@ class RelationsTest(parameterized.TestCase):
        "pipeline.microbatches=1 is fewer than the 2 stages; 1f1b needs microbatches >= stages"),
       ("microbatch_shards", dict(mesh="stage=2,data=-1", pipeline__schedule="gpipe",
                                  pipeline__microbatches=8),
-       "data.batch_size=16 is invalid with pipeline.microbatches=8, mesh shards of 'batch'=4, "
-       "pipeline.schedule='gpipe'; it must split into pipeline.microbatches equal microbatches "
-       "that divide over the mesh axes that shard the batch"),
+       "data.batch_size=16 is invalid with pipeline.microbatches=8, optimizer.grad_accum_steps=1, "
+       "mesh shards of 'batch'=4, pipeline.schedule='gpipe'; it must split into "
+       "optimizer.grad_accum_steps x pipeline.microbatches equal microbatches that divide over "
+       "the mesh axes that shard the batch"),
+      ("pipeline_accum_shards", dict(mesh="stage=2,data=-1", pipeline__schedule="gpipe",
+                                     pipeline__microbatches=2, optimizer__grad_accum_steps=4),
+       "data.batch_size=16 is invalid with pipeline.microbatches=2, optimizer.grad_accum_steps=4, "
+       "mesh shards of 'batch'=4"),
       ("vocab_parallel_without_stage", dict(pipeline__vocab_parallel=True),
        "pipeline.vocab_parallel=True is invalid with mesh axis stage=1, "
        "pipeline.schedule='none'; it must be False without a pipeline"),
       ("virtual_gpipe", dict(mesh="stage=2,data=-1", pipeline__schedule="gpipe",
                              pipeline__virtual_stages=2, model__n_layers=4),
        "pipeline.virtual_stages=2 needs pipeline.schedule=interleaved_1f1b"),
-      ("pipeline_accum", dict(mesh="stage=2,data=-1", pipeline__schedule="gpipe",
-                              optimizer__grad_accum_steps=2),
-       "optimizer.grad_accum_steps=2 is invalid with pipeline.schedule='gpipe'; it must be 1 "
-       "with a pipeline"),
-      ("pipeline_outer", dict(mesh="replica=2,stage=2,data=-1", pipeline__schedule="gpipe",
-                              optimizer__outer="streaming_diloco"),
-       "optimizer.outer='streaming_diloco' is invalid with pipeline.schedule='gpipe'; it must "
-       "be none, diloco, noloco or co2 with a pipeline"),
       ("context_chunks", dict(mesh="data=2,context=-1", data__seq_len=36),
        "data.seq_len=36 is invalid with mesh axis context=4, parallel.context_layout='zigzag'; "
        "it must divide into the layout's chunks: 2 x (mesh axis context) for zigzag"),
-      ("context_pipeline", dict(mesh="stage=2,context=2,data=-1", pipeline__schedule="gpipe"),
-       "mesh axis context=2 is invalid with pipeline.schedule='gpipe'; it must be 1 with a "
-       "pipeline"),
-      ("context_outer", dict(mesh="replica=2,context=2,data=-1", optimizer__outer="diloco"),
-       "mesh axis context=2 is invalid with optimizer.outer='diloco'; it must be 1 with an "
-       "outer optimizer"),
       ("hdp_packed", dict(parallel__hdp=True), "parallel.hdp=True is invalid with "
        "data.variable_length=False; it must equal data.variable_length"),
       ("hdp_mesh", dict(mesh="data=4,tensor=2", data__variable_length=True, parallel__hdp=True),

@@ -8,6 +8,7 @@ from jaxsys import mesh as mesh_lib
 from jaxsys.parallel import hdp
 from jaxsys.train import hdp_step
 from jaxsys.train import state as state_lib
+from jaxsys.train import grads
 from jaxsys.train import step as step_lib
 from jaxsys.optim.inner import make_optimizer
 from tests.train.test_step import MODEL, OPT
@@ -60,7 +61,7 @@ class HDPStepTest(parameterized.TestCase):
       run = hdp_step.PerRankHDPStep(*args, widen=schedule == "per_rank_wide")
     one = mesh_lib.make_mesh("data=1", jax.devices()[:1])
     _, ref_sh, ref = init(one)
-    ref_fn = step_lib.jit_train_step(MODEL, optimizer, ref_sh, mesh_lib.batch_sharding(one))
+    ref_fn = grads.jit_autodiff_step(MODEL, optimizer, ref_sh, mesh_lib.batch_sharding(one))
     for seed in range(2):
       docs = documents(seed)
       state, metrics = run(state, {"tokens": docs})

@@ -11,7 +11,7 @@ from jaxsys import metrics as metrics_lib
 from jaxsys.checkpoint.manager import Checkpointer
 from jaxsys.models import transformer
 from jaxsys.train import loop
-from jaxsys.train import pipelined
+from jaxsys.train.setup import make_setup
 
 
 def _losses(workdir):
@@ -53,7 +53,7 @@ def test_views_round_trip(make_config):
                        pipeline__virtual_stages=2, pipeline__vocab_parallel=True,
                        model__n_layers=4, model__vocab_size=257)
   model_cfg = transformer.TransformerConfig.from_config(config.model)
-  setup = pipelined.make_pipeline_setup(config, model_cfg, mesh_lib.make_mesh(config.mesh))
+  setup = make_setup(config, model_cfg, mesh_lib.make_mesh(config.mesh))
   params = transformer.init_params(model_cfg, jax.random.key(3))
   state = setup.start_from(setup.init_state(0), jax.device_put(params, setup.param_sh))
   assert state.params["embedding"].shape == (258, model_cfg.d_model)  # padded for 2 stages
@@ -66,7 +66,6 @@ def test_outer_optimizer_over_pipelined_replicas_with_random_routing(make_config
   """NoLoCo over two replicas of a two-stage 1F1B pipeline, randomly routed: 2 steps, stop,
   resume, 2 more (a sync at step 3, an eval at the end); the checkpoint holds the canonical
   replica form, the logged bytes are the setup's count."""
-  from jaxsys.train import replica_pipeline
   kw = dict(mesh="replica=2,stage=2,data=2", pipeline__schedule="1f1b",
             pipeline__microbatches=2, pipeline__routing="random", optimizer__outer="noloco",
             optimizer__outer_sync_every=3, log_every=1, eval_steps=1, checkpoint_every=100,
@@ -81,9 +80,8 @@ def test_outer_optimizer_over_pipelined_replicas_with_random_routing(make_config
   config = make_config(**kw)
   assert saved["layers"]["wq"].shape[:2] == (2, config.model.n_layers)  # [R, layers, ...]
   assert not np.allclose(saved["layers"]["wq"][0], saved["layers"]["wq"][1])  # a step apart
-  setup = replica_pipeline.make_replica_pipeline_setup(
-      config, transformer.TransformerConfig.from_config(config.model),
-      mesh_lib.make_mesh(config.mesh), loop.replicas_lib.make_outer_optimizer(config.optimizer))
+  setup = make_setup(config, transformer.TransformerConfig.from_config(config.model),
+                     mesh_lib.make_mesh(config.mesh))
   assert [r["comm_bytes"] for r in rows] == [setup.comm_bytes(s) for s in range(1, 5)]
 
 
@@ -91,10 +89,6 @@ def test_outer_optimizer_over_pipelined_replicas_with_random_routing(make_config
     (dict(mesh="stage=2,data=-1", pipeline__schedule="1f1b", pipeline__routing="random"),
      r"^pipeline.routing='random' is invalid with mesh axis replica=1, mesh axis stage=2; it "
      r"must be fixed unless the mesh has both a replica and a stage axis larger than 1"),
-    (dict(mesh="replica=2,stage=2,data=-1", pipeline__schedule="1f1b",
-          optimizer__outer="streaming_diloco"),
-     r"^optimizer.outer='streaming_diloco' is invalid with pipeline.schedule='1f1b'; it must be "
-     r"none, diloco, noloco or co2 with a pipeline"),
 ])
 def test_bad_routing_config_one_line_error(make_config, tmp_path, overrides, message):
   with pytest.raises(ValueError, match=message) as err:

@@ -12,6 +12,7 @@ from jaxsys.checkpoint.manager import Checkpointer
 from jaxsys.models import transformer
 from jaxsys.train import loop
 from jaxsys.train import replicas
+from jaxsys.train.setup import make_setup
 
 
 def _restore_state(workdir, step):
@@ -26,13 +27,13 @@ def _rows(workdir):
 
 
 def _straight_and_in_two_legs(make_config, tmp_path, **kw):
-  """8 steps straight and 4 + stop + 4: each run's {step: (loss, comm_bytes)}, and each
-  run's state at step 8."""
+  """8 steps straight and 4 + stop + 4: each run's {step: (loss, outer_bytes, comm_bytes)},
+  and each run's state at step 8."""
   straight, legs = str(tmp_path / "straight"), str(tmp_path / "legs")
   loop.train_and_evaluate(make_config(total_steps=8, **kw), straight)
   loop.train_and_evaluate(make_config(total_steps=4, **kw), legs)
   loop.train_and_evaluate(make_config(total_steps=8, **kw), legs)
-  rows = lambda w: {r["step"]: (r["loss"], r["comm_bytes"]) for r in _rows(w)}
+  rows = lambda w: {r["step"]: (r["loss"], r["outer_bytes"], r["comm_bytes"]) for r in _rows(w)}
   return rows(straight), rows(legs), _restore_state(straight, 8), _restore_state(legs, 8)
 
 
@@ -50,6 +51,8 @@ def test_resume_is_exact_with_outer_state(make_config, tmp_path):
   # Two syncs (steps 3 and 6) were counted, each the ring all-reduce of one replica's params.
   n = sum(x.size for x in jax.tree.leaves(sa["params"])) // 4
   assert a[8][1] == 2 * (2 * 3 * n * 4 // 4)
+  # All bytes: also each step's gradient all-reduce within a replica (data=2: ring, n floats).
+  assert a[8][2] == a[8][1] + 8 * (2 * 1 * n * 4 // 2)
   # Replicas really diverge between syncs: after step 8 (2 inner steps since the sync).
   w = sa["params"]["layers"]["wq"]
   assert w.shape[0] == 4 and not np.allclose(w[0], w[1])
@@ -80,8 +83,7 @@ def test_layout_and_sync(make_config):
                        optimizer__outer_sync_every=2)
   mesh = mesh_lib.make_mesh(config.mesh)
   model_cfg = transformer.TransformerConfig.from_config(config.model)
-  outer = replicas.make_outer_optimizer(config.optimizer)
-  setup = replicas.make_replica_setup(config, model_cfg, mesh, outer)
+  setup = make_setup(config, model_cfg, mesh)
   state = setup.init_state(0)
   wq = state.params["layers"]["wq"]
   assert wq.sharding.spec[0] == "replica" and "fsdp" in str(wq.sharding.spec)

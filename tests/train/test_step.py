@@ -10,6 +10,7 @@ from jaxsys import mesh as mesh_lib
 from jaxsys.models import transformer
 from jaxsys.optim.inner import make_optimizer
 from jaxsys.train import state as state_lib
+from jaxsys.train import grads
 from jaxsys.train import step as step_lib
 
 # heads and kv_heads divide by tensor=4, d_model by fsdp=8, the batch by data x fsdp.
@@ -42,7 +43,7 @@ def run_steps(mesh_spec: str, n_steps: int = 2, accum: int = 1, devices=None,
   state_sh = state_lib.state_shardings(abstract, MODEL, optimizer, mesh)
   batch_sh = mesh_lib.batch_sharding(mesh)
   state = jax.jit(lambda: state_lib.init_train_state(MODEL, optimizer, 0), out_shardings=state_sh)()
-  step = step_lib.jit_train_step(MODEL, optimizer, state_sh, batch_sh, accum, context_layout)
+  step = grads.jit_autodiff_step(MODEL, optimizer, state_sh, batch_sh, accum, context_layout)
   losses = []
   for i in range(n_steps):
     state, metrics = step(state, jax.device_put(packed_batch(i), batch_sh))

@@ -1,0 +1,193 @@
+"""Gradient functions, and the steps built from them.
+
+A gradient function maps `(params, batch, step)` to `(summed token loss, token count,
+gradients of the summed loss)`; `step` (the state's) only matters to a routed pipeline,
+whose routes change every step. Three implement it:
+
+  - `autodiff`: `jax.value_and_grad` of the model, any mesh of data/fsdp/tensor/context;
+  - `pipelined`: the pipeline executor over `stage` (any schedule, with or without
+    vocabulary parallelism);
+  - `routed_pipeline`: R pipelines over `replica` x `stage` whose microbatches may cross
+    replicas at chunk boundaries (NoLoCo's random routing), fixed routing otherwise.
+
+Attention is injected, not owned: with a `context_layout` every one of them lays the batch
+out over the `context` axis and runs the model with ring attention, so each runs with
+context parallelism without code of its own. `accumulate` adds exact gradient
+accumulation to any of them.
+
+A replica gradient function maps `[R, ...]` parameters to per-replica `(loss sums [R],
+token counts [R], gradients [R, ...])` whose gradients are already each replica's mean
+(routed rows count on every replica they visit, so no later division could give them).
+`model_step` and `replica_step` turn the two kinds into steps with the inner optimizer.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxsys.kernels import sharded
+from jaxsys.models import transformer
+from jaxsys.parallel import pipeline, routing
+from jaxsys.train import step as step_lib
+from jaxsys.train.state import REPLICA_AXIS, TrainState
+
+Batch = step_lib.Batch
+GradFn = Callable  # (params, batch, step) -> (loss sum, token count, grads of the sum)
+ReplicaGradFn = Callable  # (params [R..], batch, step) -> (loss [R], count [R], mean grads [R..])
+
+
+def _with_attention(batch: Batch, context_layout: str | None):
+  """The batch and the attention the model runs it with: laid out over `context` with a ring
+  when `context_layout` is set, else as it is with the configured kernel (None)."""
+  if context_layout is None:
+    return batch, None
+  return step_lib.context_parallel(batch, context_layout)
+
+
+def autodiff(model_cfg: transformer.TransformerConfig, context_layout: str | None = None
+             ) -> GradFn:
+  """The model's gradients by `jax.value_and_grad`."""
+  def loss_sum(params, batch):
+    losses = step_lib.token_losses(model_cfg, params, batch, context_layout)
+    return jnp.sum(losses), jnp.sum(batch["loss_mask"])
+
+  def grad_fn(params, batch, step=None):
+    (total, count), grads = jax.value_and_grad(loss_sum, has_aux=True)(params, batch)
+    return total, count, grads
+  return grad_fn
+
+
+def pipelined(model_cfg: transformer.TransformerConfig, schedule: pipeline.Schedule,
+              layout: pipeline.Layout, mesh, *, vocab_algorithm: int = 2,
+              context_layout: str | None = None) -> GradFn:
+  """Gradients of the stage-view parameters by the pipeline executor running `schedule`."""
+  def grad_fn(params, batch, step=None):
+    count = jnp.sum(batch["loss_mask"])
+    batch, attention_fn = _with_attention(batch, context_layout)
+    total, grads = pipeline.pipeline_loss_and_grads(
+        model_cfg, schedule, layout, params, batch, mesh=mesh, vocab_algorithm=vocab_algorithm,
+        attention_fn=attention_fn)
+    return total, count, grads
+  return grad_fn
+
+
+def accumulate(grad_fn: GradFn, steps: int) -> GradFn:
+  """`grad_fn` over `steps` microbatches of the batch (rows i, i+steps, ...), summed: exactly
+  the whole batch's sums, with the activations of one microbatch live at a time."""
+  if steps == 1:
+    return grad_fn
+
+  def accumulated(params, batch, step=None):
+    def body(carry, mb):
+      return jax.tree.map(jnp.add, carry, grad_fn(params, mb, step)), None
+    zeros = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
+    sums, _ = jax.lax.scan(body, zeros, pipeline.split_microbatches(batch, steps))
+    return sums
+  return accumulated
+
+
+def _mean_grads(total, count, grads):
+  denom = jnp.maximum(count, 1.0)
+  return total, count, jax.tree.map(lambda g: g / denom, grads)
+
+
+def over_replicas(grad_fn: GradFn, replicas: int) -> ReplicaGradFn:
+  """R independent copies of `grad_fn`, vmapped over `replica`: replica r takes rows
+  [r*B/R, (r+1)*B/R) of the global batch (the loader gives each process a contiguous block,
+  so those rows are the same on any number of processes)."""
+  def replica_grad_fn(params, batch, step=None):
+    by_replica = jax.tree.map(
+        lambda x: x.reshape(replicas, x.shape[0] // replicas, *x.shape[1:]), batch)
+    per_replica = lambda p, b: _mean_grads(*grad_fn(p, b, step))
+    return jax.vmap(per_replica, spmd_axis_name=REPLICA_AXIS)(params, by_replica)
+  return replica_grad_fn
+
+
+def routed_pipeline(model_cfg: transformer.TransformerConfig, schedule: pipeline.Schedule,
+                    layout: pipeline.Layout, mesh, replicas: int, *,
+                    routing_seed: int | None = None, vocab_algorithm: int = 2,
+                    accum_steps: int = 1, context_layout: str | None = None) -> ReplicaGradFn:
+  """R pipelines over `replica` x `stage`; `routing_seed` None routes each replica's rows
+  through its own stages, else through replicas drawn from (seed, step, accumulation step).
+
+  Replica r's parameters get the gradient of sum_r' loss_r' / tokens_r' (each replica's
+  rows normalised by their own token count over the whole batch), so with fixed routing
+  each replica steps exactly as an unpipelined replica would.
+  """
+  def replica_grad_fn(params, batch, step):
+    counts = jnp.sum(batch["loss_mask"].reshape(replicas, -1), axis=1)
+    weights = 1.0 / jnp.maximum(counts, 1.0)
+
+    def one(a, mb):
+      shifts = None if routing_seed is None else routing.draw_shifts(
+          routing_seed, step * accum_steps + a, replicas, schedule.microbatches, layout.chunks)
+      mb, attention_fn = _with_attention(mb, context_layout)
+      return pipeline.replica_loss_and_grads(
+          model_cfg, schedule, layout, params, mb, mesh=mesh, shifts=shifts, weights=weights,
+          vocab_algorithm=vocab_algorithm, attention_fn=attention_fn)
+
+    if accum_steps == 1:
+      losses, grads = one(0, batch)
+    else:
+      def body(carry, a_mb):
+        return jax.tree.map(jnp.add, carry, one(*a_mb)), None
+      zeros = (jnp.zeros((replicas,)), jax.tree.map(jnp.zeros_like, params))
+      mbs = _replica_microbatches(batch, replicas, accum_steps)
+      (losses, grads), _ = jax.lax.scan(body, zeros, (jnp.arange(accum_steps), mbs))
+    return losses, counts, grads
+  return replica_grad_fn
+
+
+def _replica_microbatches(batch: Batch, replicas: int, n: int) -> Batch:
+  """[B, ...] -> [n, B/n, ...] where microbatch i holds rows i, i+n, ... of every replica's
+  block, so replica r's rows stay its own in every microbatch."""
+  def split(x):
+    x = x.reshape(replicas, x.shape[0] // (replicas * n), n, *x.shape[1:])
+    return x.swapaxes(0, 2).swapaxes(1, 2).reshape(n, -1, *x.shape[3:])
+  return jax.tree.map(split, batch)
+
+
+def model_step(grad_fn: GradFn, optimizer: optax.GradientTransformation) -> Callable:
+  """(state, batch) -> (state, metrics): one optimizer step of one model on `batch`.
+
+  Gradients are of the summed token loss, divided once by the whole batch's token count,
+  so however `grad_fn` splits the work the step equals a single-device step.
+  """
+  def train_step(state: TrainState, batch: Batch):
+    total, count, grads = grad_fn(state.params, batch, state.step)
+    return step_lib.apply_gradients(state, optimizer, total, count, grads)
+  return train_step
+
+
+def replica_step(grad_fn: ReplicaGradFn, optimizer: optax.GradientTransformation) -> Callable:
+  """(state, batch) -> (state, metrics): one inner step of every replica, each with its own
+  inner optimizer state (never averaged)."""
+  def train_step(state: TrainState, batch: Batch):
+    losses, counts, grads = grad_fn(state.params, batch, state.step)
+    update = lambda p, o, g: step_lib.update(optimizer, p, o, g)
+    params, opt_state, norms = jax.vmap(update, spmd_axis_name=REPLICA_AXIS)(
+        state.params, state.opt_state, grads)
+    tokens = jnp.sum(counts)
+    metrics = {"loss": jnp.sum(losses) / jnp.maximum(tokens, 1.0),
+               "grad_norm": jnp.sqrt(jnp.mean(jnp.square(norms))), "tokens": tokens}
+    return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+  return train_step
+
+
+def jit_autodiff_step(model_cfg: transformer.TransformerConfig,
+                      optimizer: optax.GradientTransformation, state_sh: TrainState,
+                      batch_sh, accum_steps: int = 1, context_layout: str = "zigzag"
+                      ) -> Callable:
+  """One model's autodiff step, jitted with explicit shardings and the state donated; ring
+  attention in `context_layout` where the mesh has a `context` axis. What `make_setup` builds
+  for a plain run, for callers that hold their own state (tests, benchmarks, notebooks)."""
+  mesh = batch_sh.mesh
+  grad_fn = accumulate(autodiff(model_cfg, step_lib.context_layout_of(mesh, context_layout)),
+                       accum_steps)
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  return jax.jit(sharded.under_mesh(model_step(grad_fn, optimizer), mesh),
+                 in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated),
+                 donate_argnums=0, compiler_options=step_lib.compiler_options(model_cfg, mesh))

@@ -1,0 +1,333 @@
+"""One setup for every composition of strategies: a view, a gradient function, a step, wrappers.
+
+`make_setup(config, model_cfg, mesh)` builds, in one place and for any mesh:
+
+  - the `layouts.View` the run trains (replicas stacked `[R, ...]` with an outer optimizer;
+    within each replica the pipeline's stage view with a `stage` axis), and the shardings of
+    the state in that view, in its saved form and as one canonical model;
+  - the gradient function (`grads`): autodiff, the pipeline executor, or the routed pipeline
+    of the replicas; ring attention over `context` and gradient accumulation for any of them;
+  - the step: the inner optimizer on one model, or on every replica (`grads.replica_step`),
+    wrapped by the outer optimizer's sync (`replicas.jit_steps`) when there is one;
+  - evaluation of the model the run reports (replica 0's), by the same view's forward;
+  - the bytes one device sends (`Comm`): gradients all-reduced within a replica, a
+    pipeline's transfers, the outer optimizer's syncs.
+
+HDP (whole documents, `config.parallel.hdp`) plans each batch itself: its executor is the
+step and its planner turns the loader's documents into the step's batch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxsys import mesh as mesh_lib
+from jaxsys.checkpoint import layouts
+from jaxsys.kernels import sharded
+from jaxsys.models import transformer
+from jaxsys.optim import outer as outer_lib
+from jaxsys.optim.inner import make_optimizer
+from jaxsys.parallel import pipeline, routing
+from jaxsys.train import grads, hdp_step
+from jaxsys.train import replicas as replicas_lib
+from jaxsys.train import state as state_lib
+from jaxsys.train import step as step_lib
+from jaxsys.train.state import TrainState
+
+
+@dataclasses.dataclass(frozen=True)
+class Comm:
+  """Bytes one device sends: per step (its gradients' all-reduce within its replica, a
+  pipeline's activations and gradients, a routed pipeline's hops and row gather) and the
+  outer optimizer's syncs (of `synced`, one replica's parameters as the sync sees them)."""
+  grads_per_step: int = 0
+  pipeline_per_step: int = 0
+  outer: outer_lib.OuterOptimizer | None = None
+  synced: Any = None
+  replicas: int = 0
+  # HDP: pool-wide gradient all-reduces per step so far (one per micro-step in lock-step).
+  reductions_per_step: Callable[[], float] = lambda: 1.0
+
+  def outer_after(self, steps: int) -> int:
+    return self.outer.bytes_after(self.synced, self.replicas, steps) if self.outer else 0
+
+  def after(self, steps: int) -> float:
+    """Bytes sent after `steps` steps, every collective counted."""
+    inner = self.grads_per_step * self.reductions_per_step() + self.pipeline_per_step
+    return steps * inner + self.outer_after(steps)
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+  """What a run steps, evaluates and saves, whatever it composes."""
+  model_cfg: transformer.TransformerConfig
+  optimizer: optax.GradientTransformation
+  outer: outer_lib.OuterOptimizer | None
+  view: layouts.View
+  mesh: Mesh
+  abstract: TrainState  # the trained view, abstract
+  state_sh: TrainState  # its shardings
+  saved: TrainState  # the saved form, abstract with shardings: what a checkpoint restores into
+  one: TrainState  # one canonical model's state, abstract with shardings
+  batch_sh: NamedSharding
+  train_fn: Callable  # (state, batch) -> (state, metrics)
+  sync_fn: Callable | None  # state -> state: the outer sync
+  sync_train_fn: Callable | None  # the sync fused into the next step (an outer that overlaps)
+  eval_fn: Callable  # (token_bytes) -> jitted (eval params, batch) -> eval sums
+  eval_params: Callable  # state.params -> the parameters eval scores (replica 0's)
+  batch_fn: Callable  # the loader's batch -> train_fn's
+  comm: Comm
+  run_view: dict  # the run's view beyond its saved form (recorded in each checkpoint)
+  schedule: pipeline.Schedule | None = None
+  routing: str = "fixed"
+
+  @property
+  def param_sh(self):
+    """Shardings of one canonical model's parameters (init_from reads into them)."""
+    return _shardings(self.one.params)
+
+  @property
+  def replicas(self) -> int:
+    return self.view.replicas
+
+  def device_batch(self, batch):
+    return self.batch_fn(batch)
+
+  def jit_eval_step(self, token_bytes) -> Callable:
+    return self.eval_fn(token_bytes)
+
+  def comm_bytes(self, steps: int) -> int:
+    return self.comm.after(steps)
+
+  @functools.cached_property
+  def _to_view(self):
+    return jax.jit(self.view.to_view, out_shardings=self.state_sh)
+
+  @functools.cached_property
+  def _to_saved(self):
+    return jax.jit(self.view.to_saved, out_shardings=_shardings(self.saved))
+
+  def to_saved(self, state: TrainState) -> TrainState:
+    return self._to_saved(state)
+
+  def from_saved(self, state: TrainState) -> TrainState:
+    return self._to_view(state)
+
+  def saved_target(self) -> TrainState:
+    return self.saved
+
+  def one_target(self) -> TrainState:
+    """One model's canonical state: what another run's checkpoint converts through."""
+    return self.one
+
+  def assemble(self, step, params, opt_state) -> TrainState:
+    """The saved form from converted canonical parts (inside a jit); an outer state fresh."""
+    if self.outer is None:
+      return TrainState(step=step, params=params, opt_state=opt_state)
+    return replicas_lib.with_fresh_outer(self.outer, step, params, opt_state)
+
+  def _from_one(self, step, params) -> TrainState:
+    """The trained view of one canonical model's `params` with fresh optimizer states."""
+    if self.outer is None:
+      saved = TrainState(step=step, params=params, opt_state=self.optimizer.init(params))
+    else:
+      saved = replicas_lib.start_from_params(step, params, self.optimizer, self.outer,
+                                             self.replicas)
+    return self.view.to_view(saved)
+
+  def init_state(self, seed: int) -> TrainState:
+    """The canonical fresh state of `seed` in the run's view: the same numbers on any layout."""
+    def init():
+      state = state_lib.init_train_state(self.model_cfg, self.optimizer, seed)
+      return self._from_one(state.step, state.params)
+    return jax.jit(init, out_shardings=self.state_sh)()
+
+  def start_from(self, state: TrainState, params) -> TrainState:
+    """`state` restarted at one canonical model's `params`, fresh optimizer states (init_from)."""
+    return jax.jit(lambda s, p: self._from_one(s.step, p), out_shardings=self.state_sh,
+                   donate_argnums=0)(state, params)
+
+
+def _shardings(tree):
+  return jax.tree.map(lambda x: x.sharding, tree)
+
+
+def make_layout(config, model_cfg: transformer.TransformerConfig, mesh) -> pipeline.Layout | None:
+  """The pipeline's stage layout of `config` on `mesh`; None without a pipeline."""
+  if config.pipeline.schedule == "none":
+    return None
+  stages = dict(mesh.shape).get(pipeline.AXIS, 1)
+  virtual = config.pipeline.virtual_stages
+  pipeline.check_layout(stages, virtual, model_cfg.n_layers)
+  return pipeline.Layout(stages=stages, virtual=virtual, vocab_size=model_cfg.vocab_size,
+                         vocab_parallel=bool(config.pipeline.vocab_parallel))
+
+
+def _gradient_fn(config, model_cfg, mesh, view: layouts.View, schedule, context_layout):
+  """The run's gradient function: one model's, or the replicas' (`grads`)."""
+  accum = config.optimizer.grad_accum_steps
+  vocab_algorithm = config.pipeline.vocab_algorithm
+  if view.stages is None:
+    fn = grads.accumulate(grads.autodiff(model_cfg, context_layout), accum)
+    return grads.over_replicas(fn, view.replicas) if view.replicas else fn
+  if view.replicas:
+    seed = config.optimizer.outer_seed if config.pipeline.routing == "random" else None
+    return grads.routed_pipeline(model_cfg, schedule, view.stages, mesh, view.replicas,
+                                 routing_seed=seed, vocab_algorithm=vocab_algorithm,
+                                 accum_steps=accum, context_layout=context_layout)
+  fn = grads.pipelined(model_cfg, schedule, view.stages, mesh, vocab_algorithm=vocab_algorithm,
+                       context_layout=context_layout)
+  return grads.accumulate(fn, accum)
+
+
+def _eval_fn(model_cfg, mesh, view: layouts.View, schedule, param_sh, batch_sh,
+             context_layout) -> Callable:
+  """token_bytes -> the jitted eval step of one replica's parameters in the view."""
+  def make(token_bytes):
+    table = jnp.asarray(token_bytes, jnp.float32)
+
+    def eval_step(params, batch):
+      if view.stages is None:
+        return step_lib.eval_step(params, batch, model_cfg=model_cfg, token_bytes=table,
+                                  context_layout=context_layout)
+      laid, attention_fn = grads._with_attention(batch, context_layout)
+      loss_sum = pipeline.pipeline_loss(model_cfg, schedule, view.stages, params, laid,
+                                        mesh=mesh, attention_fn=attention_fn)
+      return step_lib.eval_sums_of_loss(loss_sum, batch, table)
+    return jax.jit(sharded.under_mesh(eval_step, mesh), in_shardings=(param_sh, batch_sh),
+                   out_shardings=NamedSharding(mesh, PartitionSpec()),
+                   compiler_options=step_lib.compiler_options(model_cfg, mesh))
+  return make
+
+
+def _grads_bytes(params, param_sh, mesh) -> int:
+  """Bytes one device sends all-reducing its gradients over the batch axes within a replica
+  (ring; fsdp's reduce-scatter plus all-gather moves the same): each leaf's share of a stage."""
+  stage_share = lambda sh: mesh.shape[pipeline.AXIS] if pipeline.AXIS in str(sh.spec) else 1
+  payload = sum(math.prod(x.shape) * x.dtype.itemsize // stage_share(sh)
+                for x, sh in zip(jax.tree.leaves(params), jax.tree.leaves(param_sh)))
+  shards = math.prod(mesh.shape.get(a, 1) for a in ("data", "fsdp"))
+  return outer_lib.ring_allreduce_bytes(payload, shards) if shards > 1 else 0
+
+
+def transfer_bytes(model_cfg, schedule: pipeline.Schedule, mesh: Mesh, batch_size: int,
+                   seq_len: int, routed: bool) -> tuple[int, int]:
+  """(bytes one device sends per tick, bytes it sends once a step) moving microbatches.
+
+  Per tick the executor sends one activation (its share of the sequence) and one gradient to
+  the next and previous stage, idle or not; routed, each goes through `routing.hops(R)` more
+  collective-permutes over `replica`, and every replica gathers the others' batch rows
+  once (5 arrays of 4 bytes a token; ring all-gather: R-1 times its own share).
+  """
+  shape = dict(mesh.shape)
+  replicas = shape.get(replicas_lib.AXIS, 1)
+  shards = math.prod(shape.get(a, 1) for a in ("data", "fsdp"))
+  rows = batch_size // replicas // shards  # of one replica, on one device
+  tokens = seq_len // shape.get("context", 1)
+  activation = (rows // schedule.microbatches * tokens * model_cfg.d_model
+                * jnp.dtype(model_cfg.dtype).itemsize)
+  moves = 1 + (routing.hops(replicas) if routed else 0)
+  gather = (replicas - 1) * rows * tokens * 4 * 5 if routed else 0
+  return 2 * moves * activation, gather
+
+
+def pipeline_bytes(model_cfg, schedule: pipeline.Schedule, mesh: Mesh, batch_size: int,
+                   seq_len: int, accum_steps: int = 1, routed: bool = False) -> int:
+  """Bytes one device sends per step moving microbatches: `transfer_bytes` every tick of
+  each accumulation step's schedule."""
+  tick, once = transfer_bytes(model_cfg, schedule, mesh, batch_size // accum_steps, seq_len,
+                              routed)
+  return accum_steps * (schedule.ticks * tick + once)
+
+
+def _one_replica(tree):
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), tree)
+
+
+def make_setup(config, model_cfg: transformer.TransformerConfig, mesh: Mesh,
+               loader=None) -> Setup:
+  """The run of `config` on `mesh`: its view, shardings, jitted steps, eval and bytes.
+
+  `loader`: the whole-document loader an HDP run gives its unused documents back to.
+  """
+  outer = replicas_lib.make_outer_optimizer(config.optimizer)
+  replicas = replicas_lib.num_replicas(mesh, outer.name) if outer else 0
+  layout = make_layout(config, model_cfg, mesh)
+  view = layouts.View(layouts.Form(replicas, outer.name if outer else None), layout)
+  schedule = None if layout is None else pipeline.make_schedule(
+      config.pipeline.schedule, stages=layout.stages, microbatches=config.pipeline.microbatches,
+      virtual_stages=layout.virtual)
+  optimizer = make_optimizer(config.optimizer, config.total_steps)
+  param_axes = transformer.param_axes(model_cfg)
+
+  one = state_lib.abstract_train_state(model_cfg, optimizer, config.seed)
+  saved = jax.eval_shape(lambda s: _saved_of_one(s, optimizer, outer, replicas), one)
+  abstract = jax.eval_shape(view.to_view, saved)
+  rules = mesh_lib.DEFAULT_RULES
+  shard = functools.partial(state_lib.state_shardings, model_cfg=model_cfg, optimizer=optimizer,
+                            mesh=mesh)
+  state_sh = shard(abstract, rules=view.rules(rules), axes=view.param_axes(param_axes),
+                   replicas=bool(replicas))
+  saved_sh = shard(saved, rules=view.saved_rules(rules), replicas=bool(replicas))
+  one_sh = shard(one, rules=view.saved_rules(rules))
+  batch_sh = mesh_lib.batch_sharding(mesh)
+  context_layout = step_lib.context_layout_of(mesh, config.parallel.context_layout)
+  opts = step_lib.compiler_options(model_cfg, mesh)
+
+  # One replica's parameters in the view: what eval scores and an elementwise sync sends.
+  view_params = _one_replica(abstract.params) if replicas else abstract.params
+  view_param_sh = (shard(jax.eval_shape(lambda s: dataclasses.replace(
+      view, form=layouts.Form()).to_view(s), one), rules=view.rules(rules),
+      axes=view.param_axes(param_axes)).params if replicas else state_sh.params)
+  grad_fn = _gradient_fn(config, model_cfg, mesh, view, schedule, context_layout)
+  routed = bool(replicas) and layout is not None and config.pipeline.routing == "random"
+  comm = Comm(
+      grads_per_step=_grads_bytes(view_params, view_param_sh, mesh),
+      pipeline_per_step=0 if schedule is None else pipeline_bytes(
+          model_cfg, schedule, mesh, config.data.batch_size, config.data.seq_len,
+          config.optimizer.grad_accum_steps, routed),
+      outer=outer, replicas=replicas,
+      synced=None if outer is None else view_params if outer.elementwise else one.params)
+
+  replicated = NamedSharding(mesh, PartitionSpec())
+  batch_fn = lambda batch: step_lib.global_batch(batch, batch_sh)
+  sync_fn = sync_train_fn = None
+  if config.parallel.hdp:
+    train_fn = hdp_step.make_executor(config, model_cfg, optimizer, mesh, state_sh)
+    batch_fn = hdp_step.Planner(train_fn, loader, hdp_step.micro_steps_per_step(config, mesh.size))
+    comm = dataclasses.replace(comm, reductions_per_step=train_fn.reductions_per_step)
+  elif outer is None:
+    step = sharded.under_mesh(grads.model_step(grad_fn, optimizer), mesh)
+    train_fn = jax.jit(step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated),
+                       donate_argnums=0, compiler_options=opts)
+  else:
+    step = sharded.under_mesh(grads.replica_step(grad_fn, optimizer), mesh)
+    train_fn, sync_fn, sync_train_fn = replicas_lib.jit_steps(step, outer, mesh, view, state_sh,
+                                                              batch_sh, opts)
+  eval_params = (jax.jit(lambda p: jax.tree.map(lambda x: x[0], p),
+                         in_shardings=(state_sh.params,), out_shardings=view_param_sh)
+                 if replicas else (lambda p: p))
+  eval_fn = _eval_fn(model_cfg, mesh, view, schedule, view_param_sh, batch_sh, context_layout)
+  run_view = {"mesh": config.mesh, "devices": mesh_lib.describe(mesh)}
+  if layout is not None:
+    run_view["pipeline"] = {"schedule": config.pipeline.schedule, "stages": layout.stages,
+                            "virtual": layout.virtual, "padded_vocab": layout.padded_vocab,
+                            "saved": "canonical: stage view and vocabulary padding undone"}
+  return Setup(model_cfg, optimizer, outer, view, mesh, abstract, state_sh,
+               state_lib.with_shardings(saved, saved_sh), state_lib.with_shardings(one, one_sh),
+               batch_sh, train_fn, sync_fn, sync_train_fn, eval_fn, eval_params, batch_fn, comm,
+               run_view, schedule, config.pipeline.routing)
+
+
+def _saved_of_one(state: TrainState, optimizer, outer, replicas: int) -> TrainState:
+  """The saved form of a run starting from one model's `state`."""
+  if outer is None:
+    return state
+  return replicas_lib.start_from_params(state.step, state.params, optimizer, outer, replicas)

@@ -1,0 +1,149 @@
+"""Strategies composed: every pair compiled, larger compositions compiled and executed.
+
+The combinations are generated from `compositions.STRATEGIES` and `OPTIONS` (the code's own
+list), not picked by hand: every pair, every variant of each strategy beside the others,
+and compositions of four. Each that `config_check` accepts is compiled for 8 simulated
+devices (train step, eval step, outer sync); each it refuses must say which fields clash.
+A subset runs one step (and one outer sync) and must equal the same step without the
+extra strategies: plain data parallelism, or the outer optimizer over replicas of data.
+"""
+import functools
+
+import chex
+import jax
+import numpy as np
+import pytest
+
+from conftest import load_test_config
+from jaxsys import mesh as mesh_lib
+from jaxsys.data import packing
+from jaxsys.models import transformer
+from jaxsys.train import compositions
+from jaxsys.train.setup import make_setup
+
+# A model small enough to compile quickly; eps=1 makes AdamW's first step a smooth function
+# of the gradients (with eps ~ 0 it is ~ sign(g), which rounding flips where g ~ 0).
+TINY = dict(model__d_model=32, model__n_layers=4, model__n_heads=4, model__n_kv_heads=2,
+            model__d_ff=64, data__seq_len=32, data__batch_size=32, optimizer__eps=1.0,
+            optimizer__warmup_steps=0, optimizer__outer_sync_every=2,
+            optimizer__outer_fragments=2)
+
+
+def _config(names, **options):
+  return compositions.apply(load_test_config("stdlib", **TINY),
+                            compositions.compose(names, **options))
+
+
+# The partner each strategy's variants are compiled beside: the pairing hardest to get right.
+VARIANT_PARTNER = {"pipeline": "context", "context": "pipeline", "outer": "pipeline",
+                   "hdp": "data"}
+
+
+def _combinations() -> list[tuple[tuple[str, ...], dict]]:
+  """Every pair; every variant of each strategy (beside its partner); compositions of four."""
+  out = [(pair, {}) for pair in compositions.pairs()]
+  for name, fields in compositions.OPTIONS.items():
+    for field, values in fields.items():
+      out += [((name, VARIANT_PARTNER[name]), {field.replace(".", "__"): value})
+              for value in values[1:]]
+  out += [(four, {}) for four in (("outer", "pipeline", "context", "accumulation"),
+                                  ("pipeline", "context", "tensor", "accumulation"),
+                                  ("outer", "pipeline", "fsdp", "accumulation"),
+                                  ("outer", "context", "tensor", "accumulation"))]
+  return out
+
+
+# Executed below (which compiles them too); the others are compiled only.
+EXECUTED = [
+    (("pipeline", "context"), {}),
+    (("pipeline", "tensor"), {"pipeline__schedule": "gpipe"}),
+    (("pipeline", "accumulation"), {"pipeline__vocab_parallel": True}),
+    (("context", "accumulation"), {"parallel__context_layout": "contiguous"}),
+    (("pipeline", "context", "tensor", "accumulation"), {}),
+    (("outer", "context"), {}),
+    (("outer", "pipeline"), {"optimizer__outer": "streaming_diloco"}),
+    (("outer", "pipeline", "context", "accumulation"), {"pipeline__vocab_parallel": True}),
+    (("outer", "context", "tensor", "accumulation"), {"optimizer__outer": "co2"}),
+    (("outer", "pipeline", "fsdp", "accumulation"), {"pipeline__schedule": "gpipe"}),
+]
+# Compiled, not run: the backend's optimisations only cost time (the HLO, its FLOPs and
+# collectives are the same; -35% compile time measured).
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+COMBINATIONS = [c for c in _combinations() if c not in EXECUTED]
+_ID = lambda combo: "+".join(combo[0]) + "".join(f",{k.split('__')[-1]}={v}"
+                                                 for k, v in combo[1].items())
+
+
+def _batch(config):
+  b = packing.random_packed_batch(config.data.batch_size, config.data.seq_len, docs_per_row=3,
+                                  vocab_size=256, seed=1)
+  return b
+
+
+def _abstract(tree, shardings):
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree,
+                      shardings)
+
+
+@pytest.mark.parametrize("names,options", COMBINATIONS, ids=map(_ID, COMBINATIONS))
+def test_compiles_or_refuses_naming_fields(names, options):
+  config = _config(names, **options)
+  why = compositions.refusal(config)
+  if why is not None:  # one line naming a field or mesh axis of every strategy that clashes
+    assert "\n" not in why
+    for name in names:
+      strategy = compositions.STRATEGIES[name]
+      words = [f for f, _ in strategy.fields] + [a for a, _ in strategy.axes] + list(options)
+      if name != "data":
+        assert any(w.replace("__", ".") in why for w in words), (name, why)
+    return
+  model_cfg = transformer.TransformerConfig.from_config(config.model)
+  setup = make_setup(config, model_cfg, mesh_lib.make_mesh(config.mesh))
+  if config.parallel.hdp:  # plans per batch of whole documents: compiled as it meets them
+    return
+  state = _abstract(setup.abstract, setup.state_sh)
+  batch = _abstract(_batch(config), {k: setup.batch_sh for k in _batch(config)})
+  compiled = setup.train_fn.lower(state, batch).compile(FAST_COMPILE)
+  assert compiled.cost_analysis()["flops"] > 0
+  if setup.schedule is not None:  # the schedule's forwards: an executor of its own
+    params = jax.eval_shape(setup.eval_params, state.params)
+    setup.jit_eval_step(np.ones(256)).lower(params, batch).compile(FAST_COMPILE)
+  if setup.sync_fn is not None:
+    setup.sync_fn.lower(state).compile(FAST_COMPILE)
+
+
+@functools.lru_cache(maxsize=None)
+def _reference_step(names: tuple[str, ...], outer_options: tuple) -> tuple:
+  """`_step` of the reference (shared by the tests that compare with it)."""
+  return _step(_config(names, **dict(outer_options)))
+
+
+def _step(config):
+  """Loss, and the saved-form state after one step (and one outer sync)."""
+  model_cfg = transformer.TransformerConfig.from_config(config.model)
+  setup = make_setup(config, model_cfg, mesh_lib.make_mesh(config.mesh))
+  state, metrics = setup.train_fn(setup.init_state(0), setup.device_batch(_batch(config)))
+  if setup.sync_fn is not None:
+    state = setup.sync_fn(state)
+  return float(metrics["loss"]), jax.device_get(setup.to_saved(state))
+
+
+@pytest.mark.parametrize("names,options", EXECUTED, ids=map(_ID, EXECUTED))
+def test_one_step_equals_the_step_without_them(names, options):
+  config = _config(names, **options)
+  assert compositions.refusal(config) is None
+  reference = tuple((k, v) for k, v in options.items() if k.startswith("optimizer__outer"))
+  loss, state = _step(config)
+  ref_loss, ref_state = _reference_step(("outer",) if "outer" in names else (), reference)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  chex.assert_trees_all_close(state.params, ref_state.params, rtol=1e-5, atol=1e-6)
+  if state.outer is not None:
+    chex.assert_trees_all_close(state.outer, ref_state.outer, rtol=1e-5, atol=1e-6)
+
+
+def test_support_matrix_in_readme_is_the_code_s():
+  """The README's support matrix is `compositions.matrix_markdown` of the code's refusals."""
+  import pathlib
+  matrix = compositions.matrix_markdown(compositions.support_matrix(_config(())))
+  readme = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
+  assert matrix in readme, "README's support matrix is stale; paste:\n" + matrix
