@@ -39,7 +39,7 @@ GradFn = Callable  # (params, batch, step) -> (loss sum, token count, grads of t
 ReplicaGradFn = Callable  # (params [R..], batch, step) -> (loss [R], count [R], mean grads [R..])
 
 
-def _with_attention(batch: Batch, context_layout: str | None):
+def with_attention(batch: Batch, context_layout: str | None):
   """The batch and the attention the model runs it with: laid out over `context` with a ring
   when `context_layout` is set, else as it is with the configured kernel (None)."""
   if context_layout is None:
@@ -66,7 +66,7 @@ def pipelined(model_cfg: transformer.TransformerConfig, schedule: pipeline.Sched
   """Gradients of the stage-view parameters by the pipeline executor running `schedule`."""
   def grad_fn(params, batch, step=None):
     count = jnp.sum(batch["loss_mask"])
-    batch, attention_fn = _with_attention(batch, context_layout)
+    batch, attention_fn = with_attention(batch, context_layout)
     total, grads = pipeline.pipeline_loss_and_grads(
         model_cfg, schedule, layout, params, batch, mesh=mesh, vocab_algorithm=vocab_algorithm,
         attention_fn=attention_fn)
@@ -124,7 +124,7 @@ def routed_pipeline(model_cfg: transformer.TransformerConfig, schedule: pipeline
     def one(a, mb):
       shifts = None if routing_seed is None else routing.draw_shifts(
           routing_seed, step * accum_steps + a, replicas, schedule.microbatches, layout.chunks)
-      mb, attention_fn = _with_attention(mb, context_layout)
+      mb, attention_fn = with_attention(mb, context_layout)
       return pipeline.replica_loss_and_grads(
           model_cfg, schedule, layout, params, mb, mesh=mesh, shifts=shifts, weights=weights,
           vocab_algorithm=vocab_algorithm, attention_fn=attention_fn)

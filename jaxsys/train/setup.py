@@ -197,7 +197,7 @@ def _eval_fn(model_cfg, mesh, view: layouts.View, schedule, param_sh, batch_sh,
       if view.stages is None:
         return step_lib.eval_step(params, batch, model_cfg=model_cfg, token_bytes=table,
                                   context_layout=context_layout)
-      laid, attention_fn = grads._with_attention(batch, context_layout)
+      laid, attention_fn = grads.with_attention(batch, context_layout)
       loss_sum = pipeline.pipeline_loss(model_cfg, schedule, view.stages, params, laid,
                                         mesh=mesh, attention_fn=attention_fn)
       return step_lib.eval_sums_of_loss(loss_sum, batch, table)

@@ -2,6 +2,7 @@
 import json
 import os
 import pathlib
+import re
 import signal
 import socket
 import subprocess
@@ -117,3 +118,39 @@ def test_sigterm_to_one_process_stops_both_at_one_step(small_corpus, tmp_path):
   saved = Checkpointer(str(tmp_path / "checkpoints")).all_steps()
   assert len(saved) == 1 and saved[0] == max(_losses(tmp_path)) >= 3
   assert f"preempted at step {saved[0]} by SIGTERM" in out and "done" not in out
+
+
+def test_composed_run_killed_resumes_merged_under_another_composition(small_corpus, tmp_path):
+  """DiLoCo over 2 replicas x 2 pipeline stages (1F1B, vocabulary parallelism) x 2 context
+  shards, in two processes, SIGKILLed; resumed by one process as one model on
+  stage=4,context=2 (replicas merged by their mean). Checkpoints follow syncs, when the
+  replicas are equal, so the merged run's first loss equals the composed run's own at that
+  step (a straight one-process run of the same composition)."""
+  composed = ["--config.mesh=replica=2,stage=2,context=2", "--config.optimizer.outer=diloco",
+              "--config.optimizer.outer_sync_every=2", "--config.pipeline.schedule=1f1b",
+              "--config.pipeline.microbatches=2", "--config.pipeline.vocab_parallel=true"]
+  common = ["--config=configs/tiny_lm.py:size=test", f"--config.data.source={small_corpus}",
+            "--config.data.num_threads=0", "--config.model.n_layers=4", "--config.log_every=1",
+            "--config.eval_every=0", "--config.checkpoint_every=2",
+            "--config.optimizer.schedule_steps=8", "--config.optimizer.warmup_steps=2"]
+  run_single([*common, *composed, "--config.total_steps=8"], tmp_path / "straight")
+  merged = tmp_path / "merged"
+  procs = start_two_processes([*common, *composed, "--config.total_steps=100000"], merged)
+  deadline = time.monotonic() + 240
+  while not (merged / "metrics.jsonl").exists() or max(_losses(merged), default=0) < 6:
+    assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, \
+        procs[1].communicate()[1][-3000:]
+    time.sleep(0.2)
+  for p in procs:
+    p.send_signal(signal.SIGKILL)
+    p.communicate()
+  killed_at = max(_losses(merged))
+  proc = run_single([*common, "--config.mesh=stage=4,context=2", "--config.pipeline.schedule=1f1b",
+                     "--config.pipeline.microbatches=4", "--config.total_steps=8"], merged)
+  resumed = int(re.search(r"resumed from \S+ at step (\d+)", proc.stderr)[1])
+  assert resumed >= 2 and resumed % 2 == 0 and "replicas merged by mean" in proc.stderr
+  a, b = _losses(tmp_path / "straight"), _losses(merged)
+  assert sorted(b) == list(range(1, 9)) and killed_at >= resumed
+  np.testing.assert_allclose(b[resumed + 1], a[resumed + 1], rtol=1e-5)
+  np.testing.assert_allclose([b[s] for s in range(1, resumed + 1)],
+                             [a[s] for s in range(1, resumed + 1)], rtol=1e-5)

@@ -1,0 +1,70 @@
+"""The compiled cost of a run's train step, per device: FLOPs, bytes accessed, memory.
+
+Builds the step exactly as the runner does (`train.setup.make_setup`) for the config and
+mesh given, compiles it for abstract inputs (nothing is trained, no data is read) and
+prints XLA's cost and memory analysis of one device's program, beside plain data
+parallelism on the same devices and global batch:
+
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m experiments.step_cost \
+      --config=configs/tiny_lm.py --config.mesh=replica=2,stage=2,context=2 \
+      --config.optimizer.outer=diloco --config.pipeline.schedule=1f1b
+"""
+from __future__ import annotations
+
+import sys
+
+import jax
+import jax.numpy as jnp
+from absl import app, flags
+from ml_collections import config_flags
+
+from jaxsys import mesh as mesh_lib
+from jaxsys.data.packing import FIELDS
+from jaxsys.models import transformer
+from jaxsys.train import config_check
+from jaxsys.train.setup import make_setup
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "configs/<name>.py[:arg]",
+                                          lock_config=True)
+
+
+def step_cost(config) -> dict[str, float]:
+  """Per-device FLOPs, bytes accessed and argument/temporary bytes of `config`'s train step."""
+  model_cfg = transformer.TransformerConfig.from_config(config.model)
+  setup = make_setup(config, model_cfg, mesh_lib.make_mesh(config.mesh))
+  shape = (config.data.batch_size, config.data.seq_len)
+  batch = {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "loss_mask" else jnp.int32,
+                                   sharding=setup.batch_sh) for k in FIELDS}
+  state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                       setup.abstract, setup.state_sh)
+  compiled = setup.train_fn.lower(state, batch).compile()
+  cost, memory = compiled.cost_analysis(), compiled.memory_analysis()
+  return {"flops": cost.get("flops", 0.0), "bytes": cost.get("bytes accessed", 0.0),
+          "argument_bytes": memory.argument_size_in_bytes,
+          "temp_bytes": memory.temp_size_in_bytes}
+
+
+def main(argv) -> None:
+  del argv
+  config = _CONFIG.value
+  try:
+    config_check.check_config(config)
+  except ValueError as e:
+    sys.exit(f"error: {e}")
+  baseline = config.copy_and_resolve_references()
+  with baseline.unlocked():
+    baseline.mesh = "data=-1"
+    baseline.optimizer.outer = "none"
+    baseline.optimizer.grad_accum_steps = 1
+    baseline.pipeline.schedule = "none"
+    baseline.pipeline.vocab_parallel = False
+    baseline.pipeline.routing = "fixed"
+  rows = {config.mesh: step_cost(config), "data parallel": step_cost(baseline)}
+  print(f"{'per device':<32} {'GFLOP':>10} {'GB accessed':>12} {'args MiB':>9} {'temp MiB':>9}")
+  for name, c in rows.items():
+    print(f"{name:<32} {c['flops'] / 1e9:>10.3f} {c['bytes'] / 1e9:>12.3f} "
+          f"{c['argument_bytes'] / 2**20:>9.1f} {c['temp_bytes'] / 2**20:>9.1f}")
+
+
+if __name__ == "__main__":
+  app.run(main)
