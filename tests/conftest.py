@@ -46,10 +46,5 @@ def load_test_config(source: str, **overrides):
   config = module.get_config("size=test")
   config.data.source = source
   config.data.num_threads = 0
-  for name, value in overrides.items():
-    node = config
-    *parents, leaf = name.split("__")
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
-  return config
+  from jaxsys.train.compositions import set_fields  # after XLA_FLAGS is set above
+  return set_fields(config, overrides, sep="__")

@@ -78,17 +78,22 @@ def pairs() -> list[tuple[str, str]]:
   return list(itertools.combinations(STRATEGIES, 2))
 
 
-def apply(config: ml_collections.ConfigDict, overrides: dict[str, Any]
-          ) -> ml_collections.ConfigDict:
-  """A copy of `config` with dotted `overrides` set."""
-  config = ml_collections.ConfigDict(config.to_dict())
+def set_fields(config: ml_collections.ConfigDict, overrides: dict[str, Any],
+               sep: str = ".") -> ml_collections.ConfigDict:
+  """`config` with `overrides` set in place, each name a path of fields joined by `sep`."""
   for path, value in overrides.items():
-    *parents, leaf = path.split(".")
+    *parents, leaf = path.split(sep)
     node = config
     for p in parents:
       node = node[p]
     node[leaf] = value
   return config
+
+
+def apply(config: ml_collections.ConfigDict, overrides: dict[str, Any]
+          ) -> ml_collections.ConfigDict:
+  """A copy of `config` with dotted `overrides` set."""
+  return set_fields(ml_collections.ConfigDict(config.to_dict()), overrides)
 
 
 def refusal(config: ml_collections.ConfigDict) -> str | None:

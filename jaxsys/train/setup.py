@@ -135,12 +135,8 @@ class Setup:
 
   def _from_one(self, step, params) -> TrainState:
     """The trained view of one canonical model's `params` with fresh optimizer states."""
-    if self.outer is None:
-      saved = TrainState(step=step, params=params, opt_state=self.optimizer.init(params))
-    else:
-      saved = replicas_lib.start_from_params(step, params, self.optimizer, self.outer,
-                                             self.replicas)
-    return self.view.to_view(saved)
+    return self.view.to_view(_saved_of_one(step, params, self.optimizer, self.outer,
+                                           self.replicas))
 
   def init_state(self, seed: int) -> TrainState:
     """The canonical fresh state of `seed` in the run's view: the same numbers on any layout."""
@@ -247,10 +243,6 @@ def pipeline_bytes(model_cfg, schedule: pipeline.Schedule, mesh: Mesh, batch_siz
   return accum_steps * (schedule.ticks * tick + once)
 
 
-def _one_replica(tree):
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), tree)
-
-
 def make_setup(config, model_cfg: transformer.TransformerConfig, mesh: Mesh,
                loader=None) -> Setup:
   """The run of `config` on `mesh`: its view, shardings, jitted steps, eval and bytes.
@@ -268,7 +260,8 @@ def make_setup(config, model_cfg: transformer.TransformerConfig, mesh: Mesh,
   param_axes = transformer.param_axes(model_cfg)
 
   one = state_lib.abstract_train_state(model_cfg, optimizer, config.seed)
-  saved = jax.eval_shape(lambda s: _saved_of_one(s, optimizer, outer, replicas), one)
+  saved = jax.eval_shape(lambda s: _saved_of_one(s.step, s.params, optimizer, outer, replicas),
+                         one)
   abstract = jax.eval_shape(view.to_view, saved)
   rules = mesh_lib.DEFAULT_RULES
   shard = functools.partial(state_lib.state_shardings, model_cfg=model_cfg, optimizer=optimizer,
@@ -282,7 +275,7 @@ def make_setup(config, model_cfg: transformer.TransformerConfig, mesh: Mesh,
   opts = step_lib.compiler_options(model_cfg, mesh)
 
   # One replica's parameters in the view: what eval scores and an elementwise sync sends.
-  view_params = _one_replica(abstract.params) if replicas else abstract.params
+  view_params = state_lib.one_replica(abstract.params) if replicas else abstract.params
   view_param_sh = (shard(jax.eval_shape(lambda s: dataclasses.replace(
       view, form=layouts.Form()).to_view(s), one), rules=view.rules(rules),
       axes=view.param_axes(param_axes)).params if replicas else state_sh.params)
@@ -326,8 +319,8 @@ def make_setup(config, model_cfg: transformer.TransformerConfig, mesh: Mesh,
                run_view, schedule, config.pipeline.routing)
 
 
-def _saved_of_one(state: TrainState, optimizer, outer, replicas: int) -> TrainState:
-  """The saved form of a run starting from one model's `state`."""
+def _saved_of_one(step, params, optimizer, outer, replicas: int) -> TrainState:
+  """The saved form of a run starting at one model's `params`, fresh optimizer states."""
   if outer is None:
-    return state
-  return replicas_lib.start_from_params(state.step, state.params, optimizer, outer, replicas)
+    return TrainState(step=step, params=params, opt_state=optimizer.init(params))
+  return replicas_lib.start_from_params(step, params, optimizer, outer, replicas)

@@ -62,7 +62,10 @@ def state_shardings(abstract_state: TrainState, model_cfg: transformer.Transform
   outer state's leaf shards like the parameter whose path its own path ends with.
   """
   axes = transformer.param_axes(model_cfg) if axes is None else axes
-  one = _one_replica(abstract_state) if replicas else abstract_state
+  one = (abstract_state.replace(params=one_replica(abstract_state.params),
+                                opt_state=one_replica(abstract_state.opt_state),
+                                outer=one_replica(abstract_state.outer))
+         if replicas else abstract_state)
   param_sh = mesh_lib.logical_to_sharding(axes, mesh, rules, shapes=one.params)
   replicated = NamedSharding(mesh, PartitionSpec())
   # Optimizer moments mirror the parameter tree; counts and other scalars are replicated.
@@ -78,11 +81,9 @@ def state_shardings(abstract_state: TrainState, model_cfg: transformer.Transform
   return TrainState(step=replicated, params=param_sh, opt_state=opt_sh, outer=outer_sh)
 
 
-def _one_replica(abstract: TrainState) -> TrainState:
-  """Abstract [R, ...] params, inner and outer states -> one replica's [...]."""
-  drop = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), tree)
-  return abstract.replace(params=drop(abstract.params), opt_state=drop(abstract.opt_state),
-                          outer=drop(abstract.outer))
+def one_replica(tree):
+  """Abstract leaves [R, ...] -> one replica's [...]."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), tree)
 
 
 def _path_suffix_shardings(tree, params, param_sh, replicated):
