@@ -1,17 +1,69 @@
 """Test setup: 8 simulated CPU devices, set before jax initialises its backends."""
 import os
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One compilation cache for the whole run, shared by every xdist worker and every run they
+# start as a process: the trainer's tiny programs compile once, not once per subprocess.
+_OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
+    tempfile.gettempdir(), f"jaxsys-tests-{os.environ.get('PYTEST_XDIST_TESTRUNUID', os.getpid())}"))
 
 import functools
 import importlib.util
 import pathlib
+import shutil
 import sysconfig
 
 import pytest
+
+# Left out of the fast tier (`pytest -m "not slow"`), run by the whole suite: tests that
+# start processes or notebooks, train end to end, or took over ~15 s on a 2-core VM.
+SLOW = (
+    "tests/experiments/",
+    "tests/colab/",
+    "tests/checkpoint/test_snapshots.py::test_sigkill",
+    "tests/checkpoint/test_layouts.py::test_one_model_to_diloco_replicas_and_back",
+    "tests/checkpoint/test_layouts.py::test_resume_under_another_layout_is_exact",
+    "tests/checkpoint/test_layouts.py::test_every_checkpoint_describes_its_layout",
+    "tests/kernels/test_attention_pallas.py::PallasAttentionTest::test_hypothesis_shapes",
+    "tests/kernels/test_attention_xla.py::XlaAttentionTest::test_random_shapes",
+    "tests/models/test_transformer.py::TransformerTest::test_bf16_compute_f32_params",
+    "tests/models/test_transformer.py::TransformerTest::test_remat_matches_and_saves_less",
+    "tests/optim/test_streaming.py::test_matches_the_step_by_step_reference",
+    "tests/parallel/test_pipeline.py::test_1f1b_memory_grows_with_stages_not_microbatches",
+    "tests/parallel/test_pipeline.py::test_remat_and_bf16_compute",
+    "tests/parallel/test_routing.py::test_identity_routing",
+    "tests/quant/test_quant_eval.py::test_quant_eval_end_to_end",
+    "tests/train/test_compositions.py::test_one_step_equals_the_step_without_them",
+    "tests/train/test_hdp_step.py::HDPStepTest::test_hdp_step_equals_single_device_step",
+    "tests/train/test_init_from.py",
+    "tests/train/test_loop.py::test_resume_is_exact",
+    "tests/train/test_pipelined.py::test_resume_under_another_schedule",
+    "tests/train/test_pipelined.py::test_outer_optimizer_over_pipelined_replicas",
+    "tests/train/test_replicas.py::test_streaming_diloco_resumes_exactly_mid_overlap",
+    "tests/train/test_replicas.py::test_resume_is_exact_with_outer_state",
+    "tests/train/test_step.py::TrainStepTest::test_context_parallel_equals_data_parallel",
+    "tests/train/test_step.py::TrainStepTest::test_sharded_equals_single_device",
+)
+
+
+def pytest_configure(config):
+  config.addinivalue_line("markers", "slow: left out of the fast tier (pytest -m 'not slow')")
+
+
+def pytest_collection_modifyitems(items):
+  for item in items:
+    if item.nodeid.startswith(SLOW):
+      item.add_marker(pytest.mark.slow)
+
+
+def pytest_sessionfinish(session):
+  if _OWN_CACHE and not hasattr(session.config, "workerinput"):  # the controller, at the end
+    shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -26,6 +26,7 @@ from jaxsys.models.transformer import REMAT_POLICIES
 from jaxsys.optim.noloco import check_group_size
 from jaxsys.optim.inner import OPTIMIZERS
 from jaxsys.parallel import context, pipeline
+from jaxsys.train import hdp_step
 from jaxsys.train import replicas as replicas_lib
 
 
@@ -252,14 +253,15 @@ RELATIONS: tuple[Relation, ...] = (
     Relation(("parallel.hdp", "data.variable_length"), lambda hdp, var: hdp == var,
              "equal data.variable_length (HDP trains whole documents; whole documents train "
              "only with HDP)"),
-    Relation(("parallel.hdp", "mesh axes other than data"),
+    Relation(("parallel.hdp", "mesh axes HDP does not keep"),
              lambda hdp, others: not hdp or not others,
-             "be False on this mesh: HDP regroups a data-only mesh into data=N/c,context=c "
-             "views, so its other axes must be 1 (use --config.mesh=data=-1)"),
-    Relation(("data.max_len", "data.seq_len", "devices", "parallel.hdp"),
+             "be False on this mesh: HDP regroups the batch axes (data, fsdp) into "
+             "data=S/c,context=c views and keeps tensor; it makes its own context rings, and "
+             "its micro-steps are not yet pipelined or replicated (use data, fsdp, tensor)"),
+    Relation(("data.max_len", "data.seq_len", "mesh shards of 'batch'", "parallel.hdp"),
              lambda m, t, n, hdp: not hdp or m <= n * t,
-             "fit the device pool: at most devices x data.seq_len tokens (data.seq_len is "
-             "each device's share in a micro-step)"),
+             "fit the device pool: at most (data x fsdp) x data.seq_len tokens (data.seq_len "
+             "is each slot's share in a micro-step)"),
     Relation(("optimizer.grad_accum_steps", "parallel.hdp"), lambda a, hdp: a == 1 or not hdp,
              "be 1 with HDP (its micro-steps already accumulate gradients)"),
     Relation(("optimizer.outer_fragments", "model.n_layers", "optimizer.outer"),
@@ -316,9 +318,9 @@ def _derived(mesh) -> dict[str, Any]:
   return {**shards, "mesh axis replica": dict(mesh.shape).get("replica", 1),
           "mesh axis stage": dict(mesh.shape).get("stage", 1),
           "mesh axis context": dict(mesh.shape).get("context", 1),
-          "mesh axes other than data": ",".join(a for a, n in mesh.shape.items()
-                                                if a != "data" and n > 1),
-          "devices": mesh.size,
+          "mesh axes HDP does not keep": ",".join(
+              a for a, n in mesh.shape.items()
+              if a not in hdp_step.SLOT_AXES + hdp_step.KEPT_AXES and n > 1),
           "processes": jax.process_count()}
 
 
@@ -367,6 +369,8 @@ def check_config(config, workdir: Any = None) -> None:
     error = relation.error(values)
     if error:
       raise ValueError(error)
+  if values["parallel.hdp"]:  # the pool's own checks (the order of its axes)
+    hdp_step.Pool(mesh)
   if values["pipeline.schedule"] != "none":  # the schedule's own checks (e.g. 1f1b's m >= p)
     pipeline.make_schedule(values["pipeline.schedule"], stages=values["mesh axis stage"],
                            microbatches=values["pipeline.microbatches"],

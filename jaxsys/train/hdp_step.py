@@ -10,8 +10,12 @@ accumulate over the micro-steps in the parameters' (replicated) sharding; one op
 update divides by the whole batch's token count, so the step equals a single-device step
 over the same documents, however they were split.
 
-The pool must be a data-only mesh: the views regroup its devices, and the parameters are
-replicated on every device, so each view reads them where they are.
+The pool is a mesh's batch axes (`data`, `fsdp`): each of their devices, with the devices
+of its `tensor` group, is one slot of the plan. The views regroup the slots into
+`data = S/c, context = c` and keep `tensor`, so every view reads the parameters where
+they are. With `fsdp` the pool trains as ZeRO-2 does (ByteScale's HDP with ZeRO): the
+parameters are gathered once a step for its micro-steps, the gradients accumulate
+reduce-scattered over `fsdp`, and the update runs on the shards.
 """
 from __future__ import annotations
 
@@ -31,8 +35,10 @@ from jaxsys.train import step as step_lib
 from jaxsys.train.state import TrainState
 
 
-def micro_step_sums(params, batch, acc, *, model_cfg: transformer.TransformerConfig, ring: bool):
-  """acc + (summed token loss, token count, its gradients) of one packed micro-step."""
+def micro_step_sums(params, batch, acc, *, model_cfg: transformer.TransformerConfig, ring: bool,
+                    params_sh=None):
+  """acc + (summed token loss, token count, its gradients) of one packed micro-step;
+  `params_sh`: the parameters' shardings (where a jit gives them)."""
   attention_fn = step_lib.ring_attention_fn() if ring else None
 
   def loss_sum(p):
@@ -40,7 +46,75 @@ def micro_step_sums(params, batch, acc, *, model_cfg: transformer.TransformerCon
     return jnp.sum(losses), jnp.sum(batch["loss_mask"])
 
   (total, count), grads = jax.value_and_grad(loss_sum, has_aux=True)(params)
+  # The gradients laid out as the parameters they differentiate, then summed into acc's
+  # layout (a reduce-scatter over fsdp): left free, XLA pulls acc's fsdp split back into
+  # the activations' gradients and replicates them to get there.
+  if params_sh is not None:
+    grads = jax.lax.with_sharding_constraint(grads, params_sh)
   return jax.tree.map(jnp.add, acc, (total, count, grads))
+
+
+# The mesh axes that split the batch: their devices are the pool's slots.
+SLOT_AXES = ("data", "fsdp")
+# The mesh axes a slot may span: each slot is a group that shards the model over them.
+KEPT_AXES = ("tensor",)
+
+
+class Pool:
+  """A mesh's devices as HDP slots: `devices` [..., S, ...] has the batch axes merged into
+  one axis of S slots at position `at` (size-1 axes dropped), the kept axes around it in
+  the mesh's order, so every view below is a reshape of the mesh's own device order."""
+
+  def __init__(self, mesh: Mesh):
+    names = [a for a in mesh.axis_names if mesh.shape[a] > 1 or a in SLOT_AXES]
+    others = {a: mesh.shape[a] for a in names if a not in SLOT_AXES + KEPT_AXES}
+    if others:
+      raise ValueError(f"HDP regroups the batch axes {SLOT_AXES} into data=S/c,context=c "
+                       f"views and keeps {KEPT_AXES}; this mesh also has {others}")
+    devices = mesh.devices.reshape([mesh.shape[a] for a in names])
+    slots = [i for i, a in enumerate(names) if a in SLOT_AXES]
+    if not slots:  # one slot: the whole mesh is one tensor group
+      devices, names, slots = devices[None], ["data", *names], [0]
+    if slots != list(range(slots[0], slots[-1] + 1)):
+      spec = ",".join(f"{a}={n}" for a, n in mesh.shape.items())
+      raise ValueError(f"mesh={spec!r} is invalid with parallel.hdp=True; it must list the "
+                       f"batch axes {SLOT_AXES} next to each other (e.g. data=2,fsdp=2,tensor=2)")
+    self.mesh, self.at = mesh, slots[0]
+    self.slot_axes = tuple(names[i] for i in slots)
+    self.kept = tuple(a for a in names if a not in SLOT_AXES)
+    shape = devices.shape
+    self.devices = devices.reshape(shape[:self.at] + (-1,) + shape[slots[-1] + 1:])
+
+  @property
+  def size(self) -> int:
+    return self.devices.shape[self.at]
+
+  def slot_devices(self, slot: int) -> list:
+    return list(np.take(self.devices, [slot], axis=self.at).flat)
+
+  def view(self, c: int, block: tuple[int, ...] | None = None) -> Mesh:
+    """The `data = S/c, context = c` view of the slots (of `block`'s slots, if given)."""
+    devices = self.devices if block is None else np.take(self.devices, block, axis=self.at)
+    shape = devices.shape
+    devices = devices.reshape(shape[:self.at] + (shape[self.at] // c, c) + shape[self.at + 1:])
+    names = self.kept[:self.at] + ("data", "context") + self.kept[self.at:]
+    return Mesh(devices, names)
+
+  def stacked(self, spec: P) -> P:
+    """A spec of [S, ...] arrays: one row per slot, the rest as `spec`."""
+    return P(self.slot_axes, *spec)
+
+
+def _without(spec: P, axis: str) -> P:
+  """`spec` with mesh axis `axis` taken out (those dims then split over what is left)."""
+  def drop(entry):
+    names = tuple(n for n in ((entry,) if isinstance(entry, str) else entry or ()) if n != axis)
+    return names[0] if len(names) == 1 else (names or None)
+  return P(*(drop(e) for e in spec))
+
+
+def _on_mesh(shardings, mesh: Mesh, spec_fn=lambda spec: spec):
+  return jax.tree.map(lambda s: NamedSharding(mesh, spec_fn(s.spec)), shardings)
 
 
 class _HDPBase:
@@ -48,14 +122,13 @@ class _HDPBase:
 
   def __init__(self, model_cfg, optimizer, mesh: Mesh, state_sh: TrainState,
                tokens_per_device: int):
-    others = {a: n for a, n in mesh.shape.items() if a != "data" and n > 1}
-    if others:
-      raise ValueError(f"HDP needs a data-only mesh (it regroups the devices into "
-                       f"data=N/c,context=c views); this one also has {others}")
+    self.pool = Pool(mesh)
     self.model_cfg, self.optimizer, self.mesh = model_cfg, optimizer, mesh
-    self.devices = mesh.devices.reshape(-1)
     self.tokens_per_device = tokens_per_device
     self.params_sh = state_sh.params
+    # The parameters as each micro-step reads them: whole on every slot (gathered over fsdp).
+    self.gathered_sh = _on_mesh(self.params_sh, mesh, lambda spec: _without(spec, "fsdp"))
+    self._gather = jax.jit(lambda p: p, out_shardings=self.gathered_sh)
     # Gradient all-reduces run (in units of one over the whole pool), for comm_bytes.
     self.steps_run, self.reductions_run = 0, 0.0
     rep = NamedSharding(mesh, P())
@@ -67,17 +140,19 @@ class _HDPBase:
 
   @property
   def num_devices(self) -> int:
-    return self.devices.size
+    """The plan's devices: the pool's slots."""
+    return self.pool.size
 
-  def _view_program(self, devices, c: int, acc_sh):
-    """The jitted micro-step over the `data = len(devices)/c, context = c` view of
-    `devices`, its parameter and batch shardings. Parameters and sums take `acc_sh`'s
-    layout (the pool's, for the lock-step executor) so each view compiles once."""
-    view = Mesh(np.asarray(devices).reshape(-1, c), ("data", "context"))
+  def _view_program(self, view: Mesh, params_sh, acc_sh):
+    """The jitted micro-step over the `data, context` view `view`, and its batch sharding.
+    Parameters and sums take `params_sh`' and `acc_sh`'s layouts (the pool's, for the
+    lock-step executor) so each view compiles once."""
+    c = view.shape["context"]
     batch_sh = NamedSharding(view, P("data", "context"))
-    fn = functools.partial(micro_step_sums, model_cfg=self.model_cfg, ring=c > 1)
+    fn = functools.partial(micro_step_sums, model_cfg=self.model_cfg, ring=c > 1,
+                           params_sh=params_sh)
     jitted = jax.jit(sharded.under_mesh(fn, view),
-                     in_shardings=(acc_sh[2], batch_sh, acc_sh),
+                     in_shardings=(params_sh, batch_sh, acc_sh),
                      out_shardings=acc_sh, donate_argnums=2,
                      compiler_options=step_lib.compiler_options(self.model_cfg, view))
     return jitted, batch_sh
@@ -103,6 +178,17 @@ class _HDPBase:
     # The plan indexes the kept documents; callers pass docs[kept] alongside it.
     return kept, plan
 
+  def lower(self, state: TrainState, c: int = 2) -> list:
+    """The update's and a ring of `c` slots' micro-step programs, lowered for `state`'s
+    shapes (abstract or real): what a compile check builds ahead of any batch."""
+    fn, batch_sh = self.ring(c)
+    rows = batch_sh.mesh.shape["data"]
+    batch = {f: jax.ShapeDtypeStruct((rows, c * self.tokens_per_device),
+                                     jnp.float32 if f == "loss_mask" else jnp.int32)
+             for f in FIELDS}
+    acc = jax.eval_shape(_zero_sums, state.params)  # shapes: each program lays them out
+    return [self._update.lower(state, acc), fn.lower(acc[2], batch, acc)]
+
   def reductions_per_step(self) -> float:
     """Pool-wide gradient all-reduces per step so far, on average (1 before any step)."""
     return self.reductions_run / self.steps_run if self.steps_run else 1.0
@@ -126,10 +212,13 @@ class HDPStep(_HDPBase):
     super().__init__(*args, **kwargs)
     self._programs: dict[int, tuple[Callable, NamedSharding]] = {}
 
+  def ring(self, c: int) -> tuple[Callable, NamedSharding]:
+    return self.program(c)
+
   def program(self, c: int) -> tuple[Callable, NamedSharding]:
     """The jitted micro-step of views with context c, and its batch sharding (cached)."""
     if c not in self._programs:
-      self._programs[c] = self._view_program(self.devices, c, self._acc_sh)
+      self._programs[c] = self._view_program(self.pool.view(c), self.gathered_sh, self._acc_sh)
     return self._programs[c]
 
   def compile_all(self, params) -> None:
@@ -141,7 +230,7 @@ class HDPStep(_HDPBase):
       _, fields = hdp_layout.pack_step([], [], num_devices=self.num_devices,
                                        tokens_per_device=self.tokens_per_device, view=c)
       arrays = {k: jax.device_put(v, batch_sh) for k, v in fields.items()}
-      jax.block_until_ready(fn(params, arrays, self._zeros(params)))
+      jax.block_until_ready(fn(self._gather(params), arrays, self._zeros(params)))
       c *= 2
 
   def plan(self, lengths) -> hdp.Plan:
@@ -162,11 +251,11 @@ class HDPStep(_HDPBase):
     """One update over micro-steps given as (c, fields [N/c, c * tokens_per_device]) in
     any layout the ring masks right (positions and segment ids per token), e.g. a static
     mesh's packed rows."""
-    acc, count = self._zeros(state.params), 0
+    params, acc, count = self._gather(state.params), self._zeros(state.params), 0
     for c, fields in micro_batches:
       count += 1
       fn, batch_sh = self.program(c)
-      acc = fn(state.params, _put(fields, batch_sh), acc)
+      acc = fn(params, _put(fields, batch_sh), acc)
     # Every micro-step all-reduces its gradients over the pool.
     return self._finish(state, acc, count, reductions=float(count))
 
@@ -201,11 +290,13 @@ class PerRankHDPStep(_HDPBase):
     # two rings on overlapping devices in flight at once can leave a collective's
     # rendezvous short of a thread (seen: 7 of 8 arrived, then an abort). On CPU the
     # simulated devices share the cores anyway, so rings run one at a time there.
-    self._one_ring_at_a_time = self.devices[0].platform == "cpu"
+    self._one_ring_at_a_time = self.mesh.devices.flat[0].platform == "cpu"
     self._rings: dict[tuple[int, ...], tuple] = {}
     self._locals: dict[int, Callable] = {}
-    stacked = NamedSharding(self.mesh, P("data"))
-    self._stacked_sh = (stacked, stacked, jax.tree.map(lambda _: stacked, self.params_sh))
+    # Per-slot sums [S, ...]: a row per slot, each row split as the gathered parameters.
+    stacked = NamedSharding(self.mesh, self.pool.stacked(P()))
+    self._stacked_sh = (stacked, stacked,
+                        _on_mesh(self.gathered_sh, self.mesh, self.pool.stacked))
     n = self.num_devices
     self._stacked_zeros = jax.jit(
         lambda p: jax.tree.map(lambda x: jnp.zeros((n,) + x.shape, x.dtype), _zero_sums(p)),
@@ -224,25 +315,31 @@ class PerRankHDPStep(_HDPBase):
   def micro_batches(sched: hdp_schedule.Schedule) -> int:
     return int(sched.micro_batches().max(initial=0))
 
+  def ring(self, c: int) -> tuple[Callable, NamedSharding]:
+    return self.ring_program(tuple(range(c)))[:2]
+
   def ring_program(self, block: tuple[int, ...]):
-    """(jitted micro-step, batch sharding, zero sums, replicated sharding) of a run of
-    devices (`block`: their indices in the pool)."""
+    """(jitted micro-step, batch sharding, zero sums, parameter shardings) of a run of
+    slots (`block`: their indices in the pool)."""
     if block not in self._rings:
-      devices = self.devices[list(block)]
-      rep = NamedSharding(Mesh(devices, ("data",)), P())
-      acc_sh = (rep, rep, jax.tree.map(lambda _: rep, self.params_sh))
-      fn, batch_sh = self._view_program(devices, len(block), acc_sh)
-      self._rings[block] = (fn, batch_sh, jax.jit(_zero_sums, out_shardings=acc_sh), rep)
+      view = self.pool.view(len(block), block)
+      params_sh = _on_mesh(self.gathered_sh, view)
+      rep = NamedSharding(view, P())
+      acc_sh = (rep, rep, params_sh)
+      fn, batch_sh = self._view_program(view, params_sh, acc_sh)
+      self._rings[block] = (fn, batch_sh, jax.jit(_zero_sums, out_shardings=acc_sh), params_sh)
     return self._rings[block]
 
   def local_program(self, k: int) -> Callable:
     """Every device's (up to) k local micro-batches, as many as its count says."""
     if k not in self._locals:
       fn = functools.partial(_local_sums, model_cfg=self.model_cfg)
-      spec = P("data")
+      spec = self.pool.stacked(P())
+      # Manual over the slots only: a slot's tensor group runs its model as one.
       mapped = jax.shard_map(fn, mesh=self.mesh, in_specs=(P(), spec, spec),
-                             out_specs=spec, check_vma=False)
-      self._locals[k] = jax.jit(mapped, in_shardings=(self.params_sh, self._stacked_sh[0],
+                             out_specs=spec, axis_names=set(self.pool.slot_axes),
+                             check_vma=False)
+      self._locals[k] = jax.jit(mapped, in_shardings=(self.gathered_sh, self._stacked_sh[0],
                                                       self._stacked_sh[0]),
                                 out_shardings=self._stacked_sh)
     return self._locals[k]
@@ -259,11 +356,11 @@ class PerRankHDPStep(_HDPBase):
       locals_ |= {(_axis(local), size)
                   for size, local in self._local_batches(sched, lengths).items()}
     for block, cell in rings:
-      fn, batch_sh, zeros, rep = self.ring_program(block)
+      fn, batch_sh, zeros, params_sh = self.ring_program(block)
       _, fields = hdp_layout.pack_step([], [], num_devices=len(block), tokens_per_device=cell,
                                        view=len(block))
-      jax.block_until_ready(fn(_on(params, rep), _put(fields, batch_sh),
-                               zeros(_on(params, rep))))
+      on_ring = _on(self._gather(params), params_sh)
+      jax.block_until_ready(fn(on_ring, _put(fields, batch_sh), zeros(on_ring)))
     for k, size in locals_:
       no_batches = [()] * self.num_devices
       jax.block_until_ready(
@@ -297,12 +394,13 @@ class PerRankHDPStep(_HDPBase):
   def run(self, state: TrainState, docs, sched: hdp_schedule.Schedule):
     """One update over `docs` as the schedule lays them out."""
     n = self.num_devices
+    params = self._gather(state.params)
     block_params, block_sums = {}, {}
     for ring in sched.rings:
       block, c = ring.devices, len(ring.devices)
-      fn, batch_sh, zeros, rep = self.ring_program(block)
+      fn, batch_sh, zeros, params_sh = self.ring_program(block)
       if block not in block_params:
-        block_params[block] = _on(state.params, rep)
+        block_params[block] = _on(params, params_sh)
         block_sums[block] = zeros(block_params[block])
       _, fields = hdp_layout.pack_step(ring.entries(), docs, num_devices=c,
                                        tokens_per_device=ring.cell, view=c)
@@ -314,8 +412,7 @@ class PerRankHDPStep(_HDPBase):
     local_sums = []
     for size, local in sorted(by_size.items()):
       k = _axis(local)
-      local_sums.append(self.local_program(k)(state.params,
-                                              *self._local_inputs(k, size, local, docs)))
+      local_sums.append(self.local_program(k)(params, *self._local_inputs(k, size, local, docs)))
     ring_sums = self._per_device(block_sums, state.params)
     acc = self._reduce(local_sums, ring_sums)
     # One all-reduce over the pool, and one over each ring's run per ring micro-batch
@@ -324,15 +421,15 @@ class PerRankHDPStep(_HDPBase):
     return self._finish(state, acc, self.micro_batches(sched), reductions)
 
   def _per_device(self, block_sums: dict, params):
-    """The runs' sums stacked [N, ...] over the pool: each run's sums added on its first
-    device, zeros elsewhere (this process's devices)."""
+    """The runs' sums stacked [S, ...] over the pool: each run's sums added on its first
+    slot's devices, zeros elsewhere (this process's devices)."""
     def stack(zeros, *leaves):
       shards = {s.device: s.data for s in zeros.addressable_shards}
       for block, leaf in zip(block_sums, leaves):
-        first = self.devices[block[0]]
-        if first in shards:
-          shards[first] = shards[first] + next(
-              s.data for s in leaf.addressable_shards if s.device == first)[None]
+        ring = {s.device: s.data for s in leaf.addressable_shards}
+        for device in self.pool.slot_devices(block[0]):
+          if device in shards:
+            shards[device] = shards[device] + ring[device][None]
       return jax.make_array_from_single_device_arrays(
           zeros.shape, zeros.sharding, [shards[s.device] for s in zeros.addressable_shards])
 
@@ -344,11 +441,14 @@ def _axis(local) -> int:
   return hdp.block_size(max(1, max(len(batches) for batches in local)))
 
 
-def _on(tree, sharding):
-  """A replicated pool array's copies on `sharding`'s devices, as one array (no copy)."""
-  devices = set(sharding.mesh.devices.flat)
-  return jax.tree.map(lambda x: jax.make_array_from_single_device_arrays(
-      x.shape, sharding, [s.data for s in x.addressable_shards if s.device in devices]), tree)
+def _on(tree, shardings):
+  """Pool arrays read on a view of some of their devices, each by its shards there (no copy):
+  every view keeps the axes that split them, so those devices hold a whole array."""
+  def on(x, sharding):
+    devices = set(sharding.mesh.devices.flat)
+    return jax.make_array_from_single_device_arrays(
+        x.shape, sharding, [s.data for s in x.addressable_shards if s.device in devices])
+  return jax.tree.map(on, tree, shardings)
 
 
 def _local_sums(params, batch, counts, *, model_cfg: transformer.TransformerConfig):
@@ -379,10 +479,10 @@ class Planner:
     return {"tokens": [docs[i] for i in kept], "plan": steps}
 
 
-def micro_steps_per_step(config, num_devices: int) -> int:
+def micro_steps_per_step(config, slots: int) -> int:
   """Micro-steps a step fills: data.batch_size * data.seq_len tokens over the pool's
-  slots per micro-step (num_devices * data.seq_len)."""
-  return max(1, -(-config.data.batch_size // num_devices))
+  tokens per micro-step (slots * data.seq_len)."""
+  return max(1, -(-config.data.batch_size // slots))
 
 
 def loader_budget(slots: int, max_len: int) -> int:
@@ -396,7 +496,7 @@ def loader_budget(slots: int, max_len: int) -> int:
 
 def make_executor(config, model_cfg: transformer.TransformerConfig, optimizer, mesh,
                   state_sh: TrainState) -> "HDPStep | PerRankHDPStep":
-  """The HDP step of `config` on the data-only `mesh`, data.seq_len tokens per device."""
+  """The HDP step of `config` on `mesh` (`Pool`), data.seq_len tokens per slot."""
   args = (model_cfg, optimizer, mesh, state_sh, config.data.seq_len)
   if config.parallel.hdp_schedule == "per_rank":
     return PerRankHDPStep(*args, widen=config.parallel.hdp_widen_rings)

@@ -222,10 +222,11 @@ class _Parts:
 def _loaders(config, model_cfg, mesh, workdir: str) -> tuple[Loader | DocumentLoader, Validation]:
   batch = config.data.batch_size
   if config.data.variable_length:  # whole documents, the same global batch on every process
+    slots = hdp_step.Pool(mesh).size
     train = make_document_loader(config.data, "train", seed=config.seed, workdir=workdir,
                                  tokens_per_batch=hdp_step.loader_budget(
-                                     hdp_step.micro_steps_per_step(config, mesh.size)
-                                     * mesh.size * config.data.seq_len, config.data.max_len))
+                                     hdp_step.micro_steps_per_step(config, slots)
+                                     * slots * config.data.seq_len, config.data.max_len))
   else:
     block, blocks = _batch_block(mesh_lib.batch_sharding(mesh), batch)
     train = make_loader(config.data, "train", batch_size=batch, seed=config.seed,

@@ -294,7 +294,8 @@ def make_setup(config, model_cfg: transformer.TransformerConfig, mesh: Mesh,
   sync_fn = sync_train_fn = None
   if config.parallel.hdp:
     train_fn = hdp_step.make_executor(config, model_cfg, optimizer, mesh, state_sh)
-    batch_fn = hdp_step.Planner(train_fn, loader, hdp_step.micro_steps_per_step(config, mesh.size))
+    batch_fn = hdp_step.Planner(train_fn, loader, hdp_step.micro_steps_per_step(
+        config, train_fn.num_devices))
     comm = dataclasses.replace(comm, reductions_per_step=train_fn.reductions_per_step)
   elif outer is None:
     step = sharded.under_mesh(grads.model_step(grad_fn, optimizer), mesh)

@@ -5,7 +5,7 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 from jaxsys import mesh as mesh_lib
-from jaxsys.parallel import hdp
+from jaxsys.parallel import hdp, hdp_layout
 from jaxsys.train import hdp_step
 from jaxsys.train import state as state_lib
 from jaxsys.train import grads
@@ -50,32 +50,36 @@ class HDPStepTest(parameterized.TestCase):
     rings = {len(devs) for step in steps for _, devs in step}
     self.assertEqual(rings, {1, 2, 3, 4, 7})
 
-  @parameterized.parameters("lockstep", "per_rank", "per_rank_wide")
-  def test_hdp_step_equals_single_device_step(self, schedule):
-    mesh = mesh_lib.make_mesh("data=8")
+  @parameterized.parameters(("lockstep", "data=8"), ("per_rank", "data=8"),
+                            ("per_rank_wide", "data=8"), ("lockstep", "data=2,fsdp=2,tensor=2"),
+                            ("per_rank", "tensor=2,fsdp=2,data=2"))
+  def test_hdp_step_equals_single_device_step(self, schedule, spec):
+    mesh = mesh_lib.make_mesh(spec)
     optimizer, state_sh, state = init(mesh)
     args = (MODEL, optimizer, mesh, state_sh, TOKENS_PER_DEVICE)
     if schedule == "lockstep":
       run = hdp_step.HDPStep(*args)
     else:
       run = hdp_step.PerRankHDPStep(*args, widen=schedule == "per_rank_wide")
+    # Slots of one data-parallel rank each: with tensor=2, 4 slots hold documents up to 64.
+    lengths = [n for n in LENGTHS if n <= run.num_devices * TOKENS_PER_DEVICE]
     one = mesh_lib.make_mesh("data=1", jax.devices()[:1])
     _, ref_sh, ref = init(one)
     ref_fn = grads.jit_autodiff_step(MODEL, optimizer, ref_sh, mesh_lib.batch_sharding(one))
-    for seed in range(2):
-      docs = documents(seed)
+    for seed in range(2 if spec == "data=8" else 1):  # a second step: the update's state
+      docs = [d for d in documents(seed) if len(d) - 1 in lengths]
       state, metrics = run(state, {"tokens": docs})
       ref, ref_metrics = ref_fn(ref, jax.device_put(single_device_batch(docs),
                                                     mesh_lib.batch_sharding(one)))
       np.testing.assert_allclose(float(metrics["loss"]), float(ref_metrics["loss"]), rtol=1e-5)
-      self.assertEqual(float(metrics["tokens"]), sum(LENGTHS))
+      self.assertEqual(float(metrics["tokens"]), sum(lengths))
     self.assertGreater(int(metrics["micro_steps"]), 1)
     chex.assert_trees_all_close(jax.device_get(state.params), jax.device_get(ref.params),
                                 atol=2e-5)
     if schedule == "lockstep":
       self.assertLessEqual(len(run._programs), 4)  # one program per ring size: log2(8) + 1
     else:  # a program per ring block used, and the local loop
-      self.assertEqual(set(run._rings), {r.devices for r in run.plan(LENGTHS).rings})
+      self.assertEqual(set(run._rings), {r.devices for r in run.plan(lengths).rings})
 
   def test_fit_keeps_what_plans_into_k_steps(self):
     mesh = mesh_lib.make_mesh("data=8")
@@ -93,11 +97,34 @@ class HDPStepTest(parameterized.TestCase):
     self.assertEqual(run.fit(docs, full)[0], list(range(len(docs))))
 
   def test_refuses_a_mesh_it_cannot_regroup(self):
-    mesh = mesh_lib.make_mesh("data=4,tensor=2")
+    mesh = mesh_lib.make_mesh("data=4,stage=2")
     optimizer, state_sh, _ = init(mesh)
-    with self.assertRaisesRegex(ValueError, r"HDP needs a data-only mesh .* \{'tensor': 2\}"):
+    with self.assertRaisesRegex(ValueError, r"HDP regroups the batch axes .* \{'stage': 2\}"):
       hdp_step.HDPStep(MODEL, optimizer, mesh, state_sh, TOKENS_PER_DEVICE)
 
+  def test_tensor_splits_and_fsdp_shards_in_the_compiled_programs(self):
+    """Per device, against data=4 over the same 4 slots: tensor=2 halves a micro-step's
+    FLOPs; fsdp=2 halves its accumulated gradients and the update's optimizer state."""
+    def cost(spec, devices):
+      mesh = mesh_lib.make_mesh(spec, jax.devices()[:devices])
+      optimizer, state_sh, state = init(mesh)
+      run = hdp_step.HDPStep(MODEL, optimizer, mesh, state_sh, TOKENS_PER_DEVICE)
+      fn, batch_sh = run.program(1)
+      _, fields = hdp_layout.pack_step([], [], num_devices=run.num_devices,
+                                       tokens_per_device=TOKENS_PER_DEVICE, view=1)
+      batch = {k: jax.device_put(v, batch_sh) for k, v in fields.items()}
+      acc = run._zeros(state.params)
+      step = fn.lower(run._gather(state.params), batch, acc).compile()
+      update = run._update.lower(state, acc).compile()
+      return (step.cost_analysis()["flops"], step.memory_analysis().output_size_in_bytes,
+              update.memory_analysis().argument_size_in_bytes)
+
+    flops, grads, update = cost("data=4", 4)
+    tensor_flops, _, _ = cost("data=4,tensor=2", 8)
+    _, fsdp_grads, fsdp_update = cost("data=4,fsdp=2", 8)
+    self.assertLess(tensor_flops, 0.6 * flops)
+    self.assertLess(fsdp_grads, 0.55 * grads)
+    self.assertLess(fsdp_update, 0.55 * update)
 
 if __name__ == "__main__":
   absltest.main()

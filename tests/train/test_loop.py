@@ -46,7 +46,8 @@ HDP = dict(data__variable_length=True, parallel__hdp=True, data__max_len=256,
 
 
 @pytest.mark.parametrize("mesh, extra", [("data=-1", {}), ("data=-1,fsdp=2,tensor=2", {}),
-                                         ("data=-1", HDP)], ids=["dp", "fsdp_tensor", "hdp"])
+                                         ("data=-1,fsdp=2,tensor=2", HDP)],
+                         ids=["dp", "fsdp_tensor", "hdp_fsdp_tensor"])
 def test_resume_is_exact(make_config, tmp_path, mesh, extra):
   """2N steps straight == N steps, stop, restore, N more: same losses and parameters.
   With HDP the whole-document loader resumes at its position too."""
