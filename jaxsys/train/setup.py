@@ -52,7 +52,8 @@ class Comm:
   outer: outer_lib.OuterOptimizer | None = None
   synced: Any = None
   replicas: int = 0
-  # HDP: pool-wide gradient all-reduces per step so far (one per micro-step in lock-step).
+  # HDP: pool-wide gradient all-reduces per step so far (one per micro-step in lock-step;
+  # with fsdp an upper bound: each is a reduce-scatter, plus one gather of the parameters).
   reductions_per_step: Callable[[], float] = lambda: 1.0
 
   def outer_after(self, steps: int) -> int:

@@ -33,22 +33,27 @@ def _base_flags(small_corpus, *extra):
           "--config.eval_every=4", *extra]
 
 
-def run_single(flags, workdir):
-  """experiments.train in one process with 8 CPU devices (the conftest's)."""
+def _devices(n: int) -> dict[str, str]:
+  return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n}")
+
+
+def run_single(flags, workdir, devices: int = 8):
+  """experiments.train in one process with `devices` CPU devices (the conftest's 8)."""
   proc = subprocess.run([sys.executable, "-m", "experiments.train", *flags, f"--workdir={workdir}"],
-                        cwd=ROOT, capture_output=True, text=True, timeout=300)
+                        cwd=ROOT, env=_devices(devices), capture_output=True, text=True,
+                        timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   return proc
 
 
-def start_two_processes(flags, workdir):
-  """experiments.train as 2 processes x 4 CPU devices joined by jax.distributed on loopback."""
+def start_two_processes(flags, workdir, local_devices: int = 4):
+  """experiments.train as 2 processes x `local_devices` CPU devices joined by
+  jax.distributed on loopback."""
   port = _free_port()
   procs = []
   for pid in range(2):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-               JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
-               JAX_PROCESS_ID=str(pid))
+    env = dict(_devices(local_devices), JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+               JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(pid))
     procs.append(subprocess.Popen(
         [sys.executable, "-m", "experiments.train", *flags, f"--workdir={workdir}"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
@@ -121,21 +126,24 @@ def test_sigterm_to_one_process_stops_both_at_one_step(small_corpus, tmp_path):
 
 
 def test_composed_run_killed_resumes_merged_under_another_composition(small_corpus, tmp_path):
-  """DiLoCo over 2 replicas x 2 pipeline stages (1F1B, vocabulary parallelism) x 2 context
-  shards, in two processes, SIGKILLed; resumed by one process as one model on
-  stage=4,context=2 (replicas merged by their mean). Checkpoints follow syncs, when the
-  replicas are equal, so the merged run's first loss equals the composed run's own at that
-  step (a straight one-process run of the same composition)."""
-  composed = ["--config.mesh=replica=2,stage=2,context=2", "--config.optimizer.outer=diloco",
+  """Five axes, 16 devices: DiLoCo over 2 replicas x 2 pipeline stages (1F1B, vocabulary
+  parallelism) x 2 context shards x 2 tensor shards, in two processes, SIGKILLed; resumed by
+  one process as one model on stage=4,context=2,tensor=2 (replicas merged by their mean).
+  Checkpoints follow syncs, when the replicas are equal, so the merged run's first loss
+  equals the composed run's own at that step (a straight one-process run of the same
+  composition)."""
+  composed = ["--config.mesh=replica=2,stage=2,context=2,tensor=2",
+              "--config.optimizer.outer=diloco",
               "--config.optimizer.outer_sync_every=2", "--config.pipeline.schedule=1f1b",
               "--config.pipeline.microbatches=2", "--config.pipeline.vocab_parallel=true"]
   common = ["--config=configs/tiny_lm.py:size=test", f"--config.data.source={small_corpus}",
             "--config.data.num_threads=0", "--config.model.n_layers=4", "--config.log_every=1",
             "--config.eval_every=0", "--config.checkpoint_every=2",
             "--config.optimizer.schedule_steps=8", "--config.optimizer.warmup_steps=2"]
-  run_single([*common, *composed, "--config.total_steps=8"], tmp_path / "straight")
+  run_single([*common, *composed, "--config.total_steps=8"], tmp_path / "straight", devices=16)
   merged = tmp_path / "merged"
-  procs = start_two_processes([*common, *composed, "--config.total_steps=100000"], merged)
+  procs = start_two_processes([*common, *composed, "--config.total_steps=100000"], merged,
+                              local_devices=8)
   deadline = time.monotonic() + 240
   while not (merged / "metrics.jsonl").exists() or max(_losses(merged), default=0) < 6:
     assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, \
@@ -145,8 +153,9 @@ def test_composed_run_killed_resumes_merged_under_another_composition(small_corp
     p.send_signal(signal.SIGKILL)
     p.communicate()
   killed_at = max(_losses(merged))
-  proc = run_single([*common, "--config.mesh=stage=4,context=2", "--config.pipeline.schedule=1f1b",
-                     "--config.pipeline.microbatches=4", "--config.total_steps=8"], merged)
+  proc = run_single([*common, "--config.mesh=stage=4,context=2,tensor=2",
+                     "--config.pipeline.schedule=1f1b", "--config.pipeline.microbatches=4",
+                     "--config.total_steps=8"], merged, devices=16)
   resumed = int(re.search(r"resumed from \S+ at step (\d+)", proc.stderr)[1])
   assert resumed >= 2 and resumed % 2 == 0 and "replicas merged by mean" in proc.stderr
   a, b = _losses(tmp_path / "straight"), _losses(merged)
