@@ -44,3 +44,26 @@ def test_attention_flops():
 def test_errors(call, match):
   with pytest.raises(ValueError, match=match):
     call()
+
+
+def test_hlo_dot_flops_count_every_loop_trip_and_the_dearest_branch():
+  import jax
+  import jax.numpy as jnp
+
+  from jaxsys import hlo_flops
+
+  x, w = jnp.ones((16, 32)), jnp.ones((32, 32))
+  one = 2 * 16 * 32 * 32
+
+  def looped(x, w):
+    return jax.lax.fori_loop(0, 5, lambda i, h: jnp.tanh(h @ w), x)
+
+  def branched(x, w, p):
+    return jax.lax.cond(p, lambda h: (h @ w) @ w @ w, lambda h: h @ w, x)
+
+  looped_hlo = jax.jit(looped).lower(x, w).compile().as_text()
+  assert hlo_flops.dot_flops(looped_hlo) == 5 * one
+  branched_hlo = jax.jit(branched).lower(x, w, True).compile().as_text()
+  assert hlo_flops.dot_flops(branched_hlo) == 3 * one
+  with pytest.raises(ValueError, match="no ENTRY"):
+    hlo_flops.dot_flops("HloModule m")

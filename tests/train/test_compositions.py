@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import load_test_config
+from jaxsys import hlo_flops
 from jaxsys import mesh as mesh_lib
 from jaxsys.data import packing
 from jaxsys.models import transformer
@@ -75,9 +76,15 @@ EXECUTED = [
 # Compiled, not run: the backend's optimisations only cost time (the HLO, its FLOPs and
 # collectives are the same; -35% compile time measured).
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-COMBINATIONS = [c for c in _combinations() if c not in EXECUTED]
 _ID = lambda combo: "+".join(combo[0]) + "".join(f",{k.split('__')[-1]}={v}"
                                                  for k, v in combo[1].items())
+# Context parallelism still replicates the dense layers over `context` (issue 27: the
+# model's [B*T, K] reshape all-gathers the sequence first): 1.6x to 1.9x data parallelism's
+# matmul FLOPs per device. Strict, so the fix turns these into failures to remove.
+_REPLICATES = pytest.mark.xfail(strict=True, reason="context replicates dense layers (issue 27)")
+COMBINATIONS = [pytest.param(*c, id=_ID(c), marks=_REPLICATES if "context" in c[0] and not
+                             {"pipeline", "hdp"} & set(c[0]) else ())
+                for c in _combinations() if c not in EXECUTED]
 
 
 def _batch(config):
@@ -91,8 +98,28 @@ def _abstract(tree, shardings):
                       shardings)
 
 
-@pytest.mark.parametrize("names,options", COMBINATIONS, ids=map(_ID, COMBINATIONS))
+@functools.lru_cache(maxsize=None)
+def _data_parallel_flops() -> float:
+  """Matmul FLOPs per device of plain data parallelism's step on the same global batch."""
+  return _compiled(_config(()))[0]
+
+
+def _compiled(config):
+  """(matmul FLOPs per device, the compiled train step, setup, abstract state and batch)."""
+  model_cfg = transformer.TransformerConfig.from_config(config.model)
+  setup = make_setup(config, model_cfg, mesh_lib.make_mesh(config.mesh))
+  state = _abstract(setup.abstract, setup.state_sh)
+  batch = _abstract(_batch(config), {k: setup.batch_sh for k in _batch(config)})
+  compiled = setup.train_fn.lower(state, batch).compile(FAST_COMPILE)
+  return hlo_flops.dot_flops(compiled.as_text()), compiled, setup, state, batch
+
+
+@pytest.mark.parametrize("names,options", COMBINATIONS)
 def test_compiles_or_refuses_naming_fields(names, options):
+  """Compiles (train step, eval, outer sync) or refuses in one line naming the fields; what
+  compiles splits the work: per device, at most 1.1x data parallelism's matmul FLOPs
+  (HLO, loops in full). Not held to it: pipelines, whose ticks are conditionals counted at
+  their dearest branch (an upper bound, not what runs)."""
   config = _config(names, **options)
   why = compositions.refusal(config)
   if why is not None:  # one line naming a field or mesh axis of every strategy that clashes
@@ -103,21 +130,20 @@ def test_compiles_or_refuses_naming_fields(names, options):
       if name != "data":
         assert any(w.replace("__", ".") in why for w in words), (name, why)
     return
-  model_cfg = transformer.TransformerConfig.from_config(config.model)
-  setup = make_setup(config, model_cfg, mesh_lib.make_mesh(config.mesh))
-  state = _abstract(setup.abstract, setup.state_sh)
   if config.parallel.hdp:  # plans each batch of documents: its update and a ring's micro-step
-    for lowered in setup.train_fn.lower(state):
+    model_cfg = transformer.TransformerConfig.from_config(config.model)
+    setup = make_setup(config, model_cfg, mesh_lib.make_mesh(config.mesh))
+    for lowered in setup.train_fn.lower(_abstract(setup.abstract, setup.state_sh)):
       assert lowered.compile(FAST_COMPILE).cost_analysis()["flops"] > 0
     return
-  batch = _abstract(_batch(config), {k: setup.batch_sh for k in _batch(config)})
-  compiled = setup.train_fn.lower(state, batch).compile(FAST_COMPILE)
-  assert compiled.cost_analysis()["flops"] > 0
+  flops, _, setup, state, batch = _compiled(config)
   if setup.schedule is not None:  # the schedule's forwards: an executor of its own
     params = jax.eval_shape(setup.eval_params, state.params)
     setup.jit_eval_step(np.ones(256)).lower(params, batch).compile(FAST_COMPILE)
   if setup.sync_fn is not None:
     setup.sync_fn.lower(state).compile(FAST_COMPILE)
+  if setup.schedule is None:
+    assert flops <= 1.1 * _data_parallel_flops(), flops / _data_parallel_flops()
 
 
 @functools.lru_cache(maxsize=None)
