@@ -59,7 +59,9 @@ def maybe_initialize_distributed() -> None:
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-  """absl flag parsing; an unknown `--config.` field or an unparsable value is one line."""
+  """absl flag parsing; a missing config file, a config argument its file refuses, an
+  unknown `--config.` field or an unparsable value is one line."""
+  _check_config_file(argv)
   try:
     return flags.FLAGS(argv)
   except flags.IllegalFlagValueError as e:  # e.g. --config.total_steps=abc
@@ -76,6 +78,22 @@ def parse_flags(argv: list[str]) -> list[str]:
                    f"fields of {'.'.join(path[:i]) or 'config'}: {valid}")
         node = node[key]
     raise
+
+
+def _check_config_file(argv: list[str]) -> None:
+  """`--config=path[:arg]`: a missing file, or a ValueError of the file's own get_config
+  (its refusal of `arg`), exits with one line instead of ml_collections' traceback."""
+  specs = [a[len("--config="):] for a in argv[1:] if a.startswith("--config=")]
+  if not specs:
+    return
+  path = specs[-1].partition(":")[0]
+  if not os.path.isfile(path):
+    sys.exit(f"error: --config={specs[-1]}: no such file {path!r}; it must be a config file "
+             "such as configs/tiny_lm.py or configs/tiny_lm.py:size=small")
+  try:
+    _load_config(specs[-1])
+  except ValueError as e:
+    sys.exit(f"error: --config={specs[-1]}: {e}")
 
 
 def _illegal_value(error: Exception) -> str:

@@ -4,8 +4,10 @@ Two runs on one workdir would overwrite each other's checkpoints and interleave
 `metrics.jsonl`. The lock is `<workdir>/run.lock`, created atomically (written whole, then
 hard-linked into place) and holding JSON. A second run refuses in one line naming the
 holder. A lock whose holder is gone (same host, no such pid) is stale: the next run takes
-it over with a warning. A lock from another host is never taken over, since its holder
-cannot be checked from here.
+it over with a warning. So is a lock that does not name a holder (empty, or not the JSON
+this module writes) once it is `UNNAMED_GRACE_S` old: jaxsys never writes one (its locks
+appear whole), so only another tool mid-write could still be filling it. A lock from
+another host is never taken over, since its holder cannot be checked from here.
 
 Example:
   with WorkdirLock(workdir):
@@ -23,6 +25,8 @@ from absl import logging
 from jaxsys import storage
 
 LOCK_NAME = "run.lock"
+# How long a lock that names no holder is left alone: ample for any writer to finish it.
+UNNAMED_GRACE_S = 10.0
 
 
 class WorkdirInUse(ValueError):
@@ -47,13 +51,28 @@ class WorkdirLock:
     self._held = False
 
   def _holder(self) -> dict | None:
+    """The lock's JSON; {} if it names no holder (unreadable, empty, not this module's)."""
     try:
       with open(self.path, encoding="utf-8") as f:
-        return json.load(f)
+        holder = json.load(f)
     except FileNotFoundError:
       return None
     except (OSError, ValueError):
-      return {}  # unreadable or half-written: treated as held by an unknown run
+      return {}
+    return holder if isinstance(holder, dict) and isinstance(holder.get("pid"), int) else {}
+
+  def _stale(self, holder: dict, host: str) -> str | None:
+    """Why `holder`'s lock may be taken over, or None while it may still be held."""
+    if holder.get("host") == host and "pid" in holder and not _alive(holder["pid"]):
+      return f"of pid {holder['pid']} on {host} (no such process)"
+    if not holder:
+      try:
+        age = time.time() - os.stat(self.path).st_mtime
+      except FileNotFoundError:
+        return None
+      if age >= UNNAMED_GRACE_S:
+        return f"that names no holder ({age:.0f} s old, not the JSON a run writes)"
+    return None
 
   def acquire(self) -> None:
     os.makedirs(os.path.dirname(self.path), exist_ok=True)
@@ -77,12 +96,16 @@ class WorkdirLock:
           holder = self._holder()
           if holder is None:
             continue  # released between our link and our read
-          if (holder.get("host") == me["host"] and isinstance(holder.get("pid"), int)
-              and not _alive(holder["pid"])):
-            logging.warning("%s: taking over a stale lock of pid %d on %s (no such process)",
-                            self.path, holder["pid"], holder["host"])
+          stale = self._stale(holder, me["host"])
+          if stale:
+            logging.warning("%s: taking over a stale lock %s", self.path, stale)
             os.remove(self.path)
             continue
+          if not holder:
+            raise WorkdirInUse(
+                f"{self.path} names no holder (empty or not a run's JSON) and was written "
+                f"less than {UNNAMED_GRACE_S:.0f} s ago; a run takes it over once it is "
+                f"older, so run again then")
           since = (time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder["started"]))
                    if isinstance(holder.get("started"), (int, float)) else "an unknown time")
           raise WorkdirInUse(

@@ -69,3 +69,18 @@ def test_another_hosts_lock_is_never_taken_over(tmp_path):
   with pytest.raises(lock.WorkdirInUse, match="pid 1 on host elsewhere.example"):
     lock.WorkdirLock(tmp_path).acquire()
   assert (tmp_path / lock.LOCK_NAME).exists()
+
+
+@pytest.mark.parametrize("content", ["", "garbage{", "[1, 2]", '{"host": "h"}'])
+def test_a_lock_naming_no_holder_is_taken_over_once_old(tmp_path, content):
+  """Never written by a run (its locks appear whole): refused while another writer could
+  still be filling it, taken over once `UNNAMED_GRACE_S` old."""
+  path = tmp_path / lock.LOCK_NAME
+  path.write_text(content)
+  with pytest.raises(lock.WorkdirInUse, match="names no holder .* less than 10 s ago"):
+    lock.WorkdirLock(tmp_path).acquire()
+  old = os.stat(path).st_mtime - lock.UNNAMED_GRACE_S
+  os.utime(path, (old, old))
+  with lock.WorkdirLock(tmp_path):
+    assert json.loads(path.read_text())["pid"] == os.getpid()
+  assert not path.exists()

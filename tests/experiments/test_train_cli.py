@@ -69,6 +69,10 @@ def test_sigterm_saves_and_exits_preempted(small_corpus, tmp_path):
      "pipeline.schedule='none'; it must be 1 without a pipeline"),
     (["--config.mesh=context=4,data=-1", "--config.data.seq_len=36"],
      "data.seq_len=36 is invalid with mesh axis context=4"),
+    (["--config=configs/tiny_lm.py:size=huge"], "--config=configs/tiny_lm.py:size=huge: "
+     "configs/tiny_lm.py: size='huge' is unknown; valid: ['small', 'test', 'tiny']"),
+    (["--config=configs/nonexistent.py"], "--config=configs/nonexistent.py: no such file "
+     "'configs/nonexistent.py'; it must be a config file"),
 ])
 def test_bad_input_gets_one_line_error(small_corpus, tmp_path, flags, message):
   proc = subprocess.run(_cmd(tmp_path / "run", small_corpus, *flags), cwd=ROOT,
