@@ -110,12 +110,30 @@ def rope(x_BTHD, positions_BT, theta: float):
   return out.astype(x_BTHD.dtype)
 
 
-def _dense(x, w, n_in: int = 1, *, out_shape: tuple[int, ...] | None = None, dtype=None):
-  """x [..., *in] @ w [*in, *out] as ONE 2-D matmul [M, K] x [K, N].
+def _splits_sequence() -> bool:
+  """Whether the mesh traced under splits the sequence: a `context` axis of size > 1 that
+  the compiler lays out (not one a `shard_map` around this code has made manual)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return (not mesh.empty and dict(mesh.shape).get("context", 1) > 1
+          and "context" not in mesh.manual_axes)
 
-  Flattening the token dims keeps the weight gradient a single-contraction dot
-  ([K, M] x [M, N]); contracting over (batch, length) as two dims makes XLA:CPU
-  materialise a transposed copy of the [M, N] activation gradient first.
+
+def _matmul(x_MK, w_KN, **kwargs):
+  """x [..., K] @ w [K, N]: one 2-D matmul, its token dims flattened into M, unless the
+  sequence is split over `context`. Flattening keeps the weight gradient a
+  single-contraction dot ([K, M] x [M, N]); contracting over (batch, length) as two dims
+  makes XLA:CPU materialise a transposed copy of the activation gradient first. But M of a
+  data-sharded batch and a context-sharded length is no tiling of the devices, so XLA
+  all-gathers the length to make it, and every dense layer would run on the whole sequence
+  on every context shard: then the token dims stay apart."""
+  if x_MK.ndim == 2 or _splits_sequence():
+    return jax.lax.dot_general(x_MK, w_KN, (((x_MK.ndim - 1,), (0,)), ((), ())), **kwargs)
+  return jnp.dot(x_MK.reshape(-1, x_MK.shape[-1]), w_KN, **kwargs).reshape(
+      *x_MK.shape[:-1], w_KN.shape[-1])
+
+
+def _dense(x, w, n_in: int = 1, *, out_shape: tuple[int, ...] | None = None, dtype=None):
+  """x [..., *in] @ w [*in, *out] as one matmul [..., K] x [K, N] (`_matmul`).
 
   `w` is a float array (cast to `dtype`), a `QWeight` holding the 2-D [K, N] view
   (run by `qmatmul`), or any callable [M, K] -> [M, N] (a calibration tap, a qwix
@@ -128,7 +146,7 @@ def _dense(x, w, n_in: int = 1, *, out_shape: tuple[int, ...] | None = None, dty
     n_shape = w.shape[n_in:]
     if dtype is not None:
       w = w.astype(dtype)
-    y = jnp.dot(x_MK, w.reshape(k, math.prod(n_shape)))
+    y = _matmul(x.reshape(*lead, k), w.reshape(k, math.prod(n_shape)))
     out_shape = n_shape if out_shape is None else out_shape
   elif _is_qweight(w):
     y = _quant_matmul().qmatmul(x_MK, w)
@@ -271,7 +289,7 @@ def unembed(cfg: TransformerConfig, x_BTD, final_norm_D, embedding_VD, unembeddi
   """Final RMSNorm and output projection: logits [B, T, vocab] float32."""
   dt = jnp.dtype(cfg.dtype)
   x_BTD = rms_norm(x_BTD, final_norm_D, cfg.norm_eps)
-  b, t, d = x_BTD.shape  # one 2-D matmul, as in `_dense`
+  b, t, d = x_BTD.shape
   if cfg.tie_embeddings and _is_qweight(embedding_VD):
     embedding_VD = _quant_matmul().dequantize(embedding_VD)
   elif not cfg.tie_embeddings and _is_qweight(unembedding_DV):
@@ -282,8 +300,7 @@ def unembed(cfg: TransformerConfig, x_BTD, final_norm_D, embedding_VD, unembeddi
     w_DV = embedding_VD.T * (cfg.d_model ** -0.5)
   else:
     w_DV = unembedding_DV
-  logits = jnp.dot(x_BTD.reshape(b * t, d), w_DV.astype(dt), preferred_element_type=jnp.float32)
-  return logits.reshape(b, t, -1)
+  return _matmul(x_BTD, w_DV.astype(dt), preferred_element_type=jnp.float32)
 
 
 def logical_axes(model: nnx.Module) -> dict[str, Any]:

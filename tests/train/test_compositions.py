@@ -78,13 +78,7 @@ EXECUTED = [
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 _ID = lambda combo: "+".join(combo[0]) + "".join(f",{k.split('__')[-1]}={v}"
                                                  for k, v in combo[1].items())
-# Context parallelism still replicates the dense layers over `context` (issue 27: the
-# model's [B*T, K] reshape all-gathers the sequence first): 1.6x to 1.9x data parallelism's
-# matmul FLOPs per device. Strict, so the fix turns these into failures to remove.
-_REPLICATES = pytest.mark.xfail(strict=True, reason="context replicates dense layers (issue 27)")
-COMBINATIONS = [pytest.param(*c, id=_ID(c), marks=_REPLICATES if "context" in c[0] and not
-                             {"pipeline", "hdp"} & set(c[0]) else ())
-                for c in _combinations() if c not in EXECUTED]
+COMBINATIONS = [c for c in _combinations() if c not in EXECUTED]
 
 
 def _batch(config):
@@ -114,7 +108,7 @@ def _compiled(config):
   return hlo_flops.dot_flops(compiled.as_text()), compiled, setup, state, batch
 
 
-@pytest.mark.parametrize("names,options", COMBINATIONS)
+@pytest.mark.parametrize("names,options", COMBINATIONS, ids=map(_ID, COMBINATIONS))
 def test_compiles_or_refuses_naming_fields(names, options):
   """Compiles (train step, eval, outer sync) or refuses in one line naming the fields; what
   compiles splits the work: per device, at most 1.1x data parallelism's matmul FLOPs
