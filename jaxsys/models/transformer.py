@@ -118,7 +118,7 @@ def _splits_sequence() -> bool:
           and "context" not in mesh.manual_axes)
 
 
-def _matmul(x_MK, w_KN, **kwargs):
+def _matmul(x, w_KN, **kwargs):
   """x [..., K] @ w [K, N]: one 2-D matmul, its token dims flattened into M, unless the
   sequence is split over `context`. Flattening keeps the weight gradient a
   single-contraction dot ([K, M] x [M, N]); contracting over (batch, length) as two dims
@@ -126,10 +126,10 @@ def _matmul(x_MK, w_KN, **kwargs):
   data-sharded batch and a context-sharded length is no tiling of the devices, so XLA
   all-gathers the length to make it, and every dense layer would run on the whole sequence
   on every context shard: then the token dims stay apart."""
-  if x_MK.ndim == 2 or _splits_sequence():
-    return jax.lax.dot_general(x_MK, w_KN, (((x_MK.ndim - 1,), (0,)), ((), ())), **kwargs)
-  return jnp.dot(x_MK.reshape(-1, x_MK.shape[-1]), w_KN, **kwargs).reshape(
-      *x_MK.shape[:-1], w_KN.shape[-1])
+  if x.ndim == 2 or _splits_sequence():
+    return jax.lax.dot_general(x, w_KN, (((x.ndim - 1,), (0,)), ((), ())), **kwargs)
+  return jnp.dot(x.reshape(-1, x.shape[-1]), w_KN, **kwargs).reshape(*x.shape[:-1],
+                                                                      w_KN.shape[-1])
 
 
 def _dense(x, w, n_in: int = 1, *, out_shape: tuple[int, ...] | None = None, dtype=None):
@@ -141,7 +141,6 @@ def _dense(x, w, n_in: int = 1, *, out_shape: tuple[int, ...] | None = None, dty
   """
   lead, k_shape = x.shape[:x.ndim - n_in], x.shape[x.ndim - n_in:]
   k = math.prod(k_shape)
-  x_MK = x.reshape(-1, k)
   if isinstance(w, (jax.Array, np.ndarray)):
     n_shape = w.shape[n_in:]
     if dtype is not None:
@@ -149,9 +148,9 @@ def _dense(x, w, n_in: int = 1, *, out_shape: tuple[int, ...] | None = None, dty
     y = _matmul(x.reshape(*lead, k), w.reshape(k, math.prod(n_shape)))
     out_shape = n_shape if out_shape is None else out_shape
   elif _is_qweight(w):
-    y = _quant_matmul().qmatmul(x_MK, w)
+    y = _quant_matmul().qmatmul(x.reshape(-1, k), w)
   elif callable(w):
-    y = w(x_MK)
+    y = w(x.reshape(-1, k))
   else:
     raise TypeError(f"_dense: weight of type {type(w).__name__}; valid: a jax array, a QWeight "
                     "or a callable [M, K] -> [M, N]")

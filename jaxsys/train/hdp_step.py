@@ -79,7 +79,7 @@ class Pool:
       spec = ",".join(f"{a}={n}" for a, n in mesh.shape.items())
       raise ValueError(f"mesh={spec!r} is invalid with parallel.hdp=True; it must list the "
                        f"batch axes {SLOT_AXES} next to each other (e.g. data=2,fsdp=2,tensor=2)")
-    self.mesh, self.at = mesh, slots[0]
+    self.at = slots[0]
     self.slot_axes = tuple(names[i] for i in slots)
     self.kept = tuple(a for a in names if a not in SLOT_AXES)
     shape = devices.shape
@@ -107,10 +107,8 @@ class Pool:
 
 def _without(spec: P, axis: str) -> P:
   """`spec` with mesh axis `axis` taken out (those dims then split over what is left)."""
-  def drop(entry):
-    names = tuple(n for n in ((entry,) if isinstance(entry, str) else entry or ()) if n != axis)
-    return names[0] if len(names) == 1 else (names or None)
-  return P(*(drop(e) for e in spec))
+  # pylint: disable-next=protected-access
+  return P(*(sharded._entry(tuple(n for n in sharded._names(e) if n != axis)) for e in spec))
 
 
 def _on_mesh(shardings, mesh: Mesh, spec_fn=lambda spec: spec):
@@ -355,11 +353,12 @@ class PerRankHDPStep(_HDPBase):
       rings |= {(ring.devices, ring.cell) for ring in sched.rings}
       locals_ |= {(_axis(local), size)
                   for size, local in self._local_batches(sched, lengths).items()}
+    gathered = self._gather(params)
     for block, cell in rings:
       fn, batch_sh, zeros, params_sh = self.ring_program(block)
       _, fields = hdp_layout.pack_step([], [], num_devices=len(block), tokens_per_device=cell,
                                        view=len(block))
-      on_ring = _on(self._gather(params), params_sh)
+      on_ring = _on(gathered, params_sh)
       jax.block_until_ready(fn(on_ring, _put(fields, batch_sh), zeros(on_ring)))
     for k, size in locals_:
       no_batches = [()] * self.num_devices

@@ -98,10 +98,14 @@ def _data_parallel_flops() -> float:
   return _compiled(_config(()))[0]
 
 
+def _setup(config):
+  model_cfg = transformer.TransformerConfig.from_config(config.model)
+  return make_setup(config, model_cfg, mesh_lib.make_mesh(config.mesh))
+
+
 def _compiled(config):
   """(matmul FLOPs per device, the compiled train step, setup, abstract state and batch)."""
-  model_cfg = transformer.TransformerConfig.from_config(config.model)
-  setup = make_setup(config, model_cfg, mesh_lib.make_mesh(config.mesh))
+  setup = _setup(config)
   state = _abstract(setup.abstract, setup.state_sh)
   batch = _abstract(_batch(config), {k: setup.batch_sh for k in _batch(config)})
   compiled = setup.train_fn.lower(state, batch).compile(FAST_COMPILE)
@@ -125,8 +129,7 @@ def test_compiles_or_refuses_naming_fields(names, options):
         assert any(w.replace("__", ".") in why for w in words), (name, why)
     return
   if config.parallel.hdp:  # plans each batch of documents: its update and a ring's micro-step
-    model_cfg = transformer.TransformerConfig.from_config(config.model)
-    setup = make_setup(config, model_cfg, mesh_lib.make_mesh(config.mesh))
+    setup = _setup(config)
     for lowered in setup.train_fn.lower(_abstract(setup.abstract, setup.state_sh)):
       assert lowered.compile(FAST_COMPILE).cost_analysis()["flops"] > 0
     return
@@ -148,8 +151,7 @@ def _reference_step(names: tuple[str, ...], outer_options: tuple) -> tuple:
 
 def _step(config):
   """Loss, and the saved-form state after one step (and one outer sync)."""
-  model_cfg = transformer.TransformerConfig.from_config(config.model)
-  setup = make_setup(config, model_cfg, mesh_lib.make_mesh(config.mesh))
+  setup = _setup(config)
   state, metrics = setup.train_fn(setup.init_state(0), setup.device_batch(_batch(config)))
   if setup.sync_fn is not None:
     state = setup.sync_fn(state)
