@@ -94,6 +94,7 @@ from jaxsys.checkpoint import layouts
 from jaxsys.checkpoint.manager import Checkpointer
 from jaxsys.data import packing
 from jaxsys.models import transformer
+from jaxsys.train import config_check
 from jaxsys.train import state as state_lib
 from jaxsys.train.setup import make_setup
 
@@ -149,10 +150,10 @@ def model_config(size: str) -> transformer.TransformerConfig:
 
 def train_setup(model_cfg: transformer.TransformerConfig, mesh, step_seq: int):
   """The loop's own train step (jit, shardings, donation) for 8 rows of `step_seq` tokens."""
-  config = tiny_lm.get_config()
-  config.data.batch_size = 8
-  config.data.seq_len = step_seq
-  return make_setup(config, model_cfg, mesh)
+  run = config_check.parse(tiny_lm.get_config())
+  run = dataclasses.replace(run, model=model_cfg, data=dataclasses.replace(
+      run.data, batch_size=8, seq_len=step_seq))
+  return make_setup(run, mesh)
 
 
 def random_state(setup, seed: int = 0):

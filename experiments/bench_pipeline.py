@@ -59,6 +59,7 @@ from jaxsys.checkpoint import layouts
 from jaxsys.data import packing
 from jaxsys.models import transformer
 from jaxsys.optim.inner import make_optimizer
+from jaxsys.train import config_check
 from jaxsys.parallel import pipeline, vocab
 from jaxsys.train import state as state_lib
 
@@ -332,7 +333,7 @@ def vocab_rows(vocabs, *, d_model, n_layers, d_ff, heads, stages, tokens) -> lis
   """Table 3: per-stage parameter + optimizer bytes and vocabulary FLOPs, VP vs replicated."""
   out = []
   mesh = make_mesh(stages)
-  optimizer = make_optimizer(tiny_lm.get_config().optimizer, 1000)
+  optimizer = make_optimizer(config_check.parse(tiny_lm.get_config()).optimizer, 1000)
   layer_cfg = transformer.TransformerConfig(vocab_size=256, d_model=d_model, n_layers=n_layers,
                                             n_heads=heads, n_kv_heads=heads, d_ff=d_ff,
                                             attention_impl="xla")

@@ -47,6 +47,7 @@ from jaxsys import mesh as mesh_lib
 from jaxsys import metrics as metrics_lib
 from jaxsys.data import packing
 from jaxsys.models import transformer
+from jaxsys.train import config_check
 from jaxsys.train import step as step_lib
 from jaxsys.train.setup import make_setup
 
@@ -153,10 +154,10 @@ def bench(config, steps: int, warmup: int, segments: int, rounds: int, wait_idle
   The peak, the train step and the dot baseline are measured in `rounds` interleaved
   rounds, so load from other processes hits all three alike.
   """
-  model_cfg = transformer.TransformerConfig.from_config(config.model)
-  B, T = config.data.batch_size, config.data.seq_len
-  mesh = mesh_lib.make_mesh(config.mesh)
-  setup = make_setup(config, model_cfg, mesh)
+  run = config_check.check_config(config)
+  model_cfg, B, T = run.model, run.data.batch_size, run.data.seq_len
+  mesh = mesh_lib.make_mesh(run.mesh)
+  setup = make_setup(run, mesh)
   train_fn, batch_sh = setup.train_fn, setup.batch_sh
   state = setup.init_state(config.seed)
   host_batch = packing.random_packed_batch(B, T, docs_per_row=segments,

@@ -75,17 +75,17 @@ def summarize(name: str, config, workdir: str, wall_s: float | None, scored: dic
   evals = [r for r in rows if "val_bpb" in r]
   if not evals:
     raise ValueError(f"run {name} in {workdir} has no eval rows; set eval_every > 0")
-  model_cfg = transformer.TransformerConfig.from_config(config.model)
-  params = jax.eval_shape(lambda: transformer.init_params(model_cfg, jax.random.key(0)))
-  k = outer_lib.num_workers(config.mesh)
+  run = config_check.parse(config)
+  params = jax.eval_shape(lambda: transformer.init_params(run.model, jax.random.key(0)))
+  k = outer_lib.num_workers(run.mesh)
   step_bytes = outer_lib.ring_allreduce_bytes(outer_lib.tree_bytes(params), k)
-  dp_bytes = config.total_steps * step_bytes
-  o = config.optimizer
+  dp_bytes = run.total_steps * step_bytes
+  o = run.outer
   outer = replicas_lib.make_outer_optimizer(o)
   final = evals[-1]
-  return {"run": name, "method": o.outer if o.outer != "none" else "data parallel",
-          "workers": k, "sync_every": o.outer_sync_every if o.outer != "none" else 1,
-          "compression": o.outer_compression if o.outer == "diloco" else "none",
+  return {"run": name, "method": o.name if o.name != "none" else "data parallel",
+          "workers": k, "sync_every": o.sync_every if o.name != "none" else 1,
+          "compression": o.compression if o.name == "diloco" else "none",
           "steps": final["step"], "val_bpb": scored["val_bpb"],
           "val_bpb_replica_mean": scored.get("val_bpb_replica_mean"),
           "replica_distance": scored.get("replica_distance"),
@@ -127,12 +127,12 @@ def final_eval(config, run_dir: str, batches: int) -> dict:
         with open(cache, "w") as f:
           json.dump(cached, f)
       return cached
-  model_cfg = transformer.TransformerConfig.from_config(config.model)
-  saved = read_params(run_dir, expect_model=dataclasses.asdict(model_cfg))
+  run = config_check.parse(config)
+  saved = read_params(run_dir, expect_model=dataclasses.asdict(run.model))
   if saved is None:
     raise ValueError(f"run {run_dir} has no checkpoint to evaluate; set checkpoint_every > 0")
   # The parameters replicated, the batch split over every device.
-  val = Validation(config, model_cfg, mesh_lib.make_mesh("data=-1"), workdir=run_dir)
+  val = Validation(run, mesh_lib.make_mesh("data=-1"), workdir=run_dir)
   score = lambda p: val.score(p, batches or 1 << 30)["val_bpb"]
   result = {"batches": batches, "step": saved.step, "val_bpb": score(saved.one())}
   if saved.replicas:
@@ -246,9 +246,10 @@ def time_sync(config, reps: int) -> dict:
   inside one process and XLA:CPU runs it synchronously: this shows the sync's compute
   cost, not network overlap.
   """
-  mesh = mesh_lib.make_mesh(config.mesh)
-  model_cfg = transformer.TransformerConfig.from_config(config.model)
-  setup = make_setup(config, model_cfg, mesh)
+  run = config_check.check_config(config)
+  mesh = mesh_lib.make_mesh(run.mesh)
+  model_cfg = run.model
+  setup = make_setup(run, mesh)
   b, t = config.data.batch_size, config.data.seq_len
   tokens = np.random.default_rng(0).integers(0, model_cfg.vocab_size, (b, t + 1))
   batch = jax.device_put({

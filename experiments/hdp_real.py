@@ -32,21 +32,20 @@ would wait for.
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 
 import jax
-import ml_collections
 import numpy as np
 
 from configs import tiny_lm
 from jaxsys import mesh as mesh_lib
 from jaxsys.data.documents import make_document_loader
 from jaxsys.data.packing import FIELDS
-from jaxsys.models import transformer
 from jaxsys.optim.inner import make_optimizer
 from jaxsys.parallel import context, hdp, hdp_layout, hdp_sim
-from jaxsys.train import hdp_step
+from jaxsys.train import config_check, hdp_step
 from jaxsys.train import state as state_lib
 
 LAYOUTS = ("hdp_per_rank", "hdp_per_rank_wide", "hdp_lockstep", "static_padded",
@@ -153,17 +152,16 @@ def real_part(*, size: str = "tiny", tokens_per_device: int = 1024, max_len: int
   mesh = mesh_lib.make_mesh("data=-1")
   n = mesh.size
   ring = hdp_sim.static_ring(max_len, n, tokens_per_device)
-  config = tiny_lm.get_config(f"size={size}")
-  model_cfg = transformer.TransformerConfig.from_config(config.model)
-  data = ml_collections.ConfigDict(dict(source="stdlib", tokenizer="byte", vocab_size=256,
-                                        max_len=max_len, truncate_long=True))
+  run = config_check.parse(tiny_lm.get_config(f"size={size}"))
+  model_cfg = run.model
+  data = dataclasses.replace(run.data, source="stdlib", max_len=max_len, truncate_long=True)
   # The loader offers more than batch_steps micro-batches' slots; the per-rank schedule
   # keeps the documents it fits into batch_steps micro-batches per device and gives the
   # rest back (as jaxsys/train/hdp_step.py does in training); every layout gets the same
   # documents.
   budget = hdp_step.loader_budget(n * tokens_per_device * batch_steps, max_len)
   loader = make_document_loader(data, "train", seed=seed, tokens_per_batch=budget)
-  optimizer = make_optimizer(config.optimizer, config.total_steps)
+  optimizer = make_optimizer(run.optimizer, run.total_steps)
   abstract = state_lib.abstract_train_state(model_cfg, optimizer, seed)
   state_sh = state_lib.state_shardings(abstract, model_cfg, optimizer, mesh)
   args = (model_cfg, optimizer, mesh, state_sh, tokens_per_device)

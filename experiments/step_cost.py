@@ -23,7 +23,6 @@ from ml_collections import config_flags
 from jaxsys import hlo_flops
 from jaxsys import mesh as mesh_lib
 from jaxsys.data.packing import FIELDS
-from jaxsys.models import transformer
 from jaxsys.train import config_check
 from jaxsys.train.setup import make_setup
 
@@ -33,8 +32,8 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "configs/<name>.py[:ar
 
 def step_cost(config) -> dict[str, float]:
   """Per-device FLOPs, bytes accessed and argument/temporary bytes of `config`'s train step."""
-  model_cfg = transformer.TransformerConfig.from_config(config.model)
-  setup = make_setup(config, model_cfg, mesh_lib.make_mesh(config.mesh))
+  run = config_check.check_config(config)
+  setup = make_setup(run, mesh_lib.make_mesh(run.mesh))
   shape = (config.data.batch_size, config.data.seq_len)
   batch = {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "loss_mask" else jnp.int32,
                                    sharding=setup.batch_sh) for k in FIELDS}

@@ -33,7 +33,7 @@ from ml_collections import config_flags
 from jaxsys import metrics as metrics_lib
 from jaxsys import storage
 from jaxsys.train import config_check
-from jaxsys.train.loop import train_and_evaluate
+from jaxsys.train import loop
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (:arg optional).",
                                           lock_config=True)
@@ -118,7 +118,7 @@ def main(argv):
   maybe_initialize_distributed()
   config = _CONFIG.value
   try:  # before anything is logged or built, so a bad value is the only line
-    config_check.check_config(config, _WORKDIR.value)
+    run = config_check.check_config(config, _WORKDIR.value)
   except ValueError as e:
     sys.exit(f"error: {e}")
   logging.info("jax %s, backend %s, %d devices (%d local), process %d of %d", jax.__version__,
@@ -126,7 +126,7 @@ def main(argv):
                jax.process_index(), jax.process_count())
   logging.info("config:\n%s", config)
   try:
-    result = train_and_evaluate(config, _WORKDIR.value)
+    result = loop.train(run, _WORKDIR.value)
   except (ValueError, storage.WriteError) as e:  # bad input, a full disk: one line, no traceback
     logging.error("%s", e)
     sys.exit(f"error: {e}")

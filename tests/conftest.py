@@ -101,3 +101,9 @@ def load_test_config(source: str, **overrides):
   config.data.num_threads = 0
   from jaxsys.train.compositions import set_fields  # after XLA_FLAGS is set above
   return set_fields(config, overrides, sep="__")
+
+
+def load_run_config(source: str = "stdlib", **overrides):
+  """`load_test_config`, checked: the typed `jaxsys.config.RunConfig` library code takes."""
+  from jaxsys.train.config_check import check_config
+  return check_config(load_test_config(source, **overrides))

@@ -48,7 +48,7 @@ def _read_only(directory: str) -> ocp.CheckpointManager:
 
 
 def read_params(path: str, step: int | None = None, *, expect_model: dict | None = None,
-                allow_model_change: str = "",
+                allow_model_change: tuple[str, ...] = (),
                 field: tuple[str, ...] = ("params",)) -> SavedParams | None:
   """The parameters saved at `step` (default: the latest) of the run at `path`; None if it has none.
 

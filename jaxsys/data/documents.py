@@ -15,9 +15,8 @@ and are dropped (counted in `dropped`).
 
 Example::
 
-  cfg = ml_collections.ConfigDict(dict(source="stdlib", tokenizer="byte", vocab_size=256,
-                                       max_len=65536, truncate_long=True))
-  loader = make_document_loader(cfg, "train", tokens_per_batch=262144, seed=0)
+  data = dataclasses.replace(run.data, max_len=65536, truncate_long=True)  # run: check_config's
+  loader = make_document_loader(data, "train", tokens_per_batch=262144, seed=0)
   batch = next(loader)   # {"tokens": [np.int32 [n_i]], "doc_ids": int64 [k], "lengths": int64 [k]}
   state = loader.get_state()   # JSON-serialisable; loader.set_state(state) resumes
 """
@@ -31,6 +30,7 @@ from typing import Any
 import numpy as np
 from absl import logging
 
+from jaxsys.config import DataConfig
 from jaxsys.data import corpus
 from jaxsys.data import loader as loader_lib
 from jaxsys.data import tokenizer as tokenizer_lib
@@ -218,7 +218,7 @@ def _fit_to_max_len(docs, doc_ids, paths, *, source: str, max_len: int, truncate
 
 
 def make_document_loader(
-    data_cfg: Any,
+    data_cfg: DataConfig,
     split: str,
     *,
     tokens_per_batch: int,
@@ -244,12 +244,7 @@ def make_document_loader(
   """
   loader_lib._check_int("tokens_per_batch", tokens_per_batch, minimum=1)  # pylint: disable=protected-access
   loader_lib._check_int("seed", seed, minimum=0)  # pylint: disable=protected-access
-  source = loader_lib._field(data_cfg, "source")  # pylint: disable=protected-access
-  max_len = loader_lib._field(data_cfg, "max_len")  # pylint: disable=protected-access
-  truncate_long = loader_lib._field(data_cfg, "truncate_long")  # pylint: disable=protected-access
-  loader_lib._check_int("data.max_len", max_len, minimum=1)  # pylint: disable=protected-access
-  if not isinstance(truncate_long, (bool, np.bool_)):
-    raise ValueError(f"data.truncate_long={truncate_long!r} must be a bool (true or false)")
+  source, max_len, truncate_long = data_cfg.source, data_cfg.max_len, data_cfg.truncate_long
   if tokens_per_batch < max_len:
     raise ValueError(f"tokens_per_batch={tokens_per_batch} is smaller than data.max_len={max_len}, so a document of max_len pairs fits no batch; use tokens_per_batch >= {max_len}")
 

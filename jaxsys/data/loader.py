@@ -2,7 +2,7 @@
 
 Example::
 
-  loader = make_loader(cfg.data, "train", batch_size=64, seed=0, workdir="/tmp/run")
+  loader = make_loader(run.data, "train", batch_size=64, seed=0, workdir="/tmp/run")
   batch = next(loader)              # dict of [64 // process_count, seq_len] arrays
   state = loader.get_state()        # JSON-serialisable; loader.set_state(state) resumes
 """
@@ -16,6 +16,7 @@ import grain
 import numpy as np
 from absl import logging
 
+from jaxsys.config import DataConfig
 from jaxsys.data import corpus
 from jaxsys.data import packing
 from jaxsys.data import tokenizer as tokenizer_lib
@@ -25,13 +26,6 @@ from jaxsys.data import tokenizer as tokenizer_lib
 # deliberately NOT among them: the iterator position counts global steps (see make_loader),
 # so a run may resume on a different number of hosts.
 _STATE_KEYS = ("split", "num_rows", "seq_len", "batch_size", "seed", "shuffle", "repeat")
-
-
-def _field(data_cfg: Any, name: str) -> Any:
-  try:
-    return getattr(data_cfg, name)
-  except (AttributeError, KeyError):
-    raise ValueError(f"data config has no field data.{name}; it needs source, tokenizer, vocab_size, seq_len, num_threads") from None
 
 
 def _json_safe(x: Any) -> Any:
@@ -89,7 +83,7 @@ class Loader:
 
 
 def make_loader(
-    data_cfg: Any,
+    data_cfg: DataConfig,
     split: str,
     *,
     batch_size: int,
@@ -112,9 +106,8 @@ def make_loader(
 
   Example::
 
-    cfg = ml_collections.ConfigDict(dict(source="stdlib", tokenizer="byte", vocab_size=256,
-                                         seq_len=512, num_threads=2))
-    loader = make_loader(cfg, "val", batch_size=8, seed=0, shuffle=False, repeat=False)
+    run = check_config(tiny_lm.get_config())  # jaxsys.train.config_check, configs/tiny_lm.py
+    loader = make_loader(run.data, "val", batch_size=8, seed=0, shuffle=False, repeat=False)
     for batch in loader: ...
   """
   _check_int("batch_size", batch_size, minimum=1)
@@ -127,10 +120,7 @@ def make_loader(
   if batch_size % process_count:
     raise ValueError(f"batch_size={batch_size} is not divisible by process_count={process_count}; use a multiple of {process_count}")
   local_batch_size = batch_size // process_count
-  source = _field(data_cfg, "source")
-  seq_len = _field(data_cfg, "seq_len")
-  num_threads = _field(data_cfg, "num_threads")
-  _check_int("data.num_threads", num_threads, minimum=0)
+  source, seq_len, num_threads = data_cfg.source, data_cfg.seq_len, data_cfg.num_threads
 
   docs = corpus.read_documents(corpus.list_documents(source, split))
   if not docs:
@@ -179,16 +169,16 @@ def _check_int(name: str, value: Any, *, minimum: int) -> None:
     raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
 
 
-def _default_tokenizer(data_cfg: Any, split: str, docs: list[bytes], workdir) -> tokenizer_lib.Tokenizer:
+def _default_tokenizer(data_cfg: DataConfig, split: str, docs: list[bytes], workdir) -> tokenizer_lib.Tokenizer:
   """make_tokenizer for data_cfg; BPE trains on the TRAIN split only, cached in workdir."""
-  name = _field(data_cfg, "tokenizer")
+  name = data_cfg.tokenizer
   if name != "bpe":
     return tokenizer_lib.make_tokenizer(name)
   cache_path = os.path.join(workdir, "tokenizer.json") if workdir is not None else None
   train_docs = None
   if cache_path is None or not os.path.exists(cache_path):
     # Training on val/test would leak held-out text into the vocabulary.
-    train_docs = docs if split == "train" else corpus.read_documents(corpus.list_documents(_field(data_cfg, "source"), "train"))
+    train_docs = docs if split == "train" else corpus.read_documents(corpus.list_documents(data_cfg.source, "train"))
   return tokenizer_lib.make_tokenizer(
-      name, vocab_size=_field(data_cfg, "vocab_size"), train_docs=train_docs, cache_path=cache_path
+      name, vocab_size=data_cfg.vocab_size, train_docs=train_docs, cache_path=cache_path
   )

@@ -15,17 +15,16 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 from absl import logging
 from flax import nnx
 
 from jaxsys import mesh as mesh_lib
 from jaxsys.checkpoint.reader import read_params
+from jaxsys.config import RunConfig
 from jaxsys.data.loader import make_loader
-from jaxsys.models import transformer
 from jaxsys.quant import ptq, qwix_baseline
 from jaxsys.quant import rules as rules_lib
-from jaxsys.train import loop
+from jaxsys.train import config_check, loop
 from jaxsys.train import step as step_lib
 
 # (scheme, method, options) rows after the float baseline; "qwix" rows use qwix's PTQ.
@@ -56,8 +55,7 @@ def parse_rows(spec: str) -> tuple:
 @dataclasses.dataclass
 class Run:
   """What a checkpoint holds: its config, model config, float parameters (numpy) and step."""
-  config: ml_collections.ConfigDict
-  model_cfg: transformer.TransformerConfig
+  config: RunConfig  # the training run's, as its checkpoint recorded it
   params: dict[str, Any]
   step: int
 
@@ -72,8 +70,7 @@ def load_run(workdir: str, step: int | None = None) -> Run:
   saved = read_params(directory, step)
   if saved is None:
     raise ValueError(f"{directory}: no checkpoint; pass the --workdir of a training run")
-  return Run(ml_collections.ConfigDict(saved.meta["config"]), saved.model_cfg, saved.one(),
-             saved.step)
+  return Run(config_check.parse(saved.meta["config"]), saved.one(), saved.step)
 
 
 def qwix_eval_step(graphdef, state, batch, *, token_bytes) -> dict[str, jax.Array]:
@@ -89,11 +86,11 @@ def _bf16_bytes(params) -> int:
 def evaluate_table(run: Run, workdir: str, *, rows=DEFAULT_ROWS, calib_batches: int = 8,
                    group_size: int = 128, alpha: float = 0.5) -> list[dict[str, Any]]:
   """The float row, then one row per (scheme, method, options); see the module docstring."""
-  config, cfg = run.config, run.model_cfg
+  config, cfg = run.config, run.config.model
   train = make_loader(config.data, "train", batch_size=config.data.batch_size, seed=config.seed,
                       workdir=workdir)  # calibration batches and the tokenizer
   # The parameters replicated, the batch split over every device: any training mesh.
-  val = loop.Validation(config, cfg, mesh_lib.make_mesh("data=-1"), tokenizer=train.tokenizer,
+  val = loop.Validation(config, mesh_lib.make_mesh("data=-1"), tokenizer=train.tokenizer,
                         workdir=workdir)
   calib = [next(train) for _ in range(calib_batches)]  # the TRAIN split, never val
   bf16 = _bf16_bytes(run.params)

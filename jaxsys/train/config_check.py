@@ -14,9 +14,9 @@ import tempfile
 from typing import Any, Callable
 
 import jax
-import ml_collections
 import numpy as np
 
+from jaxsys import config as config_lib
 from jaxsys import mesh as mesh_lib
 from jaxsys.checkpoint import layouts
 from jaxsys.checkpoint.manager import NUMERIC_FIELDS
@@ -346,34 +346,48 @@ def field_error(path: str, value: Any) -> str | None:
   return None if rule is None else rule.error(path, value)
 
 
-def check_config(config, workdir: Any = None) -> None:
-  """Raises a one-line ValueError for the first invalid field, relation, mesh axis or workdir.
+def parse(config) -> config_lib.RunConfig:
+  """The typed run config of `config` (a ConfigDict or nested dict), each field checked
+  alone: no mesh is built and no relation between fields is checked (see `check_config`)."""
+  return config_lib.from_values(_field_values(config))
 
-  Builds the config's mesh (cheap: no compilation) to check what depends on it.
-  `workdir=None` skips the workdir check.
-  """
+
+def _field_values(config) -> dict[str, Any]:
+  """{'data.seq_len': 64, ...} of `config`, every name known and every value valid alone."""
   values = _flatten(config.to_dict() if hasattr(config, "to_dict") else dict(config))
   _check_names(values)
   for path, value in values.items():
     error = field_error(path, value)
     if error:
       raise ValueError(error)
+  return values
+
+
+def check_config(config, workdir: Any = None) -> config_lib.RunConfig:
+  """The typed run config of `config`, or a one-line ValueError for the first invalid field,
+  relation, mesh axis or workdir.
+
+  Builds the config's mesh (cheap: no compilation) to check what depends on it.
+  `workdir=None` skips the workdir check.
+  """
+  values = _field_values(config)
   mesh = mesh_lib.make_mesh(values["mesh"])
-  # The outer algorithm's own checks (e.g. CO2's stability bound), before any work.
-  replicas_lib.make_outer_optimizer(ml_collections.ConfigDict(
-      {k.partition(".")[2]: v for k, v in values.items() if k.startswith("optimizer.")}))
-  if values["optimizer.outer"] != "none":
-    replicas_lib.num_replicas(mesh, values["optimizer.outer"])
-  values.update(_derived(mesh))
+  related = {**values, **_derived(mesh)}
   for relation in RELATIONS:
-    error = relation.error(values)
+    error = relation.error(related)
     if error:
       raise ValueError(error)
-  if values["parallel.hdp"]:  # the pool's own checks (the order of its axes)
+  run = config_lib.from_values(values)
+  # The outer algorithm's own checks (e.g. CO2's stability bound), before any work.
+  replicas_lib.make_outer_optimizer(run.outer)
+  if run.outer.name != "none":
+    replicas_lib.num_replicas(mesh, run.outer.name)
+  if run.parallel.hdp:  # the pool's own checks (the order of its axes)
     hdp_step.Pool(mesh)
-  if values["pipeline.schedule"] != "none":  # the schedule's own checks (e.g. 1f1b's m >= p)
-    pipeline.make_schedule(values["pipeline.schedule"], stages=values["mesh axis stage"],
-                           microbatches=values["pipeline.microbatches"],
-                           virtual_stages=values["pipeline.virtual_stages"])
+  if run.pipeline.schedule != "none":  # the schedule's own checks (e.g. 1f1b's m >= p)
+    pipeline.make_schedule(run.pipeline.schedule, stages=dict(mesh.shape).get("stage", 1),
+                           microbatches=run.pipeline.microbatches,
+                           virtual_stages=run.pipeline.virtual_stages)
   if workdir is not None:
     check_workdir(workdir)
+  return run

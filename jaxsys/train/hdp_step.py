@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxsys.config import RunConfig
 from jaxsys.kernels import sharded
 from jaxsys.models import transformer
 from jaxsys.data.packing import FIELDS
@@ -478,10 +479,10 @@ class Planner:
     return {"tokens": [docs[i] for i in kept], "plan": steps}
 
 
-def micro_steps_per_step(config, slots: int) -> int:
+def micro_steps_per_step(run: RunConfig, slots: int) -> int:
   """Micro-steps a step fills: data.batch_size * data.seq_len tokens over the pool's
   tokens per micro-step (slots * data.seq_len)."""
-  return max(1, -(-config.data.batch_size // slots))
+  return max(1, -(-run.data.batch_size // slots))
 
 
 def loader_budget(slots: int, max_len: int) -> int:
@@ -493,10 +494,10 @@ def loader_budget(slots: int, max_len: int) -> int:
   return slots + max(max_len, slots // 2)
 
 
-def make_executor(config, model_cfg: transformer.TransformerConfig, optimizer, mesh,
-                  state_sh: TrainState) -> "HDPStep | PerRankHDPStep":
-  """The HDP step of `config` on `mesh` (`Pool`), data.seq_len tokens per slot."""
-  args = (model_cfg, optimizer, mesh, state_sh, config.data.seq_len)
-  if config.parallel.hdp_schedule == "per_rank":
-    return PerRankHDPStep(*args, widen=config.parallel.hdp_widen_rings)
+def make_executor(run: RunConfig, optimizer, mesh, state_sh: TrainState
+                  ) -> "HDPStep | PerRankHDPStep":
+  """The HDP step of `run` on `mesh` (`Pool`), data.seq_len tokens per slot."""
+  args = (run.model, optimizer, mesh, state_sh, run.data.seq_len)
+  if run.parallel.hdp_schedule == "per_rank":
+    return PerRankHDPStep(*args, widen=run.parallel.hdp_widen_rings)
   return HDPStep(*args)

@@ -29,6 +29,7 @@ from jaxsys.checkpoint import layouts
 from jaxsys.checkpoint.lock import WorkdirLock
 from jaxsys.checkpoint.manager import Checkpointer, check_same_model, snapshot_dir
 from jaxsys.checkpoint.reader import read_params
+from jaxsys.config import RunConfig
 from jaxsys.data.documents import DocumentLoader, make_document_loader
 from jaxsys.data.loader import Loader, make_loader
 from jaxsys.models import transformer
@@ -141,10 +142,10 @@ class _Throughput:
     return out
 
 
-def _throughput_meter(config, model_cfg: transformer.TransformerConfig) -> _Throughput:
+def _throughput_meter(run: RunConfig) -> _Throughput:
   # The logged MFU counts causal attention, T(T+1)/2 pairs a row (the documents' own
   # masks are not subtracted); PaLM's full T x T square is logged beside it once.
-  seq_len = config.data.seq_len
+  model_cfg, seq_len = run.model, run.data.seq_len
   flops_per_token = transformer.train_flops_per_token(
       model_cfg, seq_len, pairs_per_row=flops_lib.attention_pairs(seq_len))
   palm = transformer.train_flops_per_token(model_cfg, seq_len)
@@ -154,7 +155,7 @@ def _throughput_meter(config, model_cfg: transformer.TransformerConfig) -> _Thro
                "against %.1f GFLOP/s, the %s", transformer.param_count(model_cfg) / 1e6,
                flops_per_token / 1e6, palm / 1e6, palm / flops_per_token, peak.flops / 1e9,
                peak.source)
-  return _Throughput(config.data.batch_size * seq_len, flops_per_token, peak.flops)
+  return _Throughput(run.data.batch_size * seq_len, flops_per_token, peak.flops)
 
 
 def _check_finite_metrics(fetched: list[tuple[int, dict]], ckpt: Checkpointer) -> None:
@@ -173,13 +174,12 @@ class Validation:
   `tokenizer` None takes the data config's (a BPE one from its cache in `workdir`).
   """
 
-  def __init__(self, config, model_cfg: transformer.TransformerConfig, mesh, *, tokenizer=None,
-               workdir: str | None = None):
-    self.model_cfg, self.steps = model_cfg, config.eval_steps
+  def __init__(self, run: RunConfig, mesh, *, tokenizer=None, workdir: str | None = None):
+    self.model_cfg, self.steps = run.model, run.eval_steps
     self.batch_sh = mesh_lib.batch_sharding(mesh)
-    batch = config.data.batch_size // config.optimizer.grad_accum_steps
+    batch = run.data.batch_size // run.optimizer.grad_accum_steps
     block, blocks = _batch_block(self.batch_sh, batch)
-    self.loader = make_loader(config.data, "val", batch_size=batch, seed=config.seed,
+    self.loader = make_loader(run.data, "val", batch_size=batch, seed=run.seed,
                               shuffle=False, repeat=False, tokenizer=tokenizer,
                               process_index=block, process_count=blocks, workdir=workdir)
     self.start = self.loader.get_state()
@@ -187,7 +187,7 @@ class Validation:
 
   def run(self, eval_fn, params, steps: int | None = None) -> dict[str, float]:
     """val_loss and val_bpb from `eval_fn(params, batch)`'s sums over the first `steps` batches
-    (default: config.eval_steps)."""
+    (default: run.eval_steps)."""
     self.loader.set_state(self.start)
     sums = None
     for _, batch in zip(range(self.steps if steps is None else steps), self.loader):
@@ -211,7 +211,7 @@ class Validation:
 @dataclasses.dataclass(frozen=True)
 class _Parts:
   """What a run sets up before its first step."""
-  model_cfg: transformer.TransformerConfig
+  run: RunConfig
   train_loader: Loader | DocumentLoader
   val: Validation
   setup: setup_lib.Setup
@@ -219,50 +219,49 @@ class _Parts:
   meta: dict  # saved with every checkpoint: model, config, layout and, with replicas, outer
 
 
-def _loaders(config, model_cfg, mesh, workdir: str) -> tuple[Loader | DocumentLoader, Validation]:
-  batch = config.data.batch_size
-  if config.data.variable_length:  # whole documents, the same global batch on every process
+def _loaders(run: RunConfig, mesh, workdir: str) -> tuple[Loader | DocumentLoader, Validation]:
+  data = run.data
+  if data.variable_length:  # whole documents, the same global batch on every process
     slots = hdp_step.Pool(mesh).size
-    train = make_document_loader(config.data, "train", seed=config.seed, workdir=workdir,
+    train = make_document_loader(data, "train", seed=run.seed, workdir=workdir,
                                  tokens_per_batch=hdp_step.loader_budget(
-                                     hdp_step.micro_steps_per_step(config, slots)
-                                     * slots * config.data.seq_len, config.data.max_len))
+                                     hdp_step.micro_steps_per_step(run, slots)
+                                     * slots * data.seq_len, data.max_len))
   else:
-    block, blocks = _batch_block(mesh_lib.batch_sharding(mesh), batch)
-    train = make_loader(config.data, "train", batch_size=batch, seed=config.seed,
+    block, blocks = _batch_block(mesh_lib.batch_sharding(mesh), data.batch_size)
+    train = make_loader(data, "train", batch_size=data.batch_size, seed=run.seed,
                         process_index=block, process_count=blocks, workdir=workdir)
-  if train.tokenizer.vocab_size > model_cfg.vocab_size:
-    raise ValueError(f"model.vocab_size={model_cfg.vocab_size} is smaller than the "
-                     f"{config.data.tokenizer} tokenizer's {train.tokenizer.vocab_size} tokens")
-  return train, Validation(config, model_cfg, mesh, tokenizer=train.tokenizer, workdir=workdir)
+  if train.tokenizer.vocab_size > run.model.vocab_size:
+    raise ValueError(f"model.vocab_size={run.model.vocab_size} is smaller than the "
+                     f"{data.tokenizer} tokenizer's {train.tokenizer.vocab_size} tokens")
+  return train, Validation(run, mesh, tokenizer=train.tokenizer, workdir=workdir)
 
 
-def _set_up(config, workdir: str) -> _Parts:
+def _set_up(run: RunConfig, workdir: str) -> _Parts:
   """Mesh, loaders, model, optimizers and their jitted steps; nothing restored or trained yet."""
-  mesh = mesh_lib.make_mesh(config.mesh)
-  model_cfg = transformer.TransformerConfig.from_config(config.model)
+  mesh = mesh_lib.make_mesh(run.mesh)
   logging.info("mesh: %s", mesh_lib.describe(mesh))
-  train_loader, val = _loaders(config, model_cfg, mesh, workdir)
-  setup = setup_lib.make_setup(config, model_cfg, mesh, train_loader)
-  _log_setup(config, setup)
-  meta = {"model": dataclasses.asdict(model_cfg), "config": config.to_dict()}
+  train_loader, val = _loaders(run, mesh, workdir)
+  setup = setup_lib.make_setup(run, mesh, train_loader)
+  _log_setup(run, setup)
+  meta = {"model": dataclasses.asdict(run.model), "config": run.to_dict()}
   if setup.outer is not None:
     meta["outer"] = {"view": "replica", "name": setup.outer.name, "replicas": setup.replicas,
                      "sync_every": setup.outer.sync_every}
   meta["layout"] = layouts.describe(setup.saved_target(), setup.view,
-                                    transformer.param_axes(model_cfg), setup.run_view)
-  return _Parts(model_cfg, train_loader, val, setup, setup.jit_eval_step(val.token_bytes), meta)
+                                    transformer.param_axes(run.model), setup.run_view)
+  return _Parts(run, train_loader, val, setup, setup.jit_eval_step(val.token_bytes), meta)
 
 
-def _log_setup(config, setup: setup_lib.Setup) -> None:
+def _log_setup(run: RunConfig, setup: setup_lib.Setup) -> None:
   """What the run composes, one line per strategy present."""
   comm = setup.comm
   logging.info("saved as %s; trained as %s; %d bytes sent per device per step", setup.view.form,
                " x ".join(setup.view.transforms) or "the canonical model",
                comm.grads_per_step + comm.pipeline_per_step)
-  if config.parallel.hdp:
+  if run.parallel.hdp:
     logging.info("HDP: whole documents up to %d tokens, %d tokens per device per micro-step",
-                 config.data.max_len, config.data.seq_len)
+                 run.data.max_len, run.data.seq_len)
   if setup.schedule is not None:
     logging.info("pipeline: %s, routing %s", setup.schedule.summary(), setup.routing)
     if setup.schedule.ticks <= 48:  # the chart of a longer one is too wide to read
@@ -274,33 +273,27 @@ def _log_setup(config, setup: setup_lib.Setup) -> None:
                  setup.outer.peak_bytes_per_sync(comm.synced, setup.replicas))
 
 
-def _checkpoint_option(config, name: str, default):
-  """config.checkpoint.<name>; a config without the `checkpoint` group gets `default`."""
-  return config.get("checkpoint", {}).get(name, default)
-
-
-def _restore_or_init(parts: _Parts, config, ckpts: list[Checkpointer]):
+def _restore_or_init(parts: _Parts, ckpts: list[Checkpointer]):
   """The newest step of `ckpts` (the workdir's checkpoints, then its RAM snapshots: the
   first wins a tie) with its loader position, else a fresh state."""
-  on_corrupt = _checkpoint_option(config, "on_corrupt", "error")
-  steps = [(c.restore_step(on_corrupt), c) for c in ckpts]
+  steps = [(c.restore_step(parts.run.checkpoint.on_corrupt), c) for c in ckpts]
   latest, ckpt = max(((s, c) for s, c in steps if s is not None), key=lambda sc: sc[0],
                      default=(None, None))
   if latest is None:
-    return _fresh_state(parts, config)
-  return _restore_at(parts, config, ckpt, latest)
+    return _fresh_state(parts)
+  return _restore_at(parts, ckpt, latest)
 
 
-def _restore_at(parts: _Parts, config, ckpt: Checkpointer, latest: int):
+def _restore_at(parts: _Parts, ckpt: Checkpointer, latest: int):
   """The state and loader position at step `latest` of `ckpt`, in this run's view."""
   saved = ckpt.read_meta(latest)
   check_same_model(saved["model"], parts.meta["model"], ckpt.directory,
-                   config.get("allow_model_change", ""))
+                   parts.run.allow_model_change)
   source = layouts.form_of(saved)
   if source == parts.setup.view.form:  # any mesh: orbax reads the pieces into this run's shardings
     state, data_state = ckpt.restore(latest, parts.setup.saved_target())
   else:
-    state, data_state = _restore_converted(parts, config, ckpt, latest, source)
+    state, data_state = _restore_converted(parts, ckpt, latest, source)
   parts.train_loader.set_state(data_state)
   logging.info("resumed from %s at step %d", ckpt.directory, latest)
   return parts.setup.from_saved(state)
@@ -311,28 +304,27 @@ def restore(config, workdir: str, step: int | None = None):
   without training (for notebooks and tools). `step` None: the newest that verifies. The
   state is converted from whatever layout the checkpoint was saved in (`checkpoint.layouts`).
   """
-  config_check.check_config(config, workdir)
-  parts = _set_up(config, os.path.abspath(workdir))
+  run = config_check.check_config(config, workdir)
+  parts = _set_up(run, os.path.abspath(workdir))
   ckpt = Checkpointer(os.path.join(os.path.abspath(workdir), "checkpoints"))
   try:
     if step is None:
-      step = ckpt.restore_step(_checkpoint_option(config, "on_corrupt", "error"))
+      step = ckpt.restore_step(run.checkpoint.on_corrupt)
     if step is None:
       raise ValueError(f"workdir {workdir} holds no checkpoint")
-    state = _restore_at(parts, config, ckpt, step)
+    state = _restore_at(parts, ckpt, step)
   finally:
     ckpt.close()
   return parts.setup, state
 
 
-def _restore_converted(parts: _Parts, config, ckpt: Checkpointer, step: int,
-                       source: layouts.Form):
+def _restore_converted(parts: _Parts, ckpt: Checkpointer, step: int, source: layouts.Form):
   """A checkpoint saved in another form (replicas <-> one model, another replica count or
   outer optimizer): its parameters and inner optimizer state, read into this mesh, then
   regrouped (`layouts.convert`); a fresh outer state. The saved outer state is not read."""
   setup = parts.setup
   target = setup.view.form
-  how = _checkpoint_option(config, "merge_replicas", "mean")
+  how = parts.run.checkpoint.merge_replicas
   try:
     layouts.check_regroup(source.replicas, target.replicas)
   except ValueError as e:
@@ -355,17 +347,17 @@ def _restore_converted(parts: _Parts, config, ckpt: Checkpointer, step: int,
   return state, data_state
 
 
-def _fresh_state(parts: _Parts, config):
-  """A state from config.seed; with config.init_from, at that run's latest parameters
+def _fresh_state(parts: _Parts):
+  """A state from run.seed; with run.init_from, at that run's latest parameters
   (replica 0's for a replica run: the ones its evals scored). A resume never is."""
-  setup = parts.setup
-  state = setup.init_state(config.seed)
-  if not config.get("init_from"):
+  setup, run = parts.setup, parts.run
+  state = setup.init_state(run.seed)
+  if not run.init_from:
     return state
-  saved = read_params(config.init_from, expect_model=parts.meta["model"],
-                      allow_model_change=config.get("allow_model_change", ""))
+  saved = read_params(run.init_from, expect_model=parts.meta["model"],
+                      allow_model_change=run.allow_model_change)
   if saved is None:
-    raise ValueError(f"init_from={config.init_from!r} holds no checkpoint; it must be a run's "
+    raise ValueError(f"init_from={run.init_from!r} holds no checkpoint; it must be a run's "
                      "workdir or its checkpoints dir, or '' to start from random parameters")
   logging.info("init_from: parameters of step %d in %s", saved.step, saved.directory)
   params = jax.device_put(saved.one(), setup.param_sh)
@@ -375,16 +367,16 @@ def _fresh_state(parts: _Parts, config):
 class _Loop:
   """The step loop's state: the train state, its step, metrics still on device, hooks."""
 
-  def __init__(self, parts: _Parts, config, state, ckpt: Checkpointer, workdir: str,
+  def __init__(self, parts: _Parts, state, ckpt: Checkpointer, workdir: str,
                snapshots: Checkpointer | None = None):
-    self.parts, self.config, self.state, self.ckpt = parts, config, state, ckpt
+    self.parts, self.config, self.state, self.ckpt = parts, parts.run, state, ckpt
     self.snapshots = snapshots
-    self.snapshot_every = _checkpoint_option(config, "snapshot_every", 0)
+    self.snapshot_every = self.config.checkpoint.snapshot_every
     self.step = self.saved_step = int(jax.device_get(state.step))
-    self.schedule = make_schedule(config.optimizer, config.total_steps)
-    self.meter = _throughput_meter(config, parts.model_cfg)
+    self.schedule = make_schedule(self.config.optimizer, self.config.total_steps)
+    self.meter = _throughput_meter(self.config)
     self.writer = metrics_lib.MetricWriter(workdir, resume_step=self.step)
-    self.progress = metrics_lib.Progress(config.total_steps, self.step)
+    self.progress = metrics_lib.Progress(self.config.total_steps, self.step)
     self.pending: list[tuple[int, dict]] = []  # step metrics still on device
     # A sync deferred into the next inner step's program (CO2); run on its own before eval/save.
     self.sync_due = False
@@ -392,7 +384,7 @@ class _Loop:
     self.last_eval: dict[str, float] = {}
 
   def run(self, stop: Callable[[int], bool]) -> bool:
-    """Steps to config.total_steps; True when `stop` ended the run early, after saving."""
+    """Steps to run.total_steps; True when `stop` ended the run early, after saving."""
     batches = iter(self.parts.train_loader)
     while self.step < self.config.total_steps:
       self._train_step(next(batches))
@@ -431,16 +423,16 @@ class _Loop:
     self.meter.step_done(m)
 
   def _hooks(self) -> None:
-    config, step = self.config, self.step
-    last = step == config.total_steps
-    if step % config.log_every == 0 or last:
+    run, step = self.config, self.step
+    last = step == run.total_steps
+    if step % run.log_every == 0 or last:
       self._log()
     else:
       self.progress.update(step)
     with self.meter.paused_timer():
-      if config.eval_every and (step % config.eval_every == 0 or last):
+      if run.eval_every and (step % run.eval_every == 0 or last):
         self._evaluate()
-      if last or (config.checkpoint_every and step % config.checkpoint_every == 0):
+      if last or (run.checkpoint_every and step % run.checkpoint_every == 0):
         self._save()
       elif self.snapshots and step % self.snapshot_every == 0:
         self._save(self.snapshots)
@@ -494,33 +486,36 @@ class _Loop:
 
 
 def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
-  """Trains `config` in `workdir`, resuming from its latest checkpoint; returns final metrics.
+  """Checks `config` (an ml_collections config, configs/tiny_lm.py's fields) and `train`s it."""
+  return train(config_check.check_config(config, workdir), workdir)
+
+
+def train(run: RunConfig, workdir: str) -> dict[str, Any]:
+  """Trains `run` in `workdir`, resuming from its latest checkpoint; returns final metrics.
 
   `result["preempted"]` is True when SIGTERM stopped the run before `total_steps` (its
   state saved at `result["step"]`, where the next run with this workdir resumes).
   """
-  config_check.check_config(config, workdir)
   workdir = os.path.abspath(workdir)
   # One run per workdir (process 0 holds the lock for all of its processes).
   lock = WorkdirLock(workdir) if jax.process_index() == 0 else contextlib.nullcontext()
-  snapshot_every = _checkpoint_option(config, "snapshot_every", 0)
+  snapshot_every = run.checkpoint.snapshot_every
   if snapshot_every and jax.process_count() > 1:
     raise ValueError(f"checkpoint.snapshot_every={snapshot_every} needs one process (a RAM "
                      f"directory is local to its host), but this run has {jax.process_count()}; "
                      "set it to 0")
   with lock:
-    parts = _set_up(config, workdir)
-    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.keep_checkpoints)
+    parts = _set_up(run, workdir)
+    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=run.keep_checkpoints)
     # The newest snapshot only, in RAM: it survives the process, not the machine.
-    snapshots = (Checkpointer(snapshot_dir(workdir, config.checkpoint.snapshot_dir), keep=1)
+    snapshots = (Checkpointer(snapshot_dir(workdir, run.checkpoint.snapshot_dir), keep=1)
                  if snapshot_every else None)
     ckpts = [c for c in (ckpt, snapshots) if c is not None]
     try:
       if jax.process_index() == 0:
         for c in ckpts:
           c.remove_partial_saves()
-      loop = _Loop(parts, config, _restore_or_init(parts, config, ckpts), ckpt, workdir,
-                   snapshots)
+      loop = _Loop(parts, _restore_or_init(parts, ckpts), ckpt, workdir, snapshots)
       try:
         with _stop_requests() as stop:
           preempted = loop.run(stop)

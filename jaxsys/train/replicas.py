@@ -22,6 +22,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxsys import mesh as mesh_lib
+from jaxsys.config import OuterConfig
 from jaxsys.checkpoint import layouts
 from jaxsys.optim import outer as outer_lib
 from jaxsys.optim.co2 import co2
@@ -33,18 +34,12 @@ from jaxsys.train.state import REPLICA_AXIS as AXIS, TrainState
 OUTERS = ("none", "diloco", "noloco", "co2", "streaming_diloco")
 
 
-def _field(cfg, name: str, default=None):
-  return cfg[name] if name in cfg and cfg[name] is not None else default
-
-
-def make_outer_optimizer(cfg) -> outer_lib.OuterOptimizer | None:
-  """The outer optimizer named by `cfg.outer` (config.optimizer), None for 'none' (plain DP).
+def make_outer_optimizer(cfg: OuterConfig) -> outer_lib.OuterOptimizer | None:
+  """The outer optimizer named by `cfg.name`, None for 'none' (plain DP).
 
   Unset (None) fields take the algorithm's own default.
   """
-  name = _field(cfg, "outer", "none")
-  if name not in OUTERS:
-    raise ValueError(f"optimizer.outer={name!r} is unknown; valid: {', '.join(OUTERS)}")
+  name = cfg.name
   if name == "none":
     return None
   fields = {"diloco": ("lr", "momentum", "nesterov", "compression", "error_feedback"),
@@ -53,13 +48,13 @@ def make_outer_optimizer(cfg) -> outer_lib.OuterOptimizer | None:
             "streaming_diloco": ("lr", "momentum", "nesterov", "compression", "fragments",
                                  "overlap_steps", "mixing")}[name]
   kw = {}
-  for key in fields:  # optimizer.outer_<key>: the library's `outer_lr`, `gamma`, ...
-    value = _field(cfg, f"outer_{key}")
+  for key in fields:  # the library's `outer_lr`, `gamma`, ...
+    value = getattr(cfg, key)
     if value is not None:
       kw[key if key not in ("lr", "momentum") else f"outer_{key}"] = value
   try:
     return {"diloco": diloco, "noloco": noloco, "co2": co2, "streaming_diloco": streaming_diloco}[name](
-        sync_every=cfg.outer_sync_every, **kw)
+        sync_every=cfg.sync_every, **kw)
   except ValueError as e:  # name the config fields: sync_every=0 -> optimizer.outer_sync_every=0
     raise ValueError(_OUTER_ARG.sub(r"optimizer.outer_\1", str(e))) from None
 

@@ -1,6 +1,7 @@
 """One setup for every composition of strategies: a view, a gradient function, a step, wrappers.
 
-`make_setup(config, model_cfg, mesh)` builds, in one place and for any mesh:
+`make_setup(run, mesh)` builds, from the checked config (`jaxsys.config.RunConfig`), in one
+place and for any mesh:
 
   - the `layouts.View` the run trains (replicas stacked `[R, ...]` with an outer optimizer;
     within each replica the pipeline's stage view with a `stage` axis), and the shardings of
@@ -13,7 +14,7 @@
   - the bytes one device sends (`Comm`): gradients all-reduced within a replica, a
     pipeline's transfers, the outer optimizer's syncs.
 
-HDP (whole documents, `config.parallel.hdp`) plans each batch itself: its executor is the
+HDP (whole documents, `run.parallel.hdp`) plans each batch itself: its executor is the
 step and its planner turns the loader's documents into the step's batch.
 """
 from __future__ import annotations
@@ -30,6 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxsys import mesh as mesh_lib
 from jaxsys.checkpoint import layouts
+from jaxsys.config import RunConfig
 from jaxsys.kernels import sharded
 from jaxsys.models import transformer
 from jaxsys.optim import outer as outer_lib
@@ -156,26 +158,26 @@ def _shardings(tree):
   return jax.tree.map(lambda x: x.sharding, tree)
 
 
-def make_layout(config, model_cfg: transformer.TransformerConfig, mesh) -> pipeline.Layout | None:
-  """The pipeline's stage layout of `config` on `mesh`; None without a pipeline."""
-  if config.pipeline.schedule == "none":
+def make_layout(run: RunConfig, mesh) -> pipeline.Layout | None:
+  """The pipeline's stage layout of `run` on `mesh`; None without a pipeline."""
+  if run.pipeline.schedule == "none":
     return None
   stages = dict(mesh.shape).get(pipeline.AXIS, 1)
-  virtual = config.pipeline.virtual_stages
-  pipeline.check_layout(stages, virtual, model_cfg.n_layers)
-  return pipeline.Layout(stages=stages, virtual=virtual, vocab_size=model_cfg.vocab_size,
-                         vocab_parallel=bool(config.pipeline.vocab_parallel))
+  virtual = run.pipeline.virtual_stages
+  pipeline.check_layout(stages, virtual, run.model.n_layers)
+  return pipeline.Layout(stages=stages, virtual=virtual, vocab_size=run.model.vocab_size,
+                         vocab_parallel=run.pipeline.vocab_parallel)
 
 
-def _gradient_fn(config, model_cfg, mesh, view: layouts.View, schedule, context_layout):
+def _gradient_fn(run: RunConfig, mesh, view: layouts.View, schedule, context_layout):
   """The run's gradient function: one model's, or the replicas' (`grads`)."""
-  accum = config.optimizer.grad_accum_steps
-  vocab_algorithm = config.pipeline.vocab_algorithm
+  model_cfg, accum = run.model, run.optimizer.grad_accum_steps
+  vocab_algorithm = run.pipeline.vocab_algorithm
   if view.stages is None:
     fn = grads.accumulate(grads.autodiff(model_cfg, context_layout), accum)
     return grads.over_replicas(fn, view.replicas) if view.replicas else fn
   if view.replicas:
-    seed = config.optimizer.outer_seed if config.pipeline.routing == "random" else None
+    seed = run.outer.seed if run.pipeline.routing == "random" else None
     return grads.routed_pipeline(model_cfg, schedule, view.stages, mesh, view.replicas,
                                  routing_seed=seed, vocab_algorithm=vocab_algorithm,
                                  accum_steps=accum, context_layout=context_layout)
@@ -244,23 +246,23 @@ def pipeline_bytes(model_cfg, schedule: pipeline.Schedule, mesh: Mesh, batch_siz
   return accum_steps * (schedule.ticks * tick + once)
 
 
-def make_setup(config, model_cfg: transformer.TransformerConfig, mesh: Mesh,
-               loader=None) -> Setup:
-  """The run of `config` on `mesh`: its view, shardings, jitted steps, eval and bytes.
+def make_setup(run: RunConfig, mesh: Mesh, loader=None) -> Setup:
+  """The run `run` on `mesh`: its view, shardings, jitted steps, eval and bytes.
 
   `loader`: the whole-document loader an HDP run gives its unused documents back to.
   """
-  outer = replicas_lib.make_outer_optimizer(config.optimizer)
+  model_cfg = run.model
+  outer = replicas_lib.make_outer_optimizer(run.outer)
   replicas = replicas_lib.num_replicas(mesh, outer.name) if outer else 0
-  layout = make_layout(config, model_cfg, mesh)
+  layout = make_layout(run, mesh)
   view = layouts.View(layouts.Form(replicas, outer.name if outer else None), layout)
   schedule = None if layout is None else pipeline.make_schedule(
-      config.pipeline.schedule, stages=layout.stages, microbatches=config.pipeline.microbatches,
+      run.pipeline.schedule, stages=layout.stages, microbatches=run.pipeline.microbatches,
       virtual_stages=layout.virtual)
-  optimizer = make_optimizer(config.optimizer, config.total_steps)
+  optimizer = make_optimizer(run.optimizer, run.total_steps)
   param_axes = transformer.param_axes(model_cfg)
 
-  one = state_lib.abstract_train_state(model_cfg, optimizer, config.seed)
+  one = state_lib.abstract_train_state(model_cfg, optimizer, run.seed)
   saved = jax.eval_shape(lambda s: _saved_of_one(s.step, s.params, optimizer, outer, replicas),
                          one)
   abstract = jax.eval_shape(view.to_view, saved)
@@ -272,7 +274,7 @@ def make_setup(config, model_cfg: transformer.TransformerConfig, mesh: Mesh,
   saved_sh = shard(saved, rules=view.saved_rules(rules), replicas=bool(replicas))
   one_sh = shard(one, rules=view.saved_rules(rules))
   batch_sh = mesh_lib.batch_sharding(mesh)
-  context_layout = step_lib.context_layout_of(mesh, config.parallel.context_layout)
+  context_layout = step_lib.context_layout_of(mesh, run.parallel.context_layout)
   opts = step_lib.compiler_options(model_cfg, mesh)
 
   # One replica's parameters in the view: what eval scores and an elementwise sync sends.
@@ -280,23 +282,23 @@ def make_setup(config, model_cfg: transformer.TransformerConfig, mesh: Mesh,
   view_param_sh = (shard(jax.eval_shape(lambda s: dataclasses.replace(
       view, form=layouts.Form()).to_view(s), one), rules=view.rules(rules),
       axes=view.param_axes(param_axes)).params if replicas else state_sh.params)
-  grad_fn = _gradient_fn(config, model_cfg, mesh, view, schedule, context_layout)
-  routed = bool(replicas) and layout is not None and config.pipeline.routing == "random"
+  grad_fn = _gradient_fn(run, mesh, view, schedule, context_layout)
+  routed = bool(replicas) and layout is not None and run.pipeline.routing == "random"
   comm = Comm(
       grads_per_step=_grads_bytes(view_params, view_param_sh, mesh),
       pipeline_per_step=0 if schedule is None else pipeline_bytes(
-          model_cfg, schedule, mesh, config.data.batch_size, config.data.seq_len,
-          config.optimizer.grad_accum_steps, routed),
+          model_cfg, schedule, mesh, run.data.batch_size, run.data.seq_len,
+          run.optimizer.grad_accum_steps, routed),
       outer=outer, replicas=replicas,
       synced=None if outer is None else view_params if outer.elementwise else one.params)
 
   replicated = NamedSharding(mesh, PartitionSpec())
   batch_fn = lambda batch: step_lib.global_batch(batch, batch_sh)
   sync_fn = sync_train_fn = None
-  if config.parallel.hdp:
-    train_fn = hdp_step.make_executor(config, model_cfg, optimizer, mesh, state_sh)
+  if run.parallel.hdp:
+    train_fn = hdp_step.make_executor(run, optimizer, mesh, state_sh)
     batch_fn = hdp_step.Planner(train_fn, loader, hdp_step.micro_steps_per_step(
-        config, train_fn.num_devices))
+        run, train_fn.num_devices))
     comm = dataclasses.replace(comm, reductions_per_step=train_fn.reductions_per_step)
   elif outer is None:
     step = sharded.under_mesh(grads.model_step(grad_fn, optimizer), mesh)
@@ -310,15 +312,15 @@ def make_setup(config, model_cfg: transformer.TransformerConfig, mesh: Mesh,
                          in_shardings=(state_sh.params,), out_shardings=view_param_sh)
                  if replicas else (lambda p: p))
   eval_fn = _eval_fn(model_cfg, mesh, view, schedule, view_param_sh, batch_sh, context_layout)
-  run_view = {"mesh": config.mesh, "devices": mesh_lib.describe(mesh)}
+  run_view = {"mesh": run.mesh, "devices": mesh_lib.describe(mesh)}
   if layout is not None:
-    run_view["pipeline"] = {"schedule": config.pipeline.schedule, "stages": layout.stages,
+    run_view["pipeline"] = {"schedule": run.pipeline.schedule, "stages": layout.stages,
                             "virtual": layout.virtual, "padded_vocab": layout.padded_vocab,
                             "saved": "canonical: stage view and vocabulary padding undone"}
   return Setup(model_cfg, optimizer, outer, view, mesh, abstract, state_sh,
                state_lib.with_shardings(saved, saved_sh), state_lib.with_shardings(one, one_sh),
                batch_sh, train_fn, sync_fn, sync_train_fn, eval_fn, eval_params, batch_fn, comm,
-               run_view, schedule, config.pipeline.routing)
+               run_view, schedule, run.pipeline.routing)
 
 
 def _saved_of_one(step, params, optimizer, outer, replicas: int) -> TrainState:

@@ -99,7 +99,7 @@ class ReaderTest(parameterized.TestCase):
                     r"there but 500000.0 in the config; set "
                     r"--config.allow_model_change=rope_theta to continue"):
       reader.read_params(self.workdir, expect_model=other)
-    got = reader.read_params(self.workdir, expect_model=other, allow_model_change="rope_theta")
+    got = reader.read_params(self.workdir, expect_model=other, allow_model_change=("rope_theta",))
     chex.assert_trees_all_equal(got.params, saved[1])
 
 
@@ -111,19 +111,14 @@ class CheckSameModelTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, rf"model.{field}=.* there but {value!r} in the "
                                             rf"config; set --config.allow_model_change={field} "):
       check_same_model(META, current, "/ckpt")
-    check_same_model(META, current, "/ckpt", allow=f"{field}, rope_theta")
+    check_same_model(META, current, "/ckpt", allow=(field, "rope_theta"))
 
   def test_shapes_are_never_allowed(self):
     with self.assertRaisesRegex(ValueError, r"different model: model.d_model=16 there but 32"):
-      check_same_model(META, dict(META, d_model=32), "/ckpt", allow="rope_theta")
+      check_same_model(META, dict(META, d_model=32), "/ckpt", allow=("rope_theta",))
 
   def test_schedule_fields_may_differ(self):
     check_same_model(META, dict(META, remat="full", attention_impl="xla"), "/ckpt")
-
-  def test_unknown_allowed_name_one_line(self):
-    with self.assertRaisesRegex(ValueError, r"^allow_model_change='d_model' names d_model; "
-                                            r"valid: rope_theta, norm_eps, dtype"):
-      check_same_model(META, META, "/ckpt", allow="d_model")
 
 
 if __name__ == "__main__":

@@ -4,12 +4,14 @@ import json
 import os
 import tempfile
 
+import dataclasses
+
 import chex
-import ml_collections
 import numpy as np
 import pytest
 from absl.testing import parameterized
 
+from conftest import load_run_config
 from jaxsys.data import corpus
 from jaxsys.data import loader as loader_lib
 from jaxsys.data import packing
@@ -32,10 +34,12 @@ def _write_corpus(root) -> str:
 
 @pytest.fixture
 def cfg(tmp_path):
-  return ml_collections.ConfigDict(dict(
-      source=_write_corpus(tmp_path / "corpus"), tokenizer="byte", vocab_size=256, seq_len=SEQ_LEN,
-      num_threads=0,
-  ))
+  return _data(source=_write_corpus(tmp_path / "corpus"))
+
+
+def _data(**fields):
+  """The test config's typed data section over `fields`, SEQ_LEN tokens a row, no threads."""
+  return dataclasses.replace(load_run_config().data, seq_len=SEQ_LEN, num_threads=0, **fields)
 
 
 def _take(loader, n):
@@ -56,7 +60,7 @@ def _row_keys(batch):
 
 @pytest.mark.parametrize("num_threads", [0, 2])
 def test_deterministic_and_seed_dependent(cfg, num_threads):
-  cfg.num_threads = num_threads
+  cfg = dataclasses.replace(cfg, num_threads=num_threads)
   make = lambda seed: loader_lib.make_loader(cfg, "train", batch_size=4, seed=seed)
   a, b, c = make(0), make(0), make(1)
   assert a.num_rows >= 20 and a.seq_len == SEQ_LEN
@@ -112,7 +116,7 @@ def test_two_processes_partition_the_global_batch(cfg, repeat):
 
 @pytest.mark.parametrize("num_threads", [0, 2])
 def test_resume_after_json_round_trip(cfg, num_threads):
-  cfg.num_threads = num_threads
+  cfg = dataclasses.replace(cfg, num_threads=num_threads)
   make = lambda: loader_lib.make_loader(cfg, "train", batch_size=4, seed=5)
   original = make()
   k = original.steps_per_epoch + 1  # resume across an epoch boundary
@@ -153,9 +157,7 @@ class LoaderErrorsTest(parameterized.TestCase):
     super().setUp()
     tmp = tempfile.TemporaryDirectory()  # absltest's create_tempdir needs parsed flags
     self.addCleanup(tmp.cleanup)
-    self.cfg = ml_collections.ConfigDict(dict(
-        source=_write_corpus(tmp.name), tokenizer="byte", vocab_size=256,
-        seq_len=SEQ_LEN, num_threads=0))
+    self.cfg = _data(source=_write_corpus(tmp.name))
 
   def test_batch_not_divisible(self):
     with self.assertRaisesRegex(ValueError, r"batch_size=5 is not divisible by process_count=2"):
@@ -166,9 +168,9 @@ class LoaderErrorsTest(parameterized.TestCase):
       loader_lib.make_loader(self.cfg, "train", batch_size=100000, seed=0)
 
   def test_unknown_tokenizer(self):
-    self.cfg.tokenizer = "words"
+    cfg = dataclasses.replace(self.cfg, tokenizer="words")
     with self.assertRaisesRegex(ValueError, r"data\.tokenizer='words'"):
-      loader_lib.make_loader(self.cfg, "train", batch_size=4, seed=0)
+      loader_lib.make_loader(cfg, "train", batch_size=4, seed=0)
 
   @parameterized.parameters(("process_index", 2), ("process_count", 0))
   def test_bad_process(self, name, value):
@@ -179,7 +181,7 @@ class LoaderErrorsTest(parameterized.TestCase):
 
 
 def test_bpe_tokenizer_trained_on_train_split_and_cached(cfg, tmp_path):
-  cfg.tokenizer, cfg.vocab_size = "bpe", 270
+  cfg = dataclasses.replace(cfg, tokenizer="bpe", vocab_size=270)
   workdir = str(tmp_path / "work")
   ld = loader_lib.make_loader(cfg, "train", batch_size=2, seed=0, workdir=workdir)
   assert isinstance(ld.tokenizer, tokenizer_lib.BPETokenizer) and ld.tokenizer.vocab_size == 270

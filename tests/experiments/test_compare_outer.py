@@ -14,6 +14,7 @@ import pytest
 from jaxsys import mesh as mesh_lib
 from jaxsys.models import transformer
 from jaxsys.optim import outer as outer_lib
+from jaxsys.train import config_check
 from jaxsys.train.setup import make_setup
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -101,9 +102,9 @@ def _params():
 def _compiled_bytes(name: str) -> int:
   """Bytes one worker sends in row `name`'s compiled program: DP's step or the outer sync."""
   config = _run_config(name)
-  mesh = mesh_lib.make_mesh(config.mesh)
-  model_cfg = transformer.TransformerConfig.from_config(config.model)
-  setup = make_setup(config, model_cfg, mesh)
+  run = config_check.check_config(config)
+  mesh, model_cfg = mesh_lib.make_mesh(run.mesh), run.model
+  setup = make_setup(run, mesh)
   if setup.outer is None:
     b, t = config.data.batch_size, config.data.seq_len
     batch = {k: jax.ShapeDtypeStruct((b, t), jnp.float32 if k == "loss_mask" else jnp.int32)
@@ -179,7 +180,6 @@ def test_variant_rows_pass_the_config_check(variant, rows):
   """`configs/compare_outer.py:streaming` and `:routing`: every row valid (Streaming DiLoCo's
   fragments divide its 4 layers; routing has a replica and a stage axis)."""
   from experiments import compare_outer  # pylint: disable=import-outside-toplevel
-  from jaxsys.train import config_check  # pylint: disable=import-outside-toplevel
   spec = importlib.util.spec_from_file_location("compare", ROOT / "configs" / "compare_outer.py")
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)

@@ -1,5 +1,6 @@
 """Outer optimizers: DiLoCo == DP SGD in its limit, NoLoCo's pairs and HLO, CO2's delay, bytes."""
 
+import dataclasses
 import importlib.util
 import pathlib
 
@@ -12,7 +13,7 @@ from absl.testing import absltest, parameterized
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxsys import optim
-from jaxsys.train import replicas
+from jaxsys.train import config_check, replicas
 from jaxsys.optim.noloco import peer_groups, round_index
 from jaxsys.optim import outer as outer_lib
 
@@ -296,28 +297,27 @@ class CO2Test(absltest.TestCase):
 
 
 class ConfigTest(parameterized.TestCase):
-  """config.optimizer -> outer optimizer: unset fields take the library's defaults."""
+  """The run config's outer section -> outer optimizer: unset fields take the library's defaults."""
 
   def _config(self, **fields):
-    cfg = _tiny_lm().get_config("size=test").optimizer
-    cfg.update(fields)
-    return cfg
+    return dataclasses.replace(config_check.parse(_tiny_lm().get_config("size=test")).outer,
+                               **fields)
 
   def test_unset_fields_take_the_library_defaults(self):
     for name, hparams in (("diloco", dict(outer_lr=0.7, outer_momentum=0.9, nesterov=True)),
                           ("noloco", dict(outer_lr=0.7, outer_momentum=0.5, gamma=0.7)),
                           ("co2", dict(outer_lr=1.0, outer_momentum=0.5, staleness_penalty=3.0,
                                        allow_unstable=False))):
-      outer = replicas.make_outer_optimizer(self._config(outer=name))
+      outer = replicas.make_outer_optimizer(self._config(name=name))
       self.assertEqual({k: outer.hparams[k] for k in hparams}, hparams, msg=name)
 
   def test_co2_outside_the_bound_names_the_config_fields(self):
-    cfg = self._config(outer="co2", outer_staleness_penalty=1.0)
+    cfg = self._config(name="co2", staleness_penalty=1.0)
     with self.assertRaisesRegex(ValueError, r"^optimizer.outer_lr=1, optimizer.outer_momentum=0.5, "
                                 r"optimizer.outer_staleness_penalty=1 are outside .* or "
                                 r"optimizer.outer_allow_unstable=True$"):
       replicas.make_outer_optimizer(cfg)
-    cfg.outer_allow_unstable = True
+    cfg = dataclasses.replace(cfg, allow_unstable=True)
     with self.assertLogs("absl", "WARNING"):
       self.assertEqual(replicas.make_outer_optimizer(cfg).hparams["staleness_penalty"], 1.0)
 

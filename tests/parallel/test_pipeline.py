@@ -12,6 +12,7 @@ from jaxsys.data import packing
 from jaxsys.models import transformer
 from jaxsys.parallel import pipeline
 from jaxsys.train import step as step_lib
+from jaxsys.train import config_check
 from jaxsys.train.setup import make_setup
 
 CFG = transformer.TransformerConfig(vocab_size=61, d_model=32, n_layers=4, n_heads=4,
@@ -161,9 +162,9 @@ def test_vocab_layer_bytes_per_device(vocab_parallel, make_config):
   """With VP every device holds 1/stages of the (padded) vocab layers and their Adam moments."""
   config = make_config(mesh="stage=4,data=2", pipeline__schedule="1f1b",
                        pipeline__vocab_parallel=vocab_parallel, model__n_layers=4)
-  model_cfg = transformer.TransformerConfig.from_config(config.model)
-  mesh = mesh_lib.make_mesh(config.mesh)
-  setup = make_setup(config, model_cfg, mesh)
+  run = config_check.check_config(config)
+  model_cfg, mesh = run.model, mesh_lib.make_mesh(run.mesh)
+  setup = make_setup(run, mesh)
 
   def vocab_bytes(sharding_tree, abstract_tree):
     total = 0

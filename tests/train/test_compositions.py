@@ -19,8 +19,8 @@ from conftest import load_test_config
 from jaxsys import hlo_flops
 from jaxsys import mesh as mesh_lib
 from jaxsys.data import packing
-from jaxsys.models import transformer
 from jaxsys.train import compositions
+from jaxsys.train import config_check
 from jaxsys.train.setup import make_setup
 
 # A model small enough to compile quickly; eps=1 makes AdamW's first step a smooth function
@@ -99,8 +99,8 @@ def _data_parallel_flops() -> float:
 
 
 def _setup(config):
-  model_cfg = transformer.TransformerConfig.from_config(config.model)
-  return make_setup(config, model_cfg, mesh_lib.make_mesh(config.mesh))
+  run = config_check.check_config(config)
+  return make_setup(run, mesh_lib.make_mesh(run.mesh))
 
 
 def _compiled(config):

@@ -94,6 +94,7 @@ class FieldsTest(parameterized.TestCase):
       ("tokenizer", dict(data__tokenizer="char"), "data.tokenizer='char' is unknown; valid: byte, bpe"),
       ("seq_len", dict(data__seq_len=0), "data.seq_len=0 is invalid; it must be an int >= 1"),
       ("threads", dict(data__num_threads=-1), "data.num_threads=-1 is invalid"),
+      ("max_len", dict(data__max_len=0), "data.max_len=0 is invalid; it must be an int >= 1"),
       ("lr", dict(optimizer__learning_rate=0.0),
        "optimizer.learning_rate=0.0 is invalid; it must be a number > 0"),
       ("b2", dict(optimizer__b2=1.0), "optimizer.b2=1.0 is invalid; it must be a number >= 0 and < 1"),

@@ -1,9 +1,10 @@
 """HDP training: a step over whole documents equals a single-device step over them."""
+import dataclasses
+
 import chex
 import jax
 import numpy as np
 from absl.testing import absltest, parameterized
-from ml_collections import ConfigDict
 
 from jaxsys import mesh as mesh_lib
 from jaxsys.parallel import hdp, hdp_layout
@@ -38,7 +39,7 @@ def single_device_batch(docs) -> dict[str, np.ndarray]:
 
 # eps=1, no warm-up, no clipping: the first step's update is a smooth function of the
 # gradients (with eps ~ 0 it is ~ lr * sign(g), and a gradient off by a factor still agrees).
-HDP_OPT = ConfigDict({**OPT.to_dict(), "eps": 1.0, "warmup_steps": 0, "grad_clip": 1e9})
+HDP_OPT = dataclasses.replace(OPT, eps=1.0, warmup_steps=0, grad_clip=1e9)
 
 
 def init(mesh):

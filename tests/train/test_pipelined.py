@@ -10,6 +10,7 @@ from jaxsys import mesh as mesh_lib
 from jaxsys import metrics as metrics_lib
 from jaxsys.checkpoint.manager import Checkpointer
 from jaxsys.models import transformer
+from jaxsys.train import config_check
 from jaxsys.train import loop
 from jaxsys.train.setup import make_setup
 
@@ -52,8 +53,8 @@ def test_views_round_trip(make_config):
   config = make_config(mesh="stage=2,data=-1", pipeline__schedule="interleaved_1f1b",
                        pipeline__virtual_stages=2, pipeline__vocab_parallel=True,
                        model__n_layers=4, model__vocab_size=257)
-  model_cfg = transformer.TransformerConfig.from_config(config.model)
-  setup = make_setup(config, model_cfg, mesh_lib.make_mesh(config.mesh))
+  run = config_check.check_config(config)
+  model_cfg, setup = run.model, make_setup(run, mesh_lib.make_mesh(run.mesh))
   params = transformer.init_params(model_cfg, jax.random.key(3))
   state = setup.start_from(setup.init_state(0), jax.device_put(params, setup.param_sh))
   assert state.params["embedding"].shape == (258, model_cfg.d_model)  # padded for 2 stages
@@ -80,7 +81,7 @@ def test_outer_optimizer_over_pipelined_replicas_with_random_routing(make_config
   config = make_config(**kw)
   assert saved["layers"]["wq"].shape[:2] == (2, config.model.n_layers)  # [R, layers, ...]
   assert not np.allclose(saved["layers"]["wq"][0], saved["layers"]["wq"][1])  # a step apart
-  setup = make_setup(config, transformer.TransformerConfig.from_config(config.model),
+  setup = make_setup(config_check.check_config(config),
                      mesh_lib.make_mesh(config.mesh))
   assert [r["comm_bytes"] for r in rows] == [setup.comm_bytes(s) for s in range(1, 5)]
 

@@ -10,6 +10,7 @@ from jaxsys import mesh as mesh_lib
 from jaxsys import metrics as metrics_lib
 from jaxsys.checkpoint.manager import Checkpointer
 from jaxsys.models import transformer
+from jaxsys.train import config_check
 from jaxsys.train import loop
 from jaxsys.train import replicas
 from jaxsys.train.setup import make_setup
@@ -81,9 +82,9 @@ def test_layout_and_sync(make_config):
   replicas equal again, while the inner (AdamW) moments stay per replica."""
   config = make_config(mesh="replica=2,fsdp=2,data=2", optimizer__outer="diloco",
                        optimizer__outer_sync_every=2)
-  mesh = mesh_lib.make_mesh(config.mesh)
-  model_cfg = transformer.TransformerConfig.from_config(config.model)
-  setup = make_setup(config, model_cfg, mesh)
+  run = config_check.check_config(config)
+  mesh, model_cfg = mesh_lib.make_mesh(run.mesh), run.model
+  setup = make_setup(run, mesh)
   state = setup.init_state(0)
   wq = state.params["layers"]["wq"]
   assert wq.sharding.spec[0] == "replica" and "fsdp" in str(wq.sharding.spec)

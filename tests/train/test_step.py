@@ -4,9 +4,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
-from ml_collections import ConfigDict
 
 from jaxsys import mesh as mesh_lib
+from jaxsys.config import OptimizerConfig
 from jaxsys.models import transformer
 from jaxsys.optim.inner import make_optimizer
 from jaxsys.train import state as state_lib
@@ -16,8 +16,9 @@ from jaxsys.train import step as step_lib
 # heads and kv_heads divide by tensor=4, d_model by fsdp=8, the batch by data x fsdp.
 MODEL = transformer.TransformerConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=8,
                                       n_kv_heads=4, d_ff=128)
-OPT = ConfigDict(dict(name="adamw", learning_rate=1e-2, warmup_steps=1, final_lr_fraction=0.1,
-                      b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, grad_clip=1.0))
+OPT = OptimizerConfig(name="adamw", learning_rate=1e-2, warmup_steps=1, final_lr_fraction=0.1,
+                      b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, grad_clip=1.0,
+                      grad_accum_steps=1, schedule_steps=0, schedule_offset=0)
 B, T = 16, 32
 
 
