@@ -113,11 +113,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # routing (with an outer optimizer over a replica x stage mesh): fixed sends each
   # microbatch to the next stage of its own replica; random to the next stage of a replica
   # drawn per step, microbatch and boundary, seeded by optimizer.outer_seed (NoLoCo, arXiv
-  # 2506.10911; jaxsys/train/replica_pipeline.py).
+  # 2506.10911; jaxsys/train/grads.py routed_pipeline).
   # Context parallelism: a `context` mesh axis > 1 splits every sequence over it and runs
   # ring attention (jaxsys/parallel/context.py), e.g. --config.mesh=data=2,context=4;
   # context_layout zigzag evens the causal work, contiguous is the naive order.
-  # hdp: Hybrid Data Parallelism (jaxsys/parallel/hdp.py) over a data-only mesh, for
+  # hdp: Hybrid Data Parallelism (jaxsys/parallel/hdp.py) over data, fsdp and tensor, for
   # data.variable_length=true: each document on as many devices as its length needs,
   # data.seq_len tokens per device per micro-step, ceil(data.batch_size / devices)
   # micro-steps per step, filled from whole documents (what does not fit starts the next).
