@@ -1,0 +1,191 @@
+"""The commands and links the README shows work as shown.
+
+Every `python -m experiments.<name> ...` command in a fenced code block of the README (and of
+`docs/results/*.md`, where the README's results moved) is parsed as the binary would parse
+it: the module exists, every flag is one it defines (read from its source with `ast`, so no
+binary is imported here: absl flags are process-global), `--config=<file>[:arg]` loads and
+each `--config.a.b=value` names a field of that config with a value of its type (the
+`ml_collections` parser itself, on a private `FlagValues`). Every `--config.a.b=value` in
+the README's inline code is checked against `configs/tiny_lm.py`, and every relative link
+in these pages must resolve.
+"""
+import ast
+import functools
+import pathlib
+import re
+import shlex
+import sys
+import types
+
+import pytest
+from absl import flags
+from ml_collections import config_flags
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs" / "results").glob("*.md"))]
+LINKED = [*PAGES, ROOT / "docs" / "design.md"]
+
+# config_flags loads config files with the deprecated SourceFileLoader.load_module.
+pytestmark = pytest.mark.filterwarnings("ignore:the load_module:DeprecationWarning")
+
+_FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
+_SEPARATORS = {"&&", "||", ";", "|", "&"}
+
+
+def _commands(text: str) -> list[tuple[int, list[str]]]:
+  """(line, argv with the module first) of each `python -m experiments.<name>` command in the
+  fenced code blocks; a command may continue over lines ending in a backslash."""
+  out = []
+  for block in _FENCE.finditer(text):
+    line = text.count("\n", 0, block.start(1)) + 1
+    for logical in re.split(r"(?<!\\)\n", block.group(1)):
+      words = shlex.split(logical.replace("\\\n", " "), comments=True)
+      for i in range(len(words) - 2):
+        if re.fullmatch(r"python3?", words[i]) and words[i + 1] == "-m" \
+            and words[i + 2].startswith("experiments."):
+          args = words[i + 3:]
+          end = next((j for j, w in enumerate(args) if w in _SEPARATORS), len(args))
+          out.append((line, [words[i + 2], *args[:end]]))
+      line += logical.count("\n") + 1
+  return out
+
+
+def _cases():
+  return [pytest.param(argv, id=f"{page.relative_to(ROOT)}:{line}:{argv[0]}")
+          for page in PAGES for line, argv in _commands(page.read_text())]
+
+
+def _literal(node, constants):
+  try:
+    return ast.literal_eval(node)
+  except ValueError:
+    return constants.get(node.id) if isinstance(node, ast.Name) else None
+
+
+@functools.lru_cache(maxsize=None)
+def _defined_flags(module: str) -> dict[str, tuple]:
+  """name -> (DEFINE_ function, default, enum values) of every flag the module's source
+  defines, at module level or in a function it calls when run (`_define_flags`)."""
+  tree = ast.parse((ROOT / (module.replace(".", "/") + ".py")).read_text())
+  constants = {}
+  for node in tree.body:
+    if isinstance(node, ast.Assign) and len(node.targets) == 1 \
+        and isinstance(node.targets[0], ast.Name):
+      try:
+        constants[node.targets[0].id] = ast.literal_eval(node.value)
+      except ValueError:
+        pass
+  out = {}
+  for node in ast.walk(tree):
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and node.func.attr.startswith("DEFINE_")):
+      continue
+    args = list(node.args) + [None] * 3
+    kw = {k.arg: k.value for k in node.keywords}
+    name = kw.get("name", args[0])
+    if not (isinstance(name, ast.Constant) and isinstance(name.value, str)):
+      continue
+    default = kw.get("default", args[1])
+    enum = kw.get("enum_values", args[2]) if node.func.attr == "DEFINE_enum" else None
+    out[name.value] = (node.func.attr, None if default is None else _literal(default, constants),
+                       None if enum is None else _literal(enum, constants))
+  return out
+
+
+def _flag_values(module: str, argv: list[str]) -> flags.FlagValues:
+  """A private FlagValues with the module's flags, typed as the module defines them."""
+  fv = flags.FlagValues()
+  for name, (kind, default, enum) in _defined_flags(module).items():
+    if kind == "DEFINE_config_file":
+      config_flags.DEFINE_config_file(name, default, flag_values=fv, sys_argv=argv)
+    elif kind in ("DEFINE_bool", "DEFINE_boolean"):
+      flags.DEFINE_bool(name, None, "", flag_values=fv)
+    elif kind in ("DEFINE_integer", "DEFINE_float", "DEFINE_list"):
+      getattr(flags, kind)(name, None, "", flag_values=fv)
+    elif kind == "DEFINE_enum" and enum:
+      flags.DEFINE_enum(name, None, list(enum), "", flag_values=fv)
+    else:
+      flags.DEFINE_string(name, None, "", flag_values=fv)
+  return fv
+
+
+class BadCommand(Exception):
+  """A command its binary would refuse at flag parsing."""
+
+
+def _parse(module: str, args: list[str], monkeypatch) -> flags.FlagValues:
+  """Parses `args` as `python -m <module>` would (configs load relative to the root)."""
+  assert (ROOT / (module.replace(".", "/") + ".py")).is_file(), f"no {module} in experiments/"
+  monkeypatch.chdir(ROOT)
+  # config_flags loads a config file as the module `config`: a fresh one, removed after
+  monkeypatch.setitem(sys.modules, "config", types.ModuleType("config"))
+  argv = [module, *args]
+  fv = _flag_values(module, argv)
+  try:  # a bad flag is a flags.Error; a bad config field or argument whatever loading raised
+    rest = fv(argv)
+  except Exception as e:  # pylint: disable=broad-except
+    raise BadCommand(f"{type(e).__name__}: {e}") from e
+  if rest != [module]:
+    raise BadCommand(f"arguments that are no flag: {rest[1:]}")
+  return fv
+
+
+@pytest.mark.parametrize("argv", _cases())
+def test_command_parses(argv, monkeypatch):
+  module, *args = argv
+  try:
+    _parse(module, args, monkeypatch)
+  except BadCommand as e:
+    pytest.fail(f"python -m {' '.join(argv)}: {e}")
+
+
+def test_the_readme_shows_commands():
+  modules = {argv[0] for _, argv in _commands(README.read_text())}
+  assert {"experiments.train", "experiments.step_cost"} <= modules, modules
+
+
+def test_inline_config_overrides_name_fields_of_tiny_lm(monkeypatch):
+  """`--config.a.b=value` in the README's inline code: a field of configs/tiny_lm.py."""
+  text = _FENCE.sub("", README.read_text())
+  overrides = []
+  for span in re.findall(r"`([^`]+)`", text):
+    if "python -m" in span:
+      continue
+    overrides += [w for w in span.split() if w.startswith("--config.")]
+  assert overrides
+  for override in overrides:
+    try:
+      _parse("experiments.train", ["--config=configs/tiny_lm.py", override,
+                                   "--workdir=/tmp/unused"], monkeypatch)
+    except BadCommand as e:
+      pytest.fail(f"{override}: {e}")
+
+
+def test_a_misspelled_flag_fails(monkeypatch):
+  """The check above can fail: a flag, a config field and a config argument that do not exist."""
+  for args in (["--config=configs/tiny_lm.py", "--work_dir=/tmp/x"],
+               ["--config=configs/tiny_lm.py", "--config.optimizer.outerr=diloco"],
+               ["--config=configs/tiny_lm.py", "--config.pipeline.vocab_parallel=maybe"],
+               ["--config=configs/tiny_lm.py:size=huge", "--workdir=/tmp/x"]):
+    with pytest.raises(BadCommand):
+      _parse("experiments.train", args, monkeypatch)
+
+
+def _links(text: str) -> list[str]:
+  text = _FENCE.sub("", text)
+  return [t for t in re.findall(r"\]\(([^)\s]+)\)", text)
+          if not re.match(r"[a-z][a-z0-9+.-]*:", t) and not t.startswith("#")]
+
+
+@pytest.mark.parametrize("page", LINKED, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(page):
+  links = _links(page.read_text())
+  missing = [t for t in links if not (page.parent / t.split("#")[0]).exists()]
+  assert not missing, f"{page.relative_to(ROOT)} links to missing files: {missing}"
+
+
+def test_readme_links_every_results_page():
+  links = {(ROOT / t).resolve() for t in _links(README.read_text())}
+  pages = set((ROOT / "docs" / "results").glob("*.md"))
+  assert pages <= links, sorted(str(p.relative_to(ROOT)) for p in pages - links)
