@@ -140,12 +140,16 @@ def _files_problem(step_dir: str, listed: dict) -> str | None:
 
 def _record_problem(step_dir: str) -> str | None:
   """Whether the loader position is the one saved with the step (files already verified)."""
-  try:
-    saved, data = _saved_record(step_dir), _json(step_dir, _DATA)
-  except (OSError, ValueError) as e:
-    return f"{_META} or {_DATA}: unreadable ({type(e).__name__})"
+  read = {}
+  for rel in (_META, _DATA):
+    try:
+      read[rel] = _json(step_dir, rel)
+    except (OSError, ValueError) as e:  # a missing one was unlisted too: else named above
+      return f"{rel}: unreadable ({type(e).__name__})"
+  saved = read[_META].get(RECORD) if isinstance(read[_META], dict) else None
   if saved is None:  # an older version's manifest: it verified, there is nothing more
     return None
+  data = read[_DATA]
   if not isinstance(saved, dict) or saved.get("format") != FORMAT:
     got = saved.get("format") if isinstance(saved, dict) else saved
     return f"{_META}: checkpoint format {got!r}, this version reads format {FORMAT}"

@@ -234,6 +234,21 @@ def test_a_rewritten_loader_position_is_refused(tmp_path, where):
   _refused(tmp_path, 2, says)
 
 
+def test_a_rewritten_document_loader_position_is_refused(tmp_path):
+  """The whole-document loader's position (jaxsys.data.documents) has no fixed relation to
+  the step: the copy in meta is what catches it."""
+  ckpt = Checkpointer(str(tmp_path))
+  for step in (1, 2):
+    ckpt.save(step, {"w": jnp.zeros(4)}, data={"epoch": 0, "position": 3 * step, "carry": []},
+              meta={})
+  ckpt.close()
+  step_dir = str(tmp_path / "2")
+  _rewrite_json(os.path.join(step_dir, "data", "metadata"), lambda d: d.update(position=9))
+  integrity.seal(step_dir)
+  _refused(tmp_path, 2, "data/metadata: the loader position differs from the copy saved in "
+                        "meta/metadata (position: 9 there, 6 in meta)")
+
+
 def test_restore_verifies_a_step_that_restore_step_did_not_choose(tmp_path):
   target = _save_steps(tmp_path, [1, 2])
   _flip(_data_file(tmp_path / "1"))
