@@ -47,8 +47,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.eval_steps = 8  # val batches per evaluation, >= 1
   c.checkpoint_every = max(1, steps // 3)  # 0: save only at the end
   c.keep_checkpoints = 3  # >= 1
-  # on_corrupt: a checkpoint step whose files fail their checksums: "error" stops naming
-  # the file and the newest earlier step that verifies; "previous" resumes from that step.
+  # on_corrupt: a checkpoint step whose files fail their checksums (or whose loader position
+  # changed since the save): "error" stops naming the file and the newest earlier step that
+  # verifies; "previous" resumes from that step.
   # merge_replicas: resuming a replica run (optimizer.outer) as fewer replicas or one model
   # takes the replicas' "mean" or "replica0"; the inner optimizer's moments follow.
   # snapshot_every: also snapshot the state into RAM (snapshot_dir, default a directory on

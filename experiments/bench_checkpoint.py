@@ -23,8 +23,9 @@ the VM's disk hits them alike):
    RAM: its "write" is page allocation + memcpy, fsync a no-op).
 2. Save throughput = state bytes / time from `Checkpointer.save` to the save being
    committed (`wait_until_finished` of its orbax manager: the step directory renamed into
-   place); and to sealed + durable (`Checkpointer.wait`, which also writes the CRC-32
-   manifest, then an fsync of every file and directory of the step and of its parent).
+   place, its CRC-32 manifest written inside it just before); and to sealed + durable
+   (`Checkpointer.wait`: since the manifest is part of the commit, nothing more; then an
+   fsync of every file and directory of the step and of its parent).
    TensorStore fsyncs the array data files it writes (its `file_io_sync` default) but
    orbax's JSON metadata and the commit rename are not fsynced, hence the second number.
    Against the disk's write + fsync bandwidth (target: >= 70%), as medians and, since this
@@ -318,9 +319,9 @@ def timed_save(ckpt: Checkpointer, step: int, state) -> dict[str, float]:
   t0 = time.perf_counter()
   ckpt.save(step, state, data=DATA, meta=META, force=True)
   block = time.perf_counter() - t0
-  ckpt._manager.wait_until_finished()  # the step directory renamed into place
+  ckpt._manager.wait_until_finished()  # the step directory renamed into place, with its manifest
   commit = time.perf_counter() - t0
-  ckpt.wait()  # + the CRC-32 manifest
+  ckpt.wait()  # (the manifest is part of the commit: kept for the tables' columns)
   sealed = time.perf_counter() - t0
   fsync_tree(ckpt.step_dir(step))
   durable = time.perf_counter() - t0

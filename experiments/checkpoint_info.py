@@ -2,8 +2,10 @@ r"""What a run's checkpoints hold: each step, its layout, size and integrity.
 
   python -m experiments.checkpoint_info --workdir=/tmp/jaxsys_tiny
 
-One line per step directory: whether its files verify against the checksums written when
-it was saved (`jaxsys/checkpoint/integrity.py`), its size, the model, and how its state is
+One line per step directory: "verified" when the checksums written with it list every file
+and each matches (and its loader position is the one saved), "legacy, unverified" for a
+step saved before checksums, "CORRUPT: <file>: <what>" otherwise
+(`jaxsys/checkpoint/integrity.py`); its size, the model, and how its state is
 laid out (one model, or replicas stacked on a leading axis, and the mesh it was saved
 under). Steps moved aside as corrupt and saves that never committed are listed too.
 Reads files only: no accelerator, nothing restored.
@@ -68,8 +70,8 @@ def describe(path: str) -> list[str]:
       lines.append(f"  {name:>10}  {size}  {kind}")
       continue
     bad = integrity.problem(full)
-    status = ("verified" if bad is None else "unverified: no checksums" if
-              bad == integrity.UNSEALED else f"CORRUPT: {bad}")
+    status = ("verified" if bad is None else "legacy, unverified" if
+              bad == integrity.LEGACY else f"CORRUPT: {bad}")
     try:
       with open(os.path.join(full, "meta", "metadata"), encoding="utf-8") as f:
         meta = json.load(f)

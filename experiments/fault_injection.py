@@ -11,12 +11,17 @@ commit, the checksums, the next step, the next save), one in four in the start-u
 random moment before the first save of the run before began: restore, run.lock
 take-over, metrics rewrite).
 
-Checked after each kill: what the save in flight left (orbax's temporary directory, a
-committed step without checksums yet); the newest committed step verifies or is only
-unsealed, never corrupt; the next run takes over the dead run's run.lock, resumes from
-exactly that step, and says so when it restores an unsealed one unverified. At the end
-the crashed run's losses (metrics.jsonl, one row per step) must equal the reference's
-exactly. Prints one row per crash and a summary; exit status 1 when a check fails.
+Checked after each kill: what the save in flight left (orbax's temporary directory: a
+step commits only with its checksums, so never a committed step without them); the
+newest committed step verifies; the next run takes over the dead run's run.lock and
+resumes from exactly that step, never unverified. At the end the crashed run's losses
+(metrics.jsonl, one row per step) must equal the reference's exactly. Prints one row per
+crash and a summary; exit status 1 when a check fails.
+
+With --corruption it damages checkpoints instead of killing runs (experiments/
+fault_corruption.py: flipped bytes, a manifest emptied, deleted or short of an entry, the
+loader position rewritten, a legacy step) and prints per kind how often the damaged step
+was refused, resumed from an earlier step, loaded with a warning or loaded wrong.
 
 Each run is a child forked from this process once jax, orbax and jaxsys are imported (a
 fresh interpreter spends about 2 s of a 3 s restart importing), on --devices simulated
@@ -48,6 +53,9 @@ _STEPS = flags.DEFINE_integer("total_steps", 40, "Steps of the run (a checkpoint
 _SOURCE = flags.DEFINE_string("data_source", "stdlib", "data.source of the config.")
 _DEVICES = flags.DEFINE_integer("devices", 8, "Simulated CPU devices (the mesh is data=-1).")
 _JSON = flags.DEFINE_string("json", "", "Also write the crashes and checks here.")
+_CORRUPTION = flags.DEFINE_boolean("corruption", False, "Damage checkpoints instead of killing "
+                                   "runs (experiments/fault_corruption.py).")
+_TRIALS = flags.DEFINE_integer("trials", 2, "--corruption: trials of each kind of damage.")
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TMP = ".orbax-checkpoint-tmp"
@@ -63,7 +71,7 @@ class Crash:
   pid: int
   left: str  # what the save in flight left on disk
   newest: int | None  # newest committed step after the kill
-  newest_problem: str | None  # integrity.problem of it: None (verifies), UNSEALED, or corrupt
+  newest_problem: str | None  # integrity.problem of it: None (verifies), else what fails
   lock_pid: int | None  # the pid run.lock names after the kill
   # Older steps failing their checksums: only ever one that orbax's max_to_keep was
   # deleting when the kill came (it deletes in place); never restored, deleted later.
@@ -96,8 +104,10 @@ def _train(config, workdir: str, log_path: str):
   code = 0
   try:
     loop.train_and_evaluate(config, workdir)
-  except BaseException:  # pylint: disable=broad-except
+  except BaseException as e:  # pylint: disable=broad-except
     traceback.print_exc()
+    if isinstance(e, ValueError):  # as experiments.train ends: the one line, last
+      print(f"error: {e}", file=sys.stderr)
     code = 1
   sys.stdout.flush()
   sys.stderr.flush()
@@ -161,12 +171,8 @@ def _left(ckpt_dir: str, since_ns: int, problem: str | None, newest: int | None)
   writing = sorted(s for s, name in mine if TMP in name)
   if writing:
     return f"step {writing[-1]} half-written ({TMP})"
-  sealing = [s for s, name in mine if name.isdigit()
-             and os.path.exists(os.path.join(ckpt_dir, name, integrity.MANIFEST + ".tmp"))]
-  if sealing:
-    return f"step {sealing[-1]} committed, checksums half-written"
-  if problem == integrity.UNSEALED and (newest, str(newest)) in mine:
-    return f"step {newest} committed, no checksums yet"
+  if problem is not None and (newest, str(newest)) in mine:
+    return f"step {newest} committed, not verified: {problem}"  # never, with checksums inside
   return "no save in flight" if mine else NOTHING_SAVED
 
 
@@ -220,8 +226,7 @@ def _crash_once(config, workdir: str, log_path: str, number: int, rng: random.Ra
   problems = {s: integrity.problem(os.path.join(ckpt_dir, str(s))) for s in _committed(ckpt_dir)}
   newest = max(problems, default=None)
   problem = problems.get(newest)
-  older_bad = [f"{s}: {p}" for s, p in problems.items()
-               if s != newest and p not in (None, integrity.UNSEALED)]
+  older_bad = [f"{s}: {p}" for s, p in problems.items() if s != newest and p is not None]
   return Crash(number, label, killed_after, pid, _left(ckpt_dir, since_ns, problem, newest),
                newest, problem, _lock_pid(workdir), older_bad)
 
@@ -239,17 +244,16 @@ def _run_to_end(config, workdir: str, log_path: str) -> int:
 def _check_crash(crash: Crash) -> list[str]:
   out = []
   where = f"crash {crash.number} ({crash.plan}, {crash.left})"
-  if crash.newest_problem not in (None, integrity.UNSEALED):
-    out.append(f"{where}: newest step {crash.newest} is corrupt: {crash.newest_problem}")
+  if crash.newest_problem is not None:
+    out.append(f"{where}: newest step {crash.newest} does not verify: {crash.newest_problem}")
   # A next run that reached a save has restored (or started afresh) before it; one killed
   # while it had written nothing may not have got that far (a loaded machine's slow start).
   restored = crash.next_resumed is not None or crash.next_run not in ("start-up", NOTHING_SAVED)
   if restored and crash.next_resumed != crash.newest:
     out.append(f"{where}: the next run resumed from step {crash.next_resumed}, "
                f"not the newest committed step {crash.newest}")
-  unsealed = crash.newest_problem == integrity.UNSEALED
-  if crash.next_resumed is not None and unsealed and not crash.next_warned_unverified:
-    out.append(f"{where}: the next run restored unsealed step {crash.newest} without a warning")
+  if crash.next_warned_unverified:  # every step this version saves has its checksums
+    out.append(f"{where}: the next run restored step {crash.next_resumed} unverified")
   # The lock comes before the restore: a run that resumed has taken it over.
   if crash.next_resumed is not None and crash.lock_pid is not None and not crash.next_took_lock:
     out.append(f"{where}: the next run did not take over run.lock of dead pid {crash.lock_pid}")
@@ -273,8 +277,8 @@ def _check_end(crashed: str, reference: str, total_steps: int, code: int) -> lis
   ckpt_dir = os.path.join(crashed, "checkpoints")
   for step in _committed(ckpt_dir):
     problem = integrity.problem(os.path.join(ckpt_dir, str(step)))
-    if problem not in (None, integrity.UNSEALED):
-      out.append(f"step {step} left by the last run is corrupt: {problem}")
+    if problem is not None:
+      out.append(f"step {step} left by the last run does not verify: {problem}")
   return out
 
 
@@ -319,10 +323,9 @@ def summary(result: dict) -> str:
   rows = [f"{'#':>3}  {'kill point':<18} {'at (s)':>6}  {'left on disk':<44} "
           f"{'newest':>6}  next run"]
   for c in result["crashes"]:
-    state = ("verifies" if c["newest_problem"] is None else
-             "unsealed" if c["newest_problem"] == integrity.UNSEALED else "CORRUPT")
+    state = "verifies" if c["newest_problem"] is None else "CORRUPT"
     nxt = ("-" if c["next_resumed"] is None else f"resumed {c['next_resumed']}"
-           + (", warned unverified" if c["next_warned_unverified"] else ""))
+           + (", UNVERIFIED" if c["next_warned_unverified"] else ""))
     newest = "-" if c["newest"] is None else f"{c['newest']} {state}"
     rows.append(f"{c['number']:>3}  {c['plan']:<18} {c['killed_after_s']:>6.2f}  "
                 f"{c['left']:<44} {newest:>6}  {nxt}")
@@ -331,12 +334,12 @@ def summary(result: dict) -> str:
   resumed = [c for c in crashes if c["next_resumed"] is not None]
   verified = sum(c["newest_problem"] is None for c in resumed)
   rows.append(f"{len(crashes)} kills: {count('half-written')} with a save half-written, "
-              f"{count('no checksums') + count('checksums half')} with one committed but not "
-              f"sealed yet, {count('no save')} between saves, {count('nothing saved')} in the "
-              f"start-up. {len(resumed)} next runs resumed, each from the newest committed "
-              f"step ({verified} verified, {len(resumed) - verified} unsealed: restored with a "
-              f"warning); {sum(len(c['older_bad']) for c in crashes)} older steps left "
-              f"half-deleted by max_to_keep (never restored). {result['seconds']:.1f} s in all")
+              f"{count('not verified')} with a committed step that does not verify, "
+              f"{count('no save')} between saves, {count('nothing saved')} in the start-up. "
+              f"{len(resumed)} next runs resumed, each from the newest committed step "
+              f"({verified} verified); {sum(len(c['older_bad']) for c in crashes)} older steps "
+              f"left half-deleted by max_to_keep (never restored). {result['seconds']:.1f} s "
+              "in all")
   rows += [f"FAIL: {p}" for p in result["problems"]] or [
       f"OK: the losses of steps 1..{result['steps']} equal the uninterrupted run's exactly"]
   return "\n".join(rows)
@@ -360,8 +363,15 @@ def main(argv):
   # MFU's peak: two timed 2048^3 matmuls (0.7 s) in every restart, and no checkpoint in them.
   metrics.peak_flops = lambda dtype="float32": metrics.Peak(1e12, "not measured (fault injection)")
   metrics.quiet_library_logs()
-  result = run(workdir, _CRASHES.value, _SEED.value, _STEPS.value, _SOURCE.value)
-  print(summary(result))
+  if _CORRUPTION.value:
+    from experiments import fault_corruption
+    # This module, as run (__main__): importing it again would define its flags twice.
+    result = fault_corruption.run(sys.modules[__name__], workdir, _TRIALS.value, _SEED.value,
+                                  _SOURCE.value)
+    print(fault_corruption.summary(result))
+  else:
+    result = run(workdir, _CRASHES.value, _SEED.value, _STEPS.value, _SOURCE.value)
+    print(summary(result))
   if _JSON.value:
     with open(_JSON.value, "w", encoding="utf-8") as f:
       json.dump(result, f, indent=1)

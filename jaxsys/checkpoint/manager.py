@@ -5,12 +5,14 @@ asynchronously and restored straight into the shardings of the current mesh),
 `data` (the loader position, JSON) and `meta` (the model config, JSON, checked
 before anything is restored so a checkpoint of another model is refused).
 `reader.read_params` reads only the parameters, for evaluation and `init_from`.
-Once a step has committed, process 0 seals it (`integrity.seal`: every file's CRC-32);
-`restore_step` verifies a step before anything of it is read.
+A step commits with its checksums: process 0 writes the manifest (`integrity.seal`:
+every file's CRC-32) into orbax's temporary directory, in orbax's background commit,
+just before the rename that commits the step; meta records the step and the loader
+position (`integrity.record`). A step is verified before anything of it is read.
 """
 from __future__ import annotations
 
-import concurrent.futures
+import asyncio
 import hashlib
 import os
 import shutil
@@ -23,6 +25,8 @@ import jax
 import orbax.checkpoint as ocp
 from absl import logging
 from jax.experimental import multihost_utils
+from orbax.checkpoint._src.metadata import checkpoint as orbax_metadata
+from orbax.checkpoint._src.path import async_path, atomicity
 
 from jaxsys import storage
 from jaxsys.checkpoint import integrity
@@ -43,6 +47,31 @@ def corrupt_step(step: int, directory: str, problem: str) -> str:
 STATE_OPTIONS = {"use_compression": False, "ocdbt_target_data_file_size": 64 << 20}
 
 
+class _CommitWithChecksums(atomicity.AtomicRenameTemporaryPath):
+  """orbax's commit of a step (its temporary directory renamed into place), with the
+  step's manifest written into that directory last, just before the rename: no step
+  directory of this version exists without it, even after a kill. Runs where orbax
+  commits: its background thread for an asynchronous save, off the training loop."""
+
+  async def finalize(self):
+    # orbax uses this class for the items inside the step too (state, data, meta): those
+    # commit as before; the step itself is the directory named by its number.
+    if not self._final_path.name.isdigit():
+      return await super().finalize()
+    # As AtomicRenameTemporaryPath.finalize (orbax 0.12.8), the manifest before the rename.
+    store = self._checkpoint_metadata_store
+    if store:
+      await asyncio.to_thread(store.wait_until_finished)
+      await asyncio.to_thread(store.update,
+                              file_path=orbax_metadata.step_metadata_file_path(self._tmp_path),
+                              commit_timestamp_nsecs=time.time_ns())
+      await asyncio.to_thread(store.wait_until_finished)
+    await async_path.write_text(self._tmp_path / atomicity.COMMIT_SUCCESS_FILE,
+                                f"Checkpoint commit was successful to {self._final_path}")
+    await asyncio.to_thread(integrity.seal, os.fspath(self._tmp_path))
+    await async_path.rename(self._tmp_path, self._final_path)
+
+
 class Checkpointer:
   """Keeps the last `keep` checkpoints of a run under `directory`.
 
@@ -54,7 +83,8 @@ class Checkpointer:
                state_options: dict | None = None):
     self.directory = os.path.abspath(directory)
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
-                                           enable_async_checkpointing=async_save)
+                                           enable_async_checkpointing=async_save,
+                                           temporary_path_class=_CommitWithChecksums)
     state_options = dict(STATE_OPTIONS if state_options is None else state_options)
     self._file_bytes = state_options.pop("ocdbt_target_data_file_size", None)
     handler = ocp.PyTreeCheckpointHandler(**state_options)
@@ -66,63 +96,34 @@ class Checkpointer:
         registry.add(item, args, ocp.JsonCheckpointHandler)
     self._manager = ocp.CheckpointManager(self.directory, options=options,
                                           handler_registry=registry)
-    self._unsealed: list[int] = []  # saves started, not yet seen committed
-    # Sealing reads a whole step (about 1 s per GB): a thread of its own, off the loop,
-    # that seals each step as soon as it commits.
-    self._sealer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxsys-seal")
-    self._sealing: list[concurrent.futures.Future] = []
-    # The newest step whose save has ended, committed or failed: a seal waiting for a step
-    # up to it that never appeared gives up.
-    self._settled = -1
-    self._last_started = -1
+    self._pending: list[int] = []  # saves started, not yet seen committed
+    self._verified: set[int] = set()  # steps checked here: restore reads them unchecked
 
   def step_dir(self, step: int) -> str:
     return os.path.join(self.directory, str(step))
-
-  def _forget_committed(self, wait: bool = False) -> None:
-    """Forgets the saves seen committed (their directories exist: orbax renames a step's
-    temporary directory into place last). wait: until every seal started is written (its
-    errors raised here)."""
-    self._unsealed = [s for s in self._unsealed if not os.path.isdir(self.step_dir(s))]
-    if wait:
-      sealing, self._sealing = self._sealing, []
-      for future in sealing:
-        future.result()
-
-  def _seal_when_committed(self, step: int) -> None:
-    """(The sealer thread.) Seals `step` as soon as it commits; returns if its save ends
-    without committing."""
-    path = self.step_dir(step)
-    while not os.path.isdir(path):
-      if self._settled >= step:
-        return
-      time.sleep(0.01)
-    try:
-      integrity.seal(path)
-    except FileNotFoundError:  # deleted meanwhile (max_to_keep): nothing to seal
-      pass
 
   def problem(self, step: int) -> str | None:
     """None when `step` verifies against its checksums; else what fails (see integrity)."""
     return integrity.problem(self.step_dir(step))
 
   def restore_step(self, on_corrupt: str = "error") -> int | None:
-    """The step to resume from: the latest, if it verifies (or has no checksums: restored
-    unverified, with a warning). A corrupt latest step stops with one line naming the
-    file and the newest earlier step that verifies, or, with on_corrupt="previous",
-    resumes from that step with a warning."""
+    """The step to resume from: the latest, if it verifies (or was saved by a version
+    before checksums: restored unverified, with a warning). A corrupt latest step stops
+    with one line naming the file and the newest earlier step that verifies, or, with
+    on_corrupt="previous", resumes from that step with a warning."""
     steps = sorted(self.all_steps(), reverse=True)
     if not steps:
       return None
-    bad = self.problem(steps[0])
-    if bad is None:
-      return steps[0]
-    if bad == integrity.UNSEALED:
-      logging.warning("checkpoint step %d in %s: %s; restoring it unverified", steps[0],
-                      self.directory, bad)
-      return steps[0]
-    good = next((s for s in steps[1:] if self.problem(s) in (None, integrity.UNSEALED)), None)
-    where = corrupt_step(steps[0], self.directory, bad)
+    problems = {}
+
+    def usable(step):
+      problems[step] = self.problem(step)
+      return problems[step] in (None, integrity.LEGACY)
+    good = next((s for s in steps if usable(s)), None)
+    if good == steps[0]:
+      self._accept(good, problems[good])
+      return good
+    where = corrupt_step(steps[0], self.directory, problems[steps[0]])
     if good is None:
       raise CorruptCheckpoint(f"{where}; no earlier step verifies (steps there: "
                               f"{sorted(steps)}); use another --workdir to start afresh")
@@ -139,7 +140,16 @@ class Checkpointer:
       multihost_utils.sync_global_devices("jaxsys: corrupt steps moved aside")
     self._manager.reload()
     logging.warning("%s; resuming from step %d, which verifies", where, good)
+    self._accept(good, problems[good])
     return good
+
+  def _accept(self, step: int, problem: str | None) -> None:
+    """Remembers `step` as checked (None or LEGACY); a legacy step with a warning. Never
+    sealed after the fact: its files may have changed since its save."""
+    if problem == integrity.LEGACY:
+      logging.warning("checkpoint step %d in %s: %s; restoring it unverified", step,
+                      self.directory, problem)
+    self._verified.add(step)
 
   def remove_partial_saves(self) -> list[str]:
     """Deletes what saves that never committed left behind (orbax's
@@ -169,10 +179,13 @@ class Checkpointer:
     A save that cannot be written (a full disk), this one or the previous one (written in
     the background until now), raises storage.WriteError: one line naming its step, the
     system's reason and the committed steps, which a failed save never touches."""
+    # The step and the loader position, twice: a position changed after the save fails
+    # verification (integrity._record_problem) even with the manifest recomputed.
+    meta = {**meta, integrity.RECORD: integrity.record(step, data)}
     args = ocp.args.Composite(
         state=ocp.args.PyTreeSave(state, ocdbt_target_data_file_size=self._file_bytes),
         data=ocp.args.JsonSave(data), meta=ocp.args.JsonSave(meta))
-    self.wait(sealed=False)  # as orbax's save would, but naming the step that failed
+    self.wait()  # as orbax's save would, but naming the step that failed
     try:
       started = self._manager.save(step, args=args, force=force)
     except Exception as e:
@@ -180,12 +193,8 @@ class Checkpointer:
         raise
       raise self._failed_save(step, e) from e
     if started:
-      self._unsealed.append(step)
-      self._last_started = step
-      if jax.process_index() == 0:
-        self._sealing.append(self._sealer.submit(self._seal_when_committed, step))
-    # The saves before this one have finished by now; a synchronous one has too.
-    self._forget_committed()
+      self._pending.append(step)
+      self._verified.discard(step)
     return started
 
   def read_meta(self, step: int) -> dict:
@@ -194,7 +203,14 @@ class Checkpointer:
   def restore(self, step: int, abstract_state: Any, *, partial: bool = False) -> tuple[Any, dict]:
     """(state, data position) at `step`; `abstract_state` leaves carry the target shardings.
     Each process reads only the pieces its devices hold. partial: `abstract_state` may
-    name a subset of the saved tree (e.g. a dict of some of its fields)."""
+    name a subset of the saved tree (e.g. a dict of some of its fields). A step that
+    `restore_step` did not choose is verified first."""
+    if step not in self._verified:
+      bad = self.problem(step)
+      if bad not in (None, integrity.LEGACY):
+        raise CorruptCheckpoint(f"{corrupt_step(step, self.directory, bad)}; restore another "
+                                f"step (steps there: {sorted(self.all_steps())})")
+      self._accept(step, bad)
     target = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
         abstract_state)
@@ -203,17 +219,11 @@ class Checkpointer:
             target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
             partial_restore=partial),
         data=ocp.args.JsonRestore()))
-    path = self.step_dir(step)
-    if jax.process_index() == 0 and not integrity.is_sealed(path):
-      # Committed but never sealed (a run killed before the manifest) and read without
-      # error: sealed now, so that a change to its files from now on is caught.
-      integrity.seal(path)
-      logging.info("checkpoint step %d in %s: sealed after restoring it", step, self.directory)
     return restored["state"], restored["data"]
 
-  def wait(self, *, sealed: bool = True) -> None:
-    """Blocks until the saves started have committed and, with `sealed`, their checksums
-    are written. A save that failed raises storage.WriteError (see `save`)."""
+  def wait(self) -> None:
+    """Blocks until the saves started have committed, each with its checksums. A save
+    that failed raises storage.WriteError (see `save`)."""
     if self._failure is not None:
       raise self._failure
     try:
@@ -221,16 +231,9 @@ class Checkpointer:
     except Exception as e:
       if storage.os_errno(e) is None:
         raise
-      uncommitted = [s for s in self._unsealed if not os.path.isdir(self.step_dir(s))]
+      uncommitted = [s for s in self._pending if not os.path.isdir(self.step_dir(s))]
       raise self._failed_save(max(uncommitted, default=None), e) from e
-    finally:
-      self._settled = self._last_started
-    if sealed:
-      try:
-        self._forget_committed(wait=True)
-      except OSError as e:
-        raise storage.WriteError(f"writing checksums.json of a step in {self.directory}", e,
-                                 after="its checkpoint is committed and restores unverified") from e
+    self._pending = []
 
   def close(self) -> None:
     """`wait`, then stops orbax's threads. A failure while another exception propagates
@@ -244,8 +247,6 @@ class Checkpointer:
         raise
       logging.error("closing the checkpoints in %s: %s", self.directory, e)
     finally:
-      self._settled = self._last_started  # no seal waits for a save that failed
-      self._sealer.shutdown()
       try:
         self._manager.close()
       except Exception:
@@ -256,7 +257,7 @@ class Checkpointer:
     """The one-line error of a save that failed to write. Its partial directory stays, for
     a later run to remove: tensorstore may still be writing the pieces that had not failed
     yet, and would recreate it."""
-    self._unsealed = [s for s in self._unsealed if s != step]
+    self._pending = [s for s in self._pending if s != step]
     # From the directory: orbax already forgot the steps this save was to replace
     # (max_to_keep), though it deletes them only once a save has committed.
     kept = sorted(int(n) for n in os.listdir(self.directory) if n.isdigit() and int(n) != step)

@@ -12,6 +12,7 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from absl import logging
 
 from jaxsys.checkpoint import integrity
 from jaxsys.checkpoint.manager import CorruptCheckpoint, check_same_model, corrupt_step
@@ -70,8 +71,10 @@ def read_params(path: str, step: int | None = None, *, expect_model: dict | None
     if step not in steps:
       raise ValueError(f"{directory}: no checkpoint at step {step}; steps there: {sorted(steps)}")
     bad = integrity.problem(os.path.join(directory, str(step)))
-    if bad not in (None, integrity.UNSEALED):
+    if bad not in (None, integrity.LEGACY):
       raise CorruptCheckpoint(corrupt_step(step, directory, bad))
+    if bad == integrity.LEGACY:
+      logging.warning("checkpoint step %d in %s: %s; reading it unverified", step, directory, bad)
     meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     if expect_model is not None:
       check_same_model(meta["model"], expect_model, directory, allow_model_change)
