@@ -95,9 +95,8 @@ def problem(step_dir: str) -> str | None:
   return _files_problem(step_dir, listed) or _record_problem(step_dir)
 
 
-def _saved_record(step_dir: str) -> dict | None:
-  """meta's `record`, None for a step of an older version; raises if meta is unreadable."""
-  meta = _json(step_dir, _META)
+def _record_of(meta) -> dict | None:
+  """meta's `record`, None for a step of an older version."""
   return meta.get(RECORD) if isinstance(meta, dict) else None
 
 
@@ -107,7 +106,7 @@ def _unsealed(step_dir: str) -> str:
   if missing is not None:
     return f"{missing}: missing (and no {MANIFEST})"
   try:
-    saved = _saved_record(step_dir)
+    saved = _record_of(_json(step_dir, _META))
   except (OSError, ValueError) as e:
     return f"{_META}: unreadable ({type(e).__name__}) (and no {MANIFEST})"
   if saved is not None:
@@ -146,7 +145,7 @@ def _record_problem(step_dir: str) -> str | None:
       read[rel] = _json(step_dir, rel)
     except (OSError, ValueError) as e:  # a missing one was unlisted too: else named above
       return f"{rel}: unreadable ({type(e).__name__})"
-  saved = read[_META].get(RECORD) if isinstance(read[_META], dict) else None
+  saved = _record_of(read[_META])
   if saved is None:  # an older version's manifest: it verified, there is nothing more
     return None
   data = read[_DATA]

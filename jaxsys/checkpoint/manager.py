@@ -41,6 +41,18 @@ def corrupt_step(step: int, directory: str, problem: str) -> str:
   return f"checkpoint step {step} in {directory} is corrupt: {problem}"
 
 
+def check_step(directory: str, step: int, problem: str | None, *, doing: str = "restoring",
+               hint: str = "") -> None:
+  """Raises CorruptCheckpoint for `step`'s `problem` (`integrity.problem`) unless it is None
+  or LEGACY; a legacy step passes with a warning that it is `doing` unverified (never sealed
+  after the fact: its files may have changed since its save)."""
+  if problem == integrity.LEGACY:
+    logging.warning("checkpoint step %d in %s: %s; %s it unverified", step, directory, problem,
+                    doing)
+  elif problem is not None:
+    raise CorruptCheckpoint(corrupt_step(step, directory, problem) + hint)
+
+
 # How the state's arrays are stored: uncompressed, in OCDBT data files of 64 MiB. orbax's
 # default zstd saves ~7% of float32 bytes but holds a save to 16% of this machine's disk
 # bandwidth at 100M parameters (77% without it): experiments/bench_checkpoint.py.
@@ -143,12 +155,9 @@ class Checkpointer:
     self._accept(good, problems[good])
     return good
 
-  def _accept(self, step: int, problem: str | None) -> None:
-    """Remembers `step` as checked (None or LEGACY); a legacy step with a warning. Never
-    sealed after the fact: its files may have changed since its save."""
-    if problem == integrity.LEGACY:
-      logging.warning("checkpoint step %d in %s: %s; restoring it unverified", step,
-                      self.directory, problem)
+  def _accept(self, step: int, problem: str | None, hint: str = "") -> None:
+    """`check_step`, then remembers `step` as checked: `restore` reads it unchecked."""
+    check_step(self.directory, step, problem, hint=hint)
     self._verified.add(step)
 
   def remove_partial_saves(self) -> list[str]:
@@ -206,11 +215,8 @@ class Checkpointer:
     name a subset of the saved tree (e.g. a dict of some of its fields). A step that
     `restore_step` did not choose is verified first."""
     if step not in self._verified:
-      bad = self.problem(step)
-      if bad not in (None, integrity.LEGACY):
-        raise CorruptCheckpoint(f"{corrupt_step(step, self.directory, bad)}; restore another "
-                                f"step (steps there: {sorted(self.all_steps())})")
-      self._accept(step, bad)
+      self._accept(step, self.problem(step),
+                   hint=f"; restore another step (steps there: {sorted(self.all_steps())})")
     target = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
         abstract_state)

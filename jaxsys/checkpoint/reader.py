@@ -12,10 +12,9 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from absl import logging
 
 from jaxsys.checkpoint import integrity
-from jaxsys.checkpoint.manager import CorruptCheckpoint, check_same_model, corrupt_step
+from jaxsys.checkpoint.manager import check_same_model, check_step
 from jaxsys.models import transformer
 
 
@@ -70,11 +69,8 @@ def read_params(path: str, step: int | None = None, *, expect_model: dict | None
     step = max(steps) if step is None else step
     if step not in steps:
       raise ValueError(f"{directory}: no checkpoint at step {step}; steps there: {sorted(steps)}")
-    bad = integrity.problem(os.path.join(directory, str(step)))
-    if bad not in (None, integrity.LEGACY):
-      raise CorruptCheckpoint(corrupt_step(step, directory, bad))
-    if bad == integrity.LEGACY:
-      logging.warning("checkpoint step %d in %s: %s; reading it unverified", step, directory, bad)
+    check_step(directory, step, integrity.problem(os.path.join(directory, str(step))),
+               doing="reading")
     meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     if expect_model is not None:
       check_same_model(meta["model"], expect_model, directory, allow_model_change)
