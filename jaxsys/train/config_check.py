@@ -253,15 +253,17 @@ RELATIONS: tuple[Relation, ...] = (
     Relation(("parallel.hdp", "data.variable_length"), lambda hdp, var: hdp == var,
              "equal data.variable_length (HDP trains whole documents; whole documents train "
              "only with HDP)"),
-    Relation(("parallel.hdp", "mesh axes HDP does not keep"),
-             lambda hdp, others: not hdp or not others,
-             "be False on this mesh: HDP regroups the batch axes (data, fsdp) into "
-             "data=S/c,context=c views and keeps tensor; it makes its own context rings, and "
-             "its micro-steps are not yet pipelined or replicated (use data, fsdp, tensor)"),
-    Relation(("data.max_len", "data.seq_len", "mesh shards of 'batch'", "parallel.hdp"),
+    Relation(("parallel.hdp", "mesh axis context"), lambda hdp, c: not hdp or c == 1,
+             "be False with a context axis: HDP makes its own context rings, as long as each "
+             "document needs (data=S/c,context=c views of its pool), so a fixed one has "
+             "nothing to split"),
+    Relation(("parallel.hdp", "mesh axis stage"), lambda hdp, p: not hdp or p == 1,
+             "be False with a stage axis: HDP's micro-steps are not pipelined yet (each "
+             "would run its variable rings through the schedule)"),
+    Relation(("data.max_len", "data.seq_len", "mesh axes data x fsdp", "parallel.hdp"),
              lambda m, t, n, hdp: not hdp or m <= n * t,
-             "fit the device pool: at most (data x fsdp) x data.seq_len tokens (data.seq_len "
-             "is each slot's share in a micro-step)"),
+             "fit a replica's device pool: at most (data x fsdp) x data.seq_len tokens "
+             "(data.seq_len is each slot's share in a micro-step)"),
     Relation(("optimizer.grad_accum_steps", "parallel.hdp"), lambda a, hdp: a == 1 or not hdp,
              "be 1 with HDP (its micro-steps already accumulate gradients)"),
     Relation(("optimizer.outer_fragments", "model.n_layers", "optimizer.outer"),
@@ -318,9 +320,8 @@ def _derived(mesh) -> dict[str, Any]:
   return {**shards, "mesh axis replica": dict(mesh.shape).get("replica", 1),
           "mesh axis stage": dict(mesh.shape).get("stage", 1),
           "mesh axis context": dict(mesh.shape).get("context", 1),
-          "mesh axes HDP does not keep": ",".join(
-              a for a, n in mesh.shape.items()
-              if a not in hdp_step.SLOT_AXES + hdp_step.KEPT_AXES and n > 1),
+          "mesh axes data x fsdp": math.prod(dict(mesh.shape).get(a, 1)
+                                             for a in hdp_step.SLOT_AXES),
           "processes": jax.process_count()}
 
 
@@ -382,8 +383,8 @@ def check_config(config, workdir: Any = None) -> config_lib.RunConfig:
   replicas_lib.make_outer_optimizer(run.outer)
   if run.outer.name != "none":
     replicas_lib.num_replicas(mesh, run.outer.name)
-  if run.parallel.hdp:  # the pool's own checks (the order of its axes)
-    hdp_step.Pool(mesh)
+  if run.parallel.hdp:  # the pools' own checks (the order of their axes)
+    hdp_step.slots(mesh)
   if run.pipeline.schedule != "none":  # the schedule's own checks (e.g. 1f1b's m >= p)
     pipeline.make_schedule(run.pipeline.schedule, stages=dict(mesh.shape).get("stage", 1),
                            microbatches=run.pipeline.microbatches,

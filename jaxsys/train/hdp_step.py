@@ -33,7 +33,7 @@ from jaxsys.models import transformer
 from jaxsys.data.packing import FIELDS
 from jaxsys.parallel import hdp, hdp_layout, hdp_schedule
 from jaxsys.train import step as step_lib
-from jaxsys.train.state import TrainState
+from jaxsys.train.state import REPLICA_AXIS as REPLICA, TrainState
 
 
 def micro_step_sums(params, batch, acc, *, model_cfg: transformer.TransformerConfig, ring: bool,
@@ -141,6 +141,14 @@ class _HDPBase:
   def num_devices(self) -> int:
     """The plan's devices: the pool's slots."""
     return self.pool.size
+
+  @property
+  def pools(self) -> tuple["_HDPBase", ...]:
+    return (self,)
+
+  @staticmethod
+  def batch_of(parts: list[dict]) -> dict:
+    return parts[0]
 
   def _view_program(self, view: Mesh, params_sh, acc_sh):
     """The jitted micro-step over the `data, context` view `view`, and its batch sharding.
@@ -461,22 +469,34 @@ def _local_sums(params, batch, counts, *, model_cfg: transformer.TransformerConf
 
 
 class Planner:
-  """The loader's documents -> an HDP step's batch: the step fills `micro_steps` micro-steps.
+  """The loader's documents -> an HDP step's batch: each pool fills `micro_steps` micro-steps.
 
-  The loader offers more documents than fit; the planner keeps, in order, each one its plan
-  still fits and gives the rest back to `loader` (the next batch starts with them), so
-  micro-steps are not left part empty by a token cut.
+  The loader offers more documents than fit. With several pools (one per replica) the
+  offer is cut, in order, into one run of documents per pool, each of about the same
+  tokens; each pool keeps, in order, every document of its run (and of what the pools
+  before it left) that its plan still fits, and the last pool's leftovers go back to
+  `loader` (the next batch starts with them), so micro-steps are not left part empty by a
+  token cut.
   """
 
-  def __init__(self, executor: "HDPStep | PerRankHDPStep", loader, micro_steps: int):
+  def __init__(self, executor: "HDPExecutor", loader, micro_steps: int):
     self.executor, self.loader, self.micro_steps = executor, loader, micro_steps
 
   def __call__(self, batch):
     docs = batch["tokens"]
-    kept, steps = self.executor.fit(docs, self.micro_steps)
-    if len(kept) < len(docs):
-      self.loader.give_back(sorted(set(range(len(docs))) - set(kept)))
-    return {"tokens": [docs[i] for i in kept], "plan": steps}
+    pools = self.executor.pools
+    before = np.cumsum([0] + [len(d) for d in docs])[:-1]
+    share = [min(len(pools) - 1, int(t * len(pools) // max(1, before[-1] + len(docs[-1]))))
+             for t in before] if docs else []
+    left, parts = [], []  # indices into the loader's batch
+    for r, pool in enumerate(pools):
+      offer = left + [i for i, p in enumerate(share) if p == r]
+      kept, steps = pool.fit([docs[i] for i in offer], self.micro_steps)
+      parts.append({"tokens": [docs[offer[i]] for i in kept], "plan": steps})
+      left = [j for i, j in enumerate(offer) if i not in set(kept)]
+    if left:
+      self.loader.give_back(left)
+    return self.executor.batch_of(parts)
 
 
 def micro_steps_per_step(run: RunConfig, slots: int) -> int:
@@ -494,10 +514,127 @@ def loader_budget(slots: int, max_len: int) -> int:
   return slots + max(max_len, slots // 2)
 
 
-def make_executor(run: RunConfig, optimizer, mesh, state_sh: TrainState
-                  ) -> "HDPStep | PerRankHDPStep":
-  """The HDP step of `run` on `mesh` (`Pool`), data.seq_len tokens per slot."""
-  args = (run.model, optimizer, mesh, state_sh, run.data.seq_len)
-  if run.parallel.hdp_schedule == "per_rank":
-    return PerRankHDPStep(*args, widen=run.parallel.hdp_widen_rings)
-  return HDPStep(*args)
+def make_executor(run: RunConfig, optimizer, mesh, state_sh: TrainState) -> "HDPExecutor":
+  """The HDP step of `run` on `mesh`: one pool (`Pool`), data.seq_len tokens per slot, or
+  one per replica (`ReplicaPools`) when the mesh has a `replica` axis."""
+  def executor(mesh, state_sh):
+    args = (run.model, optimizer, mesh, state_sh, run.data.seq_len)
+    if run.parallel.hdp_schedule == "per_rank":
+      return PerRankHDPStep(*args, widen=run.parallel.hdp_widen_rings)
+    return HDPStep(*args)
+  if REPLICA not in mesh.axis_names:
+    return executor(mesh, state_sh)
+  return ReplicaPools(executor, mesh, state_sh)
+
+
+def replica_meshes(mesh: Mesh) -> list[Mesh]:
+  """Each replica's devices as a mesh of the other axes; [mesh] without a `replica` axis."""
+  if REPLICA not in mesh.axis_names:
+    return [mesh]
+  at = mesh.axis_names.index(REPLICA)
+  names = tuple(a for a in mesh.axis_names if a != REPLICA)
+  return [Mesh(np.take(mesh.devices, r, axis=at), names) for r in range(mesh.shape[REPLICA])]
+
+
+def slots(mesh: Mesh) -> int:
+  """The slots of every pool on `mesh` (one pool per replica)."""
+  return sum(Pool(m).size for m in replica_meshes(mesh))
+
+
+class ReplicaPools:
+  """HDP inside each of an outer optimizer's replicas: one pool per replica, on that
+  replica's devices, steps the replica's slice of the stacked state [R, ...] (its
+  parameters and inner optimizer state) over its own documents; the outer state is left to
+  the sync. Slices and the stacked result are the same device buffers' shards, each read
+  where it lies, so nothing crosses replicas in a step.
+  """
+
+  def __init__(self, executor: Callable[[Mesh, TrainState], "HDPStep | PerRankHDPStep"],
+               mesh: Mesh, state_sh: TrainState):
+    self.mesh, self.state_sh = mesh, state_sh
+    self.meshes = replica_meshes(mesh)
+    self.replica_sh = [_replica_shardings(state_sh, m) for m in self.meshes]
+    self.pools = [executor(m, sh) for m, sh in zip(self.meshes, self.replica_sh)]
+    self._combine = jax.jit(_combine_metrics, out_shardings=NamedSharding(mesh, P()))
+
+  @staticmethod
+  def batch_of(parts: list[dict]) -> dict:
+    return {"pools": parts}
+
+  @property
+  def num_devices(self) -> int:
+    return sum(pool.num_devices for pool in self.pools)
+
+  def reductions_per_step(self) -> float:
+    return float(np.mean([pool.reductions_per_step() for pool in self.pools]))
+
+  def lower(self, state: TrainState, c: int = 2) -> list:
+    """Replica 0's update and ring programs (every replica's are the same on its devices)."""
+    sh = self.replica_sh[0]
+    one = lambda x, s: jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=s)
+    return self.pools[0].lower(TrainState(
+        step=jax.ShapeDtypeStruct((), state.step.dtype, sharding=sh.step),
+        params=jax.tree.map(one, state.params, sh.params),
+        opt_state=jax.tree.map(one, state.opt_state, sh.opt_state)), c)
+
+  def __call__(self, state: TrainState, batch: dict[str, Any]):
+    # Every replica's slice first: a step donates its slice, and the step counter's slices
+    # are the stacked one's own shards.
+    mine = [(pool, part, TrainState(step=_on(state.step, sh.step),
+                                    params=_slice(state.params, sh.params),
+                                    opt_state=_slice(state.opt_state, sh.opt_state)))
+            for pool, sh, part, mesh in zip(self.pools, self.replica_sh, batch["pools"],
+                                            self.meshes)
+            if any(d.process_index == jax.process_index() for d in mesh.devices.flat)]
+    steps, params, opt_states, metrics = [], [], [], []
+    for pool, part, one in mine:  # this process's replicas
+      one, m = pool(one, part)
+      steps.append(one.step)
+      params.append(one.params)
+      opt_states.append(one.opt_state)
+      metrics.append(m)
+    micro_steps = max(int(m.pop("micro_steps")) for m in metrics)  # host values: no wait
+    state = state.replace(step=_stack(steps, self.state_sh.step, lead=False),
+                          params=jax.tree.map(lambda sh, *x: _stack(x, sh), self.state_sh.params,
+                                              *params),
+                          opt_state=jax.tree.map(lambda sh, *x: _stack(x, sh),
+                                                 self.state_sh.opt_state, *opt_states))
+    per_replica = NamedSharding(self.mesh, P(REPLICA))
+    metrics = self._combine({k: _stack([m[k] for m in metrics], per_replica)
+                             for k in metrics[0]})
+    return state, {**metrics, "micro_steps": jnp.asarray(micro_steps)}
+
+
+def _replica_shardings(state_sh: TrainState, mesh: Mesh) -> TrainState:
+  """One replica's shardings on its `mesh`: the stacked state's, less the leading `replica`."""
+  one = lambda sh: NamedSharding(mesh, P(*sh.spec[1:]))
+  return TrainState(step=NamedSharding(mesh, P()), params=jax.tree.map(one, state_sh.params),
+                    opt_state=jax.tree.map(one, state_sh.opt_state))
+
+
+def _slice(tree, shardings):
+  """Of stacked leaves [R, ...], the replica whose devices `shardings` name: each device's
+  shard [1, ...] of it, as [...]."""
+  def one(x, sharding):
+    devices = set(sharding.mesh.devices.flat)
+    return jax.make_array_from_single_device_arrays(
+        x.shape[1:], sharding, [s.data[0] for s in x.addressable_shards if s.device in devices])
+  return jax.tree.map(one, tree, shardings)
+
+
+def _stack(leaves, sharding, lead: bool = True):
+  """Replicas' arrays, each on its replica's devices, as one array of `sharding` (stacked
+  [R, ...] with `lead`; else the same value on every replica, e.g. the step)."""
+  shards = [s.data[None] if lead else s.data for x in leaves for s in x.addressable_shards]
+  shape = ((sharding.mesh.shape[REPLICA],) if lead else ()) + leaves[0].shape
+  return jax.make_array_from_single_device_arrays(shape, sharding, shards)
+
+
+def _combine_metrics(m: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  """Every replica's step metrics [R] as one step's: the loss over all their tokens."""
+  tokens = jnp.sum(m["tokens"])
+  return {"loss": jnp.sum(m["loss"] * m["tokens"]) / jnp.maximum(tokens, 1.0),
+          "grad_norm": jnp.sqrt(jnp.mean(jnp.square(m["grad_norm"]))), "tokens": tokens}
+
+
+HDPExecutor = HDPStep | PerRankHDPStep | ReplicaPools

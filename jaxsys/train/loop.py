@@ -222,7 +222,7 @@ class _Parts:
 def _loaders(run: RunConfig, mesh, workdir: str) -> tuple[Loader | DocumentLoader, Validation]:
   data = run.data
   if data.variable_length:  # whole documents, the same global batch on every process
-    slots = hdp_step.Pool(mesh).size
+    slots = hdp_step.slots(mesh)
     train = make_document_loader(data, "train", seed=run.seed, workdir=workdir,
                                  tokens_per_batch=hdp_step.loader_budget(
                                      hdp_step.micro_steps_per_step(run, slots)

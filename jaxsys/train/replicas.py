@@ -113,6 +113,28 @@ def jit_steps(inner_step: Callable, outer: outer_lib.OuterOptimizer, mesh: Mesh,
   DiLoCo's layer fragments) syncs the saved form, converted through `view` and back.
   """
   replicated = NamedSharding(mesh, PartitionSpec())
+  sync_state = sync_of_state(outer, mesh, view)
+
+  def jit(fn, ins, outs):
+    return jax.jit(fn, in_shardings=ins, out_shardings=outs, donate_argnums=0,
+                   compiler_options=compiler_options)
+  step_out = (state_sh, replicated)
+  return (jit(inner_step, (state_sh, batch_sh), step_out), jit(sync_state, (state_sh,), state_sh),
+          jit(lambda s, b: inner_step(sync_state(s), b), (state_sh, batch_sh), step_out)
+          if outer.overlaps else None)
+
+
+def jit_sync(outer: outer_lib.OuterOptimizer, mesh: Mesh, view: layouts.View, state_sh,
+             compiler_options) -> Callable:
+  """The outer sync alone, jitted with donation: for an inner step that is not one program
+  (HDP's micro-steps), so nothing can fuse it into the next step."""
+  return jax.jit(sync_of_state(outer, mesh, view), in_shardings=(state_sh,),
+                 out_shardings=state_sh, donate_argnums=0, compiler_options=compiler_options)
+
+
+def sync_of_state(outer: outer_lib.OuterOptimizer, mesh: Mesh, view: layouts.View
+                  ) -> Callable[[TrainState], TrainState]:
+  """state -> state after the outer sync of its replicas (the inner states untouched)."""
   sync = make_sync(outer, mesh)
 
   def sync_state(state: TrainState) -> TrainState:
@@ -124,11 +146,4 @@ def jit_steps(inner_step: Callable, outer: outer_lib.OuterOptimizer, mesh: Mesh,
     if not outer.elementwise:
       synced = view.to_view(synced)
     return synced.replace(opt_state=state.opt_state)
-
-  def jit(fn, ins, outs):
-    return jax.jit(fn, in_shardings=ins, out_shardings=outs, donate_argnums=0,
-                   compiler_options=compiler_options)
-  step_out = (state_sh, replicated)
-  return (jit(inner_step, (state_sh, batch_sh), step_out), jit(sync_state, (state_sh,), state_sh),
-          jit(lambda s, b: inner_step(sync_state(s), b), (state_sh, batch_sh), step_out)
-          if outer.overlaps else None)
+  return sync_state

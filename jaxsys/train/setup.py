@@ -300,6 +300,8 @@ def make_setup(run: RunConfig, mesh: Mesh, loader=None) -> Setup:
     batch_fn = hdp_step.Planner(train_fn, loader, hdp_step.micro_steps_per_step(
         run, train_fn.num_devices))
     comm = dataclasses.replace(comm, reductions_per_step=train_fn.reductions_per_step)
+    if outer is not None:  # its micro-steps are many programs: the sync runs on its own
+      sync_fn = replicas_lib.jit_sync(outer, mesh, view, state_sh, opts)
   elif outer is None:
     step = sharded.under_mesh(grads.model_step(grad_fn, optimizer), mesh)
     train_fn = jax.jit(step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated),

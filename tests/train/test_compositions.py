@@ -171,6 +171,59 @@ def test_one_step_equals_the_step_without_them(names, options):
     chex.assert_trees_all_close(state.outer, ref_state.outer, rtol=1e-5, atol=1e-6)
 
 
+def _documents(lengths, seed=0):
+  rng = np.random.default_rng(seed)
+  return [rng.integers(0, 256, size=n + 1).astype(np.int32) for n in lengths]
+
+
+def _one_row_each(parts, rows: int, length: int) -> dict:
+  """Replica r's documents (parts[r]) one to a row in its block of `rows` rows, padded."""
+  out = {k: np.zeros((len(parts) * rows, length), np.float32 if k == "loss_mask" else np.int32)
+         for k in packing.FIELDS}
+  for r, docs in enumerate(parts):
+    for i, doc in enumerate(docs):
+      n, row = len(doc) - 1, r * rows + i
+      out["inputs"][row, :n], out["targets"][row, :n] = doc[:-1], doc[1:]
+      out["segment_ids"][row, :n], out["positions"][row, :n] = 1, np.arange(n)
+      out["loss_mask"][row, :n] = 1
+  return out
+
+
+@pytest.mark.parametrize("schedule,partner,outer", [("per_rank", "tensor", "diloco"),
+                                                     ("lockstep", "fsdp", "co2")])
+def test_hdp_in_replicas_equals_replicas_of_data(schedule, partner, outer):
+  """HDP in each replica (one pool per replica, whole documents over rings): one inner step
+  and one outer sync equal replicas of plain data parallelism over the same documents, one
+  to a row, each replica's where the planner sent them."""
+  config = _config(("hdp", "outer", partner), parallel__hdp_schedule=schedule,
+                   optimizer__outer=outer, data__max_len=64)
+  assert config.mesh == f"replica=2,data=2,{partner}=2"
+  setup = _setup(config)
+  lengths = [60, 61, 40, 17, 30, 9, 5, 15, 12, 3, 8, 16, 2, 50, 33]
+  batch = setup.device_batch({"tokens": _documents(lengths)})
+  parts = [part["tokens"] for part in batch["pools"]]
+  assert all(parts) and sum(map(len, parts)) == len(lengths)  # every document, both pools
+  state, metrics = setup.train_fn(setup.init_state(0), batch)
+  assert int(metrics["micro_steps"]) > 1
+  inner = jax.device_get(setup.to_saved(state))  # each replica's own step, before the sync
+  state = jax.device_get(setup.to_saved(setup.sync_fn(state)))
+
+  reference = _setup(compositions.apply(config, {"parallel.hdp": False,
+                                                 "data.variable_length": False,
+                                                 "mesh": "replica=2,data=4"}))
+  rows = 4 * -(-max(map(len, parts)) // 4)
+  ref_batch = jax.device_put(_one_row_each(parts, rows, max(lengths)), reference.batch_sh)
+  ref_state, ref_metrics = reference.train_fn(reference.init_state(0), ref_batch)
+  ref_inner = jax.device_get(reference.to_saved(ref_state))
+  ref_state = jax.device_get(reference.to_saved(reference.sync_fn(ref_state)))
+  assert float(metrics["tokens"]) == sum(lengths)
+  np.testing.assert_allclose(float(metrics["loss"]), float(ref_metrics["loss"]), rtol=1e-5)
+  chex.assert_trees_all_close((inner.params, inner.opt_state),
+                              (ref_inner.params, ref_inner.opt_state), rtol=1e-5, atol=2e-5)
+  chex.assert_trees_all_close(state.params, ref_state.params, rtol=1e-5, atol=2e-5)
+  chex.assert_trees_all_close(state.outer, ref_state.outer, rtol=1e-5, atol=2e-5)
+
+
 @pytest.mark.parametrize("document", ["README.md", "docs/design.md"])
 def test_support_matrix_in_the_docs_is_the_code_s(document):
   """The support matrix shown is `compositions.matrix_markdown` of the code's refusals."""

@@ -218,17 +218,27 @@ class RelationsTest(parameterized.TestCase):
        "it must divide into the layout's chunks: 2 x (mesh axis context) for zigzag"),
       ("hdp_packed", dict(parallel__hdp=True), "parallel.hdp=True is invalid with "
        "data.variable_length=False; it must equal data.variable_length"),
-      ("hdp_mesh", dict(mesh="data=4,context=2", data__variable_length=True, parallel__hdp=True),
-       "parallel.hdp=True is invalid with mesh axes HDP does not keep='context'; it must be False "
-       "on this mesh: HDP regroups the batch axes (data, fsdp)"),
+      ("hdp_context", dict(mesh="data=4,context=2", data__variable_length=True,
+                           parallel__hdp=True),
+       "parallel.hdp=True is invalid with mesh axis context=2; it must be False with a context "
+       "axis: HDP makes its own context rings"),
+      ("hdp_stage", dict(mesh="stage=2,data=4", data__variable_length=True, parallel__hdp=True,
+                         pipeline__schedule="1f1b", pipeline__microbatches=2),
+       "parallel.hdp=True is invalid with mesh axis stage=2; it must be False with a stage "
+       "axis: HDP's micro-steps are not pipelined yet"),
       ("hdp_axis_order", dict(mesh="data=2,tensor=2,fsdp=2", data__variable_length=True,
                               parallel__hdp=True),
        "mesh='data=2,tensor=2,fsdp=2' is invalid with parallel.hdp=True; it must list the batch "
        "axes ('data', 'fsdp') next to each other"),
       ("hdp_pool", dict(mesh="data=4,tensor=2", data__variable_length=True, parallel__hdp=True,
                         data__max_len=257),
-       "data.max_len=257 is invalid with data.seq_len=64, mesh shards of 'batch'=4, "
-       "parallel.hdp=True; it must fit the device pool: at most (data x fsdp) x data.seq_len"),
+       "data.max_len=257 is invalid with data.seq_len=64, mesh axes data x fsdp=4, "
+       "parallel.hdp=True; it must fit a replica's device pool: at most (data x fsdp) x "
+       "data.seq_len"),
+      ("hdp_replica_pool", dict(mesh="replica=2,data=4", data__variable_length=True,
+                                parallel__hdp=True, optimizer__outer="diloco",
+                                data__max_len=257),
+       "data.max_len=257 is invalid with data.seq_len=64, mesh axes data x fsdp=4"),
       ("replica_without_outer", dict(mesh="replica=2,data=-1"), "mesh axis replica=2 is invalid "
        "with optimizer.outer='none'; it must be 1 without an outer optimizer"),
       ("outer_without_replica", dict(optimizer__outer="co2"), "optimizer.outer='co2' needs a mesh "

@@ -45,12 +45,15 @@ HDP = dict(data__variable_length=True, parallel__hdp=True, data__max_len=256,
            data__truncate_long=True)
 
 
-@pytest.mark.parametrize("mesh, extra", [("data=-1", {}), ("data=-1,fsdp=2,tensor=2", {}),
-                                         ("data=-1,fsdp=2,tensor=2", HDP)],
-                         ids=["dp", "fsdp_tensor", "hdp_fsdp_tensor"])
+@pytest.mark.parametrize("mesh, extra", [
+    ("data=-1", {}), ("data=-1,fsdp=2,tensor=2", {}), ("data=-1,fsdp=2,tensor=2", HDP),
+    ("replica=2,data=-1,tensor=2", {**HDP, "data__max_len": 128, "optimizer__outer": "diloco",
+                                    "optimizer__outer_sync_every": 3})],
+    ids=["dp", "fsdp_tensor", "hdp_fsdp_tensor", "hdp_in_diloco_replicas"])
 def test_resume_is_exact(make_config, tmp_path, mesh, extra):
   """2N steps straight == N steps, stop, restore, N more: same losses and parameters.
-  With HDP the whole-document loader resumes at its position too."""
+  With HDP the whole-document loader resumes at its position too; in replicas, the outer
+  state with it (a sync at steps 3 and 6, the stop between them)."""
   kw = dict(mesh=mesh, log_every=1, eval_every=0, checkpoint_every=100,
             optimizer__schedule_steps=8, **extra)
   straight, legs = str(tmp_path / "straight"), str(tmp_path / "legs")
