@@ -237,6 +237,7 @@ _CALLS = re.compile(r"\b(?:calls|to_apply|body|condition)=%?([\w.\-]+)")
 _GROUPS = re.compile(r"replica_groups=(?:\{\{([0-9,]*)\}|\[[0-9]+,([0-9]+)\]<=|"
                      r"mesh\[([^\]]*)\] \{([^}]*)\})")
 _COMMENT = re.compile(r"/\*.*?\*/")  # e.g. /*index=5*/ inside long tuple shapes
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 
 
 def _shape_bytes(text: str) -> int:
@@ -301,17 +302,24 @@ def _sent_bytes(line: str, default_group: int) -> int:
   return nbytes  # collective-permute: its whole buffer
 
 
-def collective_bytes_from_hlo(hlo_text: str, num_replicas: int) -> int:
+def collective_bytes_from_hlo(hlo_text: str, num_replicas: int, trips: bool = False) -> int:
   """Bytes one participant sends when the compiled program runs once (ring rules above).
 
   Walks the call graph from the ENTRY computation: a conditional counts its largest
-  branch (exactly one runs), a called computation counts once (a while body once, not
-  per trip). A collective's group size comes from its `replica_groups`; `num_replicas`
-  is used where the HLO lists none. `-start` ops of async collectives return
-  (operand, result, ...) tuples, so their bytes count twice; the sync-form ops
+  branch (exactly one runs), a called computation counts once, a while body once or,
+  with `trips`, as many times as its known trip count (a pipeline's ticks, accumulation's
+  microbatches). A collective's group size comes from its `replica_groups`;
+  `num_replicas` is used where the HLO lists none. `-start` ops of async collectives
+  return (operand, result, ...) tuples, so their bytes count twice; the sync-form ops
   XLA:CPU emits are exact.
   """
   comps, entry = _computations(hlo_text)
+
+  def times(line: str) -> int:
+    """How often what `line` calls runs per run of it (a while's body and condition: per
+    trip, with `trips`; the condition holds no collectives)."""
+    count = _TRIPS.search(line) if trips and " while(" in line else None
+    return int(count.group(1)) if count else 1
 
   @functools.cache
   def cost(name: str) -> int:
@@ -323,6 +331,6 @@ def collective_bytes_from_hlo(hlo_text: str, num_replicas: int) -> int:
         names = (re.findall(r"%?([\w.\-]+)", branches.group(1)) if branches.group(1)
                  else branches.group(2, 3))
         total += max(cost(b) for b in names)
-      total += sum(cost(c) for c in _CALLS.findall(line))
+      total += times(line) * sum(cost(c) for c in _CALLS.findall(line))
     return total
   return cost(entry)

@@ -51,6 +51,7 @@ __all__ = ["make_schedule", "Schedule", "Layout", "to_stages", "from_stages",
            "split_microbatches"]
 
 AXIS = "stage"
+DATA_AXIS = "data"  # the batch axis the executor splits by hand (see _execute)
 SCHEDULES = ("none", "gpipe", "1f1b", "interleaved_1f1b")
 VOCAB_PARAMS = ("embedding", "unembedding")
 
@@ -368,6 +369,12 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
   _, attention_fn = transformer.default_inputs(cfg, batch["inputs"], None, attention_fn)
   R, routed, scaled = replicas, shifts is not None, weights is not None
   mbs = _replica_microbatches(batch, R, schedule.microbatches)  # [R, M, Bm, T]
+  # `data` is manual too where each microbatch's rows divide over it: each data shard sums
+  # its own gradients over the ticks and they are all-reduced once, after the last tick.
+  # Left automatic, XLA all-reduces the gradients of every backward and every head (m times
+  # a step) inside the ticks' branches.
+  shards = dict(mesh.shape).get(DATA_AXIS, 1)
+  data = DATA_AXIS if shards > 1 and mbs["inputs"].shape[2] % shards == 0 else None
   offsets = (routing.offsets(jnp.asarray(shifts, jnp.int32), R) if routed
              else jnp.zeros((schedule.microbatches, layout.chunks), jnp.int32))
   weights = jnp.ones((R,), jnp.float32) if weights is None else jnp.asarray(weights, jnp.float32)
@@ -514,6 +521,8 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
     c, _ = jax.lax.scan(tick, carry, {**tables, **tick_tables})
     # Replicated head: only the last stage added loss; parallel: every stage holds the total.
     loss = c["loss"] if layout.vocab_parallel else jax.lax.psum(c["loss"], AXIS)
+    if data:
+      loss = jax.lax.psum(loss, data)
     if R > 1:  # each replica's head added the losses of the rows it met
       loss = jax.lax.psum(loss, routing.AXIS)
     if not train:
@@ -522,15 +531,18 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
     vocab_grads = {k: (v if layout.vocab_parallel and k in VOCAB_PARAMS
                        else jax.lax.psum(v, AXIS)) for k, v in c["vocab_grads"].items()}
     grads = {**vocab_grads, "layers": layer_grads}
+    if data:
+      grads = jax.lax.psum(grads, data)
     if R > 1:
       grads = jax.tree.map(lambda x: x[None], grads)
     return loss, grads, c["counts"][None]
 
   param_specs = _param_specs(layout, params, R > 1)
-  mbs_spec = P(routing.AXIS) if R > 1 and not routed else P()
+  mbs_spec = P(routing.AXIS if R > 1 and not routed else None, None, data)  # [R, M, Bm, T]
   fn = jax.shard_map(per_stage, mesh=mesh, in_specs=(param_specs, mbs_spec, P(), P()),
                      out_specs=(P(), param_specs if train else None, P(AXIS)),
-                     axis_names={AXIS, routing.AXIS} if R > 1 else {AXIS},
+                     axis_names={AXIS} | ({routing.AXIS} if R > 1 else set()) | (
+                         {data} if data else set()),
                      # Per-stage branches mix stage-varying and uniform values everywhere;
                      # the executor's collectives are explicit, none is differentiated.
                      check_vma=False)

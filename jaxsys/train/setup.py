@@ -48,7 +48,8 @@ from jaxsys.train.state import TrainState
 class Comm:
   """Bytes one device sends: per step (its gradients' all-reduce within its replica, a
   pipeline's activations and gradients, a routed pipeline's hops and row gather) and the
-  outer optimizer's syncs (of `synced`, one replica's parameters as the sync sees them)."""
+  outer optimizer's syncs (of `synced`, what one device of a replica holds of the
+  parameters the sync sends)."""
   grads_per_step: int = 0
   pipeline_per_step: int = 0
   outer: outer_lib.OuterOptimizer | None = None
@@ -206,14 +207,35 @@ def _eval_fn(model_cfg, mesh, view: layouts.View, schedule, param_sh, batch_sh,
   return make
 
 
+def _staged(sharding) -> tuple[int, ...]:
+  """The dims a sharding splits over `stage` (a pipeline's stages)."""
+  # pylint: disable-next=protected-access
+  return tuple(i for i, e in enumerate(sharding.spec) if pipeline.AXIS in sharded._names(e))
+
+
+def _stage_share(params, param_sh, mesh):
+  """One device's share of `params` along `stage`: what it holds of a pipeline's leaves."""
+  stages = mesh.shape.get(pipeline.AXIS, 1)
+
+  def share(x, sh):
+    shape = [n // stages if i in _staged(sh) else n for i, n in enumerate(x.shape)]
+    return jax.ShapeDtypeStruct(tuple(shape), x.dtype)
+  return jax.tree.map(share, params, param_sh)
+
+
 def _grads_bytes(params, param_sh, mesh) -> int:
   """Bytes one device sends all-reducing its gradients over the batch axes within a replica
-  (ring; fsdp's reduce-scatter plus all-gather moves the same): each leaf's share of a stage."""
-  stage_share = lambda sh: mesh.shape[pipeline.AXIS] if pipeline.AXIS in str(sh.spec) else 1
-  payload = sum(math.prod(x.shape) * x.dtype.itemsize // stage_share(sh)
-                for x, sh in zip(jax.tree.leaves(params), jax.tree.leaves(param_sh)))
+  (ring; fsdp's reduce-scatter plus all-gather moves the same): its share of a stage; in a
+  pipeline, also summing over `stage` the gradients of the leaves every stage holds whole
+  (the final norm; the embedding and head without vocabulary parallelism)."""
   shards = math.prod(mesh.shape.get(a, 1) for a in ("data", "fsdp"))
-  return outer_lib.ring_allreduce_bytes(payload, shards) if shards > 1 else 0
+  stages = mesh.shape.get(pipeline.AXIS, 1)
+  whole = [x for x, sh in zip(jax.tree.leaves(params), jax.tree.leaves(param_sh))
+           if not _staged(sh)]
+  return ((outer_lib.ring_allreduce_bytes(outer_lib.tree_bytes(
+      _stage_share(params, param_sh, mesh)), shards) if shards > 1 else 0)
+          + (outer_lib.ring_allreduce_bytes(outer_lib.tree_bytes(whole), stages)
+             if stages > 1 and whole else 0))
 
 
 def transfer_bytes(model_cfg, schedule: pipeline.Schedule, mesh: Mesh, batch_size: int,
@@ -290,7 +312,9 @@ def make_setup(run: RunConfig, mesh: Mesh, loader=None) -> Setup:
           model_cfg, schedule, mesh, run.data.batch_size, run.data.seq_len,
           run.optimizer.grad_accum_steps, routed),
       outer=outer, replicas=replicas,
-      synced=None if outer is None else view_params if outer.elementwise else one.params)
+      # An elementwise sync sends each device's own share (its stage's layers in a pipeline).
+      synced=None if outer is None else (_stage_share(view_params, view_param_sh, mesh)
+                                         if outer.elementwise else one.params))
 
   replicated = NamedSharding(mesh, PartitionSpec())
   batch_fn = lambda batch: step_lib.global_batch(batch, batch_sh)
