@@ -57,6 +57,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # lost machine: checkpoint_every). 0: none. One process only.
   c.checkpoint = ml_collections.ConfigDict(dict(on_corrupt="error", merge_replicas="mean",
                                                 snapshot_every=0, snapshot_dir=""))
+  # steps: "N,M" writes a jax.profiler trace of steps N to M into <workdir>/profile (open it
+  # with TensorBoard's profile plugin or ui.perfetto.dev) and a device-memory profile at the
+  # end of step N; step 1 compiles, so start at 2 or later. "": no profile.
+  c.profile = ml_collections.ConfigDict(dict(steps=""))
   c.mesh = "data=-1"  # e.g. "fsdp=8" or "data=2,tensor=4"; see jaxsys/mesh.py
   # Another run's workdir (or its checkpoints dir): a fresh run starts from its latest
   # parameters (inner/outer optimizer state, step and data position start fresh); a

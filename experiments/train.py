@@ -148,6 +148,8 @@ def main(argv):
     if result.get("tensorboard"):
       print(f"tensorboard: {result['tensorboard']}")
     print(f"checkpoints: {result['checkpoints']}")
+    if result.get("profile"):
+      print(f"profile:     {result['profile']}")
   return EXIT_PREEMPTED if result["preempted"] else 0
 
 

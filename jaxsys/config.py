@@ -99,6 +99,11 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ProfileConfig:
+  steps: str  # 'N,M': trace steps N to M; '': no profile
+
+
+@dataclasses.dataclass(frozen=True)
 class RunConfig:
   """A whole run, every field checked (see configs/tiny_lm.py for what each means)."""
   seed: int
@@ -118,6 +123,7 @@ class RunConfig:
   parallel: ParallelConfig
   pipeline: PipelineConfig
   checkpoint: CheckpointConfig
+  profile: ProfileConfig
 
   def to_dict(self) -> dict[str, Any]:
     """The config file's nested form (what a checkpoint records as its config)."""
@@ -153,7 +159,7 @@ def _section_of(path: str) -> tuple[str, str]:
 
 _TYPES = {"model": TransformerConfig, "data": DataConfig, "optimizer": OptimizerConfig,
           "outer": OuterConfig, "parallel": ParallelConfig, "pipeline": PipelineConfig,
-          "checkpoint": CheckpointConfig}
+          "checkpoint": CheckpointConfig, "profile": ProfileConfig}
 
 
 def from_values(values: dict[str, Any]) -> RunConfig:

@@ -49,6 +49,8 @@ SLOW = (
     "tests/train/test_hdp_step.py::HDPStepTest::test_hdp_step_equals_single_device_step",
     "tests/train/test_init_from.py",
     "tests/train/test_loop.py::test_resume_is_exact",
+    "tests/train/test_loop.py::test_profile_holds_the_annotated_steps[pipeline]",
+    "tests/train/test_loop.py::test_profile_holds_the_annotated_steps[hdp]",
     "tests/train/test_pipelined.py::test_resume_under_another_schedule",
     "tests/train/test_pipelined.py::test_outer_optimizer_over_pipelined_replicas",
     "tests/train/test_replicas.py::test_streaming_diloco_resumes_exactly_mid_overlap",

@@ -31,3 +31,12 @@ def test_frozen():
   with pytest.raises(dataclasses.FrozenInstanceError):
     run.data.seq_len = 1  # pytype: disable=not-writable
 
+
+
+def test_a_saved_config_from_before_a_field_was_added_still_parses():
+  """A checkpoint's config written before profile.steps existed means no profile."""
+  saved = load_test_config("stdlib").to_dict()
+  del saved["profile"]
+  assert config_check.parse(saved).profile.steps == ""
+  with pytest.raises(ValueError, match=r"^config has no field 'seed'"):
+    config_check.parse({k: v for k, v in saved.items() if k != "seed"})

@@ -10,6 +10,7 @@ import dataclasses
 import glob
 import math
 import os
+import re
 import tempfile
 from typing import Any, Callable
 
@@ -95,6 +96,8 @@ FIELDS: dict[str, Rule] = {
     "checkpoint.snapshot_every": integer(0, meaning="0: no snapshots in RAM"),
     "checkpoint.snapshot_dir": Rule(lambda v: isinstance(v, str),
                                     "a directory in RAM, or '' (one on /dev/shm for the workdir)"),
+    "profile.steps": Rule(lambda v: isinstance(v, str) and bool(re.fullmatch(r"(\d+,\d+)?", v)),
+                          "'N,M' (trace steps N to M, e.g. '3,5') or '' (no profile)"),
     # parse_mesh_spec raises its own line for a malformed spec.
     "mesh": Rule(lambda v: isinstance(v, str) and bool(mesh_lib.parse_mesh_spec(v)),
                  f"a mesh spec such as 'data=-1' or 'data=2,tensor=4' over axes "
@@ -195,6 +198,13 @@ def _groups_replicas(group_size: int, replicas: int) -> bool:
   return True
 
 
+def _profile_range_ok(steps: str, total: int) -> bool:
+  if not steps:
+    return True
+  first, last = map(int, steps.split(","))
+  return 1 <= first <= last <= total
+
+
 # Model sizes whose parameter dims are sharded by a logical axis.
 _SHARDED_FIELDS = {"model.d_model": "embed", "model.n_heads": "heads",
                    "model.n_kv_heads": "kv_heads", "model.d_ff": "mlp", "model.vocab_size": "vocab"}
@@ -266,6 +276,8 @@ RELATIONS: tuple[Relation, ...] = (
              "(data.seq_len is each slot's share in a micro-step)"),
     Relation(("optimizer.grad_accum_steps", "parallel.hdp"), lambda a, hdp: a == 1 or not hdp,
              "be 1 with HDP (its micro-steps already accumulate gradients)"),
+    Relation(("profile.steps", "total_steps"), lambda steps, total: _profile_range_ok(steps, total),
+             "be 'N,M' with 1 <= N <= M <= total_steps (the first and last step traced), or ''"),
     Relation(("optimizer.outer_fragments", "model.n_layers", "optimizer.outer"),
              lambda f, n, outer: outer != "streaming_diloco" or n % f == 0,
              "divide model.n_layers (fragment p syncs layers p, p + fragments, ...)"),
@@ -285,6 +297,11 @@ RELATIONS: tuple[Relation, ...] = (
     for field, logical in _SHARDED_FIELDS.items())
 
 
+# Fields added after checkpoints were first written, with the value an older config means:
+# a saved config without them (a checkpoint's meta) still parses.
+ADDED_LATER: dict[str, Any] = {"profile.steps": ""}
+
+
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
   out = {}
   for key, value in tree.items():
@@ -301,7 +318,7 @@ def _check_names(values: dict[str, Any]) -> None:
       siblings = [f for f in FIELDS if f.rpartition(".")[0] == parent]
       raise ValueError(f"config field {path!r} is unknown; fields of {parent or 'config'}: "
                        f"{', '.join(f.rpartition('.')[2] for f in siblings)}")
-  missing = [f for f in FIELDS if f not in values]
+  missing = [f for f in FIELDS if f not in values and f not in ADDED_LATER]
   if missing:
     raise ValueError(f"config has no field {missing[0]!r}; start from configs/tiny_lm.py, "
                      "which sets every field")
@@ -357,6 +374,7 @@ def _field_values(config) -> dict[str, Any]:
   """{'data.seq_len': 64, ...} of `config`, every name known and every value valid alone."""
   values = _flatten(config.to_dict() if hasattr(config, "to_dict") else dict(config))
   _check_names(values)
+  values = {**ADDED_LATER, **values}
   for path, value in values.items():
     error = field_error(path, value)
     if error:

@@ -36,6 +36,7 @@ from jaxsys.models import transformer
 from jaxsys.optim.inner import make_schedule
 from jaxsys.train import config_check
 from jaxsys.train import hdp_step
+from jaxsys.train import profile as profile_lib
 from jaxsys.train import setup as setup_lib
 from jaxsys.train import step as step_lib
 
@@ -382,12 +383,15 @@ class _Loop:
     self.sync_due = False
     self.fused = parts.setup.sync_train_fn
     self.last_eval: dict[str, float] = {}
+    self.profiler = profile_lib.Profiler(profile_lib.parse_steps(self.config.profile.steps),
+                                         os.path.join(workdir, "profile"))
 
   def run(self, stop: Callable[[int], bool]) -> bool:
     """Steps to run.total_steps; True when `stop` ended the run early, after saving."""
     batches = iter(self.parts.train_loader)
     while self.step < self.config.total_steps:
-      self._train_step(next(batches))
+      with self.profiler.step(self.step + 1, lambda: self.state):
+        self._train_step(next(batches))
       self._hooks()
       if self.step < self.config.total_steps and stop(self.step):
         if self.saved_step != self.step:
@@ -396,6 +400,7 @@ class _Loop:
     return False
 
   def close(self) -> None:
+    self.profiler.stop()
     self.progress.close()
     self.writer.close()
 
@@ -528,4 +533,4 @@ def train(run: RunConfig, workdir: str) -> dict[str, Any]:
       shutil.rmtree(snapshots.directory, ignore_errors=True)
   return {"workdir": workdir, "checkpoints": ckpt.directory, "metrics": loop.writer.path,
           "tensorboard": loop.writer.tb_dir, **loop.last_eval, "step": loop.step,
-          "preempted": preempted}
+          "preempted": preempted, "profile": loop.profiler.written}

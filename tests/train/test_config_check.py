@@ -235,6 +235,14 @@ class RelationsTest(parameterized.TestCase):
        "data.max_len=257 is invalid with data.seq_len=64, mesh axes data x fsdp=4, "
        "parallel.hdp=True; it must fit a replica's device pool: at most (data x fsdp) x "
        "data.seq_len"),
+      ("profile_form", dict(profile__steps="3-5"), "profile.steps='3-5' is invalid; it must be "
+       "'N,M' (trace steps N to M, e.g. '3,5') or '' (no profile)"),
+      ("profile_order", dict(profile__steps="5,3"), "profile.steps='5,3' is invalid with "
+       "total_steps=20; it must be 'N,M' with 1 <= N <= M <= total_steps"),
+      ("profile_outside", dict(profile__steps="3,25"), "profile.steps='3,25' is invalid with "
+       "total_steps=20"),
+      ("profile_zero", dict(profile__steps="0,2"), "profile.steps='0,2' is invalid with "
+       "total_steps=20"),
       ("hdp_replica_pool", dict(mesh="replica=2,data=4", data__variable_length=True,
                                 parallel__hdp=True, optimizer__outer="diloco",
                                 data__max_len=257),

@@ -1,4 +1,6 @@
 """train_and_evaluate: metrics, resume exactness, refusing bad checkpoints, NaN handling."""
+import gzip
+import json
 import os
 
 import chex
@@ -39,6 +41,30 @@ def test_trains_evaluates_and_checkpoints(make_config, tmp_path):
   np.testing.assert_allclose(evals[-1]["val_bpb"], evals[-1]["val_loss"] / np.log(2), rtol=1e-5)
   assert Checkpointer(result["checkpoints"]).all_steps() == [3, 6]
   assert os.listdir(result["tensorboard"])
+
+
+@pytest.mark.parametrize("mesh, extra", [
+    ("data=-1", {}),
+    ("stage=2,data=-1", dict(pipeline__schedule="1f1b", pipeline__microbatches=2)),
+    ("data=-1", dict(data__variable_length=True, parallel__hdp=True, data__max_len=256,
+                     data__truncate_long=True))],
+    ids=["dp", "pipeline", "hdp"])
+def test_profile_holds_the_annotated_steps(make_config, tmp_path, mesh, extra):
+  """profile.steps='2,3' of 4: a trace of steps 2 and 3 only (each annotated once), for
+  TensorBoard (xplane) and Perfetto, and a device-memory profile after step 2."""
+  config = make_config(mesh=mesh, total_steps=4, eval_every=0, log_every=1,
+                       profile__steps="2,3", **extra)
+  result = loop.train_and_evaluate(config, str(tmp_path))
+  directory = tmp_path / "profile"
+  (session,) = (directory / "plugins" / "profile").iterdir()
+  assert next(session.glob("*.xplane.pb")).stat().st_size > 0
+  with gzip.open(session / "perfetto_trace.json.gz") as f:
+    events = json.load(f)
+  events = events["traceEvents"] if isinstance(events, dict) else events
+  steps = sorted(int(e["args"]["step_num"]) for e in events if e.get("name") == "train")
+  assert steps == [2, 3]
+  assert (directory / "memory_step2.prof").stat().st_size > 0
+  assert result["profile"] == str(directory)
 
 
 HDP = dict(data__variable_length=True, parallel__hdp=True, data__max_len=256,
