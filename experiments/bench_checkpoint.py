@@ -88,7 +88,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import app, flags
 
-from configs import tiny_lm
+from jaxsys.configs import tiny_lm
 from jaxsys import mesh as mesh_lib
 from jaxsys import metrics as metrics_lib
 from jaxsys.checkpoint import layouts

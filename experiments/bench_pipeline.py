@@ -53,7 +53,7 @@ import numpy as np
 from absl import app, flags
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from configs import tiny_lm
+from jaxsys.configs import tiny_lm
 from jaxsys import mesh as mesh_lib
 from jaxsys.checkpoint import layouts
 from jaxsys.data import packing

@@ -39,7 +39,7 @@ import time
 import jax
 import numpy as np
 
-from configs import tiny_lm
+from jaxsys.configs import tiny_lm
 from jaxsys import mesh as mesh_lib
 from jaxsys.data.documents import make_document_loader
 from jaxsys.data.packing import FIELDS

@@ -1,6 +1,7 @@
 """The commands and links the README shows work as shown.
 
-Every `python -m experiments.<name> ...` command in a fenced code block of the README (and of
+Every `python -m experiments.<name> ...` and console-script (`jaxsys-train ...`) command in a
+fenced code block of the README (and of
 `docs/results/*.md`, where the README's results moved) is parsed as the binary would parse
 it: the module exists, every flag is one it defines (read from its source with `ast`, so no
 binary is imported here: absl flags are process-global), `--config=<file>[:arg]` loads and
@@ -15,11 +16,14 @@ import pathlib
 import re
 import shlex
 import sys
+import tomllib
 import types
 
 import pytest
 from absl import flags
 from ml_collections import config_flags
+
+from jaxsys import configs
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -28,6 +32,11 @@ LINKED = [*PAGES, ROOT / "docs" / "design.md"]
 
 # config_flags loads config files with the deprecated SourceFileLoader.load_module.
 pytestmark = pytest.mark.filterwarnings("ignore:the load_module:DeprecationWarning")
+
+# Console scripts -> the binary module each runs (`jaxsys.cli.scripts:train` runs
+# `jaxsys.cli.train`).
+SCRIPTS = {name: "jaxsys.cli." + target.rpartition(":")[2] for name, target in
+           tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"].items()}
 
 _FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
 _SEPARATORS = {"&&", "||", ";", "|", "&"}
@@ -41,12 +50,16 @@ def _commands(text: str) -> list[tuple[int, list[str]]]:
     line = text.count("\n", 0, block.start(1)) + 1
     for logical in re.split(r"(?<!\\)\n", block.group(1)):
       words = shlex.split(logical.replace("\\\n", " "), comments=True)
-      for i in range(len(words) - 2):
-        if re.fullmatch(r"python3?", words[i]) and words[i + 1] == "-m" \
-            and words[i + 2].startswith("experiments."):
-          args = words[i + 3:]
-          end = next((j for j, w in enumerate(args) if w in _SEPARATORS), len(args))
-          out.append((line, [words[i + 2], *args[:end]]))
+      for i, word in enumerate(words):
+        if re.fullmatch(r"python3?", word) and words[i + 1:i + 2] == ["-m"] \
+            and words[i + 2:i + 3] and words[i + 2].startswith("experiments."):
+          module, args = words[i + 2], words[i + 3:]
+        elif word in SCRIPTS:
+          module, args = SCRIPTS[word], words[i + 1:]
+        else:
+          continue
+        end = next((j for j, w in enumerate(args) if w in _SEPARATORS), len(args))
+        out.append((line, [module, *args[:end]]))
       line += logical.count("\n") + 1
   return out
 
@@ -68,6 +81,10 @@ def _defined_flags(module: str) -> dict[str, tuple]:
   """name -> (DEFINE_ function, default, enum values) of every flag the module's source
   defines, at module level or in a function it calls when run (`_define_flags`)."""
   tree = ast.parse((ROOT / (module.replace(".", "/") + ".py")).read_text())
+  binary = [n.module for n in tree.body if isinstance(n, ast.ImportFrom)
+            and (n.module or "").startswith("jaxsys.cli.")]
+  if binary:  # a wrapper of a packaged binary: that binary's flags
+    return _defined_flags(binary[0])
   constants = {}
   for node in tree.body:
     if isinstance(node, ast.Assign) and len(node.targets) == 1 \
@@ -120,6 +137,10 @@ def _parse(module: str, args: list[str], monkeypatch) -> flags.FlagValues:
   monkeypatch.chdir(ROOT)
   # config_flags loads a config file as the module `config`: a fresh one, removed after
   monkeypatch.setitem(sys.modules, "config", types.ModuleType("config"))
+  # A packaged config's name, as the binary resolves it (`jaxsys.configs`).
+  args = [f"--config={configs.path(a[9:].partition(':')[0])}:{a.partition(':')[2]}".rstrip(":")
+          if a.startswith("--config=") and configs.path(a[9:].partition(":")[0])
+          and not (ROOT / a[9:].partition(":")[0]).is_file() else a for a in args]
   argv = [module, *args]
   fv = _flag_values(module, argv)
   try:  # a bad flag is a flags.Error; a bad config field or argument whatever loading raised

@@ -3,6 +3,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -72,7 +73,11 @@ def test_sigterm_saves_and_exits_preempted(small_corpus, tmp_path):
     (["--config=configs/tiny_lm.py:size=huge"], "--config=configs/tiny_lm.py:size=huge: "
      "configs/tiny_lm.py: size='huge' is unknown; valid: ['small', 'test', 'tiny']"),
     (["--config=configs/nonexistent.py"], "--config=configs/nonexistent.py: no such file "
-     "'configs/nonexistent.py'; it must be a config file"),
+     "'configs/nonexistent.py' and no packaged config of that name; it must be a config file "
+     "such as configs/tiny_lm.py or one of the packaged configs: compare_outer, tiny_lm"),
+    (["--config=tiny"], "--config=tiny: no such file 'tiny' and no packaged config"),
+    (["--config.profile.steps=5,3"], "profile.steps='5,3' is invalid with total_steps=20; it "
+     "must be 'N,M' with 1 <= N <= M <= total_steps"),
 ])
 def test_bad_input_gets_one_line_error(small_corpus, tmp_path, flags, message):
   proc = subprocess.run(_cmd(tmp_path / "run", small_corpus, *flags), cwd=ROOT,
@@ -83,6 +88,25 @@ def test_bad_input_gets_one_line_error(small_corpus, tmp_path, flags, message):
   # The error is the only line besides absl log lines (e.g. jax's backend probe).
   assert [l for l in proc.stderr.splitlines() if not re.match(r"[IWEF]\d{4} ", l)] == [last]
   assert not (tmp_path / "run" / "checkpoints").exists() or not os.listdir(tmp_path / "run" / "checkpoints")
+
+
+def test_console_scripts_run_from_any_directory(small_corpus, tmp_path):
+  """`jaxsys-train` with a packaged config by name, then `jaxsys-checkpoint-info`, from an
+  empty directory: nothing there to import from but the installed package."""
+  scripts = [shutil.which(s) for s in ("jaxsys-train", "jaxsys-checkpoint-info")]
+  assert all(scripts), "console scripts missing: pip install -e . first"
+  empty, workdir = tmp_path / "empty", tmp_path / "run"
+  empty.mkdir()
+  train = subprocess.run(
+      [scripts[0], "--config=tiny_lm:size=test", f"--config.data.source={small_corpus}",
+       "--config.data.num_threads=0", "--config.total_steps=2", "--config.eval_every=0",
+       f"--workdir={workdir}"], cwd=empty, capture_output=True, text=True, timeout=300)
+  assert train.returncode == 0, train.stderr[-3000:]
+  assert "done at step 2" in train.stdout
+  info = subprocess.run([scripts[1], f"--workdir={workdir}"], cwd=empty, capture_output=True,
+                        text=True, timeout=120)
+  assert info.returncode == 0 and re.search(r"step\s+2 .* verified", info.stdout), info.stdout
+  assert not os.listdir(empty)
 
 
 def test_a_workdir_in_use_is_refused_and_partial_saves_removed(small_corpus, tmp_path):

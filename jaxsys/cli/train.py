@@ -1,0 +1,176 @@
+r"""Trains a language model from an ml_collections config.
+
+  jaxsys-train --config=tiny_lm --workdir=/tmp/jaxsys_tiny      # from any directory
+  python -m experiments.train --config=configs/tiny_lm.py --workdir=/tmp/jaxsys_tiny
+  python -m experiments.train --config=configs/tiny_lm.py:size=small --config.total_steps=30 \
+      --config.mesh=fsdp=-1 --workdir=/tmp/jaxsys_small
+
+`--config` is a config file's path or the name of one shipped in `jaxsys/configs` (the
+repository's `configs/`): `tiny_lm`, `tiny_lm:size=small`, `compare_outer`.
+
+Re-running with the same --workdir resumes from its latest checkpoint. On Linux the binary
+re-executes itself once with huge-page malloc (`jaxsys.hugepages`; JAXSYS_HUGE_PAGES=0 opts
+out): faster CPU steps, and asynchronous checkpoint saves that do not stall the loop.
+
+Exit status: 0 when the run reached total_steps (it prints "done at step N"); 75
+(EX_TEMPFAIL) when SIGTERM stopped it early, after saving a checkpoint (it prints
+"preempted at step N"): run the same command again to resume. With several processes,
+all of them stop at the same step and exit 75. Bad input exits 1 with one "error:" line;
+so does a write that fails (a full disk), naming what failed and the checkpoints left.
+Several processes (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID, or a
+cluster jax detects by itself) join one run through jax.distributed.
+"""
+import importlib.util
+import os
+import re
+import sys
+
+from jaxsys import hugepages
+
+if __name__ == "__main__":  # before jax starts: glibc reads its tunables at exec only
+  hugepages.reexec_with_huge_pages()
+
+import jax  # pylint: disable=wrong-import-position
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from jaxsys import configs
+from jaxsys import metrics as metrics_lib
+from jaxsys import storage
+from jaxsys.train import config_check
+from jaxsys.train import loop
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "A config file's path or a packaged "
+                                          "config's name (:arg optional).",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints and metrics.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: stopped early by SIGTERM, run again to resume
+
+_MULTI_PROCESS_ENV = ("JAX_COORDINATOR_ADDRESS", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE",
+                      "TPU_WORKER_HOSTNAMES")
+
+
+def maybe_initialize_distributed() -> None:
+  """Joins a multi-process run when the environment announces one."""
+  if not any(os.environ.get(k) for k in _MULTI_PROCESS_ENV):
+    return
+  kwargs = {}
+  if os.environ.get("JAX_COORDINATOR_ADDRESS"):
+    kwargs = dict(coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
+                  num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
+                  process_id=int(os.environ["JAX_PROCESS_ID"]))
+  jax.distributed.initialize(**kwargs)
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl flag parsing; a missing config file, a config argument its file refuses, an
+  unknown `--config.` field or an unparsable value is one line."""
+  _check_config_file(argv)
+  try:
+    return flags.FLAGS(argv)
+  except flags.IllegalFlagValueError as e:  # e.g. --config.total_steps=abc
+    sys.exit(f"error: {_illegal_value(e)}")
+  except (AttributeError, KeyError):
+    config = _load_config([a for a in argv if a.startswith("--config=")][-1][len("--config="):])
+    for arg in (a for a in argv[1:] if a.startswith("--config.")):
+      path = arg[len("--config."):].split("=", 1)[0].split(".")
+      node = config
+      for i, key in enumerate(path):
+        if not hasattr(node, "keys") or key not in node:
+          valid = ", ".join(sorted(node.keys())) if hasattr(node, "keys") else "none"
+          sys.exit(f"error: {arg}: unknown config field {'.'.join(path)!r}; "
+                   f"fields of {'.'.join(path[:i]) or 'config'}: {valid}")
+        node = node[key]
+    raise
+
+
+def _check_config_file(argv: list[str]) -> None:
+  """`--config=path[:arg]` or `--config=name[:arg]` of a packaged config (rewritten in
+  `argv` to its file): a missing file, or a ValueError of the file's own get_config (its
+  refusal of `arg`), exits with one line instead of ml_collections' traceback."""
+  at = [i for i, a in enumerate(argv) if i and a.startswith("--config=")]
+  if not at:
+    return
+  spec = argv[at[-1]][len("--config="):]
+  path, colon, arg = spec.partition(":")
+  if not os.path.isfile(path):
+    packaged = configs.path(path)
+    if packaged is None:
+      sys.exit(f"error: --config={spec}: no such file {path!r} and no packaged config of that "
+               f"name; it must be a config file such as configs/tiny_lm.py or one of the "
+               f"packaged configs: {', '.join(configs.names())} (e.g. tiny_lm:size=small)")
+    spec = argv[at[-1]] = f"--config={packaged}{colon}{arg}"
+    spec = spec[len("--config="):]
+  try:
+    _load_config(spec)
+  except ValueError as e:
+    sys.exit(f"error: --config={spec}: {e}")
+
+
+def _illegal_value(error: Exception) -> str:
+  """The config field's own one-line error for a value absl could not parse into its type."""
+  match = re.match(r"flag --config\.([\w.]+)=(.*?): ", str(error))
+  return (match and config_check.field_error(match[1], match[2])) or str(error)
+
+
+def _load_config(spec: str):
+  """`path/to/config.py[:arg]` -> get_config(arg), as config_flags loads it."""
+  path, _, arg = spec.partition(":")
+  module_spec = importlib.util.spec_from_file_location("_config_module", path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  return module.get_config(arg) if arg else module.get_config()
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  metrics_lib.quiet_library_logs()
+  maybe_initialize_distributed()
+  config = _CONFIG.value
+  try:  # before anything is logged or built, so a bad value is the only line
+    run = config_check.check_config(config, _WORKDIR.value)
+  except ValueError as e:
+    sys.exit(f"error: {e}")
+  logging.info("jax %s, backend %s, %d devices (%d local), process %d of %d", jax.__version__,
+               jax.default_backend(), jax.device_count(), jax.local_device_count(),
+               jax.process_index(), jax.process_count())
+  logging.info("config:\n%s", config)
+  try:
+    result = loop.train(run, _WORKDIR.value)
+  except (ValueError, storage.WriteError) as e:  # bad input, a full disk: one line, no traceback
+    logging.error("%s", e)
+    sys.exit(f"error: {e}")
+  except OSError as e:
+    if e.errno not in storage.NO_SPACE:
+      raise
+    error = storage.WriteError(f"writing in --workdir {_WORKDIR.value}", e,
+                               after=f"file {e.filename}" if e.filename else "")
+    logging.error("%s", error)
+    sys.exit(f"error: {error}")
+  if jax.process_index() == 0:
+    if result["preempted"]:
+      print(f"preempted at step {result['step']} by SIGTERM: saved; run the same command again "
+            "to resume")
+    else:
+      print(f"done at step {result['step']}" +
+            (f", val_bpb={result['val_bpb']:.4f}" if "val_bpb" in result else ""))
+    print(f"metrics:     {result['metrics']}")
+    if result.get("tensorboard"):
+      print(f"tensorboard: {result['tensorboard']}")
+    print(f"checkpoints: {result['checkpoints']}")
+    if result.get("profile"):
+      print(f"profile:     {result['profile']}")
+  return EXIT_PREEMPTED if result["preempted"] else 0
+
+
+def run() -> None:
+  """The binary: absl's flags (config overrides included), then `main`."""
+  jax.config.config_with_absl()
+  app.run(main, flags_parser=parse_flags)
+
+
+if __name__ == "__main__":
+  run()
