@@ -60,6 +60,18 @@ import jax.numpy as jnp
 from jax import lax
 
 
+def bytes_per_microbatch(tokens: int, d_model: int, stages: int, itemsize: int,
+                         train: bool = True) -> int:
+  """Bytes one stage sends over `axis` for one microbatch of `tokens` tokens (its share on
+  this device), each psum a ring all-reduce: the embedding's gather (`embed`), the last
+  stage's hidden state to every stage (`broadcast_from`), the softmax statistics (3 float32
+  per token from each of the P stages) and, in training, dh and the embedding gradient's
+  broadcast of dx. Activations are `itemsize` bytes per value."""
+  ring = lambda n: 2 * (stages - 1) * n // stages
+  activations = 4 if train else 2
+  return activations * ring(tokens * d_model * itemsize) + ring(stages * tokens * 3 * 4)
+
+
 def padded_vocab(vocab_size: int, shards: int) -> int:
   """`vocab_size` rounded up to a multiple of `shards` (so every stage holds Vs rows)."""
   if vocab_size < 1 or shards < 1:

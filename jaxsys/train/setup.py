@@ -36,7 +36,7 @@ from jaxsys.kernels import sharded
 from jaxsys.models import transformer
 from jaxsys.optim import outer as outer_lib
 from jaxsys.optim.inner import make_optimizer
-from jaxsys.parallel import pipeline, routing
+from jaxsys.parallel import pipeline, routing, vocab
 from jaxsys.train import grads, hdp_step
 from jaxsys.train import replicas as replicas_lib
 from jaxsys.train import state as state_lib
@@ -239,13 +239,16 @@ def _grads_bytes(params, param_sh, mesh) -> int:
 
 
 def transfer_bytes(model_cfg, schedule: pipeline.Schedule, mesh: Mesh, batch_size: int,
-                   seq_len: int, routed: bool) -> tuple[int, int]:
+                   seq_len: int, routed: bool, vocab_parallel: bool = False
+                   ) -> tuple[int, int]:
   """(bytes one device sends per tick, bytes it sends once a step) moving microbatches.
 
   Per tick the executor sends one activation (its share of the sequence) and one gradient to
   the next and previous stage, idle or not; routed, each goes through `routing.hops(R)` more
   collective-permutes over `replica`, and every replica gathers the others' batch rows
-  once (5 arrays of 4 bytes a token; ring all-gather: R-1 times its own share).
+  once (5 arrays of 4 bytes a token; ring all-gather: R-1 times its own share). With
+  vocabulary parallelism every microbatch's embedding and output layer also communicate
+  over `stage` (`vocab.bytes_per_microbatch`).
   """
   shape = dict(mesh.shape)
   replicas = shape.get(replicas_lib.AXIS, 1)
@@ -256,15 +259,19 @@ def transfer_bytes(model_cfg, schedule: pipeline.Schedule, mesh: Mesh, batch_siz
                 * jnp.dtype(model_cfg.dtype).itemsize)
   moves = 1 + (routing.hops(replicas) if routed else 0)
   gather = (replicas - 1) * rows * tokens * 4 * 5 if routed else 0
-  return 2 * moves * activation, gather
+  head = (schedule.microbatches * vocab.bytes_per_microbatch(
+      rows // schedule.microbatches * tokens, model_cfg.d_model, shape[pipeline.AXIS],
+      jnp.dtype(model_cfg.dtype).itemsize) if vocab_parallel else 0)
+  return 2 * moves * activation, gather + head
 
 
 def pipeline_bytes(model_cfg, schedule: pipeline.Schedule, mesh: Mesh, batch_size: int,
-                   seq_len: int, accum_steps: int = 1, routed: bool = False) -> int:
+                   seq_len: int, accum_steps: int = 1, routed: bool = False,
+                   vocab_parallel: bool = False) -> int:
   """Bytes one device sends per step moving microbatches: `transfer_bytes` every tick of
   each accumulation step's schedule."""
   tick, once = transfer_bytes(model_cfg, schedule, mesh, batch_size // accum_steps, seq_len,
-                              routed)
+                              routed, vocab_parallel)
   return accum_steps * (schedule.ticks * tick + once)
 
 
@@ -310,7 +317,7 @@ def make_setup(run: RunConfig, mesh: Mesh, loader=None) -> Setup:
       grads_per_step=_grads_bytes(view_params, view_param_sh, mesh),
       pipeline_per_step=0 if schedule is None else pipeline_bytes(
           model_cfg, schedule, mesh, run.data.batch_size, run.data.seq_len,
-          run.optimizer.grad_accum_steps, routed),
+          run.optimizer.grad_accum_steps, routed, layout.vocab_parallel),
       outer=outer, replicas=replicas,
       # An elementwise sync sends each device's own share (its stage's layers in a pipeline).
       synced=None if outer is None else (_stage_share(view_params, view_param_sh, mesh)

@@ -11,6 +11,7 @@ import optax
 from absl.testing import absltest, parameterized
 from jax.sharding import Mesh, PartitionSpec as P
 
+from jaxsys.optim import outer as outer_lib
 from jaxsys.parallel import vocab
 
 B, T, D, V, STAGES = 2, 8, 16, 250, 4
@@ -171,6 +172,33 @@ class OutputLayerTest(parameterized.TestCase):
       jax.jit(_sharded_output_layer(300, 2))(h, w, targets, mask)
     with self.assertRaisesRegex(ValueError, "algorithm=3"):
       jax.jit(_sharded_output_layer(V, 3))(h, w, targets, mask)
+
+
+class BytesTest(parameterized.TestCase):
+
+  @parameterized.parameters(True, False)
+  def test_bytes_per_microbatch_are_the_compiled_collectives(self, train):
+    """What a pipeline's microbatch runs of VP (the embedding, the broadcast of the last
+    stage's hidden state, the output layer and, in training, the broadcast of dx for the
+    embedding's gradient), compiled: the bytes its collectives send, by the ring rule."""
+    h, w, targets, mask = _inputs()
+    emb = jax.random.normal(jax.random.key(4), (vocab.padded_vocab(V, STAGES), D))
+
+    def microbatch(emb_shard, w_shard, tokens, targets, mask, dx):
+      x = vocab.embed(emb_shard, tokens)
+      y = vocab.broadcast_from(x * 2.0, STAGES - 1)  # stands in for the stages' layers
+      loss, dh, dw = vocab.output_layer(y, w_shard, targets, mask, vocab_size=V, algorithm=1)
+      if not train:
+        return loss, dh[:0], dw[:0], emb_shard[:0]
+      demb = vocab.embed_grad(vocab.broadcast_from(dx + dh, 0), tokens,
+                              vocab_shard_size=emb_shard.shape[0])
+      return loss, dh, dw, demb
+    fn = jax.shard_map(microbatch, mesh=_mesh(),
+                       in_specs=(P("stage"), P(None, "stage"), P(), P(), P(), P()),
+                       out_specs=(P(), P(), P(None, "stage"), P("stage")))
+    hlo = jax.jit(fn).lower(emb, w, targets, targets, mask, h).compile().as_text()
+    self.assertEqual(outer_lib.collective_bytes_from_hlo(hlo, STAGES),
+                     vocab.bytes_per_microbatch(B * T, D, STAGES, itemsize=4, train=train))
 
 
 class EmbeddingTest(parameterized.TestCase):
