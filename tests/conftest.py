@@ -60,6 +60,19 @@ SLOW = (
 )
 
 
+# The longest tests, longest first (2-core VM, docs/results/testing.md): 35-90 s each.
+LONGEST = (
+    "tests/experiments/test_multiprocess.py::test_composed_run_killed_resumes_merged",
+    "tests/experiments/test_faults.py::test_sigkill_at_random_points",
+    "tests/experiments/test_multiprocess_outer.py",
+    "tests/experiments/test_multiprocess.py::test_pipeline_across_two_processes",
+    "tests/experiments/test_multiprocess.py::test_two_processes_match_one",
+    "tests/experiments/test_faults.py::test_damaged_checkpoints",
+    "tests/train/test_loop.py::test_resume_is_exact[hdp_in_diloco_replicas]",
+    "tests/experiments/test_bench_hdp.py::test_real_part",
+)
+
+
 def pytest_configure(config):
   config.addinivalue_line("markers", "slow: left out of the fast tier (pytest -m 'not slow')")
 
@@ -68,9 +81,11 @@ def pytest_collection_modifyitems(items):
   for item in items:
     if item.nodeid.startswith(SLOW):
       item.add_marker(pytest.mark.slow)
-  # The slow tests first: spread over the workers from the start, none of them is left to
-  # run alone at the end while the other workers wait.
-  items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+  # Longest first (the measured longest, then the other slow tests): a worker that runs out
+  # steals from the end of another's queue, so what is left at the end is short, and no
+  # long test runs alone while the other workers wait.
+  items.sort(key=lambda item: (next((i for i, t in enumerate(LONGEST) if item.nodeid.startswith(t)),
+                                    len(LONGEST)), item.get_closest_marker("slow") is None))
 
 
 def pytest_sessionfinish(session):
