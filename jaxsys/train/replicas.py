@@ -119,7 +119,8 @@ def jit_steps(inner_step: Callable, outer: outer_lib.OuterOptimizer, mesh: Mesh,
     return jax.jit(fn, in_shardings=ins, out_shardings=outs, donate_argnums=0,
                    compiler_options=compiler_options)
   step_out = (state_sh, replicated)
-  return (jit(inner_step, (state_sh, batch_sh), step_out), jit(sync_state, (state_sh,), state_sh),
+  return (jit(inner_step, (state_sh, batch_sh), step_out),
+          jit_sync(outer, mesh, view, state_sh, compiler_options),
           jit(lambda s, b: inner_step(sync_state(s), b), (state_sh, batch_sh), step_out)
           if outer.overlaps else None)
 
