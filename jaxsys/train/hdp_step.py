@@ -493,7 +493,8 @@ class Planner:
       offer = left + [i for i, p in enumerate(share) if p == r]
       kept, steps = pool.fit([docs[i] for i in offer], self.micro_steps)
       parts.append({"tokens": [docs[offer[i]] for i in kept], "plan": steps})
-      left = [j for i, j in enumerate(offer) if i not in set(kept)]
+      kept = set(kept)
+      left = [j for i, j in enumerate(offer) if i not in kept]
     if left:
       self.loader.give_back(left)
     return self.executor.batch_of(parts)
@@ -545,8 +546,8 @@ class ReplicaPools:
   """HDP inside each of an outer optimizer's replicas: one pool per replica, on that
   replica's devices, steps the replica's slice of the stacked state [R, ...] (its
   parameters and inner optimizer state) over its own documents; the outer state is left to
-  the sync. Slices and the stacked result are the same device buffers' shards, each read
-  where it lies, so nothing crosses replicas in a step.
+  the sync. A replica's slice is each of its devices' own shard, copied on that device, and
+  the result is stacked back the same way, so nothing crosses replicas in a step.
   """
 
   def __init__(self, executor: Callable[[Mesh, TrainState], "HDPStep | PerRankHDPStep"],
