@@ -45,7 +45,7 @@ SLOW = (
     "tests/parallel/test_routing.py::test_random_routing_gradients_follow_the_route",
     "tests/quant/test_quant_eval.py::test_quant_eval_end_to_end",
     "tests/train/test_compositions.py::test_one_step_equals_the_step_without_them",
-    "tests/train/test_compositions.py::test_hdp_in_replicas_equals_replicas_of_data",
+    "tests/train/test_compositions.py::test_hdp_equals_data_parallelism_over_the_same_documents",
     "tests/train/test_hdp_step.py::HDPStepTest::test_hdp_step_equals_single_device_step",
     "tests/train/test_init_from.py",
     "tests/train/test_loop.py::test_resume_is_exact",

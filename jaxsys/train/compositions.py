@@ -105,31 +105,47 @@ def refusal(config: ml_collections.ConfigDict) -> str | None:
   return None
 
 
+def variants(names) -> list[dict[str, Any]]:
+  """Each non-default variant of the strategies `names`, as one field's override."""
+  return [{field: value} for name in names for field, values in OPTIONS.get(name, {}).items()
+          for value in values[1:]]
+
+
 def support_matrix(base: ml_collections.ConfigDict, devices: int = 8) -> dict:
-  """{(a, b): None if strategies a and b combine on `base`, else the refusal}, every pair."""
-  return {(a, b): refusal(apply(base, compose((a, b), devices))) for a, b in pairs()}
+  """{(a, b): (variant, refusal)} for every pair: (None, None) if strategies a and b combine
+  on `base` as `STRATEGIES` sets them; else ({field: value}, None) for the first variant of
+  theirs (`OPTIONS`) with which they combine, or (None, the defaults' refusal)."""
+  out = {}
+  for a, b in pairs():
+    why = refusal(apply(base, compose((a, b), devices)))
+    works = (next((v for v in variants((a, b))
+                   if refusal(apply(base, compose((a, b), devices, **{
+                       k.replace(".", "__"): x for k, x in v.items()}))) is None), None)
+             if why else None)
+    out[a, b] = (works, None) if works else (None, why)
+  return out
 
 
 def matrix_markdown(matrix: dict) -> str:
-  """The matrix as a markdown table: strategies as rows and columns, each cell 'yes' or a
-  numbered refusal listed below the table."""
+  """The matrix as a markdown table: strategies as rows and columns, each cell 'yes', 'yes'
+  with a numbered note naming the variant it needs, or a numbered refusal, listed below."""
   names = list(STRATEGIES)
-  reasons: list[str] = []
+  notes: list[str] = []
   cell = {}
-  for (a, b), why in matrix.items():
-    if why is None:
+  for (a, b), (variant, why) in matrix.items():
+    if variant is None and why is None:
       mark = "yes"
     else:
-      why = _reason(why)
-      if why not in reasons:
-        reasons.append(why)
-      mark = f"no ({reasons.index(why) + 1})"
+      note = (_reason(why) if why else "with " + ", ".join(
+          f"{field}={value}" for field, value in variant.items()))
+      if note not in notes:
+        notes.append(note)
+      mark = f"{'no' if why else 'yes'} ({notes.index(note) + 1})"
     cell[a, b] = cell[b, a] = mark
   rows = ["| | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
   for a in names:
     rows.append(f"| {a} | " + " | ".join("-" if a == b else cell[a, b] for b in names) + " |")
-  notes = [f"({i + 1}) {why}" for i, why in enumerate(reasons)]
-  return "\n".join(rows + [""] + notes)
+  return "\n".join(rows + [""] + [f"({i + 1}) {note}" for i, note in enumerate(notes)])
 
 
 def _reason(refusal: str) -> str:

@@ -11,11 +11,13 @@ update divides by the whole batch's token count, so the step equals a single-dev
 over the same documents, however they were split.
 
 The pool is a mesh's batch axes (`data`, `fsdp`): each of their devices, with the devices
-of its `tensor` group, is one slot of the plan. The views regroup the slots into
-`data = S/c, context = c` and keep `tensor`, so every view reads the parameters where
-they are. With `fsdp` the pool trains as ZeRO-2 does (ByteScale's HDP with ZeRO): the
-parameters are gathered once a step for its micro-steps, the gradients accumulate
-reduce-scattered over `fsdp`, and the update runs on the shards.
+of its `tensor` group and its pipeline's stages, is one slot of the plan. The views regroup
+the slots into `data = S/c, context = c` and keep `stage` and `tensor`, so every view
+reads the parameters where they are. With `fsdp` the pool trains as ZeRO-2 does
+(ByteScale's HDP with ZeRO): the parameters are gathered once a step for its micro-steps,
+the gradients accumulate reduce-scattered over `fsdp`, and the update runs on the shards.
+Over pipelines (`PipelinedHDPStep`) the micro-steps are the schedule's microbatches, m to a
+program.
 """
 from __future__ import annotations
 
@@ -31,55 +33,62 @@ from jaxsys.config import RunConfig
 from jaxsys.kernels import sharded
 from jaxsys.models import transformer
 from jaxsys.data.packing import FIELDS
-from jaxsys.parallel import hdp, hdp_layout, hdp_schedule
+from jaxsys.parallel import hdp, hdp_layout, hdp_schedule, pipeline
+from jaxsys.train import grads
 from jaxsys.train import step as step_lib
 from jaxsys.train.state import REPLICA_AXIS as REPLICA, TrainState
 
 
-def micro_step_sums(params, batch, acc, *, model_cfg: transformer.TransformerConfig, ring: bool,
-                    params_sh=None):
-  """acc + (summed token loss, token count, its gradients) of one packed micro-step;
+def accumulating(grad_fn: grads.GradFn, params_sh=None) -> Callable:
+  """(params, batch, acc) -> acc + `grad_fn`'s (summed token loss, token count, gradients);
   `params_sh`: the parameters' shardings (where a jit gives them)."""
-  attention_fn = step_lib.ring_attention_fn() if ring else None
+  def sums(params, batch, acc):
+    total, count, g = grad_fn(params, batch)
+    # The gradients laid out as the parameters they differentiate, then summed into acc's
+    # layout (a reduce-scatter over fsdp): left free, XLA pulls acc's fsdp split back into
+    # the activations' gradients and replicates them to get there.
+    if params_sh is not None:
+      g = jax.lax.with_sharding_constraint(g, params_sh)
+    return jax.tree.map(jnp.add, acc, (total, count, g))
+  return sums
 
-  def loss_sum(p):
-    losses = step_lib.token_losses(model_cfg, p, batch, attention_fn=attention_fn)
-    return jnp.sum(losses), jnp.sum(batch["loss_mask"])
 
-  (total, count), grads = jax.value_and_grad(loss_sum, has_aux=True)(params)
-  # The gradients laid out as the parameters they differentiate, then summed into acc's
-  # layout (a reduce-scatter over fsdp): left free, XLA pulls acc's fsdp split back into
-  # the activations' gradients and replicates them to get there.
-  if params_sh is not None:
-    grads = jax.lax.with_sharding_constraint(grads, params_sh)
-  return jax.tree.map(jnp.add, acc, (total, count, grads))
+def _ring_layout(view: Mesh) -> str | None:
+  """A view's context layout: the planner's own (ring attention as laid out) on a ring."""
+  return step_lib.LAID_OUT if view.shape["context"] > 1 else None
 
 
 # The mesh axes that split the batch: their devices are the pool's slots.
 SLOT_AXES = ("data", "fsdp")
-# The mesh axes a slot may span: each slot is a group that shards the model over them.
-KEPT_AXES = ("tensor",)
+# The mesh axes a slot may span: each slot is a group that shards the model over them
+# (`tensor`), or a pipeline over its stages (`stage`).
+KEPT_AXES = ("stage", "tensor")
 
 
 class Pool:
   """A mesh's devices as HDP slots: `devices` [..., S, ...] has the batch axes merged into
   one axis of S slots at position `at` (size-1 axes dropped), the kept axes around it in
-  the mesh's order, so every view below is a reshape of the mesh's own device order."""
+  the mesh's order, so every view below is a reshape of `mesh` (the pool's order of the
+  devices: a jitted program's arrays must all list them in one order)."""
 
   def __init__(self, mesh: Mesh):
-    names = [a for a in mesh.axis_names if mesh.shape[a] > 1 or a in SLOT_AXES]
+    # The mesh with the batch axes side by side where the first of them is (e.g.
+    # data=2,stage=2,fsdp=2 as data,fsdp,stage): each device keeps its place on every axis.
+    axes = list(mesh.axis_names)
+    at = next((i for i, a in enumerate(axes) if a in SLOT_AXES), 0)
+    order = ([i for i in range(at) if axes[i] not in SLOT_AXES]
+             + [i for i, a in enumerate(axes) if a in SLOT_AXES]
+             + [i for i in range(at, len(axes)) if axes[i] not in SLOT_AXES])
+    self.mesh = Mesh(mesh.devices.transpose(order), tuple(axes[i] for i in order))
+    names = [a for a in self.mesh.axis_names if self.mesh.shape[a] > 1 or a in SLOT_AXES]
     others = {a: mesh.shape[a] for a in names if a not in SLOT_AXES + KEPT_AXES}
     if others:
       raise ValueError(f"HDP regroups the batch axes {SLOT_AXES} into data=S/c,context=c "
                        f"views and keeps {KEPT_AXES}; this mesh also has {others}")
-    devices = mesh.devices.reshape([mesh.shape[a] for a in names])
+    devices = self.mesh.devices.reshape([self.mesh.shape[a] for a in names])
     slots = [i for i, a in enumerate(names) if a in SLOT_AXES]
-    if not slots:  # one slot: the whole mesh is one tensor group
+    if not slots:  # one slot: the whole mesh is one group
       devices, names, slots = devices[None], ["data", *names], [0]
-    if slots != list(range(slots[0], slots[-1] + 1)):
-      spec = ",".join(f"{a}={n}" for a, n in mesh.shape.items())
-      raise ValueError(f"mesh={spec!r} is invalid with parallel.hdp=True; it must list the "
-                       f"batch axes {SLOT_AXES} next to each other (e.g. data=2,fsdp=2,tensor=2)")
     self.at = slots[0]
     self.slot_axes = tuple(names[i] for i in slots)
     self.kept = tuple(a for a in names if a not in SLOT_AXES)
@@ -117,25 +126,40 @@ def _on_mesh(shardings, mesh: Mesh, spec_fn=lambda spec: spec):
 
 
 class _HDPBase:
-  """What both executors share: the pool, the accumulator and the optimizer update."""
+  """What the executors share: the pool, the accumulator and the optimizer update."""
+
+  # Micro-steps one program runs (the pipeline's microbatches, for a pipelined pool).
+  microbatches = 1
 
   def __init__(self, model_cfg, optimizer, mesh: Mesh, state_sh: TrainState,
                tokens_per_device: int):
     self.pool = Pool(mesh)
-    self.model_cfg, self.optimizer, self.mesh = model_cfg, optimizer, mesh
+    # Every program's devices in the pool's order; the state stays on its own mesh (the
+    # same shards on the same devices, rewrapped without a copy on the way in and out).
+    self.model_cfg, self.optimizer, self.mesh = model_cfg, optimizer, self.pool.mesh
     self.tokens_per_device = tokens_per_device
-    self.params_sh = state_sh.params
+    self.params_sh = _on_mesh(state_sh.params, self.mesh)
     # The parameters as each micro-step reads them: whole on every slot (gathered over fsdp).
-    self.gathered_sh = _on_mesh(self.params_sh, mesh, lambda spec: _without(spec, "fsdp"))
-    self._gather = jax.jit(lambda p: p, out_shardings=self.gathered_sh)
+    self.gathered_sh = _on_mesh(self.params_sh, self.mesh, lambda spec: _without(spec, "fsdp"))
+    self._gather_jit = jax.jit(lambda p: p, out_shardings=self.gathered_sh)
     # Gradient all-reduces run (in units of one over the whole pool), for comm_bytes.
     self.steps_run, self.reductions_run = 0, 0.0
-    rep = NamedSharding(mesh, P())
+    rep = NamedSharding(self.mesh, P())
     self._acc_sh = (rep, rep, self.params_sh)
-    self._zeros = jax.jit(_zero_sums, out_shardings=self._acc_sh)
+    self._zeros_jit = jax.jit(_zero_sums, out_shardings=self._acc_sh)
+    state_rep = NamedSharding(mesh, P())
+    self._update_acc_sh = (state_rep, state_rep, state_sh.params)
     update = functools.partial(step_lib.apply_gradients, optimizer=optimizer)
     self._update = jax.jit(lambda s, acc: update(s, total=acc[0], count=acc[1], grads=acc[2]),
-                           out_shardings=(state_sh, rep), donate_argnums=0)
+                           out_shardings=(state_sh, state_rep), donate_argnums=0)
+
+  def _gather(self, params):
+    """The state's parameters as every micro-step reads them, on the pool's mesh."""
+    return self._gather_jit(_on(params, self.params_sh))
+
+  def _zeros(self, params):
+    """Zero sums of the state's parameters, laid out as the pool accumulates them."""
+    return self._zeros_jit(_on(params, self.params_sh))
 
   @property
   def num_devices(self) -> int:
@@ -154,15 +178,17 @@ class _HDPBase:
     """The jitted micro-step over the `data, context` view `view`, and its batch sharding.
     Parameters and sums take `params_sh`' and `acc_sh`'s layouts (the pool's, for the
     lock-step executor) so each view compiles once."""
-    c = view.shape["context"]
     batch_sh = NamedSharding(view, P("data", "context"))
-    fn = functools.partial(micro_step_sums, model_cfg=self.model_cfg, ring=c > 1,
-                           params_sh=params_sh)
+    fn = accumulating(self._grad_fn(view), params_sh)
     jitted = jax.jit(sharded.under_mesh(fn, view),
                      in_shardings=(params_sh, batch_sh, acc_sh),
                      out_shardings=acc_sh, donate_argnums=2,
                      compiler_options=step_lib.compiler_options(self.model_cfg, view))
     return jitted, batch_sh
+
+  def _grad_fn(self, view: Mesh) -> grads.GradFn:
+    """The gradient function of a micro-step over `view`."""
+    return grads.autodiff(self.model_cfg, _ring_layout(view))
 
   def __call__(self, state: TrainState, batch: dict[str, Any]):
     docs = batch["tokens"]
@@ -189,7 +215,7 @@ class _HDPBase:
     """The update's and a ring of `c` slots' micro-step programs, lowered for `state`'s
     shapes (abstract or real): what a compile check builds ahead of any batch."""
     fn, batch_sh = self.ring(c)
-    rows = batch_sh.mesh.shape["data"]
+    rows = batch_sh.mesh.shape["data"] * self.microbatches
     batch = {f: jax.ShapeDtypeStruct((rows, c * self.tokens_per_device),
                                      jnp.float32 if f == "loss_mask" else jnp.int32)
              for f in FIELDS}
@@ -201,7 +227,7 @@ class _HDPBase:
     return self.reductions_run / self.steps_run if self.steps_run else 1.0
 
   def _finish(self, state, acc, micro_batches: int, reductions: float):
-    state, metrics = self._update(state, acc)
+    state, metrics = self._update(state, _on(acc, self._update_acc_sh))
     self.steps_run += 1
     self.reductions_run += reductions
     return state, {**metrics, "micro_steps": jnp.asarray(micro_batches)}
@@ -234,10 +260,8 @@ class HDPStep(_HDPBase):
     c = 1
     while c <= self.num_devices:
       fn, batch_sh = self.program(c)
-      _, fields = hdp_layout.pack_step([], [], num_devices=self.num_devices,
-                                       tokens_per_device=self.tokens_per_device, view=c)
-      arrays = {k: jax.device_put(v, batch_sh) for k, v in fields.items()}
-      jax.block_until_ready(fn(self._gather(params), arrays, self._zeros(params)))
+      fields = self._pack([[]] * self.microbatches, [], c)
+      jax.block_until_ready(fn(self._gather(params), _put(fields, batch_sh), self._zeros(params)))
       c *= 2
 
   def plan(self, lengths) -> hdp.Plan:
@@ -248,23 +272,60 @@ class HDPStep(_HDPBase):
   def micro_batches(plan: hdp.Plan) -> int:
     return len(plan)
 
+  def _pack(self, micro_steps, docs, c: int) -> dict[str, np.ndarray]:
+    """Micro-steps packed over the view of c as one program's batch: micro-step j's row k
+    at row k * len(micro_steps) + j, so `pipeline.split_microbatches` takes micro-step j
+    as microbatch j and row k stays on the view's data shard k."""
+    fields = [hdp_layout.pack_step(micro, docs, num_devices=self.num_devices,
+                                   tokens_per_device=self.tokens_per_device, view=c)[1]
+              for micro in micro_steps]
+    return {k: np.stack([f[k] for f in fields], axis=1).reshape(-1, c * self.tokens_per_device)
+            for k in FIELDS}
+
   def run(self, state: TrainState, docs, steps: hdp.Plan):
-    """One update over `docs` laid out by the plan `steps`: micro-steps, then the update."""
-    packed = (hdp_layout.pack_step(micro, docs, num_devices=self.num_devices,
-                                   tokens_per_device=self.tokens_per_device) for micro in steps)
-    return self.run_packed(state, packed)
+    """One update over `docs` laid out by the plan `steps`: its micro-steps, `microbatches`
+    to a program over the view of their largest ring (the last padded with empty ones),
+    then the update."""
+    m = self.microbatches
+
+    def programs():
+      for start in range(0, len(steps), m):
+        group = steps[start:start + m]
+        c = max(hdp_layout.view_size(micro) for micro in group)
+        yield c, self._pack(group + [[]] * (m - len(group)), docs, c)
+    state, metrics = self.run_packed(state, programs())
+    return state, {**metrics, "micro_steps": jnp.asarray(len(steps))}
 
   def run_packed(self, state: TrainState, micro_batches):
-    """One update over micro-steps given as (c, fields [N/c, c * tokens_per_device]) in
-    any layout the ring masks right (positions and segment ids per token), e.g. a static
-    mesh's packed rows."""
+    """One update over programs' batches given as (c, fields [N/c * microbatches,
+    c * tokens_per_device]) in any layout the ring masks right (positions and segment ids
+    per token), e.g. a static mesh's packed rows."""
     params, acc, count = self._gather(state.params), self._zeros(state.params), 0
     for c, fields in micro_batches:
       count += 1
       fn, batch_sh = self.program(c)
       acc = fn(params, _put(fields, batch_sh), acc)
-    # Every micro-step all-reduces its gradients over the pool.
+    # Every program all-reduces its gradients over the pool once.
     return self._finish(state, acc, count, reductions=float(count))
+
+
+class PipelinedHDPStep(HDPStep):
+  """Lock-step HDP over pools of pipelines: each slot spans `stage` (with `tensor`), and the
+  plan's micro-steps are the pipeline's microbatches. A program runs `schedule`'s m
+  microbatches, micro-steps m at a time, over the `stage, data = S/c, context = c` view
+  of c, the largest ring among them: ring attention inside the stages (the executor's
+  uniform ticks) where c > 1, the plain kernels where c = 1."""
+
+  def __init__(self, *args, schedule: pipeline.Schedule, layout: pipeline.Layout,
+               vocab_algorithm: int = 2, **kwargs):
+    self.schedule, self.layout, self.vocab_algorithm = schedule, layout, vocab_algorithm
+    self.microbatches = schedule.microbatches
+    super().__init__(*args, **kwargs)
+
+  def _grad_fn(self, view: Mesh) -> grads.GradFn:
+    return grads.pipelined(self.model_cfg, self.schedule, self.layout, view,
+                           vocab_algorithm=self.vocab_algorithm,
+                           context_layout=_ring_layout(view))
 
 
 def _put(fields: dict[str, np.ndarray], sharding) -> dict[str, jax.Array]:
@@ -372,7 +433,7 @@ class PerRankHDPStep(_HDPBase):
     for k, size in locals_:
       no_batches = [()] * self.num_devices
       jax.block_until_ready(
-          self.local_program(k)(params, *self._local_inputs(k, size, no_batches, [])))
+          self.local_program(k)(gathered, *self._local_inputs(k, size, no_batches, [])))
 
   def _local_batches(self, sched: hdp_schedule.Schedule, lengths) -> dict[int, list]:
     """The local micro-batches by their slots (`hdp_schedule.local_cell`): {slots: each
@@ -421,7 +482,7 @@ class PerRankHDPStep(_HDPBase):
     for size, local in sorted(by_size.items()):
       k = _axis(local)
       local_sums.append(self.local_program(k)(params, *self._local_inputs(k, size, local, docs)))
-    ring_sums = self._per_device(block_sums, state.params)
+    ring_sums = self._per_device(block_sums, _on(state.params, self.params_sh))
     acc = self._reduce(local_sums, ring_sums)
     # One all-reduce over the pool, and one over each ring's run per ring micro-batch
     # ((c - 1) / (N - 1) of the pool's bytes, averaged over the pool's devices).
@@ -461,9 +522,11 @@ def _on(tree, shardings):
 
 def _local_sums(params, batch, counts, *, model_cfg: transformer.TransformerConfig):
   """One device's sums over its first counts[0] micro-batches (batch [1, k, tpd])."""
+  sums = accumulating(grads.autodiff(model_cfg))
+
   def body(b, acc):
     micro = {f: jax.lax.dynamic_index_in_dim(v[0], b, keepdims=True) for f, v in batch.items()}
-    return micro_step_sums(params, micro, acc, model_cfg=model_cfg, ring=False)
+    return sums(params, micro, acc)
   acc = jax.lax.fori_loop(0, counts[0], body, _zero_sums(params))
   return jax.tree.map(lambda x: x[None], acc)
 
@@ -515,11 +578,17 @@ def loader_budget(slots: int, max_len: int) -> int:
   return slots + max(max_len, slots // 2)
 
 
-def make_executor(run: RunConfig, optimizer, mesh, state_sh: TrainState) -> "HDPExecutor":
+def make_executor(run: RunConfig, optimizer, mesh, state_sh: TrainState,
+                  schedule: pipeline.Schedule | None = None,
+                  layout: pipeline.Layout | None = None) -> "HDPExecutor":
   """The HDP step of `run` on `mesh`: one pool (`Pool`), data.seq_len tokens per slot, or
-  one per replica (`ReplicaPools`) when the mesh has a `replica` axis."""
+  one per replica (`ReplicaPools`) when the mesh has a `replica` axis; pools of pipelines
+  running `schedule` over the stage view `layout` when given."""
   def executor(mesh, state_sh):
     args = (run.model, optimizer, mesh, state_sh, run.data.seq_len)
+    if layout is not None:
+      return PipelinedHDPStep(*args, schedule=schedule, layout=layout,
+                              vocab_algorithm=run.pipeline.vocab_algorithm)
     if run.parallel.hdp_schedule == "per_rank":
       return PerRankHDPStep(*args, widen=run.parallel.hdp_widen_rings)
     return HDPStep(*args)
@@ -638,4 +707,4 @@ def _combine_metrics(m: dict[str, jax.Array]) -> dict[str, jax.Array]:
           "grad_norm": jnp.sqrt(jnp.mean(jnp.square(m["grad_norm"]))), "tokens": tokens}
 
 
-HDPExecutor = HDPStep | PerRankHDPStep | ReplicaPools
+HDPExecutor = HDPStep | PipelinedHDPStep | PerRankHDPStep | ReplicaPools

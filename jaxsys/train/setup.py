@@ -327,7 +327,7 @@ def make_setup(run: RunConfig, mesh: Mesh, loader=None) -> Setup:
   batch_fn = lambda batch: step_lib.global_batch(batch, batch_sh)
   sync_fn = sync_train_fn = None
   if run.parallel.hdp:
-    train_fn = hdp_step.make_executor(run, optimizer, mesh, state_sh)
+    train_fn = hdp_step.make_executor(run, optimizer, mesh, state_sh, schedule, layout)
     batch_fn = hdp_step.Planner(train_fn, loader, hdp_step.micro_steps_per_step(
         run, train_fn.num_devices))
     comm = dataclasses.replace(comm, reductions_per_step=train_fn.reductions_per_step)

@@ -28,16 +28,21 @@ def cross_entropy(logits: jax.Array, batch: Batch) -> jax.Array:
 
 
 def token_losses(cfg: transformer.TransformerConfig, params, batch: Batch,
-                 context_layout: str | None = None, attention_fn: Callable | None = None
-                 ) -> jax.Array:
+                 context_layout: str | None = None) -> jax.Array:
   """`cross_entropy` of the model's logits; with a `context_layout`, the sequence is split
-  over the mesh's `context` axis in that layout (see `context_parallel`); `attention_fn`
-  replaces the model's attention for a batch already laid out (an HDP micro-step)."""
+  over the mesh's `context` axis in that layout (see `context_parallel`)."""
+  attention_fn = None
   if context_layout is not None:
     batch, attention_fn = context_parallel(batch, context_layout)
   logits = transformer.apply(cfg, params, batch["inputs"], batch["positions"],
                              batch["segment_ids"], attention_fn)
   return cross_entropy(logits, batch)
+
+
+# The context layout of a batch its maker already laid out over `context` (an HDP
+# micro-step: whole documents in zigzag shares, each token with its document position):
+# ring attention runs on it as it is.
+LAID_OUT = "laid_out"
 
 
 def context_parallel(batch: Batch, layout: str, axis: str = "context"
@@ -48,6 +53,8 @@ def context_parallel(batch: Batch, layout: str, axis: str = "context"
   layout only decides how the causal work is balanced over the ring.
   Called while tracing under a mesh (`sharded.under_mesh`).
   """
+  if layout == LAID_OUT:
+    return batch, ring_attention_fn(axis=axis)
   n = jax.sharding.get_abstract_mesh().shape[axis]
   laid = {k: context.to_layout(x, n, layout, axis=1) for k, x in batch.items()}
   return laid, ring_attention_fn(layout, axis)

@@ -57,6 +57,12 @@ class FieldsTest(parameterized.TestCase):
       ("context_contiguous", dict(mesh="context=8", data__seq_len=72,
                                   parallel__context_layout="contiguous")),
       ("hdp", dict(data__variable_length=True, parallel__hdp=True, data__max_len=512)),
+      # The batch axes need not be side by side: HDP's pool regroups them.
+      ("hdp_over_pipelines", dict(mesh="data=2,stage=2,fsdp=2", data__variable_length=True,
+                                  parallel__hdp=True, parallel__hdp_schedule="lockstep",
+                                  pipeline__schedule="1f1b", pipeline__microbatches=2)),
+      ("hdp_any_axis_order", dict(mesh="data=2,tensor=2,fsdp=2", data__variable_length=True,
+                                  parallel__hdp=True)),
   )
   def test_valid(self, overrides):
     config_check.check_config(_config(**overrides))
@@ -222,14 +228,11 @@ class RelationsTest(parameterized.TestCase):
                            parallel__hdp=True),
        "parallel.hdp=True is invalid with mesh axis context=2; it must be False with a context "
        "axis: HDP makes its own context rings"),
-      ("hdp_stage", dict(mesh="stage=2,data=4", data__variable_length=True, parallel__hdp=True,
-                         pipeline__schedule="1f1b", pipeline__microbatches=2),
-       "parallel.hdp=True is invalid with mesh axis stage=2; it must be False with a stage "
-       "axis: HDP's micro-steps are not pipelined yet"),
-      ("hdp_axis_order", dict(mesh="data=2,tensor=2,fsdp=2", data__variable_length=True,
-                              parallel__hdp=True),
-       "mesh='data=2,tensor=2,fsdp=2' is invalid with parallel.hdp=True; it must list the batch "
-       "axes ('data', 'fsdp') next to each other"),
+      ("hdp_stage_per_rank", dict(mesh="stage=2,data=4", data__variable_length=True,
+                                  parallel__hdp=True, parallel__hdp_schedule="per_rank",
+                                  pipeline__schedule="1f1b", pipeline__microbatches=2),
+       "parallel.hdp_schedule='per_rank' is invalid with parallel.hdp=True, mesh axis stage=2; "
+       "it must be lockstep for HDP over a stage axis"),
       ("hdp_pool", dict(mesh="data=4,tensor=2", data__variable_length=True, parallel__hdp=True,
                         data__max_len=257),
        "data.max_len=257 is invalid with data.seq_len=64, mesh axes data x fsdp=4, "

@@ -59,7 +59,7 @@ class HDPStepTest(parameterized.TestCase):
 
   @parameterized.parameters(("lockstep", "data=8"), ("per_rank", "data=8"),
                             ("per_rank_wide", "data=8"), ("lockstep", "data=2,fsdp=2,tensor=2"),
-                            ("per_rank", "tensor=2,fsdp=2,data=2"))
+                            ("per_rank", "fsdp=2,tensor=2,data=2"))
   def test_hdp_step_equals_single_device_step(self, schedule, spec):
     mesh = mesh_lib.make_mesh(spec)
     optimizer, state_sh, state = init(mesh)
@@ -104,9 +104,9 @@ class HDPStepTest(parameterized.TestCase):
     self.assertEqual(run.fit(docs, full)[0], list(range(len(docs))))
 
   def test_refuses_a_mesh_it_cannot_regroup(self):
-    mesh = mesh_lib.make_mesh("data=4,stage=2")
+    mesh = mesh_lib.make_mesh("data=4,context=2")
     optimizer, state_sh, _ = init(mesh)
-    with self.assertRaisesRegex(ValueError, r"HDP regroups the batch axes .* \{'stage': 2\}"):
+    with self.assertRaisesRegex(ValueError, r"HDP regroups the batch axes .* \{'context': 2\}"):
       hdp_step.HDPStep(MODEL, optimizer, mesh, state_sh, TOKENS_PER_DEVICE)
 
   def test_tensor_splits_and_fsdp_shards_in_the_compiled_programs(self):
