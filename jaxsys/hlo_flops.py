@@ -2,8 +2,9 @@
 
 XLA's `cost_analysis()` counts a while loop's body once, so a step that accumulates
 gradients over k microbatches, or a pipeline's loop over its ticks, looks k times
-cheaper than it is. Here every `dot` costs 2 x (output elements) x (contracted size),
-a while loop with a known trip count costs that many bodies, a conditional its most
+cheaper than it is. Here every `dot` costs 2 x (output elements) x (contracted size), a `convolution` (how TPU
+programs write their dots) 2 x its multiply-adds on input values,
+a while loop with a known trip count costs that many bodies (`trip_count`), a conditional its most
 expensive branch (an upper bound: the branch taken is decided at run time), and a fusion
 or call what it calls.
 """
@@ -16,14 +17,62 @@ import re
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) .*\{$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\w+)\[([\d,]*)\]")
 _DOT = re.compile(r" dot\(%([\w.\-]+), %[\w.\-]+\).*lhs_contracting_dims=\{([\d,]*)\}")
+_CONV = re.compile(r" convolution\(%([\w.\-]+), %([\w.\-]+)\)(.*)dim_labels=(\w+_\w+->\w+)")
+_WINDOW = re.compile(r"window=\{([^}]*)\}")
 _CALLS = re.compile(r"(?:calls|body)=%([\w.\-]+)")
 _BRANCHES = re.compile(r"(?:branch_computations=\{([^}]*)\}|true_computation=%([\w.\-]+), "
                        r"false_computation=%([\w.\-]+))")
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_CONDITION = re.compile(r"condition=%([\w.\-]+)")
+_CONSTANT = re.compile(r"^\s*%([\w.\-]+) = s32\[\]\S* constant\((\d+)\)")
+_BELOW = re.compile(r"compare\(%[\w.\-]+, %([\w.\-]+)\), direction=LT")
+
+
+def trip_count(line: str, computations: dict[str, list[str]]) -> int | None:
+  """The trip count of the while loop on `line`: XLA's `known_trip_count` where the HLO
+  records it (XLA:CPU), else N of its condition's `counter < N` on a constant (TPU; a scan
+  counts from 0), else None."""
+  known = _TRIPS.search(line)
+  if known:
+    return int(known[1])
+  condition = _CONDITION.search(line)
+  lines = computations.get(condition[1], []) if condition else []
+  constants = {m[1]: int(m[2]) for m in map(_CONSTANT.match, lines) if m}
+  bounds = [constants[m[1]] for m in map(_BELOW.search, lines) if m and m[1] in constants]
+  return bounds[0] if len(bounds) == 1 else None
 
 
 def _dims(text: str) -> tuple[int, ...]:
   return tuple(int(d) for d in text.split(",") if d)
+
+
+def _conv_flops(out_dims, lhs_dims, rhs_dims, attributes: str, labels: str) -> float:
+  """2 x the multiply-adds a convolution does on input values (not on its padding or the
+  zeros a dilation inserts): TPU programs write a batched dot as a convolution whose batch
+  rides on a padded or dilated window, of which one tap per output meets the input."""
+  lhs_labels, rest = labels.split("_")
+  rhs_labels, out_labels = rest.split("->")
+  features = rhs_dims[rhs_labels.index("i")]
+  spatial = [c for c in lhs_labels if c.isdigit()]
+  window = dict(re.findall(r"(\w+)=([\w_]+)", _WINDOW.search(attributes)[1])) if (
+      _WINDOW.search(attributes)) else {}
+
+  def per_dim(key, default):
+    values = window.get(key)
+    return [default] * len(spatial) if values is None else values.split("x")
+
+  taps = 1
+  for d, size, stride, pad, lhs_dilate, rhs_dilate in zip(
+      spatial, per_dim("size", "1"), per_dim("stride", "1"), per_dim("pad", "0_0"),
+      per_dim("lhs_dilate", "1"), per_dim("rhs_dilate", "1")):
+    n, lo = lhs_dims[lhs_labels.index(d)], int(pad.split("_")[0])
+    size, stride, ld, rd = int(size), int(stride), int(lhs_dilate), int(rhs_dilate)
+    extent = (n - 1) * ld + 1  # the dilated input: values at multiples of ld
+    taps *= sum(1 for o in range(out_dims[out_labels.index(d)]) for k in range(size)
+                if 0 <= (x := o * stride + k * rd - lo) < extent and x % ld == 0)
+  batch_and_features = math.prod(out_dims) // max(1, math.prod(
+      out_dims[out_labels.index(d)] for d in spatial))
+  return 2.0 * batch_and_features * features * taps
 
 
 def dot_flops(hlo_text: str) -> float:
@@ -55,14 +104,18 @@ def dot_flops(hlo_text: str) -> float:
         lhs = shapes[dot[1]]
         contracted = math.prod(lhs[d] for d in _dims(dot[2]))
         total += 2.0 * math.prod(_dims(instruction[3])) * contracted
+      conv = _CONV.search(line)
+      if conv and instruction:
+        total += _conv_flops(_dims(instruction[3]), shapes[conv[1]], shapes[conv[2]], conv[3],
+                             conv[4])
       branches = _BRANCHES.search(line)
       if branches:
         names = (re.findall(r"%([\w.\-]+)", branches[1]) if branches[1]
                  else [branches[2], branches[3]])
         total += max(cost(b) for b in names)
+      trips = (trip_count(line, bodies) or 1) if " while(" in line else 1
       for called in _CALLS.findall(line):
-        trips = _TRIPS.search(line) if " while(" in line else None
-        total += (int(trips[1]) if trips else 1) * cost(called)
+        total += trips * cost(called)
     return total
 
   return cost(entry)

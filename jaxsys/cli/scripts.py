@@ -13,3 +13,9 @@ def checkpoint_info() -> None:
   """`jaxsys-checkpoint-info`."""
   from jaxsys.cli import checkpoint_info as binary  # pylint: disable=import-outside-toplevel
   binary.run()
+
+
+def compile_report() -> None:
+  """`jaxsys-compile`."""
+  from jaxsys.cli import compile as binary  # pylint: disable=import-outside-toplevel
+  binary.run()

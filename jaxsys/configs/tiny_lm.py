@@ -18,20 +18,21 @@ SIZES = {
 }
 
 
-def _parse(arg: str | None) -> dict[str, str]:
-  """'size=small' or 'small' -> {'size': 'small'}."""
+def parse_args(arg: str | None, config: str, valid: tuple[str, ...]) -> dict[str, str]:
+  """'size=small' or 'small' -> {'size': 'small'}; a name not in `valid` is refused."""
   out = {}
   for item in filter(None, (arg or "").split(",")):
     key, _, value = item.rpartition("=")
     out[key or "size"] = value
+  unknown = set(out) - set(valid)
+  if unknown:
+    raise ValueError(f"configs/{config}.py: unknown argument(s) {sorted(unknown)}; valid: "
+                     f"{', '.join(valid)}")
   return out
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  args = _parse(arg)
-  unknown = set(args) - {"size"}
-  if unknown:
-    raise ValueError(f"configs/tiny_lm.py: unknown argument(s) {sorted(unknown)}; valid: size")
+  args = parse_args(arg, "tiny_lm", ("size",))
   size = args.get("size", "tiny")
   if size not in SIZES:
     raise ValueError(f"configs/tiny_lm.py: size={size!r} is unknown; valid: {sorted(SIZES)}")

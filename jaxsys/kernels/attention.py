@@ -70,5 +70,5 @@ def attention(q, k, v, *, segment_ids=None, causal: bool = True, sm_scale: float
   kw = dict(causal=causal, sm_scale=sm_scale)
   if impl == "xla":
     return xla_attention(q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg, **kw)
-  kernel = pallas_tpu_attention if jax.default_backend() == "tpu" else pallas_attention
+  kernel = pallas_tpu_attention if backends.platform() == "tpu" else pallas_attention
   return sharded.sharded_attention(kernel, q, k, v, q_seg, kv_seg, **kw)

@@ -2,6 +2,9 @@
 of the installed jax (they moved between 0.10 and 0.11)."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import jax
 from jax.experimental import pallas as pl
 
@@ -28,6 +31,26 @@ except ImportError:  # pragma: no cover - jax without the Mosaic Pallas backend
 
 SQUEEZED = getattr(pl, "squeezed", None)  # `None` in a block shape means the same
 
+# The platform being compiled for, while a step is traced for a mesh (`targeting`): a TPU
+# slice's devices on a CPU host make it "tpu" while jax's default backend stays "cpu".
+_TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("jaxsys_target",
+                                                                   default=None)
+
+
+def platform() -> str:
+  """The platform kernels are chosen for: the compile target, else jax's default backend."""
+  return _TARGET.get() or jax.default_backend()
+
+
+@contextlib.contextmanager
+def targeting(target: str):
+  """Chooses kernels for `target` ("cpu", "gpu", "tpu") inside the block."""
+  token = _TARGET.set(target)
+  try:
+    yield
+  finally:
+    _TARGET.reset(token)
+
 
 def resolve_impl(who: str, impl: str, backend: str | None = None) -> str:
   """"auto" -> the fastest path for the backend: Pallas on GPU and TPU, XLA on CPU."""
@@ -35,13 +58,13 @@ def resolve_impl(who: str, impl: str, backend: str | None = None) -> str:
     raise ValueError(f"{who}: impl={impl!r} is not available; choose one of {IMPLS}")
   if impl != "auto":
     return impl
-  return "xla" if (backend or jax.default_backend()) == "cpu" else "pallas"
+  return "xla" if (backend or platform()) == "cpu" else "pallas"
 
 
 def pallas_flavor(who: str, flavor: str | None = None, backend: str | None = None) -> str:
   """None -> "tpu" on a TPU backend, "gpu" elsewhere; a given flavor is checked."""
   if flavor is None:
-    return "tpu" if (backend or jax.default_backend()) == "tpu" else "gpu"
+    return "tpu" if (backend or platform()) == "tpu" else "gpu"
   if flavor not in FLAVORS:
     raise ValueError(f"{who}: flavor={flavor!r} is not known; choose one of {FLAVORS}")
   return flavor
@@ -55,7 +78,7 @@ def resolve_interpret(who: str, flavor: str, interpret, backend: str | None = No
   compiles (e.g. `jax.export` for GPU or TPU from a CPU host); True interprets; the TPU
   flavor also takes a `pltpu.InterpretParams` (simulated VMEM, block pipeline, grid order).
   """
-  backend = backend or jax.default_backend()
+  backend = backend or platform()
   if interpret is None:
     if backend == "cpu":
       return True

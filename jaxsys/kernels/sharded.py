@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, PartitionSpec as P
 
 from jaxsys import mesh as mesh_lib
+from jaxsys.kernels import backends
 
 # Replicas of the outer optimizers run under `jax.vmap(spmd_axis_name="replica")`, which
 # puts the vmapped dim on this axis; a kernel's own dims must not use it too.
@@ -36,10 +37,13 @@ def under_mesh(fn: Callable, mesh) -> Callable:
 
   Without it the kernels find the mesh only in the types of committed array arguments
   (not of numpy inputs); `jax.set_mesh` cannot be entered inside `jax.jit`, this can.
+  The kernels are chosen for the mesh's devices (a TPU slice's, compiled from a CPU host).
   """
+  target = mesh.devices.flat[0].platform
+
   @functools.wraps(fn)
   def traced(*args, **kwargs):
-    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), backends.targeting(target):
       return fn(*args, **kwargs)
   return traced
 

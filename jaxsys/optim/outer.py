@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxsys import hlo_flops
 from jaxsys import mesh as mesh_lib
 
 COMPRESSIONS = (None, "bf16", "int8", "fp8")
@@ -237,7 +238,6 @@ _CALLS = re.compile(r"\b(?:calls|to_apply|body|condition)=%?([\w.\-]+)")
 _GROUPS = re.compile(r"replica_groups=(?:\{\{([0-9,]*)\}|\[[0-9]+,([0-9]+)\]<=|"
                      r"mesh\[([^\]]*)\] \{([^}]*)\})")
 _COMMENT = re.compile(r"/\*.*?\*/")  # e.g. /*index=5*/ inside long tuple shapes
-_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 
 
 def _shape_bytes(text: str) -> int:
@@ -286,10 +286,11 @@ def _group_size(line: str, default: int) -> int:
   return math.prod(sizes[a.strip().strip("'")] for a in axes.split(",") if a.strip())
 
 
-def _sent_bytes(line: str, default_group: int) -> int:
-  """Bytes one participant sends for the collective on `line` (0 if none), by the ring rules."""
+def _sent_bytes(line: str, default_group: int, kind: str | None = None) -> int:
+  """Bytes one participant sends for the collective on `line` (0 if none, or if not of
+  `kind`), by the ring rules."""
   found = _COLLECTIVE.search(line)
-  if not found:
+  if not found or kind not in (None, found.group(2)):
     return 0
   nbytes, op = _shape_bytes(found.group(1)), found.group(2)
   r = _group_size(line, default_group)
@@ -302,8 +303,10 @@ def _sent_bytes(line: str, default_group: int) -> int:
   return nbytes  # collective-permute: its whole buffer
 
 
-def collective_bytes_from_hlo(hlo_text: str, num_replicas: int, trips: bool = False) -> int:
-  """Bytes one participant sends when the compiled program runs once (ring rules above).
+def collective_bytes_from_hlo(hlo_text: str, num_replicas: int, trips: bool = False,
+                              kind: str | None = None) -> int:
+  """Bytes one participant sends when the compiled program runs once (ring rules above);
+  of collectives of `kind` only (e.g. "all-gather"), if given.
 
   Walks the call graph from the ENTRY computation: a conditional counts its largest
   branch (exactly one runs), a called computation counts once, a while body once or,
@@ -318,14 +321,14 @@ def collective_bytes_from_hlo(hlo_text: str, num_replicas: int, trips: bool = Fa
   def times(line: str) -> int:
     """How often what `line` calls runs per run of it (a while's body and condition: per
     trip, with `trips`; the condition holds no collectives)."""
-    count = _TRIPS.search(line) if trips and " while(" in line else None
-    return int(count.group(1)) if count else 1
+    count = hlo_flops.trip_count(line, comps) if trips and " while(" in line else None
+    return count or 1
 
   @functools.cache
   def cost(name: str) -> int:
     total = 0
     for line in comps.get(name, ()):
-      total += _sent_bytes(line, num_replicas)
+      total += _sent_bytes(line, num_replicas, kind)
       branches = _BRANCHES.search(line)
       if branches:
         names = (re.findall(r"%?([\w.\-]+)", branches.group(1)) if branches.group(1)

@@ -384,15 +384,16 @@ def _field_values(config) -> dict[str, Any]:
   return values
 
 
-def check_config(config, workdir: Any = None) -> config_lib.RunConfig:
+def check_config(config, workdir: Any = None, devices=None) -> config_lib.RunConfig:
   """The typed run config of `config`, or a one-line ValueError for the first invalid field,
   relation, mesh axis or workdir.
 
-  Builds the config's mesh (cheap: no compilation) to check what depends on it.
-  `workdir=None` skips the workdir check.
+  Builds the config's mesh (cheap: no compilation) over `devices` (default: all of jax's;
+  a TPU slice's to compile for it) to check what depends on it. `workdir=None` skips the
+  workdir check.
   """
   values = _field_values(config)
-  mesh = mesh_lib.make_mesh(values["mesh"])
+  mesh = mesh_lib.make_mesh(values["mesh"], devices)
   related = {**values, **_derived(mesh)}
   for relation in RELATIONS:
     error = relation.error(related)

@@ -1,0 +1,130 @@
+"""TPU chips and slices: datasheet figures, and a slice's devices for compiling without a TPU.
+
+`slice_devices("v5p-128")` gives the devices of a TPU slice from libtpu's topology
+description (`jax.experimental.topologies`): `jax.jit(...).lower(...).compile()` on a mesh
+of them builds that TPU's executable on a CPU host, with the real chip's memory use,
+FLOPs and HLO. Slices are named as Cloud TPU names them (`v5p-128`: v4 and v5p count
+TensorCores, two to a chip; v5e and v6e count chips) or by their shape (`v5p:4x4x4`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+  """One TPU chip's datasheet figures (dense bf16 peak, HBM, ICI), and its source."""
+  name: str
+  device_kind: str  # jax.Device.device_kind
+  bf16_flops: float  # FLOP/s, dense
+  hbm_bytes: float
+  hbm_bandwidth: float  # bytes/s
+  ici_bandwidth: float  # bytes/s, bidirectional, all of a chip's links together
+  torus_dims: int  # 2 (v5e, v6e) or 3 (v4, v5p)
+  cores_per_chip: int  # TensorCores: Cloud TPU names of v4 and v5p slices count these
+  source: str
+
+
+GB, GIB = 1e9, 2 ** 30
+CHIPS: dict[str, Chip] = {c.name: c for c in (
+    Chip("v4", "TPU v4", 275e12, 32 * GIB, 1200 * GB, 300 * GB, 3, 2,
+         "cloud.google.com/tpu/docs/v4 (peak, HBM); ICI: 6 links x 50 GB/s, Jouppi et al., "
+         "'TPU v4: An Optically Reconfigurable Supercomputer', ISCA 2023"),
+    Chip("v5e", "TPU v5 lite", 197e12, 16 * GB, 819 * GB, 400 * GB, 2, 1,
+         "cloud.google.com/tpu/docs/v5e"),
+    Chip("v5p", "TPU v5", 459e12, 95 * GIB, 2765 * GB, 1200 * GB, 3, 2,
+         "cloud.google.com/tpu/docs/v5p"),
+    Chip("v6e", "TPU v6 lite", 918e12, 32 * GB, 1638 * GB, 800 * GB, 2, 1,
+         "cloud.google.com/tpu/docs/v6e"),
+)}
+
+# The slice shapes Cloud TPU offers by chip count (the first one listed for a count).
+_SHAPES_2D = {4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16",
+              256: "16x16"}
+_SHAPES_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8",
+              256: "4x8x8", 512: "8x8x8", 1024: "8x8x16", 2048: "8x16x16", 4096: "16x16x16"}
+INSTALL = "pip install 'jax[tpu]' (brings libtpu; or pip install -e '.[tpu]')"
+
+
+@dataclasses.dataclass(frozen=True)
+class Slice:
+  """A TPU slice: its chip, its shape (`4x4x4`) and the devices jax sees in it."""
+  chip: Chip
+  shape: str
+  devices: tuple
+
+  @property
+  def chips(self) -> int:
+    return math.prod(int(n) for n in self.shape.split("x"))
+
+  @property
+  def name(self) -> str:
+    return f"{self.chip.name}:{self.shape}"
+
+  @property
+  def devices_per_chip(self) -> int:
+    return len(self.devices) // self.chips
+
+  def per_device(self, figure: float) -> float:
+    """A per-chip figure's share of one device (v4 shows each TensorCore as a device)."""
+    return figure / self.devices_per_chip
+
+
+def valid_names() -> str:
+  """The slice names this module takes, for an error message."""
+  return ("<chip>-<n> or <chip>:<shape> with chip one of " + ", ".join(CHIPS)
+          + " (e.g. v5e-8, v5p-128, v6e:4x4, v4:2x2x2)")
+
+
+def parse(name: str) -> tuple[Chip, str]:
+  """(chip, shape) of a slice name; a ValueError naming what is valid otherwise."""
+  match = re.fullmatch(r"(v\d[a-z]?)(?:-(\d+)|:(\d+(?:x\d+)+))", str(name).strip().lower())
+  chip = CHIPS.get(match[1]) if match else None
+  if chip is None:
+    raise ValueError(f"topology={name!r} is not a TPU slice; it must be {valid_names()}")
+  if match[3]:
+    dims = match[3].split("x")
+    if len(dims) != chip.torus_dims:
+      raise ValueError(f"topology={name!r}: a {chip.name} shape has {chip.torus_dims} "
+                       f"dimensions (e.g. {chip.name}:{_shapes(chip)[8]})")
+    return chip, match[3]
+  n = int(match[2])
+  chips, rest = divmod(n, chip.cores_per_chip)
+  shape = _shapes(chip).get(chips) if not rest else None
+  if shape is None:
+    counts = ", ".join(f"{chip.name}-{c * chip.cores_per_chip}" for c in _shapes(chip))
+    raise ValueError(f"topology={name!r} is not a {chip.name} slice Cloud TPU offers; valid: "
+                     f"{counts}, or a shape such as {chip.name}:{_shapes(chip)[8]}")
+  return chip, shape
+
+
+def _shapes(chip: Chip) -> dict[int, str]:
+  return _SHAPES_3D if chip.torus_dims == 3 else _SHAPES_2D
+
+
+def slice_devices(name: str) -> Slice:
+  """The slice `name` with its devices from libtpu, no TPU needed. ValueError: an unknown
+  name, or a shape libtpu refuses; RuntimeError: libtpu is not installed."""
+  chip, shape = parse(name)
+  try:
+    import libtpu  # noqa: F401 pylint: disable=import-outside-toplevel,unused-import
+  except ImportError:
+    raise RuntimeError(f"compiling for TPU needs libtpu, which is not installed: {INSTALL}"
+                       ) from None
+  # A host that is not a TPU VM: no metadata server to ask, and this host's own (made-up)
+  # accelerator and worker, so libtpu starts without warnings; only a description is
+  # loaded, so several processes (test workers) may load libtpu at once.
+  for key, value in (("TPU_SKIP_MDS_QUERY", "1"), ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1"),
+                     ("TPU_ACCELERATOR_TYPE", "v5litepod-8"), ("TPU_WORKER_HOSTNAMES", "localhost"),
+                     ("TPU_WORKER_ID", "0")):
+    os.environ.setdefault(key, value)
+  from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
+  try:
+    topology = topologies.get_topology_desc(platform="tpu", topology_name=f"{chip.name}:{shape}")
+  except Exception as e:  # pylint: disable=broad-except  (libtpu raises XlaRuntimeError)
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    raise ValueError(f"topology={name!r}: libtpu refuses the shape {shape} ({first})") from None
+  return Slice(chip, shape, tuple(topology.devices))

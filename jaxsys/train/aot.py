@@ -1,0 +1,172 @@
+"""A run's programs compiled ahead of time for a TPU slice, from a CPU host, and what they cost.
+
+`compile_run(run, slice)` builds the run's setup (the same `make_setup` the runner uses) on
+a mesh of the slice's devices (`jaxsys.chips.slice_devices`) and compiles its train step,
+its evaluation step and, for replica runs, its outer sync. The kernels are chosen for the
+slice (`sharded.under_mesh` targets the mesh's platform: the Mosaic TPU kernels under
+`impl="pallas"` or `"auto"`). Each program's report is per device: the compiled memory
+against the chip's HBM, matmul FLOPs (HLO, every loop trip), XLA's FLOPs and bytes accessed,
+the bytes each kind of collective sends, and a roofline lower bound on its time.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxsys import chips, flops as flops_lib, hlo_flops
+from jaxsys import mesh as mesh_lib
+from jaxsys.config import RunConfig
+from jaxsys.data.packing import FIELDS
+from jaxsys.models import transformer
+from jaxsys.optim import outer as outer_lib
+from jaxsys.train.setup import Setup, make_setup
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+  """One compiled program's cost on one device of `slice`."""
+  name: str
+  slice: chips.Slice
+  argument_bytes: int
+  output_bytes: int
+  alias_bytes: int
+  temp_bytes: int
+  code_bytes: int
+  matmul_flops: float  # the HLO's dots, loops counted in full
+  xla_flops: float  # cost_analysis (a loop body counted once)
+  bytes_accessed: float  # cost_analysis
+  collective_bytes: dict[str, int]  # sent per device, by kind, loops counted in full
+
+  @property
+  def peak_bytes(self) -> int:
+    """HBM the program needs at once: arguments, outputs (less what they alias), temporaries
+    and code."""
+    return (self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+            + self.code_bytes)
+
+  @property
+  def hbm_bytes(self) -> float:
+    return self.slice.per_device(self.slice.chip.hbm_bytes)
+
+  @property
+  def fits(self) -> bool:
+    return self.peak_bytes <= self.hbm_bytes
+
+  def bound_seconds(self) -> dict[str, float]:
+    """Roofline lower bounds on the program's time: its matmuls at the bf16 peak, its bytes
+    at HBM bandwidth, its collectives at the chip's whole ICI bandwidth."""
+    chip, per = self.slice.chip, self.slice.per_device
+    return {"compute": self.matmul_flops / per(chip.bf16_flops),
+            "memory": self.bytes_accessed / per(chip.hbm_bandwidth),
+            "ici": sum(self.collective_bytes.values()) / per(chip.ici_bandwidth)}
+
+  @property
+  def seconds(self) -> float:
+    """The roofline lower bound: the slowest of `bound_seconds` (none overlaps another)."""
+    return max(self.bound_seconds().values())
+
+
+def _abstract(tree, shardings):
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree,
+                      shardings)
+
+
+def _batch(run: RunConfig, sharding) -> dict:
+  shape = (run.data.batch_size, run.data.seq_len)
+  return {f: jax.ShapeDtypeStruct(shape, jnp.float32 if f == "loss_mask" else jnp.int32,
+                                  sharding=sharding) for f in FIELDS}
+
+
+def measure(name: str, compiled, slice_: chips.Slice) -> Program:
+  """The per-device cost of a compiled program."""
+  memory, cost = compiled.memory_analysis(), compiled.cost_analysis() or {}
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  hlo = compiled.as_text()
+  sent = {kind: outer_lib.collective_bytes_from_hlo(hlo, len(slice_.devices), trips=True,
+                                                    kind=kind) for kind in COLLECTIVES}
+  return Program(name, slice_, memory.argument_size_in_bytes, memory.output_size_in_bytes,
+                 memory.alias_size_in_bytes, memory.temp_size_in_bytes,
+                 memory.generated_code_size_in_bytes, hlo_flops.dot_flops(hlo),
+                 float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0)),
+                 {k: v for k, v in sent.items() if v})
+
+
+def compile_run(run: RunConfig, slice_: chips.Slice) -> tuple[Setup, list[Program]]:
+  """The run's setup on the slice and its compiled programs: train step, eval step and (with
+  an outer optimizer) the outer sync."""
+  mesh = mesh_lib.make_mesh(run.mesh, slice_.devices)
+  setup = make_setup(run, mesh)
+  state = _abstract(setup.abstract, setup.state_sh)
+  if run.parallel.hdp:  # its update and a ring of 2 slots' micro-step, as a check builds them
+    lowered = setup.train_fn.lower(state)
+    programs = [measure(f"train: {n}", lo.compile(), slice_)
+                for n, lo in zip(("update", "micro-step"), lowered)]
+  else:
+    train = setup.train_fn.lower(state, _batch(run, setup.batch_sh)).compile()
+    programs = [measure("train step", train, slice_)]
+  params = jax.eval_shape(setup.eval_params, state.params)  # the eval step lays them out
+  evaluate = setup.jit_eval_step(jnp.ones(run.data.vocab_size)).lower(
+      params, _batch(run, setup.batch_sh)).compile()
+  programs.append(measure("eval step", evaluate, slice_))
+  if setup.sync_fn is not None:
+    programs.append(measure("outer sync", setup.sync_fn.lower(state).compile(), slice_))
+  return setup, programs
+
+
+def model_flops_per_step(run: RunConfig) -> float:
+  """6N + causal attention FLOPs of one training step over the whole batch."""
+  seq = run.data.seq_len
+  per_token = transformer.train_flops_per_token(
+      run.model, seq, pairs_per_row=flops_lib.attention_pairs(seq))
+  return per_token * run.data.batch_size * seq
+
+
+def mfu_ceiling(run: RunConfig, train: Program) -> float:
+  """The MFU the train step's roofline bound allows: model FLOPs over the slice's peak for
+  that long."""
+  chip = train.slice.chip
+  return model_flops_per_step(run) / (train.slice.chips * chip.bf16_flops * train.seconds)
+
+
+def _gib(n: float) -> str:
+  return f"{n / 2 ** 30:.2f} GiB"
+
+
+def report(run: RunConfig, setup: Setup, programs: list[Program]) -> str:
+  """The programs' per-device costs as text."""
+  first = programs[0]
+  s, chip = first.slice, first.slice.chip
+  lines = [f"slice {s.name}: {s.chips} chips, {len(s.devices)} devices "
+           f"({s.devices_per_chip} per chip); mesh {mesh_lib.describe(setup.mesh)}",
+           f"chip {chip.name}: {chip.bf16_flops / 1e12:.0f} TFLOP/s bf16, "
+           f"{_gib(chip.hbm_bytes)} HBM at {chip.hbm_bandwidth / 1e9:.0f} GB/s, ICI "
+           f"{chip.ici_bandwidth / 1e9:.0f} GB/s ({chip.source})",
+           f"model: {transformer.param_count(run.model) / 1e9:.3f}B parameters; batch "
+           f"{run.data.batch_size} x {run.data.seq_len} tokens"]
+  for p in programs:
+    verdict = ("fits" if p.fits else
+               f"DOES NOT FIT: {_gib(p.peak_bytes - p.hbm_bytes)} over")
+    bound = p.bound_seconds()
+    sent = ", ".join(f"{k} {_gib(v)}" for k, v in p.collective_bytes.items()) or "none"
+    lines += [f"{p.name}, per device:",
+              f"  memory {_gib(p.peak_bytes)} of {_gib(p.hbm_bytes)} ({verdict}): arguments "
+              f"{_gib(p.argument_bytes)}, outputs {_gib(p.output_bytes)} (aliased "
+              f"{_gib(p.alias_bytes)}), temporaries {_gib(p.temp_bytes)}, code "
+              f"{_gib(p.code_bytes)}",
+              f"  matmul FLOPs {p.matmul_flops:.4g} (XLA cost analysis: {p.xla_flops:.4g} "
+              f"FLOPs, {p.bytes_accessed:.4g} bytes accessed)",
+              f"  collectives sent: {sent}",
+              f"  roofline: >= {p.seconds * 1e3:.2f} ms (compute {bound['compute'] * 1e3:.2f}, "
+              f"HBM {bound['memory'] * 1e3:.2f}, ICI {bound['ici'] * 1e3:.2f})"]
+  train = programs[0]
+  if train.name == "train step":
+    model = model_flops_per_step(run)
+    lines.append(f"train step: model FLOPs (6N + causal attention) {model:.4g}; compiled "
+                 f"matmul FLOPs x devices / model = "
+                 f"{train.matmul_flops * len(s.devices) / model:.3f}; MFU ceiling "
+                 f"{mfu_ceiling(run, train):.1%}")
+  return "\n".join(lines)

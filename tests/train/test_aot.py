@@ -1,0 +1,121 @@
+"""Runs compiled for TPU slices on this CPU host (libtpu's topologies, no TPU attached)."""
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from conftest import load_test_config, needs_libtpu
+from jaxsys import chips, hlo_flops
+from jaxsys.train import aot, config_check
+
+
+@pytest.mark.parametrize("name,chip,shape", [("v5p-128", "v5p", "4x4x4"), ("v5e-8", "v5e", "2x4"),
+                                             ("v4-8", "v4", "2x2x1"), ("v6e:4x4", "v6e", "4x4"),
+                                             ("V5P:2x2x2", "v5p", "2x2x2")])
+def test_slice_names(name, chip, shape):
+  assert chips.parse(name) == (chips.CHIPS[chip], shape)
+
+
+@pytest.mark.parametrize("name,message", [
+    ("v7x-8", "topology='v7x-8' is not a TPU slice; it must be <chip>-<n> or <chip>:<shape>"),
+    ("v5p-12", "topology='v5p-12' is not a v5p slice Cloud TPU offers; valid: v5p-8, v5p-16"),
+    ("v5e:2x2x2", "topology='v5e:2x2x2': a v5e shape has 2 dimensions")])
+def test_bad_slice_names(name, message):
+  with pytest.raises(ValueError) as error:
+    chips.parse(name)
+  assert str(error.value).startswith(message) and "\n" not in str(error.value)
+
+
+def _compile(topology: str, **overrides):
+  slice_ = chips.slice_devices(topology)
+  run = config_check.check_config(load_test_config("stdlib", **overrides), devices=slice_.devices)
+  setup, programs = aot.compile_run(run, slice_)
+  return run, setup, programs
+
+
+@needs_libtpu
+def test_the_tpu_kernels_are_chosen_for_the_slice():
+  """On a v5e slice the step's attention is the Mosaic kernel (a TPU custom call), though
+  jax's own backend here is the CPU; the report's memory and FLOPs are the chip's."""
+  run, setup, programs = _compile("v5e:2x2", mesh="fsdp=2,tensor=2", model__d_model=128,
+                                  model__n_heads=4, model__n_kv_heads=2)
+  assert jax.default_backend() == "cpu"
+  train = programs[0]
+  hlo = setup.train_fn.lower(aot._abstract(setup.abstract, setup.state_sh),
+                             aot._batch(run, setup.batch_sh)).compile().as_text()
+  assert 'custom_call_target="tpu_custom_call"' in hlo
+  assert [p.name for p in programs] == ["train step", "eval step"]
+  assert train.fits and 0 < train.peak_bytes < train.hbm_bytes
+  assert train.collective_bytes["all-gather"] > 0  # fsdp gathers its weights
+  assert "v5e:2x2: 4 chips" in aot.report(run, setup, programs)
+
+
+@needs_libtpu
+def test_composed_run_compiles_for_an_8_chip_slice():
+  """2 DiLoCo replicas x 2 stages (1F1B, vocabulary parallelism) x 2 context shards: train
+  step, eval step and outer sync, each within a v5e chip's HBM."""
+  run, _, programs = _compile(
+      "v5e-8", mesh="replica=2,stage=2,context=2", optimizer__outer="diloco",
+      pipeline__schedule="1f1b", pipeline__microbatches=2, pipeline__vocab_parallel=True)
+  assert [p.name for p in programs] == ["train step", "eval step", "outer sync"]
+  assert all(p.fits for p in programs)
+  assert programs[0].collective_bytes["collective-permute"] > 0  # stages and ring hops
+  assert programs[2].collective_bytes["all-reduce"] > 0  # the sync averages the replicas
+  assert aot.mfu_ceiling(run, programs[0]) < 1.0
+
+
+@needs_libtpu
+def test_compiled_flops_are_the_model_s():
+  """Without remat, the step's matmul FLOPs on the slice (convolutions counted by the taps
+  that meet input, loops in full) are the analytic 6N + causal attention to within 5%
+  (XLA's blockwise attention, which skips blocks above the diagonal); full remat runs the
+  layers' forward again: more than 15% added, at most the 1/3 of a layer's forward."""
+  def ratio(remat):
+    run, _, programs = _compile("v5e:2x2", mesh="fsdp=4", model__d_model=256, model__n_heads=4,
+                                model__n_kv_heads=2, model__d_ff=768, model__n_layers=10,
+                                model__attention_impl="xla", model__remat=remat,
+                                data__seq_len=256, data__batch_size=8)
+    return programs[0].matmul_flops * 4 / aot.model_flops_per_step(run)
+  plain, full = ratio("none"), ratio("full")
+  assert plain == pytest.approx(1.0, abs=0.05)
+  assert 1.15 * plain < full <= 4 / 3 * plain
+
+
+def test_trip_count_reads_tpu_loop_conditions():
+  """A TPU while loop records no known_trip_count; its condition's bound is the count."""
+  hlo = "\n".join([
+      "%cond (p: (s32[], f32[4])) -> pred[] {",
+      "  %constant.1 = s32[]{:T(128)} constant(10)",
+      "  %p = (s32[]{:T(128)}, f32[4]) parameter(0)",
+      "  %gte = s32[]{:T(128)} get-tuple-element(%p), index=0",
+      "  ROOT %lt = pred[]{:T(512)} compare(%gte, %constant.1), direction=LT",
+      "}"])
+  computations = {"cond": hlo.splitlines()[1:-1]}
+  line = "  %while.1 = (s32[], f32[4]) while(%t), condition=%cond, body=%body"
+  assert hlo_flops.trip_count(line, computations) == 10
+  assert hlo_flops.trip_count(line.replace("%cond", "%other"), computations) is None
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--topology=v9-8"], "error: topology='v9-8' is not a TPU slice"),
+    (["--topology=v5e-8", "--config.mesh=data=16"],
+     "error: mesh data=16 needs 16 devices"),
+])
+def test_bad_input_is_one_line(argv, message, tmp_path):
+  result = subprocess.run(
+      [sys.executable, "-m", "experiments.compile", "--config=configs/tiny_lm.py:size=test",
+       *argv], capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(
+           os.path.dirname(os.path.abspath(__file__)))), timeout=300)
+  assert result.returncode == 1
+  errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+  assert len(errors) == 1 and errors[0].startswith(message), result.stderr[-2000:]
+  assert "Traceback" not in result.stderr
+
+
+def test_no_libtpu_is_one_line(monkeypatch):
+  monkeypatch.setitem(sys.modules, "libtpu", None)  # import libtpu raises ImportError
+  with pytest.raises(RuntimeError, match=r"needs libtpu, which is not installed: pip install"):
+    chips.slice_devices("v5e-8")
+
