@@ -2,11 +2,12 @@
 
 XLA's `cost_analysis()` counts a while loop's body once, so a step that accumulates
 gradients over k microbatches, or a pipeline's loop over its ticks, looks k times
-cheaper than it is. Here every `dot` costs 2 x (output elements) x (contracted size), a `convolution` (how TPU
-programs write their dots) 2 x its multiply-adds on input values,
-a while loop with a known trip count costs that many bodies (`trip_count`), a conditional its most
-expensive branch (an upper bound: the branch taken is decided at run time), and a fusion
-or call what it calls.
+cheaper than it is. Here every `dot` costs 2 x (output elements) x (contracted size), a
+`convolution` (how TPU programs write their dots) 2 x its multiply-adds on input values,
+a TPU (Mosaic) kernel the FLOPs of its own cost estimate (`pl.CostEstimate`), a while loop
+with a known trip count that many bodies (`trip_count`), a conditional its most expensive
+branch (an upper bound: the branch taken is decided at run time), and a fusion or call
+what it calls.
 """
 from __future__ import annotations
 
@@ -19,27 +20,51 @@ _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\w+)\[([\d,]*)\]")
 _DOT = re.compile(r" dot\(%([\w.\-]+), %[\w.\-]+\).*lhs_contracting_dims=\{([\d,]*)\}")
 _CONV = re.compile(r" convolution\(%([\w.\-]+), %([\w.\-]+)\)(.*)dim_labels=(\w+_\w+->\w+)")
 _WINDOW = re.compile(r"window=\{([^}]*)\}")
+_KERNEL = re.compile(r'custom_call_target="tpu_custom_call".*?"cost_estimate":\{"flops":"(\d+)"')
 _CALLS = re.compile(r"(?:calls|body)=%([\w.\-]+)")
 _BRANCHES = re.compile(r"(?:branch_computations=\{([^}]*)\}|true_computation=%([\w.\-]+), "
                        r"false_computation=%([\w.\-]+))")
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _CONDITION = re.compile(r"condition=%([\w.\-]+)")
-_CONSTANT = re.compile(r"^\s*%([\w.\-]+) = s32\[\]\S* constant\((\d+)\)")
-_BELOW = re.compile(r"compare\(%[\w.\-]+, %([\w.\-]+)\), direction=LT")
+_CONSTANT = re.compile(r"^\s*%([\w.\-]+) = [su]32\[\]\S* constant\((\d+)\)")
+_BELOW = re.compile(r"compare\(%([\w.\-]+), %([\w.\-]+)\), direction=LT")
 
 
 def trip_count(line: str, computations: dict[str, list[str]]) -> int | None:
   """The trip count of the while loop on `line`: XLA's `known_trip_count` where the HLO
-  records it (XLA:CPU), else N of its condition's `counter < N` on a constant (TPU; a scan
-  counts from 0), else None."""
+  records it (XLA:CPU), else, from 0, the condition's `counter < N` on a constant over the
+  body's `counter + k` (TPU: a scan steps by 1; a windowed einsum's loop may step by 2),
+  else None."""
   known = _TRIPS.search(line)
   if known:
     return int(known[1])
-  condition = _CONDITION.search(line)
+  condition, body = _CONDITION.search(line), re.search(r"body=%([\w.\-]+)", line)
   lines = computations.get(condition[1], []) if condition else []
   constants = {m[1]: int(m[2]) for m in map(_CONSTANT.match, lines) if m}
-  bounds = [constants[m[1]] for m in map(_BELOW.search, lines) if m and m[1] in constants]
-  return bounds[0] if len(bounds) == 1 else None
+  bounds = [(m[1], constants[m[2]]) for m in map(_BELOW.search, lines)
+            if m and m[2] in constants]
+  if len(bounds) != 1:
+    return None
+  counter, bound = bounds[0]
+  index = re.search(rf"%{re.escape(counter)} = .*get-tuple-element\(%[\w.\-]+\), index=(\d+)",
+                    "\n".join(lines))
+  step = _step(computations.get(body[1], []) if body else [], int(index[1])) if index else 1
+  return -(-bound // step)
+
+
+def _step(body: list[str], index: int) -> int:
+  """What a loop body adds to its tuple element `index` (the counter): k of `x + k`, else 1."""
+  constants = {m[1]: int(m[2]) for m in map(_CONSTANT.match, body) if m}
+  root = next((l for l in body if l.lstrip().startswith("ROOT ") and " tuple(" in l), None)
+  if root is None:
+    return 1
+  operands = re.findall(r"%([\w.\-]+)", root.split(" tuple(", 1)[1])
+  if index >= len(operands):
+    return 1
+  update = next((l for l in body if l.lstrip().startswith(f"%{operands[index]} = ")), "")
+  add = re.search(r" add\(%([\w.\-]+), %([\w.\-]+)\)", update)
+  steps = [constants[a] for a in (add.groups() if add else ()) if a in constants]
+  return steps[0] if steps and steps[0] > 0 else 1
 
 
 def _dims(text: str) -> tuple[int, ...]:
@@ -75,8 +100,9 @@ def _conv_flops(out_dims, lhs_dims, rhs_dims, attributes: str, labels: str) -> f
   return 2.0 * batch_and_features * features * taps
 
 
-def dot_flops(hlo_text: str) -> float:
-  """Matmul FLOPs of the ENTRY computation of `hlo_text` (a compiled program's `as_text()`)."""
+def dot_flops(hlo_text: str, *, matmuls: bool = True, kernels: bool = True) -> float:
+  """FLOPs of the ENTRY computation of `hlo_text` (a compiled program's `as_text()`): its
+  matmuls (dots, convolutions) and its TPU kernels, or either alone."""
   bodies: dict[str, list[str]] = {}
   entry, name = None, None
   for line in hlo_text.splitlines():
@@ -100,14 +126,17 @@ def dot_flops(hlo_text: str) -> float:
     for line in bodies[computation]:
       instruction = _INSTRUCTION.match(line)
       dot = _DOT.search(line)
-      if dot and instruction:
+      if dot and instruction and matmuls:
         lhs = shapes[dot[1]]
         contracted = math.prod(lhs[d] for d in _dims(dot[2]))
         total += 2.0 * math.prod(_dims(instruction[3])) * contracted
       conv = _CONV.search(line)
-      if conv and instruction:
+      if conv and instruction and matmuls:
         total += _conv_flops(_dims(instruction[3]), shapes[conv[1]], shapes[conv[2]], conv[3],
                              conv[4])
+      kernel = _KERNEL.search(line)
+      if kernel and kernels:
+        total += float(kernel[1])
       branches = _BRANCHES.search(line)
       if branches:
         names = (re.findall(r"%([\w.\-]+)", branches[1]) if branches[1]

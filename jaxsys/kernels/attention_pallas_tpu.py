@@ -356,10 +356,15 @@ def _rows(x):
   return jnp.broadcast_to(x[..., None, :], (*x.shape[:-1], NUM_SUBLANES, x.shape[-1]))
 
 
-def _cost(flops_per_pair: int, q, k, *arrays):
-  # A dense upper bound: the skipped fraction is data-dependent.
-  b, hq, tp, dp = q.shape
-  pairs = b * hq * tp * k.shape[2]
+def _cost(cfg: _Config, flops_per_pair: int, q, *arrays):
+  # The (query, key) pairs the mask leaves without segments: all of them, or under causal
+  # masking each query's keys up to its own position. With segments, an upper bound (what
+  # they mask is data-dependent).
+  b, hq, _, dp = q.shape
+  t, s = cfg.q_len, cfg.kv_len
+  per_row = (sum(min(max(i + cfg.offset + 1, 0), s) for i in range(t)) if cfg.causal
+             else t * s)
+  pairs = b * hq * per_row
   return pl.CostEstimate(flops=flops_per_pair * pairs * dp, transcendentals=pairs,
                          bytes_accessed=sum(x.size * x.dtype.itemsize for x in arrays))
 
@@ -398,7 +403,7 @@ def _fwd_call(cfg: _Config, q, k, v, q_ids, kv_ids, kv_lo, kv_hi):
       out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct((b, hq, tp, NUM_LANES), jnp.float32)],
       scratch=[(cfg.block_q, NUM_LANES), (cfg.block_q, NUM_LANES), (cfg.block_q, dp)],
-      cost=_cost(4, q, k, q, k, v, q))
+      cost=_cost(cfg, 4, q, q, k, v, q))
   return o, lse[..., 0]
 
 
@@ -415,7 +420,7 @@ def _dq_call(cfg: _Config, q, k, v, do, lse, delta, q_ids, kv_ids, kv_lo, kv_hi)
       grid=(b, hq, cfg.num_q_blocks, cfg.num_kv_blocks), semantics=_Q_MAJOR,
       ranges=(kv_lo, kv_hi), in_specs=in_specs, args=args, out_specs=q_spec,
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), scratch=[(cfg.block_q, dp)],
-      cost=_cost(6, q, k, q, k, v, do, q))
+      cost=_cost(cfg, 6, q, q, k, v, do, q))
 
 
 def _dkv_call(cfg: _Config, q, k, v, do, lse, delta, q_ids, kv_ids, q_lo, q_hi):
@@ -433,7 +438,7 @@ def _dkv_call(cfg: _Config, q, k, v, do, lse, delta, q_ids, kv_ids, q_lo, q_hi):
       semantics=(_PARALLEL, _PARALLEL, _PARALLEL, _ARBITRARY, _ARBITRARY),
       ranges=(q_lo, q_hi), in_specs=in_specs, args=args, out_specs=[kv_spec, kv_spec],
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-      scratch=[(cfg.block_k, dp), (cfg.block_k, dp)], cost=_cost(8, q, k, q, k, v, do, k, v))
+      scratch=[(cfg.block_k, dp), (cfg.block_k, dp)], cost=_cost(cfg, 8, q, q, k, v, do, k, v))
 
 
 _flash = flash_vjp(_fwd_call, _dq_call, _dkv_call, layout="bhtd")

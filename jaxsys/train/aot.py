@@ -11,6 +11,7 @@ the bytes each kind of collective sends, and a roofline lower bound on its time.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +37,8 @@ class Program:
   alias_bytes: int
   temp_bytes: int
   code_bytes: int
-  matmul_flops: float  # the HLO's dots, loops counted in full
+  matmul_flops: float  # the HLO's dots and Pallas kernels, loops counted in full
+  kernel_flops: float  # of which the Pallas kernels' (their own cost estimates)
   xla_flops: float  # cost_analysis (a loop body counted once)
   bytes_accessed: float  # cost_analysis
   collective_bytes: dict[str, int]  # sent per device, by kind, loops counted in full
@@ -91,11 +93,42 @@ def measure(name: str, compiled, slice_: chips.Slice) -> Program:
   return Program(name, slice_, memory.argument_size_in_bytes, memory.output_size_in_bytes,
                  memory.alias_size_in_bytes, memory.temp_size_in_bytes,
                  memory.generated_code_size_in_bytes, hlo_flops.dot_flops(hlo),
+                 hlo_flops.dot_flops(hlo, matmuls=False),
                  float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0)),
                  {k: v for k, v in sent.items() if v})
 
 
-def compile_run(run: RunConfig, slice_: chips.Slice) -> tuple[Setup, list[Program]]:
+@dataclasses.dataclass(frozen=True)
+class Overflow:
+  """A program the TPU compiler refused for want of HBM: what it said it needs."""
+  name: str
+  slice: chips.Slice
+  needed_bytes: float
+  available_bytes: float
+  fits = False
+
+
+# XLA:TPU's refusal: "... the total memory required for HLO temporaries (152.60G) exceeds
+# available HBM (95.74G)."
+_EXHAUSTED = re.compile(r"RESOURCE_EXHAUSTED.*?\(([\d.]+)([KMGT])\) exceeds available HBM "
+                        r"\(([\d.]+)([KMGT])\)")
+_UNITS = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
+
+
+def _compile(name: str, lowered, slice_: chips.Slice) -> Program | Overflow:
+  """`lowered` compiled and measured, or the HBM it would need if it does not fit."""
+  try:
+    return measure(name, lowered.compile(), slice_)
+  except jax.errors.JaxRuntimeError as e:
+    found = _EXHAUSTED.search(str(e))
+    if not found:
+      raise
+    return Overflow(name, slice_, float(found[1]) * _UNITS[found[2]],
+                    float(found[3]) * _UNITS[found[4]])
+
+
+def compile_run(run: RunConfig, slice_: chips.Slice
+                ) -> tuple[Setup, list[Program | Overflow]]:
   """The run's setup on the slice and its compiled programs: train step, eval step and (with
   an outer optimizer) the outer sync."""
   mesh = mesh_lib.make_mesh(run.mesh, slice_.devices)
@@ -103,25 +136,25 @@ def compile_run(run: RunConfig, slice_: chips.Slice) -> tuple[Setup, list[Progra
   state = _abstract(setup.abstract, setup.state_sh)
   if run.parallel.hdp:  # its update and a ring of 2 slots' micro-step, as a check builds them
     lowered = setup.train_fn.lower(state)
-    programs = [measure(f"train: {n}", lo.compile(), slice_)
+    programs = [_compile(f"train: {n}", lo, slice_)
                 for n, lo in zip(("update", "micro-step"), lowered)]
   else:
-    train = setup.train_fn.lower(state, _batch(run, setup.batch_sh)).compile()
-    programs = [measure("train step", train, slice_)]
+    programs = [_compile("train step", setup.train_fn.lower(state, _batch(run, setup.batch_sh)),
+                         slice_)]
   params = jax.eval_shape(setup.eval_params, state.params)  # the eval step lays them out
-  evaluate = setup.jit_eval_step(jnp.ones(run.data.vocab_size)).lower(
-      params, _batch(run, setup.batch_sh)).compile()
-  programs.append(measure("eval step", evaluate, slice_))
+  programs.append(_compile("eval step", setup.jit_eval_step(jnp.ones(run.data.vocab_size)).lower(
+      params, _batch(run, setup.batch_sh)), slice_))
   if setup.sync_fn is not None:
-    programs.append(measure("outer sync", setup.sync_fn.lower(state).compile(), slice_))
+    programs.append(_compile("outer sync", setup.sync_fn.lower(state), slice_))
   return setup, programs
 
 
-def model_flops_per_step(run: RunConfig) -> float:
-  """6N + causal attention FLOPs of one training step over the whole batch."""
+def model_flops_per_step(run: RunConfig, attention: bool = True) -> float:
+  """6N + causal attention FLOPs of one training step over the whole batch (6N alone
+  without `attention`)."""
   seq = run.data.seq_len
   per_token = transformer.train_flops_per_token(
-      run.model, seq, pairs_per_row=flops_lib.attention_pairs(seq))
+      run.model, seq, pairs_per_row=flops_lib.attention_pairs(seq) if attention else 0)
   return per_token * run.data.batch_size * seq
 
 
@@ -132,8 +165,17 @@ def mfu_ceiling(run: RunConfig, train: Program) -> float:
   return model_flops_per_step(run) / (train.slice.chips * chip.bf16_flops * train.seconds)
 
 
+# What makes a step need less HBM per chip, in the order it usually costs least.
+_HELP = ("less would need: --config.model.remat=dots or full (recompute activations), a "
+         "larger fsdp (or tensor, stage) axis, or --config.optimizer.grad_accum_steps=k "
+         "(k microbatches a step)")
+
+
 def _gib(n: float) -> str:
-  return f"{n / 2 ** 30:.2f} GiB"
+  """Bytes in GiB, or MiB / KiB where that reads better."""
+  for unit, scale in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+    if abs(n) >= scale or unit == "KiB":
+      return f"{n / scale:.2f} {unit}"
 
 
 def report(run: RunConfig, setup: Setup, programs: list[Program]) -> str:
@@ -148,8 +190,14 @@ def report(run: RunConfig, setup: Setup, programs: list[Program]) -> str:
            f"model: {transformer.param_count(run.model) / 1e9:.3f}B parameters; batch "
            f"{run.data.batch_size} x {run.data.seq_len} tokens"]
   for p in programs:
+    if isinstance(p, Overflow):
+      lines += [f"{p.name}, per device:",
+                f"  DOES NOT FIT: the compiler needs {_gib(p.needed_bytes)} of HBM for "
+                f"temporaries, the chip has {_gib(p.available_bytes)} "
+                f"({_gib(p.needed_bytes - p.available_bytes)} over); {_HELP}"]
+      continue
     verdict = ("fits" if p.fits else
-               f"DOES NOT FIT: {_gib(p.peak_bytes - p.hbm_bytes)} over")
+               f"DOES NOT FIT: {_gib(p.peak_bytes - p.hbm_bytes)} over; {_HELP}")
     bound = p.bound_seconds()
     sent = ", ".join(f"{k} {_gib(v)}" for k, v in p.collective_bytes.items()) or "none"
     lines += [f"{p.name}, per device:",
@@ -157,16 +205,17 @@ def report(run: RunConfig, setup: Setup, programs: list[Program]) -> str:
               f"{_gib(p.argument_bytes)}, outputs {_gib(p.output_bytes)} (aliased "
               f"{_gib(p.alias_bytes)}), temporaries {_gib(p.temp_bytes)}, code "
               f"{_gib(p.code_bytes)}",
-              f"  matmul FLOPs {p.matmul_flops:.4g} (XLA cost analysis: {p.xla_flops:.4g} "
-              f"FLOPs, {p.bytes_accessed:.4g} bytes accessed)",
+              f"  FLOPs {p.matmul_flops:.4g} (matmuls and Pallas kernels, loops in full; of "
+              f"which kernels {p.kernel_flops:.4g}); XLA cost analysis {p.xla_flops:.4g} "
+              f"FLOPs, {p.bytes_accessed:.4g} bytes accessed",
               f"  collectives sent: {sent}",
               f"  roofline: >= {p.seconds * 1e3:.2f} ms (compute {bound['compute'] * 1e3:.2f}, "
               f"HBM {bound['memory'] * 1e3:.2f}, ICI {bound['ici'] * 1e3:.2f})"]
   train = programs[0]
-  if train.name == "train step":
-    model = model_flops_per_step(run)
+  if isinstance(train, Program) and train.name == "train step":
+    model, six_n, n = model_flops_per_step(run), model_flops_per_step(run, False), len(s.devices)
     lines.append(f"train step: model FLOPs (6N + causal attention) {model:.4g}; compiled "
-                 f"matmul FLOPs x devices / model = "
-                 f"{train.matmul_flops * len(s.devices) / model:.3f}; MFU ceiling "
-                 f"{mfu_ceiling(run, train):.1%}")
+                 f"FLOPs x devices / model = {train.matmul_flops * n / model:.3f} (matmuls / "
+                 f"6N = {(train.matmul_flops - train.kernel_flops) * n / six_n:.3f}; MFU "
+                 f"ceiling {mfu_ceiling(run, train):.1%}")
   return "\n".join(lines)

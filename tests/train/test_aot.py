@@ -84,18 +84,26 @@ def test_compiled_flops_are_the_model_s():
 
 
 def test_trip_count_reads_tpu_loop_conditions():
-  """A TPU while loop records no known_trip_count; its condition's bound is the count."""
-  hlo = "\n".join([
-      "%cond (p: (s32[], f32[4])) -> pred[] {",
-      "  %constant.1 = s32[]{:T(128)} constant(10)",
-      "  %p = (s32[]{:T(128)}, f32[4]) parameter(0)",
-      "  %gte = s32[]{:T(128)} get-tuple-element(%p), index=0",
-      "  ROOT %lt = pred[]{:T(512)} compare(%gte, %constant.1), direction=LT",
-      "}"])
-  computations = {"cond": hlo.splitlines()[1:-1]}
-  line = "  %while.1 = (s32[], f32[4]) while(%t), condition=%cond, body=%body"
-  assert hlo_flops.trip_count(line, computations) == 10
-  assert hlo_flops.trip_count(line.replace("%cond", "%other"), computations) is None
+  """A TPU while loop records no known_trip_count: its condition's bound over the body's
+  step is the count (a windowed einsum's loop steps by 2)."""
+  condition = [
+      "  %constant.1 = u32[]{:T(128)} constant(16)",
+      "  %p = (u32[], f32[4]) parameter(0)",
+      "  %gte = u32[]{:T(128)} get-tuple-element(%p), index=0",
+      "  ROOT %lt = pred[]{:T(512)} compare(%gte, %constant.1), direction=LT"]
+  body = [
+      "  %two = u32[]{:T(128)} constant(2)",
+      "  %q = (u32[], f32[4]) parameter(0)",
+      "  %i = u32[]{:T(128)} get-tuple-element(%q), index=0",
+      "  %x = f32[4]{0} get-tuple-element(%q), index=1",
+      "  %next = u32[]{:T(128)} add(%i, %two)",
+      "  ROOT %t = (u32[], f32[4]) tuple(%next, %x)"]
+  line = "  %while.1 = (u32[], f32[4]) while(%t0), condition=%cond, body=%body"
+  assert hlo_flops.trip_count(line, {"cond": condition, "body": body}) == 8
+  assert hlo_flops.trip_count(line, {"cond": condition, "body": body[:4] + [
+      "  %next = u32[]{:T(128)} add(%i, %one)", "  ROOT %t = (u32[], f32[4]) tuple(%next, %x)"]
+      }) == 16  # a step that is not a constant: 1
+  assert hlo_flops.trip_count(line.replace("%cond", "%other"), {"cond": condition}) is None
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -119,3 +127,17 @@ def test_no_libtpu_is_one_line(monkeypatch):
   with pytest.raises(RuntimeError, match=r"needs libtpu, which is not installed: pip install"):
     chips.slice_devices("v5e-8")
 
+
+
+@needs_libtpu
+def test_a_step_that_does_not_fit_is_reported():
+  """The TPU compiler refuses a step that needs more HBM than the chip has: the report says
+  how much it needs and what would need less, and the other programs are still measured."""
+  run, setup, programs = _compile("v5e:2x2", mesh="data=4", data__batch_size=64,
+                                  data__seq_len=65536, model__remat="none")
+  train = programs[0]
+  assert isinstance(train, aot.Overflow) and not train.fits
+  assert train.needed_bytes > train.available_bytes > 15 * 2 ** 30
+  text = aot.report(run, setup, programs)
+  assert "train step, per device:\n  DOES NOT FIT: the compiler needs" in text
+  assert "--config.model.remat=dots or full" in text
