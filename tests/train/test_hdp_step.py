@@ -57,8 +57,8 @@ class HDPStepTest(parameterized.TestCase):
     rings = {len(devs) for step in steps for _, devs in step}
     self.assertEqual(rings, {1, 2, 3, 4, 7})
 
-  @parameterized.parameters(("lockstep", "data=8"), ("per_rank", "data=8"),
-                            ("per_rank_wide", "data=8"), ("lockstep", "data=2,fsdp=2,tensor=2"),
+  @parameterized.parameters(("lockstep", "data=8"), ("per_rank_wide", "data=8"),
+                            ("lockstep", "data=2,fsdp=2,tensor=2"),
                             ("per_rank", "fsdp=2,tensor=2,data=2"))
   def test_hdp_step_equals_single_device_step(self, schedule, spec):
     mesh = mesh_lib.make_mesh(spec)
@@ -73,7 +73,8 @@ class HDPStepTest(parameterized.TestCase):
     one = mesh_lib.make_mesh("data=1", jax.devices()[:1])
     _, ref_sh, ref = init(one)
     ref_fn = grads.jit_autodiff_step(MODEL, optimizer, ref_sh, mesh_lib.batch_sharding(one))
-    for seed in range(2 if spec == "data=8" else 1):  # a second step: the update's state
+    # A second step (the update's state) once: every executor shares the update.
+    for seed in range(2 if (schedule, spec) == ("lockstep", "data=8") else 1):
       docs = [d for d in documents(seed) if len(d) - 1 in lengths]
       state, metrics = run(state, {"tokens": docs})
       ref, ref_metrics = ref_fn(ref, jax.device_put(single_device_batch(docs),
