@@ -5,8 +5,9 @@ a mesh of the slice's devices (`jaxsys.chips.slice_devices`) and compiles its tr
 its evaluation step and, for replica runs, its outer sync. The kernels are chosen for the
 slice (`sharded.under_mesh` targets the mesh's platform: the Mosaic TPU kernels under
 `impl="pallas"` or `"auto"`). Each program's report is per device: the compiled memory
-against the chip's HBM, matmul FLOPs (HLO, every loop trip), XLA's FLOPs and bytes accessed,
-the bytes each kind of collective sends, and a roofline lower bound on its time.
+against the chip's HBM, FLOPs (the HLO's matmuls and Pallas kernels, every loop trip),
+XLA's FLOPs and bytes accessed, the bytes each kind of collective sends, and a roofline
+lower bound on its time.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ class Program:
   alias_bytes: int
   temp_bytes: int
   code_bytes: int
-  matmul_flops: float  # the HLO's dots and Pallas kernels, loops counted in full
+  flops: float  # the HLO's dots and Pallas kernels, loops counted in full
   kernel_flops: float  # of which the Pallas kernels' (their own cost estimates)
   xla_flops: float  # cost_analysis (a loop body counted once)
   bytes_accessed: float  # cost_analysis
@@ -62,7 +63,7 @@ class Program:
     """Roofline lower bounds on the program's time: its matmuls at the bf16 peak, its bytes
     at HBM bandwidth, its collectives at the chip's whole ICI bandwidth."""
     chip, per = self.slice.chip, self.slice.per_device
-    return {"compute": self.matmul_flops / per(chip.bf16_flops),
+    return {"compute": self.flops / per(chip.bf16_flops),
             "memory": self.bytes_accessed / per(chip.hbm_bandwidth),
             "ici": sum(self.collective_bytes.values()) / per(chip.ici_bandwidth)}
 
@@ -205,7 +206,7 @@ def report(run: RunConfig, setup: Setup, programs: list[Program]) -> str:
               f"{_gib(p.argument_bytes)}, outputs {_gib(p.output_bytes)} (aliased "
               f"{_gib(p.alias_bytes)}), temporaries {_gib(p.temp_bytes)}, code "
               f"{_gib(p.code_bytes)}",
-              f"  FLOPs {p.matmul_flops:.4g} (matmuls and Pallas kernels, loops in full; of "
+              f"  FLOPs {p.flops:.4g} (matmuls and Pallas kernels, loops in full; of "
               f"which kernels {p.kernel_flops:.4g}); XLA cost analysis {p.xla_flops:.4g} "
               f"FLOPs, {p.bytes_accessed:.4g} bytes accessed",
               f"  collectives sent: {sent}",
@@ -215,7 +216,7 @@ def report(run: RunConfig, setup: Setup, programs: list[Program]) -> str:
   if isinstance(train, Program) and train.name == "train step":
     model, six_n, n = model_flops_per_step(run), model_flops_per_step(run, False), len(s.devices)
     lines.append(f"train step: model FLOPs (6N + causal attention) {model:.4g}; compiled "
-                 f"FLOPs x devices / model = {train.matmul_flops * n / model:.3f} (matmuls / "
-                 f"6N = {(train.matmul_flops - train.kernel_flops) * n / six_n:.3f}; MFU "
+                 f"FLOPs x devices / model = {train.flops * n / model:.3f} (matmuls / "
+                 f"6N = {(train.flops - train.kernel_flops) * n / six_n:.3f}; MFU "
                  f"ceiling {mfu_ceiling(run, train):.1%}")
   return "\n".join(lines)
