@@ -79,8 +79,8 @@ def _conv_flops(out_dims, lhs_dims, rhs_dims, attributes: str, labels: str) -> f
   rhs_labels, out_labels = rest.split("->")
   features = rhs_dims[rhs_labels.index("i")]
   spatial = [c for c in lhs_labels if c.isdigit()]
-  window = dict(re.findall(r"(\w+)=([\w_]+)", _WINDOW.search(attributes)[1])) if (
-      _WINDOW.search(attributes)) else {}
+  found = _WINDOW.search(attributes)
+  window = dict(re.findall(r"(\w+)=([\w_]+)", found[1])) if found else {}
 
   def per_dim(key, default):
     values = window.get(key)
