@@ -267,11 +267,6 @@ RELATIONS: tuple[Relation, ...] = (
              "be False with a context axis: HDP makes its own context rings, as long as each "
              "document needs (data=S/c,context=c views of its pool), so a fixed one has "
              "nothing to split"),
-    Relation(("parallel.hdp_schedule", "parallel.hdp", "mesh axis stage"),
-             lambda sched, hdp, p: sched == "lockstep" or not hdp or p == 1,
-             "be lockstep for HDP over a stage axis (its micro-steps are the pipeline's "
-             "microbatches, so every slot runs each of them in step; per_rank pipelines "
-             "are not built)"),
     Relation(("data.max_len", "data.seq_len", "mesh axes data x fsdp", "parallel.hdp"),
              lambda m, t, n, hdp: not hdp or m <= n * t,
              "fit a replica's device pool: at most (data x fsdp) x data.seq_len tokens "

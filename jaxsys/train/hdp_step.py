@@ -309,12 +309,10 @@ class HDPStep(_HDPBase):
     return self._finish(state, acc, count, reductions=float(count))
 
 
-class PipelinedHDPStep(HDPStep):
-  """Lock-step HDP over pools of pipelines: each slot spans `stage` (with `tensor`), and the
-  plan's micro-steps are the pipeline's microbatches. A program runs `schedule`'s m
-  microbatches, micro-steps m at a time, over the `stage, data = S/c, context = c` view
-  of c, the largest ring among them: ring attention inside the stages (the executor's
-  uniform ticks) where c > 1, the plain kernels where c = 1."""
+class _OverPipelines:
+  """Pools of pipelines: each slot spans `stage` (with `tensor`), and a program runs
+  `schedule`'s m microbatches, m of the plan's micro-batches, over its view: ring attention
+  inside the stages (the executor's uniform ticks) where the view has context > 1."""
 
   def __init__(self, *args, schedule: pipeline.Schedule, layout: pipeline.Layout,
                vocab_algorithm: int = 2, **kwargs):
@@ -326,6 +324,12 @@ class PipelinedHDPStep(HDPStep):
     return grads.pipelined(self.model_cfg, self.schedule, self.layout, view,
                            vocab_algorithm=self.vocab_algorithm,
                            context_layout=_ring_layout(view))
+
+
+class PipelinedHDPStep(_OverPipelines, HDPStep):
+  """Lock-step HDP over pools of pipelines: the plan's micro-steps are the microbatches, m
+  to a program over the `stage, data = S/c, context = c` view of c, the largest ring
+  among them (the plain kernels where c = 1)."""
 
 
 def _put(fields: dict[str, np.ndarray], sharding) -> dict[str, jax.Array]:
@@ -416,32 +420,62 @@ class PerRankHDPStep(_HDPBase):
     """Compiles (by running once on padding) the programs that the schedules of
     `batches` (lists of documents) need, so later steps time only compute: a
     benchmark's warm-up."""
-    rings, locals_ = set(), set()
+    runs, locals_ = set(), set()
     for docs in batches:
-      lengths = [len(doc) - 1 for doc in docs]
-      sched = self.plan(lengths)
-      rings |= {(ring.devices, ring.cell) for ring in sched.rings}
-      locals_ |= {(_axis(local), size)
-                  for size, local in self._local_batches(sched, lengths).items()}
+      sched = self.plan([len(doc) - 1 for doc in docs])
+      runs |= set(self._run_batches(sched, docs))
+      locals_ |= {(_axis(local), size) for size, local in self._local_batches(sched, docs).items()}
     gathered = self._gather(params)
-    for block, cell in rings:
-      fn, batch_sh, zeros, params_sh = self.ring_program(block)
-      _, fields = hdp_layout.pack_step([], [], num_devices=len(block), tokens_per_device=cell,
-                                       view=len(block))
-      on_ring = _on(gathered, params_sh)
-      jax.block_until_ready(fn(on_ring, _put(fields, batch_sh), zeros(on_ring)))
+    self._run_sums(gathered, {run: [] for run in runs})
     for k, size in locals_:
       no_batches = [()] * self.num_devices
       jax.block_until_ready(
           self.local_program(k)(gathered, *self._local_inputs(k, size, no_batches, [])))
 
-  def _local_batches(self, sched: hdp_schedule.Schedule, lengths) -> dict[int, list]:
+  def _run_batches(self, sched: hdp_schedule.Schedule, docs) -> dict[tuple, list]:
+    """The rings' micro-batches by their run of slots and cell: {(block, cell): each
+    packed [1, c * cell], in the schedule's order}."""
+    out: dict[tuple, list] = {}
+    for ring in sched.rings:
+      c = len(ring.devices)
+      _, fields = hdp_layout.pack_step(ring.entries(), docs, num_devices=c,
+                                       tokens_per_device=ring.cell, view=c)
+      out.setdefault((ring.devices, ring.cell), []).append(fields)
+    return out
+
+  def _run_sums(self, params, runs: dict[tuple, list]) -> tuple[dict, float]:
+    """({block: its sums}, all-reduces): each run's micro-batches, `microbatches` to a
+    program (the last padded with empty ones), accumulated on the run's devices. Each
+    program all-reduces over its run: (c - 1) / (N - 1) of the pool's bytes, averaged over
+    the pool's devices."""
+    m, sums, reductions = self.microbatches, {}, 0.0
+    for (block, cell), cells in runs.items():
+      fn, batch_sh, zeros, params_sh = self.ring_program(block)
+      if block not in sums:
+        on_run = _on(params, params_sh)
+        sums[block] = (on_run, zeros(on_run))
+      on_run, acc = sums[block]
+      _, empty = hdp_layout.pack_step([], [], num_devices=len(block), tokens_per_device=cell,
+                                      view=len(block))
+      for start in range(0, max(1, len(cells)), m):
+        group = cells[start:start + m]
+        fields = {f: np.concatenate([g[f] for g in group + [empty] * (m - len(group))])
+                  for f in FIELDS}
+        acc = fn(on_run, _put(fields, batch_sh), acc)
+        reductions += (len(block) - 1) / max(1, self.num_devices - 1)
+        if self._one_ring_at_a_time:
+          jax.block_until_ready(acc)
+      sums[block] = (on_run, acc)
+    return {block: acc for block, (_, acc) in sums.items()}, reductions
+
+  def _local_batches(self, sched: hdp_schedule.Schedule, docs) -> dict[int, list]:
     """The local micro-batches by their slots (`hdp_schedule.local_cell`): {slots: each
     device's micro-batches of that size}, one local program each."""
     out: dict[int, list] = {}
     for d, batches in enumerate(sched.local):
       for batch in batches:
-        size = hdp_schedule.local_cell(sum(lengths[i] for i in batch), self.tokens_per_device)
+        size = hdp_schedule.local_cell(sum(len(docs[i]) - 1 for i in batch),
+                                       self.tokens_per_device)
         out.setdefault(size, [[] for _ in range(self.num_devices)])[d].append(batch)
     return out
 
@@ -460,34 +494,22 @@ class PerRankHDPStep(_HDPBase):
     stacked = self._stacked_sh[0]
     return _put(fields, stacked), _put({"n": counts}, stacked)["n"]
 
+  def _run_locals(self, params, sched: hdp_schedule.Schedule, docs) -> list:
+    """Per local micro-batch size, every device's local sums [S, ...] (one program each)."""
+    return [self.local_program(k)(params, *self._local_inputs(k, size, local, docs))
+            for size, local in sorted(self._local_batches(sched, docs).items())
+            for k in [_axis(local)]]
+
   def run(self, state: TrainState, docs, sched: hdp_schedule.Schedule):
     """One update over `docs` as the schedule lays them out."""
-    n = self.num_devices
     params = self._gather(state.params)
-    block_params, block_sums = {}, {}
-    for ring in sched.rings:
-      block, c = ring.devices, len(ring.devices)
-      fn, batch_sh, zeros, params_sh = self.ring_program(block)
-      if block not in block_params:
-        block_params[block] = _on(params, params_sh)
-        block_sums[block] = zeros(block_params[block])
-      _, fields = hdp_layout.pack_step(ring.entries(), docs, num_devices=c,
-                                       tokens_per_device=ring.cell, view=c)
-      block_sums[block] = fn(block_params[block], _put(fields, batch_sh), block_sums[block])
-      if self._one_ring_at_a_time:
-        jax.block_until_ready(block_sums[block])
-
-    by_size = self._local_batches(sched, [len(doc) - 1 for doc in docs])
-    local_sums = []
-    for size, local in sorted(by_size.items()):
-      k = _axis(local)
-      local_sums.append(self.local_program(k)(params, *self._local_inputs(k, size, local, docs)))
+    # The rings first: a device starts its local work when its own rings are done.
+    block_sums, ring_reductions = self._run_sums(params, self._run_batches(sched, docs))
+    local_sums = self._run_locals(params, sched, docs)
     ring_sums = self._per_device(block_sums, _on(state.params, self.params_sh))
     acc = self._reduce(local_sums, ring_sums)
-    # One all-reduce over the pool, and one over each ring's run per ring micro-batch
-    # ((c - 1) / (N - 1) of the pool's bytes, averaged over the pool's devices).
-    reductions = 1.0 + sum((len(r.devices) - 1) / max(1, n - 1) for r in sched.rings)
-    return self._finish(state, acc, self.micro_batches(sched), reductions)
+    # One all-reduce over the pool at the end, besides the rings' own.
+    return self._finish(state, acc, self.micro_batches(sched), 1.0 + ring_reductions)
 
   def _per_device(self, block_sums: dict, params):
     """The runs' sums stacked [S, ...] over the pool: each run's sums added on its first
@@ -503,6 +525,25 @@ class PerRankHDPStep(_HDPBase):
           zeros.shape, zeros.sharding, [shards[s.device] for s in zeros.addressable_shards])
 
     return jax.tree.map(stack, self._stacked_zeros(params), *block_sums.values())
+
+
+class PipelinedPerRankHDPStep(_OverPipelines, PerRankHDPStep):
+  """Per-rank HDP over pools of pipelines: a slot's local micro-batches are runs of its own
+  (one slot, no ring), so every run of slots, a ring or one slot, pipelines its micro-batches
+  of a cell size m to a program over its devices, each run at its own pace."""
+
+  def _run_batches(self, sched: hdp_schedule.Schedule, docs) -> dict[tuple, list]:
+    out = super()._run_batches(sched, docs)
+    for size, local in sorted(self._local_batches(sched, docs).items()):
+      for d, batches in enumerate(local):
+        for batch in batches:
+          _, fields = hdp_layout.pack_step([(i, (0,)) for i in batch], docs, num_devices=1,
+                                           tokens_per_device=size)
+          out.setdefault(((d,), size), []).append(fields)
+    return out
+
+  def _run_locals(self, params, sched: hdp_schedule.Schedule, docs) -> list:
+    return []
 
 
 def _axis(local) -> int:
@@ -586,12 +627,13 @@ def make_executor(run: RunConfig, optimizer, mesh, state_sh: TrainState,
   running `schedule` over the stage view `layout` when given."""
   def executor(mesh, state_sh):
     args = (run.model, optimizer, mesh, state_sh, run.data.seq_len)
-    if layout is not None:
-      return PipelinedHDPStep(*args, schedule=schedule, layout=layout,
-                              vocab_algorithm=run.pipeline.vocab_algorithm)
-    if run.parallel.hdp_schedule == "per_rank":
-      return PerRankHDPStep(*args, widen=run.parallel.hdp_widen_rings)
-    return HDPStep(*args)
+    per_rank = run.parallel.hdp_schedule == "per_rank"
+    kwargs = dict(widen=run.parallel.hdp_widen_rings) if per_rank else {}
+    if layout is None:
+      return (PerRankHDPStep if per_rank else HDPStep)(*args, **kwargs)
+    return (PipelinedPerRankHDPStep if per_rank else PipelinedHDPStep)(
+        *args, schedule=schedule, layout=layout, vocab_algorithm=run.pipeline.vocab_algorithm,
+        **kwargs)
   if REPLICA not in mesh.axis_names:
     return executor(mesh, state_sh)
   return ReplicaPools(executor, mesh, state_sh)
@@ -707,4 +749,4 @@ def _combine_metrics(m: dict[str, jax.Array]) -> dict[str, jax.Array]:
           "grad_norm": jnp.sqrt(jnp.mean(jnp.square(m["grad_norm"]))), "tokens": tokens}
 
 
-HDPExecutor = HDPStep | PipelinedHDPStep | PerRankHDPStep | ReplicaPools
+HDPExecutor = HDPStep | PerRankHDPStep | ReplicaPools

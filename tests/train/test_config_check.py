@@ -228,11 +228,6 @@ class RelationsTest(parameterized.TestCase):
                            parallel__hdp=True),
        "parallel.hdp=True is invalid with mesh axis context=2; it must be False with a context "
        "axis: HDP makes its own context rings"),
-      ("hdp_stage_per_rank", dict(mesh="stage=2,data=4", data__variable_length=True,
-                                  parallel__hdp=True, parallel__hdp_schedule="per_rank",
-                                  pipeline__schedule="1f1b", pipeline__microbatches=2),
-       "parallel.hdp_schedule='per_rank' is invalid with parallel.hdp=True, mesh axis stage=2; "
-       "it must be lockstep for HDP over a stage axis"),
       ("hdp_pool", dict(mesh="data=4,tensor=2", data__variable_length=True, parallel__hdp=True,
                         data__max_len=257),
        "data.max_len=257 is invalid with data.seq_len=64, mesh axes data x fsdp=4, "
