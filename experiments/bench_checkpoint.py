@@ -66,9 +66,9 @@ from jaxsys import hugepages
 if __name__ == "__main__":  # as experiments.train does, before jax starts
   hugepages.reexec_with_huge_pages()
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                             + " --xla_force_host_platform_device_count=8").strip()
+from jaxsys import xla_flags
+
+xla_flags.default_cpu_devices(8)
 
 import cProfile
 import dataclasses

@@ -34,11 +34,9 @@ It prints three markdown tables and writes every number to --out:
 """
 from __future__ import annotations
 
-import os
+from jaxsys import xla_flags
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                             + " --xla_force_host_platform_device_count=8").strip()
+xla_flags.default_cpu_devices(8)
 
 import dataclasses
 import functools

@@ -44,6 +44,7 @@ import traceback
 
 from absl import app, flags
 
+from jaxsys import xla_flags  # no jax
 from jaxsys.checkpoint import integrity  # files only: no jax
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for both runs: absent or empty.")
@@ -349,7 +350,7 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   # jax reads these when it is first imported, here: before any child is forked.
-  os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={_DEVICES.value}"
+  os.environ["XLA_FLAGS"] = xla_flags.with_cpu_devices(_DEVICES.value)
   os.environ["JAX_PLATFORMS"] = "cpu"
   import jax
   from jaxsys import metrics

@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 import shutil
 
+from jaxsys import xla_flags
+
 # Where a machine shows an accelerator before jax looks: a TPU VM's chips, Colab's TPU
 # runtime, an NVIDIA driver.
 _TPU_HINTS = ("/dev/accel0", "/dev/vfio/0")
@@ -29,9 +31,7 @@ def use_devices(cpu_devices: int = 8) -> str:
   Returns a line saying which; call it before jax starts."""
   found = accelerator()
   if found is None:
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-      os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={cpu_devices}"
+    xla_flags.default_cpu_devices(cpu_devices)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
   import jax  # pylint: disable=import-outside-toplevel
   devices = jax.devices()

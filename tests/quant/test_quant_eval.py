@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from jaxsys import xla_flags
 from jaxsys.checkpoint import integrity
 from jaxsys.quant import evaluate
 from jaxsys.train import loop
@@ -14,7 +15,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _run(*args):
-  env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")  # one device: a fast subprocess
+  # One device (a fast subprocess), the suite's other XLA flags kept.
+  env = dict(os.environ, XLA_FLAGS=xla_flags.with_cpu_devices(None), JAX_PLATFORMS="cpu")
   return subprocess.run([sys.executable, "-m", "experiments.quant_eval", *args], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=600)
 
