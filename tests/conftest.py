@@ -16,6 +16,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
     tempfile.gettempdir(), f"jaxsys-tests-{os.environ.get('PYTEST_XDIST_TESTRUNUID', os.getpid())}"))
+# Every program, however quick to compile (jax's default caches only those over 1 s): the
+# runs' programs compile in well under a second with the flags above, and each restart
+# of a run would compile them again (-7% CPU on the CLI and fault tests).
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import functools
 import importlib.util
