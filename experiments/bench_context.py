@@ -1,4 +1,4 @@
-r"""Ring attention (context parallelism) on simulated CPU devices: memory, work balance, time.
+r"""Context-parallel attention on simulated CPU devices: memory, traffic, work balance, time.
 
   python -m experiments.bench_context --seq_len=8192 --devices=4 --repeats=3 \
       --out=/tmp/bench_context.json
@@ -8,18 +8,21 @@ One sequence of T = --seq_len tokens (B, Hq, Hkv, D from the flags, f32, causal)
 over n = --devices devices; it prints three markdown tables and writes every number to
 --out:
 
-1. Memory: `memory_analysis().temp_size_in_bytes` of the compiled fwd+bwd (grads of
-   sum(out) wrt q, k, v) of `ring_attention` under shard_map, against single-device
-   `xla_attention` at the same T. A shard_map program compiles to ONE SPMD executable,
-   the program every device runs on its shards, so its sizes are already per device; the
-   table shows the check: the executable's argument bytes equal one device's q, k, v
-   shards (not the global arrays).
+1. Memory and traffic: `memory_analysis().temp_size_in_bytes` of the compiled fwd+bwd
+   (grads of sum(out) wrt q, k, v) of each algorithm (`context.ALGORITHMS`: the ring,
+   and all-gather K/V) under shard_map in zigzag order, against single-device
+   `xla_attention` at the same T, and the bytes each device sends per collective kind
+   (from the compiled HLO, loops counted in full). A shard_map program compiles to ONE
+   SPMD executable, the program every device runs on its shards, so its sizes are
+   already per device; the table shows the check: the executable's argument bytes equal
+   one device's q, k, v shards (not the global arrays).
 2. Work: score tiles the blockwise kernel visits on each device over the ring's n steps
    (`context.ring_tiles`; forward and backward visit the same tiles), and the score
    elements they hold (tiles x B*Hq*block_q*block_k), per layout; max/mean is the load
    imbalance (1.0 = even).
 3. Time: median wall time of the jitted fwd+bwd over --repeats calls (after a warm-up),
-   ring per layout and single-device xla flash, in interleaved rounds. The n simulated
+   ring per layout, all-gather in zigzag order and single-device xla flash, in
+   interleaved rounds. The n simulated
    devices share the host's cores, so the ring's time is an upper bound on a real
    device's, not a speed-up measurement.
 """
@@ -41,6 +44,7 @@ from absl import app, flags
 from jax.sharding import PartitionSpec as P
 
 from jaxsys.kernels.attention_xla import xla_attention
+from jaxsys.optim import outer
 from jaxsys.parallel import context
 
 
@@ -74,31 +78,37 @@ def _fwd_bwd(attn):
   return jax.grad(lambda q, k, v: jnp.sum(attn(q, k, v)), (0, 1, 2))
 
 
-def _ring(n: int, layout: str):
-  """Ring attention over the first n devices, on arrays already in `layout` order."""
+def _context(n: int, layout: str, algorithm: str = "ring"):
+  """`algorithm` over the first n devices, on arrays already in `layout` order."""
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:n]), (AXIS,))
-  local = functools.partial(context.ring_attention, axis_name=AXIS, layout=layout)
+  local = functools.partial(context.ALGORITHMS[algorithm], axis_name=AXIS, layout=layout)
   return jax.shard_map(local, mesh=mesh, in_specs=P(None, AXIS), out_specs=P(None, AXIS),
                        check_vma=False)
 
 
-def _compiled(n: int, layout: str | None, shapes):
-  """The compiled fwd+bwd: the ring over n devices, or single-device xla_attention."""
-  attn = xla_attention if layout is None else _ring(n, layout)
+def _compiled(n: int, layout: str | None, shapes, algorithm: str = "ring"):
+  """The compiled fwd+bwd: `algorithm` over n devices, or single-device xla_attention."""
+  attn = xla_attention if layout is None else _context(n, layout, algorithm)
   return jax.jit(_fwd_bwd(attn)).lower(*shapes).compile()
 
 
 def memory(n: int, shapes) -> dict:
-  """Per-device temp bytes of ring and single-device fwd+bwd, and the per-device check."""
-  ring = _compiled(n, "zigzag", shapes).memory_analysis()
+  """Per-device temp bytes and sent bytes of each algorithm's fwd+bwd, single-device temp
+  bytes, and the per-device check."""
   single = _compiled(1, None, shapes).memory_analysis()
-  local_args = sum(s.size // n * s.dtype.itemsize for s in shapes)
-  return dict(ring_temp_bytes=int(ring.temp_size_in_bytes),
-              single_temp_bytes=int(single.temp_size_in_bytes),
-              ratio=ring.temp_size_in_bytes / single.temp_size_in_bytes,
-              ring_argument_bytes=int(ring.argument_size_in_bytes),
-              local_shard_bytes=int(local_args),
-              global_bytes=int(sum(s.size * s.dtype.itemsize for s in shapes)))
+  out = dict(single_temp_bytes=int(single.temp_size_in_bytes),
+             local_shard_bytes=int(sum(s.size // n * s.dtype.itemsize for s in shapes)),
+             global_bytes=int(sum(s.size * s.dtype.itemsize for s in shapes)))
+  for algorithm in context.ALGORITHMS:
+    compiled = _compiled(n, "zigzag", shapes, algorithm)
+    mem, hlo = compiled.memory_analysis(), compiled.as_text()
+    sent = {kind: outer.collective_bytes_from_hlo(hlo, n, trips=True, kind=kind)
+            for kind in ("collective-permute", "all-gather", "reduce-scatter", "all-reduce")}
+    out[algorithm] = dict(temp_bytes=int(mem.temp_size_in_bytes),
+                          ratio=mem.temp_size_in_bytes / single.temp_size_in_bytes,
+                          argument_bytes=int(mem.argument_size_in_bytes),
+                          sent_bytes={k: int(v) for k, v in sent.items() if v})
+  return out
 
 
 def work(n: int, seq_len: int, batch: int, heads: int, layouts) -> list[dict]:
@@ -118,6 +128,7 @@ def timing(n: int, shapes, layouts, repeats: int, seed: int = 0) -> dict:
   rng = np.random.default_rng(seed)
   args = [jnp.asarray(rng.standard_normal(s.shape, dtype=np.float32)) for s in shapes]
   fns = {f"ring_{layout}": _compiled(n, layout, shapes) for layout in layouts}
+  fns["all_gather_zigzag"] = _compiled(n, "zigzag", shapes, "all_gather")
   fns["single_xla"] = _compiled(1, None, shapes)
   times = {name: [] for name in fns}
   for name, fn in fns.items():
@@ -157,13 +168,15 @@ def tables(result) -> str:
   parts = [
       f"T={c['seq_len']} over n={c['devices']} (B={c['batch']}, Hq={c['heads']}, "
       f"Hkv={c['kv_heads']}, D={c['head_dim']}, f32, causal)",
-      "| fwd+bwd temp per device | MiB |\n|---|---|\n"
-      f"| ring (zigzag) | {m['ring_temp_bytes'] / MIB:.1f} |\n"
-      f"| single-device xla flash | {m['single_temp_bytes'] / MIB:.1f} |\n"
-      f"| ratio | {m['ratio']:.3f} |\n"
-      f"| ring executable's argument bytes (= one device's q, k, v shards "
+      "| fwd+bwd per device | temp MiB | / single-device flash | sent MiB by kind |\n"
+      "|---|---|---|---|\n"
+      + "".join(f"| {a} (zigzag) | {m[a]['temp_bytes'] / MIB:.1f} | {m[a]['ratio']:.3f} | "
+                + (", ".join(f"{k} {b / MIB:.2f}" for k, b in m[a]['sent_bytes'].items())
+                   or "none") + " |\n" for a in context.ALGORITHMS)
+      + f"| single-device xla flash | {m['single_temp_bytes'] / MIB:.1f} | 1 | none |\n"
+      f"| executable's argument bytes (= one device's q, k, v shards "
       f"{m['local_shard_bytes'] / MIB:.2f}; global {m['global_bytes'] / MIB:.2f}) | "
-      f"{m['ring_argument_bytes'] / MIB:.2f} |"]
+      f"{m['ring']['argument_bytes'] / MIB:.2f} | | |"]
   lines = ["| layout | tile | tiles per device | score elements per device (M) | max/mean |",
            "|---|---|---|---|---|"]
   for w in result["work"]:

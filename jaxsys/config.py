@@ -75,6 +75,7 @@ class OuterConfig:
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
   context_layout: str
+  context_algorithm: str
   hdp: bool
   hdp_schedule: str
   hdp_widen_rings: bool

@@ -121,8 +121,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # drawn per step, microbatch and boundary, seeded by optimizer.outer_seed (NoLoCo, arXiv
   # 2506.10911; jaxsys/train/grads.py routed_pipeline).
   # Context parallelism: a `context` mesh axis > 1 splits every sequence over it and runs
-  # ring attention (jaxsys/parallel/context.py), e.g. --config.mesh=data=2,context=4;
-  # context_layout zigzag evens the causal work, contiguous is the naive order.
+  # context-parallel attention (jaxsys/parallel/context.py), e.g. --config.mesh=data=2,context=4;
+  # context_layout zigzag evens the causal work, contiguous is the naive order;
+  # context_algorithm ring passes K/V blocks round the ring (K/V memory 1/n of the
+  # sequence's), all_gather gathers them all on every device (the Llama 3 paper's: one
+  # collective each way; cheap with few K/V heads).
   # hdp: Hybrid Data Parallelism (jaxsys/parallel/hdp.py) over data, fsdp and tensor, for
   # data.variable_length=true: each document on as many devices as its length needs,
   # data.seq_len tokens per device per micro-step, ceil(data.batch_size / devices)
@@ -132,8 +135,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # all devices (fewer compiled programs, slower when the work is uneven).
   # hdp_widen_rings (per_rank): a ring may take up to twice the devices it needs where
   # that ends sooner by FLOPs (better balance, more padding; links are not modelled).
-  c.parallel = ml_collections.ConfigDict(dict(context_layout="zigzag", hdp=False,
-                                              hdp_schedule="per_rank",
+  c.parallel = ml_collections.ConfigDict(dict(context_layout="zigzag", context_algorithm="ring",
+                                              hdp=False, hdp_schedule="per_rank",
                                               hdp_widen_rings=False))
   c.pipeline = ml_collections.ConfigDict(dict(
       schedule="none", microbatches=4, virtual_stages=1, vocab_parallel=False, vocab_algorithm=2,

@@ -94,18 +94,22 @@ def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
                   q_segment_ids: jax.Array | None = None,
                   kv_segment_ids: jax.Array | None = None,
                   causal: bool = True, sm_scale: float | None = None,
-                  block_q: int | None = None, block_k: int | None = None) -> jax.Array:
+                  block_q: int | None = None, block_k: int | None = None,
+                  q_positions: jax.Array | None = None,
+                  kv_positions: jax.Array | None = None) -> jax.Array:
   """Blockwise attention, q [B,T,Hq,D], k/v [B,S,Hkv,D] -> [B,T,Hq,D] in q.dtype.
 
   q_segment_ids [B,T], kv_segment_ids [B,S] (ints): attend only where equal. Passing
   only q_segment_ids means self-attention with the same ids (needs T == S).
   block_q, block_k: rows / keys per tile; None picks them from `default_blocks`.
+  q_positions [B,T], kv_positions [B,S] (both or neither, used when causal): per-token
+  causal keys replacing the end-aligned index, tokens in any order.
   """
   if q_segment_ids is None and kv_segment_ids is not None:
     raise ValueError("xla_attention: kv_segment_ids given without q_segment_ids; pass both")
   cfg, q_IBKMD, k_JBKSD, v_JBKSD, q_keys, kv_keys = _prepare(
-      "xla_attention", q, k, v, q_segment_ids, kv_segment_ids, None, None, causal, sm_scale,
-      block_q, block_k)
+      "xla_attention", q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_positions,
+      causal, sm_scale, block_q, block_k)
   return from_q_blocks(cfg, _flash(cfg, q_IBKMD, k_JBKSD, v_JBKSD, q_keys, kv_keys))
 
 

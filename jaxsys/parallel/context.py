@@ -135,29 +135,62 @@ def ring_attention(q, k, v, *, axis_name, segment_ids=None, causal: bool = True,
   indices from the device's axis index and `layout`. impl: "auto" or "xla" (see the
   module docstring). Returns the local [B, T/n, Hq, D] in q.dtype.
   """
-  _check_layout(layout, "ring_attention")
   if impl not in IMPLS:
     raise ValueError(f"ring_attention: unknown impl {impl!r}; valid: {', '.join(IMPLS)}")
+  q_keys, kv_keys, n, scale = _local_keys("ring_attention", q, k, v, axis_name, segment_ids,
+                                          causal, layout, sm_scale, positions)
+  return _ring(_Config(axis_name, n, bool(causal), scale), q, k, v, q_keys, kv_keys)
+
+
+def all_gather_attention(q, k, v, *, axis_name, segment_ids=None, causal: bool = True,
+                         layout: str = "zigzag", sm_scale: float | None = None,
+                         positions=None) -> jax.Array:
+  """`ring_attention`'s contract, by gathering K/V (the Llama 3 paper's context
+  parallelism): every device all-gathers the keys, values and their keys' segment ids and
+  causal keys over `axis_name`, then attends its own queries to all of them with the
+  blockwise kernel, whose tile skipping follows the causal keys in any order (so zigzag
+  shares stay balanced). The backward reduce-scatters dk and dv (the gather's transpose).
+  Per device: K/V of the whole sequence live at once (the ring holds two blocks), one
+  collective each way instead of n - 1 hops; with GQA's few K/V heads both are small.
+  """
+  (q_seg, q_pos), (kv_seg, kv_pos), _, scale = _local_keys(
+      "all_gather_attention", q, k, v, axis_name, segment_ids, causal, layout, sm_scale,
+      positions)
+  gather = lambda x: None if x is None else jax.lax.all_gather(x, axis_name, axis=1, tiled=True)
+  return attention_xla.xla_attention(
+      q, gather(k), gather(v), q_segment_ids=q_seg, kv_segment_ids=gather(kv_seg),
+      q_positions=q_pos, kv_positions=gather(kv_pos), causal=causal, sm_scale=scale)
+
+
+# The context-parallel attention algorithms, by name (`parallel.context_algorithm`).
+ALGORITHMS = {"ring": ring_attention, "all_gather": all_gather_attention}
+
+
+def _local_keys(who: str, q, k, v, axis_name, segment_ids, causal, layout, sm_scale,
+                positions):
+  """((q segment ids, causal keys), (kv ...), n, scale) of a local shard, checked: the
+  causal keys are `positions`, or the layout's global token indices when None."""
+  _check_layout(layout, who)
   q_seg, kv_seg = check_inputs(q, k, v, segment_ids)
   b, t, _, d = q.shape
   if k.shape[1] != t:
-    raise ValueError(f"ring_attention: q and k/v shards must have equal length; "
-                     f"got q{q.shape} k{k.shape}")
+    raise ValueError(f"{who}: q and k/v shards must have equal length; got q{q.shape} "
+                     f"k{k.shape}")
   n = jax.lax.axis_size(axis_name)
   pos = None
   if causal:
     if positions is None:
       if layout == "zigzag" and t % 2:
-        raise ValueError(f"ring_attention: zigzag needs an even shard length; got T/n={t}")
+        raise ValueError(f"{who}: zigzag needs an even shard length; got T/n={t}")
       positions = shard_positions(jax.lax.axis_index(axis_name), n, t, layout)
     positions = jnp.asarray(positions)
     if positions.shape not in ((t,), (b, t)) or not jnp.issubdtype(positions.dtype, jnp.integer):
-      raise ValueError(f"ring_attention: positions must be integers of shape {(t,)} or "
-                       f"{(b, t)}; got {positions.dtype}{positions.shape}")
+      raise ValueError(f"{who}: positions must be integers of shape {(t,)} or {(b, t)}; got "
+                       f"{positions.dtype}{positions.shape}")
     pos = jnp.broadcast_to(positions.astype(jnp.int32), (b, t))
   as_ids = lambda x: None if x is None else x.astype(jnp.int32)
-  cfg = _Config(axis_name, int(n), bool(causal), static_scale(sm_scale, d, "ring_attention"))
-  return _ring(cfg, q, k, v, (as_ids(q_seg), pos), (as_ids(kv_seg), pos))
+  return ((as_ids(q_seg), pos), (as_ids(kv_seg), pos), int(n),
+          static_scale(sm_scale, d, who))
 
 
 def _kernel_keys(q_keys, kv_keys) -> dict:

@@ -134,6 +134,7 @@ FIELDS: dict[str, Rule] = {
     "data.max_len": integer(1),
     "data.truncate_long": BOOL,
     "parallel.context_layout": one_of(*context.LAYOUTS),
+    "parallel.context_algorithm": one_of(*context.ALGORITHMS),
     "parallel.hdp": BOOL,
     "parallel.hdp_schedule": one_of("per_rank", "lockstep"),
     "parallel.hdp_widen_rings": BOOL,

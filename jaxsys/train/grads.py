@@ -10,8 +10,9 @@ whose routes change every step. Three implement it:
   - `routed_pipeline`: R pipelines over `replica` x `stage` whose microbatches may cross
     replicas at chunk boundaries (NoLoCo's random routing), fixed routing otherwise.
 
-Attention is injected, not owned: with a `context_layout` every one of them lays the batch
-out over the `context` axis and runs the model with ring attention, so each runs with
+Attention is injected, not owned: with a `context_split` every one of them lays the batch
+out over the `context` axis and runs the model with its context-parallel attention (a ring,
+or K/V gathered), so each runs with
 context parallelism without code of its own. `accumulate` adds exact gradient
 accumulation to any of them.
 
@@ -39,19 +40,19 @@ GradFn = Callable  # (params, batch, step) -> (loss sum, token count, grads of t
 ReplicaGradFn = Callable  # (params [R..], batch, step) -> (loss [R], count [R], mean grads [R..])
 
 
-def with_attention(batch: Batch, context_layout: str | None):
-  """The batch and the attention the model runs it with: laid out over `context` with a ring
-  when `context_layout` is set, else as it is with the configured kernel (None)."""
-  if context_layout is None:
+def with_attention(batch: Batch, context_split: step_lib.ContextSplit | None):
+  """The batch and the attention the model runs it with: laid out over `context` with its
+  context-parallel attention when `context_split` is set, else as it is with the configured kernel (None)."""
+  if context_split is None:
     return batch, None
-  return step_lib.context_parallel(batch, context_layout)
+  return step_lib.context_parallel(batch, context_split)
 
 
-def autodiff(model_cfg: transformer.TransformerConfig, context_layout: str | None = None
-             ) -> GradFn:
+def autodiff(model_cfg: transformer.TransformerConfig,
+             context_split: step_lib.ContextSplit | None = None) -> GradFn:
   """The model's gradients by `jax.value_and_grad`."""
   def loss_sum(params, batch):
-    losses = step_lib.token_losses(model_cfg, params, batch, context_layout)
+    losses = step_lib.token_losses(model_cfg, params, batch, context_split)
     return jnp.sum(losses), jnp.sum(batch["loss_mask"])
 
   def grad_fn(params, batch, step=None):
@@ -62,11 +63,11 @@ def autodiff(model_cfg: transformer.TransformerConfig, context_layout: str | Non
 
 def pipelined(model_cfg: transformer.TransformerConfig, schedule: pipeline.Schedule,
               layout: pipeline.Layout, mesh, *, vocab_algorithm: int = 2,
-              context_layout: str | None = None) -> GradFn:
+              context_split: step_lib.ContextSplit | None = None) -> GradFn:
   """Gradients of the stage-view parameters by the pipeline executor running `schedule`."""
   def grad_fn(params, batch, step=None):
     count = jnp.sum(batch["loss_mask"])
-    batch, attention_fn = with_attention(batch, context_layout)
+    batch, attention_fn = with_attention(batch, context_split)
     total, grads = pipeline.pipeline_loss_and_grads(
         model_cfg, schedule, layout, params, batch, mesh=mesh, vocab_algorithm=vocab_algorithm,
         attention_fn=attention_fn)
@@ -109,7 +110,8 @@ def over_replicas(grad_fn: GradFn, replicas: int) -> ReplicaGradFn:
 def routed_pipeline(model_cfg: transformer.TransformerConfig, schedule: pipeline.Schedule,
                     layout: pipeline.Layout, mesh, replicas: int, *,
                     routing_seed: int | None = None, vocab_algorithm: int = 2,
-                    accum_steps: int = 1, context_layout: str | None = None) -> ReplicaGradFn:
+                    accum_steps: int = 1, context_split: step_lib.ContextSplit | None = None
+                    ) -> ReplicaGradFn:
   """R pipelines over `replica` x `stage`; `routing_seed` None routes each replica's rows
   through its own stages, else through replicas drawn from (seed, step, accumulation step).
 
@@ -124,7 +126,7 @@ def routed_pipeline(model_cfg: transformer.TransformerConfig, schedule: pipeline
     def one(a, mb):
       shifts = None if routing_seed is None else routing.draw_shifts(
           routing_seed, step * accum_steps + a, replicas, schedule.microbatches, layout.chunks)
-      mb, attention_fn = with_attention(mb, context_layout)
+      mb, attention_fn = with_attention(mb, context_split)
       return pipeline.replica_loss_and_grads(
           model_cfg, schedule, layout, params, mb, mesh=mesh, shifts=shifts, weights=weights,
           vocab_algorithm=vocab_algorithm, attention_fn=attention_fn)
@@ -179,14 +181,15 @@ def replica_step(grad_fn: ReplicaGradFn, optimizer: optax.GradientTransformation
 
 def jit_autodiff_step(model_cfg: transformer.TransformerConfig,
                       optimizer: optax.GradientTransformation, state_sh: TrainState,
-                      batch_sh, accum_steps: int = 1, context_layout: str = "zigzag"
-                      ) -> Callable:
-  """One model's autodiff step, jitted with explicit shardings and the state donated; ring
-  attention in `context_layout` where the mesh has a `context` axis. What `make_setup` builds
-  for a plain run, for callers that hold their own state (tests, benchmarks, notebooks)."""
+                      batch_sh, accum_steps: int = 1, context_layout: str = "zigzag",
+                      context_algorithm: str = "ring") -> Callable:
+  """One model's autodiff step, jitted with explicit shardings and the state donated;
+  `context_algorithm` attention over `context_layout` where the mesh has a `context` axis.
+  What `make_setup` builds for a plain run, for callers that hold their own state (tests,
+  benchmarks, notebooks)."""
   mesh = batch_sh.mesh
-  grad_fn = accumulate(autodiff(model_cfg, step_lib.context_layout_of(mesh, context_layout)),
-                       accum_steps)
+  split = step_lib.context_split_of(mesh, context_layout, context_algorithm)
+  grad_fn = accumulate(autodiff(model_cfg, split), accum_steps)
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   return jax.jit(sharded.under_mesh(model_step(grad_fn, optimizer), mesh),
                  in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated),

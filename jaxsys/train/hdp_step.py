@@ -53,9 +53,9 @@ def accumulating(grad_fn: grads.GradFn, params_sh=None) -> Callable:
   return sums
 
 
-def _ring_layout(view: Mesh) -> str | None:
-  """A view's context layout: the planner's own (ring attention as laid out) on a ring."""
-  return step_lib.LAID_OUT if view.shape["context"] > 1 else None
+def _ring_layout(view: Mesh) -> step_lib.ContextSplit | None:
+  """A view's context split: on a ring, ring attention on the planner's own layout."""
+  return step_lib.ContextSplit(step_lib.LAID_OUT) if view.shape["context"] > 1 else None
 
 
 # The mesh axes that split the batch: their devices are the pool's slots.
@@ -323,7 +323,7 @@ class _OverPipelines:
   def _grad_fn(self, view: Mesh) -> grads.GradFn:
     return grads.pipelined(self.model_cfg, self.schedule, self.layout, view,
                            vocab_algorithm=self.vocab_algorithm,
-                           context_layout=_ring_layout(view))
+                           context_split=_ring_layout(view))
 
 
 class PipelinedHDPStep(_OverPipelines, HDPStep):

@@ -170,25 +170,25 @@ def make_layout(run: RunConfig, mesh) -> pipeline.Layout | None:
                          vocab_parallel=run.pipeline.vocab_parallel)
 
 
-def _gradient_fn(run: RunConfig, mesh, view: layouts.View, schedule, context_layout):
+def _gradient_fn(run: RunConfig, mesh, view: layouts.View, schedule, context_split):
   """The run's gradient function: one model's, or the replicas' (`grads`)."""
   model_cfg, accum = run.model, run.optimizer.grad_accum_steps
   vocab_algorithm = run.pipeline.vocab_algorithm
   if view.stages is None:
-    fn = grads.accumulate(grads.autodiff(model_cfg, context_layout), accum)
+    fn = grads.accumulate(grads.autodiff(model_cfg, context_split), accum)
     return grads.over_replicas(fn, view.replicas) if view.replicas else fn
   if view.replicas:
     seed = run.outer.seed if run.pipeline.routing == "random" else None
     return grads.routed_pipeline(model_cfg, schedule, view.stages, mesh, view.replicas,
                                  routing_seed=seed, vocab_algorithm=vocab_algorithm,
-                                 accum_steps=accum, context_layout=context_layout)
+                                 accum_steps=accum, context_split=context_split)
   fn = grads.pipelined(model_cfg, schedule, view.stages, mesh, vocab_algorithm=vocab_algorithm,
-                       context_layout=context_layout)
+                       context_split=context_split)
   return grads.accumulate(fn, accum)
 
 
 def _eval_fn(model_cfg, mesh, view: layouts.View, schedule, param_sh, batch_sh,
-             context_layout) -> Callable:
+             context_split) -> Callable:
   """token_bytes -> the jitted eval step of one replica's parameters in the view."""
   def make(token_bytes):
     table = jnp.asarray(token_bytes, jnp.float32)
@@ -196,8 +196,8 @@ def _eval_fn(model_cfg, mesh, view: layouts.View, schedule, param_sh, batch_sh,
     def eval_step(params, batch):
       if view.stages is None:
         return step_lib.eval_step(params, batch, model_cfg=model_cfg, token_bytes=table,
-                                  context_layout=context_layout)
-      laid, attention_fn = grads.with_attention(batch, context_layout)
+                                  context_split=context_split)
+      laid, attention_fn = grads.with_attention(batch, context_split)
       loss_sum = pipeline.pipeline_loss(model_cfg, schedule, view.stages, params, laid,
                                         mesh=mesh, attention_fn=attention_fn)
       return step_lib.eval_sums_of_loss(loss_sum, batch, table)
@@ -303,7 +303,8 @@ def make_setup(run: RunConfig, mesh: Mesh, loader=None) -> Setup:
   saved_sh = shard(saved, rules=view.saved_rules(rules), replicas=bool(replicas))
   one_sh = shard(one, rules=view.saved_rules(rules))
   batch_sh = mesh_lib.batch_sharding(mesh)
-  context_layout = step_lib.context_layout_of(mesh, run.parallel.context_layout)
+  context_split = step_lib.context_split_of(mesh, run.parallel.context_layout,
+                                            run.parallel.context_algorithm)
   opts = step_lib.compiler_options(model_cfg, mesh)
 
   # One replica's parameters in the view: what eval scores and an elementwise sync sends.
@@ -311,7 +312,7 @@ def make_setup(run: RunConfig, mesh: Mesh, loader=None) -> Setup:
   view_param_sh = (shard(jax.eval_shape(lambda s: dataclasses.replace(
       view, form=layouts.Form()).to_view(s), one), rules=view.rules(rules),
       axes=view.param_axes(param_axes)).params if replicas else state_sh.params)
-  grad_fn = _gradient_fn(run, mesh, view, schedule, context_layout)
+  grad_fn = _gradient_fn(run, mesh, view, schedule, context_split)
   routed = bool(replicas) and layout is not None and run.pipeline.routing == "random"
   comm = Comm(
       grads_per_step=_grads_bytes(view_params, view_param_sh, mesh),
@@ -344,7 +345,7 @@ def make_setup(run: RunConfig, mesh: Mesh, loader=None) -> Setup:
   eval_params = (jax.jit(lambda p: jax.tree.map(lambda x: x[0], p),
                          in_shardings=(state_sh.params,), out_shardings=view_param_sh)
                  if replicas else (lambda p: p))
-  eval_fn = _eval_fn(model_cfg, mesh, view, schedule, view_param_sh, batch_sh, context_layout)
+  eval_fn = _eval_fn(model_cfg, mesh, view, schedule, view_param_sh, batch_sh, context_split)
   run_view = {"mesh": run.mesh, "devices": mesh_lib.describe(mesh)}
   if layout is not None:
     run_view["pipeline"] = {"schedule": run.pipeline.schedule, "stages": layout.stages,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -27,13 +27,21 @@ def cross_entropy(logits: jax.Array, batch: Batch) -> jax.Array:
   return losses * batch["loss_mask"]
 
 
+class ContextSplit(NamedTuple):
+  """How a `context` mesh axis splits the sequence: the batch's layout over it ("zigzag",
+  "contiguous", or `LAID_OUT`) and the attention algorithm (`context.ALGORITHMS`: "ring"
+  passes K/V blocks round a ring, "all_gather" gathers them on every device)."""
+  layout: str
+  algorithm: str = "ring"
+
+
 def token_losses(cfg: transformer.TransformerConfig, params, batch: Batch,
-                 context_layout: str | None = None) -> jax.Array:
-  """`cross_entropy` of the model's logits; with a `context_layout`, the sequence is split
-  over the mesh's `context` axis in that layout (see `context_parallel`)."""
+                 context_split: ContextSplit | None = None) -> jax.Array:
+  """`cross_entropy` of the model's logits; with a `context_split`, the sequence is split
+  over the mesh's `context` axis as it says (see `context_parallel`)."""
   attention_fn = None
-  if context_layout is not None:
-    batch, attention_fn = context_parallel(batch, context_layout)
+  if context_split is not None:
+    batch, attention_fn = context_parallel(batch, context_split)
   logits = transformer.apply(cfg, params, batch["inputs"], batch["positions"],
                              batch["segment_ids"], attention_fn)
   return cross_entropy(logits, batch)
@@ -41,35 +49,38 @@ def token_losses(cfg: transformer.TransformerConfig, params, batch: Batch,
 
 # The context layout of a batch its maker already laid out over `context` (an HDP
 # micro-step: whole documents in zigzag shares, each token with its document position):
-# ring attention runs on it as it is.
+# the attention runs on it as it is.
 LAID_OUT = "laid_out"
 
 
-def context_parallel(batch: Batch, layout: str, axis: str = "context"
+def context_parallel(batch: Batch, split: ContextSplit, axis: str = "context"
                      ) -> tuple[Batch, Callable]:
-  """The batch reordered into `layout` over mesh axis `axis`, and its ring attention_fn.
+  """The batch reordered into `split.layout` over mesh axis `axis`, and its attention_fn.
 
   Every field moves with its token, so per-token losses (summed) are unchanged; the
-  layout only decides how the causal work is balanced over the ring.
+  layout only decides how the causal work is balanced over the devices.
   Called while tracing under a mesh (`sharded.under_mesh`).
   """
-  if layout == LAID_OUT:
-    return batch, ring_attention_fn(axis=axis)
+  if split.layout == LAID_OUT:
+    return batch, context_attention_fn(split._replace(layout="zigzag"), axis)
   n = jax.sharding.get_abstract_mesh().shape[axis]
-  laid = {k: context.to_layout(x, n, layout, axis=1) for k, x in batch.items()}
-  return laid, ring_attention_fn(layout, axis)
+  laid = {k: context.to_layout(x, n, split.layout, axis=1) for k, x in batch.items()}
+  return laid, context_attention_fn(split, axis)
 
 
-def ring_attention_fn(layout: str = "zigzag", axis: str = "context") -> Callable:
-  """An attention_fn for the model: ring attention over mesh axis `axis`.
+def context_attention_fn(split: ContextSplit = ContextSplit("zigzag"), axis: str = "context"
+                         ) -> Callable:
+  """An attention_fn for the model: `split.algorithm` over mesh axis `axis`.
 
-  The tokens' positions [B, T] go round the ring with the keys as causal keys, so
-  masking (with the segment ids) is exact whatever order the tokens are in.
+  The tokens' positions [B, T] go with the keys as causal keys, so masking (with the
+  segment ids) is exact whatever order the tokens are in.
   """
+  kernel = context.ALGORITHMS[split.algorithm]
+
   def attention_fn(q, k, v, *, segment_ids=None, positions, causal=True):
     q_seg, kv_seg = segment_pair(segment_ids)
-    return sharded.sharded_context_attention(context.ring_attention, q, k, v, q_seg, kv_seg,
-                                             positions, axis=axis, causal=causal, layout=layout)
+    return sharded.sharded_context_attention(kernel, q, k, v, q_seg, kv_seg, positions,
+                                             axis=axis, causal=causal, layout=split.layout)
   return attention_fn
 
 
@@ -90,9 +101,10 @@ def update(optimizer: optax.GradientTransformation, params, opt_state, grads):
 
 
 def eval_step(params, batch: Batch, *, model_cfg: transformer.TransformerConfig,
-              token_bytes: jax.Array, context_layout: str | None = None) -> dict[str, jax.Array]:
+              token_bytes: jax.Array, context_split: ContextSplit | None = None
+              ) -> dict[str, jax.Array]:
   """`eval_sums` of the model's per-token losses (its summed loss, scored tokens and bytes)."""
-  losses = token_losses(model_cfg, params, batch, context_layout)
+  losses = token_losses(model_cfg, params, batch, context_split)
   return eval_sums_of_loss(jnp.sum(losses), batch, token_bytes)
 
 
@@ -129,9 +141,9 @@ def compiler_options(model_cfg: transformer.TransformerConfig, mesh) -> dict[str
   return None
 
 
-def context_layout_of(mesh, layout: str) -> str | None:
-  """`layout` where the mesh has a `context` axis larger than 1, else None (no ring)."""
-  return layout if dict(mesh.shape).get("context", 1) > 1 else None
+def context_split_of(mesh, layout: str, algorithm: str = "ring") -> ContextSplit | None:
+  """The split of a mesh with a `context` axis larger than 1, else None (no split)."""
+  return ContextSplit(layout, algorithm) if dict(mesh.shape).get("context", 1) > 1 else None
 
 
 def jit_eval_step(model_cfg, param_sh: Any, batch_sh: NamedSharding, token_bytes,
@@ -139,7 +151,7 @@ def jit_eval_step(model_cfg, param_sh: Any, batch_sh: NamedSharding, token_bytes
   replicated = NamedSharding(batch_sh.mesh, PartitionSpec())
   table = jnp.asarray(token_bytes, jnp.float32)
   fn = functools.partial(eval_step, model_cfg=model_cfg, token_bytes=table,
-                         context_layout=context_layout_of(batch_sh.mesh, context_layout))
+                         context_split=context_split_of(batch_sh.mesh, context_layout))
   fn = sharded.under_mesh(fn, batch_sh.mesh)
   return jax.jit(fn, in_shardings=(param_sh, batch_sh), out_shardings=replicated,
                  compiler_options=compiler_options(model_cfg, batch_sh.mesh))

@@ -110,14 +110,16 @@ def _inputs(b, t, hq, hkv, d, seed=0):
   return normal(b, t, hq, d), normal(b, t, hkv, d), normal(b, t, hkv, d), normal(b, t, hq, d), rng
 
 
-def _ring_fn(n, layout, segs, check_vma=False, **kw):
-  """(q, k, v) in original order -> ring attention's output in original order."""
+def _ring_fn(n, layout, segs, check_vma=False, algorithm="ring", **kw):
+  """(q, k, v) in original order -> the context-parallel attention's output in original
+  order (`context.ALGORITHMS[algorithm]`)."""
   to = functools.partial(context.to_layout, n=n, layout=layout)
   seq = P(None, AXIS)
 
   def local(q, k, v, *ids):
     seg = None if not ids else (ids[0] if len(ids) == 1 else tuple(ids))
-    return context.ring_attention(q, k, v, axis_name=AXIS, segment_ids=seg, layout=layout, **kw)
+    return context.ALGORITHMS[algorithm](q, k, v, axis_name=AXIS, segment_ids=seg,
+                                         layout=layout, **kw)
 
   ids = () if segs is None else tuple(to(jnp.asarray(s)) for s in segs)
   sharded = jax.shard_map(local, mesh=_mesh(n), in_specs=(seq,) * (3 + len(ids)),
@@ -126,7 +128,7 @@ def _ring_fn(n, layout, segs, check_vma=False, **kw):
 
 
 def _check(n, layout, causal, seg_kind, hq, hkv, b=2, t=32, d=8, check_vma=False, seed=0,
-           dtype=np.float32, tol=1e-5):
+           dtype=np.float32, tol=1e-5, algorithm="ring"):
   q, k, v, cotangent, rng = _inputs(b, t, hq, hkv, d, seed)
   q, k, v = (x.astype(dtype) for x in (q, k, v))
   if seg_kind is None:
@@ -140,7 +142,7 @@ def _check(n, layout, causal, seg_kind, hq, hkv, b=2, t=32, d=8, check_vma=False
       # A pair whose kv ids skip some documents: those queries have nothing to attend to.
       kv_ids = np.where(ids % 3 == 2, -1, ids).astype(ids.dtype)
       segs = ref_segs = (ids, kv_ids)
-  ring = _ring_fn(n, layout, segs, check_vma=check_vma, causal=causal)
+  ring = _ring_fn(n, layout, segs, check_vma=check_vma, causal=causal, algorithm=algorithm)
   ref = lambda q, k, v: attention(q, k, v, segment_ids=ref_segs, causal=causal, impl="reference")
   got = value_and_grads(ring, q, k, v, cotangent)
   # The truth is f32 reference attention, whatever the inputs' dtype.
@@ -171,6 +173,32 @@ CASES = [
 @pytest.mark.parametrize("n,layout,causal,seg_kind,hq,hkv", CASES)
 def test_ring_matches_reference(n, layout, causal, seg_kind, hq, hkv):
   _check(n, layout, causal, seg_kind, hq, hkv, t=64 if n == 8 else 32)
+
+
+# Every other case, and one under check_vma: the gather's kernel is the ring's, whole.
+@pytest.mark.parametrize("n,layout,causal,seg_kind,hq,hkv", CASES[::2])
+def test_all_gather_matches_reference(n, layout, causal, seg_kind, hq, hkv):
+  _check(n, layout, causal, seg_kind, hq, hkv, t=64 if n == 8 else 32, algorithm="all_gather")
+
+
+def test_all_gather_under_check_vma_on_many_tiles(monkeypatch):
+  monkeypatch.setattr(attention_xla, "default_blocks", lambda rows: (4, 8))
+  _check(4, "zigzag", True, "pair", 4, 2, b=1, t=64, check_vma=True, algorithm="all_gather")
+
+
+@pytest.mark.parametrize("algorithm,sent,absent", [
+    ("ring", {"collective-permute"}, {"all-gather", "reduce-scatter"}),
+    ("all_gather", {"all-gather", "reduce-scatter"}, {"collective-permute"})])
+def test_each_algorithm_sends_what_it_says(algorithm, sent, absent):
+  """In the compiled forward and backward: the ring's hops, or one gather and one
+  reduce-scatter of K/V (the gathered keys are the whole sequence's)."""
+  n = 4
+  q, k, v, cotangent, _ = _inputs(1, 32, 4, 2, 8)
+  fn = _ring_fn(n, "zigzag", None, algorithm=algorithm, causal=True)
+  loss = lambda q, k, v: jnp.sum(fn(q, k, v) * cotangent)
+  hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile().as_text()
+  kinds = {kind for kind in sent | absent if f" {kind}(" in hlo or f" {kind}-start(" in hlo}
+  assert kinds == sent, (algorithm, kinds)
 
 
 @pytest.mark.parametrize("blocks", [(4, 8), (8, 4), (6, 6)])

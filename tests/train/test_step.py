@@ -37,14 +37,15 @@ def packed_batch(seed: int) -> dict[str, np.ndarray]:
 
 
 def run_steps(mesh_spec: str, n_steps: int = 2, accum: int = 1, devices=None,
-              context_layout: str = "zigzag"):
+              context_layout: str = "zigzag", context_algorithm: str = "ring"):
   mesh = mesh_lib.make_mesh(mesh_spec, devices)
   optimizer = make_optimizer(OPT, total_steps=10)
   abstract = state_lib.abstract_train_state(MODEL, optimizer, seed=0)
   state_sh = state_lib.state_shardings(abstract, MODEL, optimizer, mesh)
   batch_sh = mesh_lib.batch_sharding(mesh)
   state = jax.jit(lambda: state_lib.init_train_state(MODEL, optimizer, 0), out_shardings=state_sh)()
-  step = grads.jit_autodiff_step(MODEL, optimizer, state_sh, batch_sh, accum, context_layout)
+  step = grads.jit_autodiff_step(MODEL, optimizer, state_sh, batch_sh, accum, context_layout,
+                                 context_algorithm)
   losses = []
   for i in range(n_steps):
     state, metrics = step(state, jax.device_put(packed_batch(i), batch_sh))
@@ -71,12 +72,13 @@ class TrainStepTest(parameterized.TestCase):
     wq = state.params["layers"]["wq"]
     self.assertLess(wq.addressable_shards[0].data.size, wq.size)
 
-  @parameterized.parameters(("data=2,context=4", "zigzag"), ("data=2,context=4", "contiguous"),
-                            ("fsdp=2,context=2,tensor=2", "zigzag"))
-  def test_context_parallel_equals_data_parallel(self, spec, layout):
-    """Ring attention over `context` (documents crossing shard boundaries) == plain DP."""
+  @parameterized.parameters(("data=2,context=4", "zigzag", "ring"),
+                            ("data=2,context=4", "contiguous", "ring"),
+                            ("fsdp=2,context=2,tensor=2", "zigzag", "all_gather"))
+  def test_context_parallel_equals_data_parallel(self, spec, layout, algorithm):
+    """Attention over `context` (documents crossing shard boundaries) == plain DP."""
     dp_state, dp_losses = run_steps("data=8")
-    state, losses = run_steps(spec, context_layout=layout)
+    state, losses = run_steps(spec, context_layout=layout, context_algorithm=algorithm)
     np.testing.assert_allclose(losses, dp_losses, rtol=1e-5)
     chex.assert_trees_all_close(jax.device_get(state.params), jax.device_get(dp_state.params),
                                 atol=2e-5)
