@@ -76,6 +76,7 @@ class OuterConfig:
 class ParallelConfig:
   context_layout: str
   context_algorithm: str
+  context_gather_mib: int  # all_gather's budget for one layer's gathered K/V per device
   hdp: bool
   hdp_schedule: str
   hdp_widen_rings: bool

@@ -125,7 +125,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # context_layout zigzag evens the causal work, contiguous is the naive order;
   # context_algorithm ring passes K/V blocks round the ring (K/V memory 1/n of the
   # sequence's), all_gather gathers them all on every device (the Llama 3 paper's: one
-  # collective each way; cheap with few K/V heads).
+  # collective each way; cheap with few K/V heads), refused at start-up when one layer's
+  # gathered K/V per device would exceed context_gather_mib.
   # hdp: Hybrid Data Parallelism (jaxsys/parallel/hdp.py) over data, fsdp and tensor, for
   # data.variable_length=true: each document on as many devices as its length needs,
   # data.seq_len tokens per device per micro-step, ceil(data.batch_size / devices)
@@ -136,7 +137,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # hdp_widen_rings (per_rank): a ring may take up to twice the devices it needs where
   # that ends sooner by FLOPs (better balance, more padding; links are not modelled).
   c.parallel = ml_collections.ConfigDict(dict(context_layout="zigzag", context_algorithm="ring",
-                                              hdp=False, hdp_schedule="per_rank",
+                                              context_gather_mib=1024, hdp=False,
+                                              hdp_schedule="per_rank",
                                               hdp_widen_rings=False))
   c.pipeline = ml_collections.ConfigDict(dict(
       schedule="none", microbatches=4, virtual_stages=1, vocab_parallel=False, vocab_algorithm=2,

@@ -135,6 +135,7 @@ FIELDS: dict[str, Rule] = {
     "data.truncate_long": BOOL,
     "parallel.context_layout": one_of(*context.LAYOUTS),
     "parallel.context_algorithm": one_of(*context.ALGORITHMS),
+    "parallel.context_gather_mib": integer(1),
     "parallel.hdp": BOOL,
     "parallel.hdp_schedule": one_of("per_rank", "lockstep"),
     "parallel.hdp_widen_rings": BOOL,
@@ -261,6 +262,12 @@ RELATIONS: tuple[Relation, ...] = (
              lambda t, n, layout: t % (2 * n if layout == "zigzag" else n) == 0,
              "divide into the layout's chunks: 2 x (mesh axis context) for zigzag, "
              "(mesh axis context) for contiguous"),
+    Relation(("parallel.context_algorithm", "parallel.context_gather_mib",
+              "MiB of K/V gathered per device"),
+             lambda algorithm, budget, need: algorithm != "all_gather" or need <= budget,
+             "hold the K/V it gathers within parallel.context_gather_mib (one layer's keys and "
+             "values of whole sequences: the device's rows of a microbatch x data.seq_len x "
+             "its K/V heads x head dim x 2, in model.dtype); raise it, or use ring"),
     Relation(("parallel.hdp", "data.variable_length"), lambda hdp, var: hdp == var,
              "equal data.variable_length (HDP trains whole documents; whole documents train "
              "only with HDP)"),
@@ -297,7 +304,8 @@ RELATIONS: tuple[Relation, ...] = (
 
 # Fields added after checkpoints were first written, with the value an older config means:
 # a saved config without them (a checkpoint's meta) still parses.
-ADDED_LATER: dict[str, Any] = {"profile.steps": ""}
+ADDED_LATER: dict[str, Any] = {"profile.steps": "", "parallel.context_algorithm": "ring",
+                               "parallel.context_gather_mib": 1024}
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -329,10 +337,22 @@ def _shards(mesh, logical: str) -> int:
   return math.prod(mesh.shape[a] for a in axes)
 
 
-def _derived(mesh) -> dict[str, Any]:
+def _gathered_kv_mib(values: dict[str, Any], shards: dict[str, int]) -> float:
+  """MiB of one layer's K/V that all-gather context attention holds per device."""
+  rows = values["data.batch_size"] // values["optimizer.grad_accum_steps"]
+  if values["pipeline.schedule"] != "none":
+    rows //= values["pipeline.microbatches"]
+  rows = max(1, rows // shards["mesh shards of 'batch'"])
+  heads = max(1, values["model.n_kv_heads"] // shards["mesh shards of 'kv_heads'"])
+  head_dim = values["model.head_dim"] or values["model.d_model"] // values["model.n_heads"]
+  itemsize = jax.numpy.dtype(values["model.dtype"]).itemsize
+  return 2 * rows * values["data.seq_len"] * heads * head_dim * itemsize / 2**20
+
+
+def _derived(mesh, values: dict[str, Any]) -> dict[str, Any]:
   shards = {f"mesh shards of {name!r}": _shards(mesh, name)
             for name in ("batch", *_SHARDED_FIELDS.values())}
-  return {**shards, "mesh axis replica": dict(mesh.shape).get("replica", 1),
+  return {**shards, "MiB of K/V gathered per device": _gathered_kv_mib(values, shards), "mesh axis replica": dict(mesh.shape).get("replica", 1),
           "mesh axis stage": dict(mesh.shape).get("stage", 1),
           "mesh axis context": dict(mesh.shape).get("context", 1),
           "mesh axes data x fsdp": math.prod(dict(mesh.shape).get(a, 1)
@@ -390,7 +410,7 @@ def check_config(config, workdir: Any = None, devices=None) -> config_lib.RunCon
   """
   values = _field_values(config)
   mesh = mesh_lib.make_mesh(values["mesh"], devices)
-  related = {**values, **_derived(mesh)}
+  related = {**values, **_derived(mesh, values)}
   for relation in RELATIONS:
     error = relation.error(related)
     if error:

@@ -95,6 +95,8 @@ class FieldsTest(parameterized.TestCase):
       ("dtype", dict(model__dtype="int8"),
        "model.dtype='int8' is unknown; valid: float32, bfloat16, float16"),
       ("remat", dict(model__remat="some"), "model.remat='some' is unknown; valid: none, full, dots"),
+      ("context_algorithm", dict(parallel__context_algorithm="ulysses"),
+       "parallel.context_algorithm='ulysses' is unknown; valid: ring, all_gather"),
       ("impl", dict(model__attention_impl="cudnn"), "model.attention_impl='cudnn' is unknown"),
       ("source", dict(data__source=" "), "data.source=' ' is invalid"),
       ("tokenizer", dict(data__tokenizer="char"), "data.tokenizer='char' is unknown; valid: byte, bpe"),
@@ -222,6 +224,11 @@ class RelationsTest(parameterized.TestCase):
       ("context_chunks", dict(mesh="data=2,context=-1", data__seq_len=36),
        "data.seq_len=36 is invalid with mesh axis context=4, parallel.context_layout='zigzag'; "
        "it must divide into the layout's chunks: 2 x (mesh axis context) for zigzag"),
+      ("context_gather_budget", dict(mesh="data=2,context=4", data__seq_len=8192,
+                                     parallel__context_algorithm="all_gather",
+                                     parallel__context_gather_mib=1),
+       "parallel.context_algorithm='all_gather' is invalid with parallel.context_gather_mib=1, "
+       "MiB of K/V gathered per device=16.0; it must hold the K/V it gathers"),
       ("hdp_packed", dict(parallel__hdp=True), "parallel.hdp=True is invalid with "
        "data.variable_length=False; it must equal data.variable_length"),
       ("hdp_context", dict(mesh="data=4,context=2", data__variable_length=True,
