@@ -196,20 +196,12 @@ class _HDPBase:
     return self.run(state, docs, plan)
 
   def fit(self, docs, micro_steps: int):
-    """(kept, plan of those docs): in order, each document the plan still fits into at
-    most `micro_steps` micro-batches on every device is kept, the others skipped (the
-    first always fits)."""
-    lengths = [len(d) - 1 for d in docs]
-    plan = self.plan(lengths)
-    if self.micro_batches(plan) <= micro_steps:
-      return list(range(len(docs))), plan
-    kept = []
-    for i, n in enumerate(lengths):
-      trial = self.plan([lengths[j] for j in kept] + [n])
-      if self.micro_batches(trial) <= micro_steps or not kept:
-        kept, plan = kept + [i], trial
-    # The plan indexes the kept documents; callers pass docs[kept] alongside it.
-    return kept, plan
+    """(kept, plan of those docs): what of `docs` one step takes, at most `micro_steps`
+    micro-batches on every device, in a few plans (`hdp.fit_documents`). The plan indexes
+    the kept documents; callers pass docs[kept] alongside it."""
+    return hdp.fit_documents([len(d) - 1 for d in docs], budget=micro_steps,
+                             capacity=micro_steps * self.num_devices * self.tokens_per_device,
+                             plan=self.plan, micro_batches=self.micro_batches)
 
   def lower(self, state: TrainState, c: int = 2) -> list:
     """The update's and a ring of `c` slots' micro-step programs, lowered for `state`'s

@@ -1,5 +1,6 @@
 """HDP training: a step over whole documents equals a single-device step over them."""
 import dataclasses
+import math
 
 import chex
 import jax
@@ -89,19 +90,28 @@ class HDPStepTest(parameterized.TestCase):
     else:  # a program per ring block used, and the local loop
       self.assertEqual(set(run._rings), {r.devices for r in run.plan(lengths).rings})
 
-  def test_fit_keeps_what_plans_into_k_steps(self):
+  def test_fit_keeps_a_run_that_plans_into_k_steps_in_a_few_plans(self):
+    """The documents from the first up to one that would not fit (in k micro-steps, or in
+    the pool's tokens), maybe with later ones, in (1 + EXTRA_ROUNDS) log2(documents) plans
+    or so."""
     mesh = mesh_lib.make_mesh("data=8")
     optimizer, state_sh, _ = init(mesh)
     run = hdp_step.HDPStep(MODEL, optimizer, mesh, state_sh, TOKENS_PER_DEVICE)
-    docs = documents(0)
-    full = len(run.plan(LENGTHS))
+    docs, plan, calls = documents(0), run.plan, []
+    run.plan = lambda lengths: calls.append(len(lengths)) or plan(lengths)
+    full = len(plan(LENGTHS))
     for k in range(1, full + 1):
+      calls.clear()
       kept, steps = run.fit(docs, k)
       self.assertLessEqual(len(steps), k)
-      self.assertEqual(steps, run.plan([LENGTHS[i] for i in kept]))
-      for i in set(range(len(docs))) - set(kept):  # each skipped one did not fit then
-        before = [LENGTHS[j] for j in kept if j < i]
-        self.assertGreater(len(run.plan(before + [LENGTHS[i]])), k)
+      self.assertEqual(steps, plan([LENGTHS[i] for i in kept]))
+      rounds = 1 + hdp.EXTRA_ROUNDS
+      self.assertLessEqual(len(calls), 2 + rounds * math.ceil(math.log2(len(docs) + 1)))
+      out = min(set(range(len(docs))) - set(kept), default=None)
+      if out is not None:  # the run stops at a document that did not fit after it
+        self.assertEqual(kept[:out], list(range(out)))
+        tried = LENGTHS[:out + 1]
+        self.assertTrue(sum(tried) > k * 8 * TOKENS_PER_DEVICE or len(plan(tried)) > k, k)
     self.assertEqual(run.fit(docs, full)[0], list(range(len(docs))))
 
   def test_refuses_a_mesh_it_cannot_regroup(self):

@@ -1,0 +1,131 @@
+r"""HDP's planning time per step: which offered documents a step takes, and its plan.
+
+  python -m experiments.bench_hdp_planner --devices=8,64,256,1024 --steps=3
+
+No devices needed: the per-rank planner (`hdp_schedule.schedule`, what
+`parallel.hdp_schedule=per_rank` runs) plans for --devices slots of --tokens_per_device
+tokens, --micro_steps micro-batches a step. Each step is offered what the loader offers
+(`hdp_step.loader_budget`: half as many again as a step holds), drawn from the stdlib's
+byte lengths and from the long-tailed lengths (`hdp_sim`), and `hdp.fit_documents` keeps
+what one step takes. The baseline is the planner before it: one plan per offered
+document (each kept if the plan still fits), timed up to --baseline_max_devices. Prints a
+markdown table: plans and seconds per step (median over --steps), and the share of the
+step's token capacity the kept documents fill.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import numpy as np
+from absl import app, flags
+
+from jaxsys.parallel import hdp, hdp_schedule, hdp_sim
+from jaxsys.train import hdp_step
+
+
+def _define_flags() -> None:
+  """Defines the flags (only when run as a script, so tests can import this module)."""
+  global _DEVICES, _TOKENS, _MICRO_STEPS, _STEPS, _BASELINE_MAX, _OUT
+  _DEVICES = flags.DEFINE_list("devices", ["8", "64", "256", "1024"], "Pool sizes.")
+  _TOKENS = flags.DEFINE_integer("tokens_per_device", 16384, "Tokens per slot.")
+  _MICRO_STEPS = flags.DEFINE_integer("micro_steps", 4, "Micro-batches a step.")
+  _STEPS = flags.DEFINE_integer("steps", 3, "Steps (offers) per case.")
+  _BASELINE_MAX = flags.DEFINE_integer("baseline_max_devices", 64,
+                                       "Largest pool the one-plan-per-document baseline runs.")
+  _OUT = flags.DEFINE_string("out", None, "Optional JSON path with every number.")
+
+
+def one_plan_per_document(lengths, *, budget: int, plan, micro_batches):
+  """The baseline: in order, each document the plan still fits is kept (a plan each)."""
+  whole = plan(list(lengths))
+  if micro_batches(whole) <= budget:
+    return list(range(len(lengths))), whole
+  kept: list[int] = []
+  for i, n in enumerate(lengths):
+    trial = plan([lengths[j] for j in kept] + [n])
+    if micro_batches(trial) <= budget or not kept:
+      kept, whole = kept + [i], trial
+  return kept, whole
+
+
+def _offers(name: str, devices: int, tokens_per_device: int, micro_steps: int, steps: int):
+  """`steps` offers of whole documents (lengths), as the loader would make them."""
+  pool = (hdp_sim.stdlib_lengths() if name == "stdlib"
+          else hdp_sim.long_tail_lengths(20000, seed=0))
+  pool = np.minimum(pool, devices * tokens_per_device)  # data.max_len: the pool's tokens
+  slots = devices * tokens_per_device * micro_steps
+  budget = hdp_step.loader_budget(slots, int(pool.max()))
+  return [hdp_sim.sample_batch(pool, budget, seed).tolist() for seed in range(steps)]
+
+
+def measure(*, devices: int, tokens_per_device: int, micro_steps: int, steps: int,
+            distribution: str, baseline: bool) -> dict:
+  """Median plans and seconds per step, and the capacity filled, of the planner (and the
+  baseline when asked)."""
+  calls = []
+
+  def plan(lengths):
+    calls.append(1)
+    return hdp_schedule.schedule(lengths, num_devices=devices,
+                                 tokens_per_device=tokens_per_device)
+  micro_batches = lambda sched: int(sched.micro_batches().max(initial=0))
+  capacity = micro_steps * devices * tokens_per_device
+  fits = {"planner": lambda lengths: hdp.fit_documents(
+      lengths, budget=micro_steps, capacity=capacity, plan=plan, micro_batches=micro_batches)}
+  if baseline:
+    fits["one plan per document"] = lambda lengths: one_plan_per_document(
+        lengths, budget=micro_steps, plan=plan, micro_batches=micro_batches)
+  offers = _offers(distribution, devices, tokens_per_device, micro_steps, steps)
+  out = {}
+  for name, fit in fits.items():
+    plans, seconds, filled = [], [], []
+    for lengths in offers:
+      calls.clear()
+      start = time.perf_counter()
+      kept, _ = fit(lengths)
+      seconds.append(time.perf_counter() - start)
+      plans.append(len(calls))
+      filled.append(sum(lengths[i] for i in kept) / capacity)
+    out[name] = dict(offered=statistics.median(map(len, offers)),
+                     plans=statistics.median(plans), seconds=statistics.median(seconds),
+                     filled=statistics.median(filled))
+  return out
+
+
+def run(*, devices, tokens_per_device: int, micro_steps: int, steps: int,
+        baseline_max_devices: int) -> list[dict]:
+  rows = []
+  for distribution in ("stdlib", "long_tail"):
+    for n in devices:
+      result = measure(devices=n, tokens_per_device=tokens_per_device, micro_steps=micro_steps,
+                       steps=steps, distribution=distribution,
+                       baseline=n <= baseline_max_devices)
+      rows += [dict(distribution=distribution, devices=n, fit=name, **r)
+               for name, r in result.items()]
+  return rows
+
+
+def table(rows) -> str:
+  lines = ["| lengths | devices | fit | documents offered | plans per step | s per step | "
+           "capacity filled |", "|---|---|---|---|---|---|---|"]
+  lines += [f"| {r['distribution']} | {r['devices']} | {r['fit']} | {r['offered']:.0f} | "
+            f"{r['plans']:.0f} | {r['seconds']:.3f} | {r['filled']:.1%} |" for r in rows]
+  return "\n".join(lines)
+
+
+def main(argv):
+  del argv
+  rows = run(devices=[int(d) for d in _DEVICES.value], tokens_per_device=_TOKENS.value,
+             micro_steps=_MICRO_STEPS.value, steps=_STEPS.value,
+             baseline_max_devices=_BASELINE_MAX.value)
+  print(table(rows))
+  if _OUT.value:
+    with open(_OUT.value, "w") as f:
+      json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+  _define_flags()
+  app.run(main)
