@@ -10,7 +10,8 @@ over n = --devices devices; it prints three markdown tables and writes every num
 
 1. Memory and traffic: `memory_analysis().temp_size_in_bytes` of the compiled fwd+bwd
    (grads of sum(out) wrt q, k, v) of each algorithm (`context.ALGORITHMS`: the ring,
-   and all-gather K/V) under shard_map in zigzag order, against single-device
+   all-gather K/V, and Ulysses where both head counts divide by n) under shard_map in
+   zigzag order, against single-device
    `xla_attention` at the same T, and the bytes each device sends per collective kind
    (from the compiled HLO, loops counted in full). A shard_map program compiles to ONE
    SPMD executable, the program every device runs on its shards, so its sizes are
@@ -100,10 +101,13 @@ def memory(n: int, shapes) -> dict:
              local_shard_bytes=int(sum(s.size // n * s.dtype.itemsize for s in shapes)),
              global_bytes=int(sum(s.size * s.dtype.itemsize for s in shapes)))
   for algorithm in context.ALGORITHMS:
+    if algorithm == "ulysses" and (shapes[0].shape[2] % n or shapes[1].shape[2] % n):
+      continue  # it splits the heads over the devices: both counts must divide by n
     compiled = _compiled(n, "zigzag", shapes, algorithm)
     mem, hlo = compiled.memory_analysis(), compiled.as_text()
     sent = {kind: outer.collective_bytes_from_hlo(hlo, n, trips=True, kind=kind)
-            for kind in ("collective-permute", "all-gather", "reduce-scatter", "all-reduce")}
+            for kind in ("collective-permute", "all-gather", "reduce-scatter", "all-to-all",
+                         "all-reduce")}
     out[algorithm] = dict(temp_bytes=int(mem.temp_size_in_bytes),
                           ratio=mem.temp_size_in_bytes / single.temp_size_in_bytes,
                           argument_bytes=int(mem.argument_size_in_bytes),
@@ -172,7 +176,7 @@ def tables(result) -> str:
       "|---|---|---|---|\n"
       + "".join(f"| {a} (zigzag) | {m[a]['temp_bytes'] / MIB:.1f} | {m[a]['ratio']:.3f} | "
                 + (", ".join(f"{k} {b / MIB:.2f}" for k, b in m[a]['sent_bytes'].items())
-                   or "none") + " |\n" for a in context.ALGORITHMS)
+                   or "none") + " |\n" for a in context.ALGORITHMS if a in m)
       + f"| single-device xla flash | {m['single_temp_bytes'] / MIB:.1f} | 1 | none |\n"
       f"| executable's argument bytes (= one device's q, k, v shards "
       f"{m['local_shard_bytes'] / MIB:.2f}; global {m['global_bytes'] / MIB:.2f}) | "

@@ -126,7 +126,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # context_algorithm ring passes K/V blocks round the ring (K/V memory 1/n of the
   # sequence's), all_gather gathers them all on every device (the Llama 3 paper's: one
   # collective each way; cheap with few K/V heads), refused at start-up when one layer's
-  # gathered K/V per device would exceed context_gather_mib.
+  # gathered K/V per device would exceed context_gather_mib; ulysses (DeepSpeed-Ulysses)
+  # trades the sequence split for a split of the heads by all-to-all (both head counts,
+  # per tensor shard, must divide by the context size).
   # hdp: Hybrid Data Parallelism (jaxsys/parallel/hdp.py) over data, fsdp and tensor, for
   # data.variable_length=true: each document on as many devices as its length needs,
   # data.seq_len tokens per device per micro-step, ceil(data.batch_size / devices)

@@ -162,8 +162,35 @@ def all_gather_attention(q, k, v, *, axis_name, segment_ids=None, causal: bool =
       q_positions=q_pos, kv_positions=gather(kv_pos), causal=causal, sm_scale=scale)
 
 
+def ulysses_attention(q, k, v, *, axis_name, segment_ids=None, causal: bool = True,
+                      layout: str = "zigzag", sm_scale: float | None = None,
+                      positions=None) -> jax.Array:
+  """`ring_attention`'s contract by DeepSpeed-Ulysses: an all-to-all trades the sequence
+  split for a split of the heads (each device then holds the whole sequence of Hq/n query
+  and Hkv/n K/V heads, a GQA group kept together), the blockwise kernel runs on them with
+  the whole sequence's segment ids and causal keys (gathered), and an all-to-all trades
+  the output back. Both head counts must divide by n. Per device it sends q, k, v and
+  the output (n-1)/n each way, independent of n in total; memory as all-gather's for K/V
+  but only its own heads.
+  """
+  (q_seg, q_pos), (kv_seg, kv_pos), n, scale = _local_keys(
+      "ulysses_attention", q, k, v, axis_name, segment_ids, causal, layout, sm_scale,
+      positions)
+  if q.shape[2] % n or k.shape[2] % n:
+    raise ValueError(f"ulysses_attention: query heads {q.shape[2]} and K/V heads "
+                     f"{k.shape[2]} must both divide by the {axis_name} size {n}")
+  to_heads = lambda x: jax.lax.all_to_all(x, axis_name, 2, 1, tiled=True)
+  gather = lambda x: None if x is None else jax.lax.all_gather(x, axis_name, axis=1, tiled=True)
+  out = attention_xla.xla_attention(
+      to_heads(q), to_heads(k), to_heads(v), q_segment_ids=gather(q_seg),
+      kv_segment_ids=gather(kv_seg), q_positions=gather(q_pos), kv_positions=gather(kv_pos),
+      causal=causal, sm_scale=scale)
+  return jax.lax.all_to_all(out, axis_name, 1, 2, tiled=True)
+
+
 # The context-parallel attention algorithms, by name (`parallel.context_algorithm`).
-ALGORITHMS = {"ring": ring_attention, "all_gather": all_gather_attention}
+ALGORITHMS = {"ring": ring_attention, "all_gather": all_gather_attention,
+              "ulysses": ulysses_attention}
 
 
 def _local_keys(who: str, q, k, v, axis_name, segment_ids, causal, layout, sm_scale,

@@ -44,7 +44,7 @@ OPTIONS: dict[str, dict[str, tuple]] = {
     "pipeline": {"pipeline.schedule": ("1f1b", "gpipe", "interleaved_1f1b"),
                  "pipeline.vocab_parallel": (False, True)},
     "context": {"parallel.context_layout": ("zigzag", "contiguous"),
-                "parallel.context_algorithm": ("ring", "all_gather")},
+                "parallel.context_algorithm": ("ring", "all_gather", "ulysses")},
     "outer": {"optimizer.outer": ("diloco", "streaming_diloco", "noloco", "co2"),
               "pipeline.routing": ("fixed", "random")},
     "hdp": {"parallel.hdp_schedule": ("per_rank", "lockstep")},

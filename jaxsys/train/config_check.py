@@ -268,6 +268,13 @@ RELATIONS: tuple[Relation, ...] = (
              "hold the K/V it gathers within parallel.context_gather_mib (one layer's keys and "
              "values of whole sequences: the device's rows of a microbatch x data.seq_len x "
              "its K/V heads x head dim x 2, in model.dtype); raise it, or use ring"),
+    Relation(("parallel.context_algorithm", "model.n_heads", "model.n_kv_heads",
+              "mesh shards of 'kv_heads'", "mesh axis context"),
+             lambda algorithm, h, kv, tensor, c: algorithm != "ulysses" or (
+                 (h // tensor) % c == 0 and (kv // tensor) % c == 0),
+             "be ring or all_gather unless each device's query and K/V heads (model.n_heads "
+             "and model.n_kv_heads over the mesh shards of 'kv_heads') divide by the mesh "
+             "axis context: ulysses splits them over it"),
     Relation(("parallel.hdp", "data.variable_length"), lambda hdp, var: hdp == var,
              "equal data.variable_length (HDP trains whole documents; whole documents train "
              "only with HDP)"),

@@ -181,19 +181,34 @@ def test_all_gather_matches_reference(n, layout, causal, seg_kind, hq, hkv):
   _check(n, layout, causal, seg_kind, hq, hkv, t=64 if n == 8 else 32, algorithm="all_gather")
 
 
+# Ulysses splits the heads over the devices: both head counts divide by n.
+@pytest.mark.parametrize("n,layout,causal,seg_kind,hq,hkv", [
+    (2, "contiguous", True, None, 4, 4), (2, "zigzag", True, "pair", 4, 2),
+    (4, "zigzag", True, "single", 8, 4), (4, "contiguous", False, None, 4, 4)])
+def test_ulysses_matches_reference(n, layout, causal, seg_kind, hq, hkv):
+  _check(n, layout, causal, seg_kind, hq, hkv, algorithm="ulysses")
+
+
+def test_ulysses_refuses_heads_that_do_not_divide():
+  with pytest.raises(ValueError, match=r"ulysses_attention: query heads 4 and K/V heads 2 "
+                                       r"must both divide by the context size 4"):
+    _check(4, "zigzag", True, None, 4, 2, algorithm="ulysses")
+
+
 def test_all_gather_under_check_vma_on_many_tiles(monkeypatch):
   monkeypatch.setattr(attention_xla, "default_blocks", lambda rows: (4, 8))
   _check(4, "zigzag", True, "pair", 4, 2, b=1, t=64, check_vma=True, algorithm="all_gather")
 
 
 @pytest.mark.parametrize("algorithm,sent,absent", [
-    ("ring", {"collective-permute"}, {"all-gather", "reduce-scatter"}),
-    ("all_gather", {"all-gather", "reduce-scatter"}, {"collective-permute"})])
+    ("ring", {"collective-permute"}, {"all-gather", "reduce-scatter", "all-to-all"}),
+    ("all_gather", {"all-gather", "reduce-scatter"}, {"collective-permute", "all-to-all"}),
+    ("ulysses", {"all-to-all", "all-gather"}, {"collective-permute", "reduce-scatter"})])
 def test_each_algorithm_sends_what_it_says(algorithm, sent, absent):
-  """In the compiled forward and backward: the ring's hops, or one gather and one
-  reduce-scatter of K/V (the gathered keys are the whole sequence's)."""
+  """In the compiled forward and backward: the ring's hops; one gather and one
+  reduce-scatter of K/V; or Ulysses' all-to-alls (and its gathered causal keys)."""
   n = 4
-  q, k, v, cotangent, _ = _inputs(1, 32, 4, 2, 8)
+  q, k, v, cotangent, _ = _inputs(1, 32, 4, 4, 8)
   fn = _ring_fn(n, "zigzag", None, algorithm=algorithm, causal=True)
   loss = lambda q, k, v: jnp.sum(fn(q, k, v) * cotangent)
   hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile().as_text()

@@ -95,8 +95,8 @@ class FieldsTest(parameterized.TestCase):
       ("dtype", dict(model__dtype="int8"),
        "model.dtype='int8' is unknown; valid: float32, bfloat16, float16"),
       ("remat", dict(model__remat="some"), "model.remat='some' is unknown; valid: none, full, dots"),
-      ("context_algorithm", dict(parallel__context_algorithm="ulysses"),
-       "parallel.context_algorithm='ulysses' is unknown; valid: ring, all_gather"),
+      ("context_algorithm", dict(parallel__context_algorithm="striped"),
+       "parallel.context_algorithm='striped' is unknown; valid: ring, all_gather, ulysses"),
       ("impl", dict(model__attention_impl="cudnn"), "model.attention_impl='cudnn' is unknown"),
       ("source", dict(data__source=" "), "data.source=' ' is invalid"),
       ("tokenizer", dict(data__tokenizer="char"), "data.tokenizer='char' is unknown; valid: byte, bpe"),
@@ -229,6 +229,10 @@ class RelationsTest(parameterized.TestCase):
                                      parallel__context_gather_mib=1),
        "parallel.context_algorithm='all_gather' is invalid with parallel.context_gather_mib=1, "
        "MiB of K/V gathered per device=16.0; it must hold the K/V it gathers"),
+      ("ulysses_heads", dict(mesh="data=2,context=4", parallel__context_algorithm="ulysses"),
+       "parallel.context_algorithm='ulysses' is invalid with model.n_heads=4, "
+       "model.n_kv_heads=2, mesh shards of 'kv_heads'=1, mesh axis context=4; it must be ring "
+       "or all_gather unless"),
       ("hdp_packed", dict(parallel__hdp=True), "parallel.hdp=True is invalid with "
        "data.variable_length=False; it must equal data.variable_length"),
       ("hdp_context", dict(mesh="data=4,context=2", data__variable_length=True,
