@@ -156,7 +156,7 @@ def all_gather_attention(q, k, v, *, axis_name, segment_ids=None, causal: bool =
   (q_seg, q_pos), (kv_seg, kv_pos), _, scale = _local_keys(
       "all_gather_attention", q, k, v, axis_name, segment_ids, causal, layout, sm_scale,
       positions)
-  gather = lambda x: None if x is None else jax.lax.all_gather(x, axis_name, axis=1, tiled=True)
+  gather = functools.partial(_gather_sequence, axis_name=axis_name)
   return attention_xla.xla_attention(
       q, gather(k), gather(v), q_segment_ids=q_seg, kv_segment_ids=gather(kv_seg),
       q_positions=q_pos, kv_positions=gather(kv_pos), causal=causal, sm_scale=scale)
@@ -180,12 +180,17 @@ def ulysses_attention(q, k, v, *, axis_name, segment_ids=None, causal: bool = Tr
     raise ValueError(f"ulysses_attention: query heads {q.shape[2]} and K/V heads "
                      f"{k.shape[2]} must both divide by the {axis_name} size {n}")
   to_heads = lambda x: jax.lax.all_to_all(x, axis_name, 2, 1, tiled=True)
-  gather = lambda x: None if x is None else jax.lax.all_gather(x, axis_name, axis=1, tiled=True)
+  gather = functools.partial(_gather_sequence, axis_name=axis_name)
   out = attention_xla.xla_attention(
       to_heads(q), to_heads(k), to_heads(v), q_segment_ids=gather(q_seg),
       kv_segment_ids=gather(kv_seg), q_positions=gather(q_pos), kv_positions=gather(kv_pos),
       causal=causal, sm_scale=scale)
   return jax.lax.all_to_all(out, axis_name, 1, 2, tiled=True)
+
+
+def _gather_sequence(x, axis_name):
+  """The whole sequence of a local shard [B, T/n, ...] (None stays None)."""
+  return None if x is None else jax.lax.all_gather(x, axis_name, axis=1, tiled=True)
 
 
 # The context-parallel attention algorithms, by name (`parallel.context_algorithm`).

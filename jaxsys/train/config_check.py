@@ -268,13 +268,13 @@ RELATIONS: tuple[Relation, ...] = (
              "hold the K/V it gathers within parallel.context_gather_mib (one layer's keys and "
              "values of whole sequences: the device's rows of a microbatch x data.seq_len x "
              "its K/V heads x head dim x 2, in model.dtype); raise it, or use ring"),
-    Relation(("parallel.context_algorithm", "model.n_heads", "model.n_kv_heads",
-              "mesh shards of 'kv_heads'", "mesh axis context"),
-             lambda algorithm, h, kv, tensor, c: algorithm != "ulysses" or (
-                 (h // tensor) % c == 0 and (kv // tensor) % c == 0),
-             "be ring or all_gather unless each device's query and K/V heads (model.n_heads "
-             "and model.n_kv_heads over the mesh shards of 'kv_heads') divide by the mesh "
-             "axis context: ulysses splits them over it"),
+    Relation(("parallel.context_algorithm", "model.n_heads", "mesh shards of 'heads'",
+              "model.n_kv_heads", "mesh shards of 'kv_heads'", "mesh axis context"),
+             lambda algorithm, h, h_shards, kv, kv_shards, c: algorithm != "ulysses" or (
+                 (h // h_shards) % c == 0 and (kv // kv_shards) % c == 0),
+             "be ring or all_gather unless each device's query and K/V heads (each count "
+             "over its mesh shards) divide by the mesh axis context: ulysses splits them "
+             "over it"),
     Relation(("parallel.hdp", "data.variable_length"), lambda hdp, var: hdp == var,
              "equal data.variable_length (HDP trains whole documents; whole documents train "
              "only with HDP)"),
@@ -359,7 +359,8 @@ def _gathered_kv_mib(values: dict[str, Any], shards: dict[str, int]) -> float:
 def _derived(mesh, values: dict[str, Any]) -> dict[str, Any]:
   shards = {f"mesh shards of {name!r}": _shards(mesh, name)
             for name in ("batch", *_SHARDED_FIELDS.values())}
-  return {**shards, "MiB of K/V gathered per device": _gathered_kv_mib(values, shards), "mesh axis replica": dict(mesh.shape).get("replica", 1),
+  return {**shards, "MiB of K/V gathered per device": _gathered_kv_mib(values, shards),
+          "mesh axis replica": dict(mesh.shape).get("replica", 1),
           "mesh axis stage": dict(mesh.shape).get("stage", 1),
           "mesh axis context": dict(mesh.shape).get("context", 1),
           "mesh axes data x fsdp": math.prod(dict(mesh.shape).get(a, 1)

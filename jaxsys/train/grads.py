@@ -11,9 +11,9 @@ whose routes change every step. Three implement it:
     replicas at chunk boundaries (NoLoCo's random routing), fixed routing otherwise.
 
 Attention is injected, not owned: with a `context_split` every one of them lays the batch
-out over the `context` axis and runs the model with its context-parallel attention (a ring,
-or K/V gathered), so each runs with
-context parallelism without code of its own. `accumulate` adds exact gradient
+out over the `context` axis and runs the model with its context-parallel attention (the
+ring, all-gathered K/V or Ulysses), so each runs with context parallelism without code of
+its own. `accumulate` adds exact gradient
 accumulation to any of them.
 
 A replica gradient function maps `[R, ...]` parameters to per-replica `(loss sums [R],
@@ -42,7 +42,8 @@ ReplicaGradFn = Callable  # (params [R..], batch, step) -> (loss [R], count [R],
 
 def with_attention(batch: Batch, context_split: step_lib.ContextSplit | None):
   """The batch and the attention the model runs it with: laid out over `context` with its
-  context-parallel attention when `context_split` is set, else as it is with the configured kernel (None)."""
+  context-parallel attention when `context_split` is set, else as it is with the configured
+  kernel (None)."""
   if context_split is None:
     return batch, None
   return step_lib.context_parallel(batch, context_split)

@@ -53,7 +53,7 @@ def accumulating(grad_fn: grads.GradFn, params_sh=None) -> Callable:
   return sums
 
 
-def _ring_layout(view: Mesh) -> step_lib.ContextSplit | None:
+def _context_split(view: Mesh) -> step_lib.ContextSplit | None:
   """A view's context split: on a ring, ring attention on the planner's own layout."""
   return step_lib.ContextSplit(step_lib.LAID_OUT) if view.shape["context"] > 1 else None
 
@@ -188,7 +188,7 @@ class _HDPBase:
 
   def _grad_fn(self, view: Mesh) -> grads.GradFn:
     """The gradient function of a micro-step over `view`."""
-    return grads.autodiff(self.model_cfg, _ring_layout(view))
+    return grads.autodiff(self.model_cfg, _context_split(view))
 
   def __call__(self, state: TrainState, batch: dict[str, Any]):
     docs = batch["tokens"]
@@ -315,7 +315,7 @@ class _OverPipelines:
   def _grad_fn(self, view: Mesh) -> grads.GradFn:
     return grads.pipelined(self.model_cfg, self.schedule, self.layout, view,
                            vocab_algorithm=self.vocab_algorithm,
-                           context_split=_ring_layout(view))
+                           context_split=_context_split(view))
 
 
 class PipelinedHDPStep(_OverPipelines, HDPStep):

@@ -30,7 +30,8 @@ def cross_entropy(logits: jax.Array, batch: Batch) -> jax.Array:
 class ContextSplit(NamedTuple):
   """How a `context` mesh axis splits the sequence: the batch's layout over it ("zigzag",
   "contiguous", or `LAID_OUT`) and the attention algorithm (`context.ALGORITHMS`: "ring"
-  passes K/V blocks round a ring, "all_gather" gathers them on every device)."""
+  passes K/V blocks round a ring, "all_gather" gathers them on every device, "ulysses"
+  trades the sequence split for a head split)."""
   layout: str
   algorithm: str = "ring"
 

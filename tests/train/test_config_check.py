@@ -230,9 +230,9 @@ class RelationsTest(parameterized.TestCase):
        "parallel.context_algorithm='all_gather' is invalid with parallel.context_gather_mib=1, "
        "MiB of K/V gathered per device=16.0; it must hold the K/V it gathers"),
       ("ulysses_heads", dict(mesh="data=2,context=4", parallel__context_algorithm="ulysses"),
-       "parallel.context_algorithm='ulysses' is invalid with model.n_heads=4, "
-       "model.n_kv_heads=2, mesh shards of 'kv_heads'=1, mesh axis context=4; it must be ring "
-       "or all_gather unless"),
+       "parallel.context_algorithm='ulysses' is invalid with model.n_heads=4, mesh shards of "
+       "'heads'=1, model.n_kv_heads=2, mesh shards of 'kv_heads'=1, mesh axis context=4; it "
+       "must be ring or all_gather unless"),
       ("hdp_packed", dict(parallel__hdp=True), "parallel.hdp=True is invalid with "
        "data.variable_length=False; it must equal data.variable_length"),
       ("hdp_context", dict(mesh="data=4,context=2", data__variable_length=True,
