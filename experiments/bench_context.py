@@ -47,6 +47,7 @@ from jax.sharding import PartitionSpec as P
 from jaxsys.kernels.attention_xla import xla_attention
 from jaxsys.optim import outer
 from jaxsys.parallel import context
+from jaxsys.train import aot
 
 
 def _define_flags() -> None:
@@ -106,8 +107,7 @@ def memory(n: int, shapes) -> dict:
     compiled = _compiled(n, "zigzag", shapes, algorithm)
     mem, hlo = compiled.memory_analysis(), compiled.as_text()
     sent = {kind: outer.collective_bytes_from_hlo(hlo, n, trips=True, kind=kind)
-            for kind in ("collective-permute", "all-gather", "reduce-scatter", "all-to-all",
-                         "all-reduce")}
+            for kind in aot.COLLECTIVES}
     out[algorithm] = dict(temp_bytes=int(mem.temp_size_in_bytes),
                           ratio=mem.temp_size_in_bytes / single.temp_size_in_bytes,
                           argument_bytes=int(mem.argument_size_in_bytes),
