@@ -1,73 +1,125 @@
-"""A cost model and simulator for HDP against a static context-parallel mesh.
+"""A cost model and simulator for HDP against static context-parallel meshes.
 
 Ways to run one global batch of variable-length sequences on N devices, each holding at
 most `tokens_per_device` (tpd) tokens per micro-batch:
 
-  hdp_per_rank: `hdp_schedule.schedule`, each device running its own micro-batches and
-          only the gradient all-reduce waiting for all (`simulate_per_rank`, timed as
-          jaxsys's per-rank executor runs it: `schedule_jobs`).
-  hdp:    `hdp.plan`, lock-step (a sequence on a ring of just as many devices as its
-          length needs).
+  hdp_per_rank: `hdp_schedule.schedule`, each device running its own micro-batches
+          (`simulate_per_rank`, timed as jaxsys's per-rank executor runs it: `schedule_jobs`).
+  hdp:    `hdp.plan`, lock-step (`simulate_hdp`).
   static: one `data = N/c_max, context = c_max` mesh, c_max sized for the dataset's longest
           sequence (a static mesh must be); sequences packed first-fit decreasing into rows
-          of c_max * tpd tokens, each row on a ring of c_max, N/c_max rows per micro-step.
-  bound:  total compute / N plus the ring communication the long sequences cannot avoid
-          (`lower_bound`); `lockstep_bound` adds the lock step with hdp's ring sizes.
+          of c_max * tpd tokens, each row on a ring of c_max (`static_rows`), run by the
+          N/c_max data groups one of three ways (`simulate_static`, STATIC_SCHEDULES):
+            lockstep: N/c_max rows per micro-step, in loader order, each micro-step as long
+                      as its slowest row (one SPMD program, as jaxsys's static step runs);
+            groups:   the rows dealt to the groups in loader order, each group running its
+                      own back to back (per-group accumulation);
+            lpt:      the rows, slowest first, each to the group done soonest (longest
+                      processing time first).
+  bound:  all compute / N plus the ring traffic the long sequences cannot hide, then one
+          all-reduce (`lower_bound`); `lockstep_bound` adds the lock step with hdp's ring
+          sizes.
 
-Timing model per device and micro-step (every layer alike, times n_layers):
-  attention forward  A = sec_per_attention_flop * 2 d L^2 per sequence (causal; a ring of
-                     c gives each member a = A / c, the zigzag layout evens it, in c
-                     blocks of a / c: its own and c - 1 visiting),
-  linear forward     Lin = sec_per_linear_flop * 24 d^2 * tokens,
-  one ring hop       h = 2 (K and V) * share tokens * kv_dim * bytes / link bandwidth;
-  a ring of c > 1 runs its local block then c - 1 hops, forward and (twice the compute and
-  twice the bytes) backward, so a member spends
-    overlap=True  (ring attention: the next K/V block moves while this one computes):
-        3 * (Lin + a/c + (c - 1) * max(a/c, h))
-    overlap=False: 3 * (Lin + a + (c - 1) * h)
-  and a device holding short sequences (c = 1) spends 3 * (Lin + sum A).
-Static and lock-step HDP steps are SPMD: a micro-step lasts as long as its slowest
-device. Lock-step HDP is timed two ways: "ideal" (ByteScale: only a ring's members move
-K/V, over their ring) and "step_ring" (jaxsys's lock-step executor: a micro-step is one
-program over the view of its largest ring C, so every device's block makes C - 1 hops;
-see device_times). What the per-rank timing leaves out: the final gradient all-reduce
-(every strategy pays it once per batch), dispatch overhead, and compiling a program per
-ring block shape.
+Timing model, per device and layer (every layer alike, times n_layers; backward = twice the
+forward's compute):
+  attention forward  A = sec_per_attention_flop * 2 d L^2 per sequence (causal); a ring of c
+                     gives each member a = A / c (the zigzag layout evens it), in c blocks
+                     of b = a / c: its own and c - 1 visiting;
+  linear forward     Lin = sec_per_linear_flop * (20 d^2 + 4 d kv_dim) * tokens;
+  K/V hop            h = tokens * (2 kv_dim * bytes_per_element [+ 8: int32 segment ids
+                     and positions, compiled]) / link;
+  dK/dV hop          g = tokens * 2 kv_dim * 4 / link (the f32 accumulators; compiled).
+A ring member (overlap=True: the next K/V block moves while this one computes; False: add):
+  forward   Lin + b + (c - 1) max(b, h)
+  backward, compiled=True (jaxsys's ring attention, `context._ring_bwd`): the K/V blocks go
+            round again with their dK/dV accumulators, which can leave only after the step
+            that computes them (ring-flash-attention's deferred send), so those hops are
+            added, not overlapped; after the last step they go home:
+              2 Lin + 2b + (c - 1) (max(2b, h) + g) + g
+            (at c = 2 XLA reuses the forward's one K/V hop: h = 0 there);
+  backward, compiled=False (an idealised ring): twice the forward, hops included.
+A device holding short sequences (c = 1) spends 3 (Lin + sum A). Hops carry whole
+fixed-shape blocks (pad_compute) or real tokens only.
+
+Gradient all-reduces (params > 0): one over c devices sends 2 (c - 1) / c * 4 (params + 2)
+bytes from each (f32 gradients, the loss sum and token count), taking that / link (the
+bandwidth term; latency left out), added after the program that issues it:
+  per-rank HDP  one over each ring program's c devices, then one over the pool per sum
+                `PerRankHDPStep._reduce` adds (the rings', and one per local micro-batch
+                size: XLA compiles one each); ALLREDUCES names two executors that would
+                do fewer;
+  static        one over the pool at the end. (jaxsys's compiled static step all-reduces
+                every micro-batch over `context` and `data`; the baselines are spared that.)
+                Compiled, each static micro-step also all-gathers its batch's 5 fields over
+                `context` to lay its rows out zigzag (4 bytes a token each);
+  lock-step HDP one over the pool per micro-step (jaxsys's `HDPStep`), or at the end
+                ("ideal").
+tests/train/test_hdp_sim_bytes.py ties these byte counts to the executors' compiled
+programs. Link figures: `link_bytes_per_s` is one direction of one device's link, for hops
+and all-reduces alike; experiments/bench_hdp.py states the two it simulates.
 
 Example:
-  model = fit_cost_model().model        # ~5 s of CPU timing
+  model = fit_cost_model(compiled=True, params=dense_params(4096, 32, 4096)).model  # ~5 s
   lengths = long_tail_lengths(2000, seed=0)
-  result = simulate(lengths, num_devices=64, tokens_per_device=32768, model=model)
-  result["static_loader"].time / result["hdp_per_rank"].time
+  kw = dict(num_devices=64, tokens_per_device=32768, model=model)
+  static = simulate_static(lengths, max_len=262144, schedule="lpt", **kw)
+  static.time / simulate_per_rank(lengths, **kw).time
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 import time
 from collections.abc import Sequence
 
 import numpy as np
 
+from jaxsys.data import packing
 from jaxsys.parallel import hdp, hdp_schedule
 
 Plan = hdp.Plan
+
+# Beside K and V, each compiled hop carries every token's int32 segment id and position
+# (the ring's causal keys).
+KEY_BYTES_PER_TOKEN = 8
+# jaxsys's ring backward accumulates dK and dV in f32, whatever the model's dtype.
+ACCUMULATOR_BYTES = 4
+# Gradients are all-reduced in f32.
+GRAD_BYTES_PER_PARAM = 4
+# jaxsys's static step lays its rows out over `context` in the program: an all-gather of
+# each batch field, 4 bytes a token.
+LAYOUT_FIELDS = len(packing.FIELDS)
+# The simulated model's vocabulary (for its parameter count): Llama 2's.
+VOCAB_SIZE = 32000
+
+
+def dense_params(d_model: int, n_layers: int, kv_dim: int, vocab_size: int = VOCAB_SIZE) -> int:
+  """Parameters of the dense model the cost model times: per layer q and o (d x d), k and
+  v (d x kv_dim), an 8 d^2 MLP and two norms; untied embedding and head, a final norm.
+  d 4096, 32 layers: 6.70B with kv_dim 4096 (MHA), 5.90B with 1024 (GQA)."""
+  layer = 10 * d_model ** 2 + 2 * d_model * kv_dim + 2 * d_model
+  return n_layers * layer + 2 * vocab_size * d_model + d_model
 
 
 @dataclasses.dataclass(frozen=True)
 class CostModel:
   """Seconds of one device's work; compute rates fitted, link bandwidth stated.
 
-  sec_per_attention_flop / sec_per_linear_flop: fitted (`fit_cost_model`); FLOPs counted
-    as hdp.sequence_cost does (2 d L^2 causal attention, 24 d^2 per token linear).
-  link_bytes_per_s: one direction of one ring link; 100e9 is NVLink-class, 25e9 a
-    200 Gb/s InfiniBand port.
+  sec_per_attention_flop / sec_per_linear_flop: fitted (`fit_cost_model`); attention FLOPs
+    counted as hdp.sequence_cost does (2 d L^2 causal), matmul FLOPs 2 (10 d^2 + 2 d kv_dim)
+    a token (q, k, v, o and an 8 d^2 MLP: hdp's 24 d^2 when kv_dim = d).
+  link_bytes_per_s: one direction of one device's link, for ring hops and all-reduces.
   d_model, n_layers, kv_dim (width of K, and of V, per token), bytes_per_element: the
     simulated model (default: a 7B-class model, d 4096, 32 layers, MHA, bf16).
   overlap: ring hops overlap the attention compute (max per hop) or add to it.
   pad_compute: fixed-shape programs compute and send their padding (every device runs
     tpd tokens through the matmuls; a hop carries tpd tokens), as jax SPMD programs do.
+  compiled: hops as jaxsys's ring attention compiles them (see the module docstring);
+    False: an idealised ring whose backward is twice its forward.
+  params: parameters whose f32 gradients the executors all-reduce; 0 leaves the
+    all-reduces out.
   """
   sec_per_attention_flop: float
   sec_per_linear_flop: float
@@ -78,6 +130,8 @@ class CostModel:
   bytes_per_element: int = 2
   overlap: bool = True
   pad_compute: bool = True
+  compiled: bool = False
+  params: int = 0
 
   def __post_init__(self):
     for name in ("sec_per_attention_flop", "sec_per_linear_flop", "link_bytes_per_s"):
@@ -88,6 +142,8 @@ class CostModel:
       value = getattr(self, name)
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"CostModel.{name}={value!r}: must be an int >= 1")
+    if not isinstance(self.params, int) or self.params < 0:
+      raise ValueError(f"CostModel.params={self.params!r}: must be an int >= 0")
 
   def attention(self, length):
     """Forward seconds of one layer's causal attention over a whole sequence."""
@@ -96,13 +152,59 @@ class CostModel:
             * length * length)
 
   def linear(self, tokens):
-    """Forward seconds of one layer's matmuls (qkvo + 4x MLP) over `tokens` tokens."""
-    return (self.sec_per_linear_flop * hdp.LINEAR_FLOPS_PER_TOKEN * self.d_model ** 2
-            * np.asarray(tokens, np.float64))
+    """Forward seconds of one layer's matmuls (q, k, v, o and the MLP) over `tokens` tokens."""
+    # hdp's 24 d^2 counts k and v as d x d; GQA's are d x kv_dim.
+    flops = (hdp.LINEAR_FLOPS_PER_TOKEN * self.d_model ** 2
+             - 4 * self.d_model * (self.d_model - self.kv_dim))
+    return self.sec_per_linear_flop * flops * np.asarray(tokens, np.float64)
 
-  def hop(self, share_tokens):
-    """Seconds to pass one device's K and V blocks to the next ring member."""
-    return 2.0 * share_tokens * self.kv_dim * self.bytes_per_element / self.link_bytes_per_s
+  def kv_bytes(self, tokens) -> float:
+    """Bytes of one hop's K and V blocks of `tokens` tokens."""
+    return 2.0 * tokens * self.kv_dim * self.bytes_per_element
+
+  def key_bytes(self, tokens) -> float:
+    """Bytes of one hop's segment ids and positions (compiled only)."""
+    return float(tokens * KEY_BYTES_PER_TOKEN) if self.compiled else 0.0
+
+  def dkv_bytes(self, tokens) -> float:
+    """Bytes of one backward hop's dK and dV (f32 accumulators, compiled)."""
+    width = ACCUMULATOR_BYTES if self.compiled else self.bytes_per_element
+    return 2.0 * tokens * self.kv_dim * width
+
+  def hop(self, tokens) -> float:
+    """Seconds to pass one device's K/V block (with its keys) to the next ring member."""
+    return (self.kv_bytes(tokens) + self.key_bytes(tokens)) / self.link_bytes_per_s
+
+  def hops(self, ring: int) -> tuple[int, int, int]:
+    """(forward K/V hops, backward K/V hops, backward dK/dV hops) per layer of a program
+    whose ring has `ring` devices."""
+    if ring == 1:
+      return 0, 0, 0
+    if not self.compiled:
+      return ring - 1, ring - 1, ring - 1
+    # XLA reuses the forward's single K/V hop at c = 2; dK/dV take one more hop home.
+    return ring - 1, (ring - 1 if ring > 2 else 0), ring
+
+  def sent(self, tokens, ring: int) -> dict[str, float]:
+    """Bytes each device of a ring program of `ring` devices sends, all layers, its hops
+    carrying `tokens` tokens: K/V ("kv"), their segment ids and positions ("keys") and
+    the backward's dK/dV ("dkv")."""
+    forward, backward, dkv = self.hops(ring)
+    return {"kv": self.n_layers * (forward + backward) * self.kv_bytes(tokens),
+            "keys": self.n_layers * (forward + backward) * self.key_bytes(tokens),
+            "dkv": self.n_layers * dkv * self.dkv_bytes(tokens)}
+
+  def grad_bytes(self) -> int:
+    """Bytes one gradient all-reduce carries: f32 gradients, loss sum and token count."""
+    return GRAD_BYTES_PER_PARAM * (self.params + 2) if self.params else 0
+
+  def allreduce_bytes(self, devices: int) -> float:
+    """Bytes each of `devices` sends in a ring all-reduce of the gradients."""
+    return 2.0 * (devices - 1) / devices * self.grad_bytes()
+
+  def allreduce(self, devices: int) -> float:
+    """Seconds of a gradient all-reduce over `devices` (its bandwidth term)."""
+    return self.allreduce_bytes(devices) / self.link_bytes_per_s
 
   def ring_member(self, attention, linear, share_tokens, ring):
     """Forward + backward seconds, all layers, of one ring member (see the module doc)."""
@@ -115,19 +217,25 @@ class CostModel:
 
     attention: its share of its ring's sequence(s), in `ring` equal blocks (1 local, the
     rest visiting); local_attention: sequences held whole on it; the program's ring
-    (default `ring`) moves `hop_tokens` tokens of K/V program_ring - 1 times, and the
-    hops beyond `ring` carry no work for this device (nothing to overlap them with).
+    (default `ring`) moves `hop_tokens` tokens of K/V per hop, and the hops beyond `ring`
+    carry no work for this device (nothing to overlap them with).
     """
     program_ring = ring if program_ring is None else program_ring
-    hops = program_ring - 1
-    h = self.hop(hop_tokens) if hops else 0.0
+    _, backward_hops, dkv_hops = self.hops(program_ring)
     block = attention / ring
-    if self.overlap:
-      layer = (linear + local_attention + block + (ring - 1) * max(block, h)
-               + (program_ring - ring) * h)
-    else:
-      layer = linear + local_attention + attention + hops * h
-    return 3.0 * self.n_layers * layer
+    compute = linear + local_attention + block
+    h = self.hop(hop_tokens)
+    g = self.dkv_bytes(hop_tokens) / self.link_bytes_per_s
+    join = max if self.overlap else operator.add
+    visiting, bare = ring - 1, program_ring - ring
+    forward = compute + visiting * join(block, h) + bare * h
+    h_back = h if backward_hops else 0.0
+    if self.compiled:  # dK/dV leave after the step that computes them: added
+      backward = (2 * compute + visiting * join(2 * block, h_back) + bare * h_back
+                  + dkv_hops * g)
+    else:  # dK/dV travel with K/V, overlapped as they are
+      backward = 2 * compute + visiting * join(2 * block, h + g) + bare * (h + g)
+    return self.n_layers * (forward + backward)
 
   def scaled(self, compute_speedup: float) -> CostModel:
     """The same model on a device `compute_speedup` times faster; links unchanged."""
@@ -279,22 +387,33 @@ def sample_batch(pool: np.ndarray, tokens: int, seed: int) -> np.ndarray:
 class Result:
   """One strategy on one batch.
 
-  time: seconds (lock-step: sum over micro-steps of the slowest device).
-  per_rank_time: max over devices of its own summed time: the same micro-steps with the
-    lock step dropped (for a per-rank schedule, see simulate_per_rank).
-  device_time [steps, devices]; imbalance: sum of step maxima / sum of step means;
-  padding: 1 - real tokens / (steps * devices * tpd).
+  time: seconds, gradient all-reduces included (lock-step: the sum over micro-steps of
+    the slowest device; otherwise the last device to finish).
+  steps: micro-batches (lock-step: micro-steps; otherwise the most any device runs).
+  imbalance: lock-step: sum of step maxima / sum of step means; otherwise the slowest
+    device's (or data group's) time over the mean.
+  padding: 1 - real tokens / token slots run.
+  device_time [steps, devices]: seconds of each micro-step (per-rank: [1, devices], each
+    device's finish before the final all-reduces).
+  sent: bytes by kind ("kv", "keys", "dkv", "all-reduce", "all-gather"), each the most
+    any device sends.
   """
   name: str
   time: float
   steps: int
   imbalance: float
   padding: float
-  per_rank_time: float
   device_time: np.ndarray
+  sent: dict
 
 
 EXECUTORS = ("ideal", "step_ring", "run")
+SENT_KINDS = ("kv", "keys", "dkv", "all-reduce", "all-gather")
+
+
+def _most_sent(per_device: dict[str, np.ndarray]) -> dict[str, float]:
+  """{kind: the most any device sends} of per-device byte counts."""
+  return {kind: float(np.max(per_device.get(kind, 0.0))) for kind in SENT_KINDS}
 
 
 def group_time(model: CostModel, group_lengths, ring: int, tokens_per_device: int) -> float:
@@ -305,6 +424,42 @@ def group_time(model: CostModel, group_lengths, ring: int, tokens_per_device: in
   return model.ring_member(attention, float(model.linear(share)), share, ring)
 
 
+def _programs(step, *, num_devices: int, tokens_per_device: int, model: CostModel,
+              executor: str) -> list[dict]:
+  """Per device, CostModel.device's arguments for one micro-step of device_times."""
+  ring = np.ones(num_devices, np.int64)
+  ring_attention = np.zeros(num_devices)
+  ring_tokens = np.zeros(num_devices, np.int64)
+  local_attention = np.zeros(num_devices)
+  local_tokens = np.zeros(num_devices, np.int64)
+  for group_lengths, devs in step:
+    lens = np.asarray(group_lengths, np.int64)
+    c, idx = len(devs), list(devs)
+    if c == 1:
+      local_attention[idx] += float(np.sum(model.attention(lens)))
+      local_tokens[idx] += int(lens.sum())
+    else:
+      ring[idx] = c
+      ring_attention[idx] += float(np.sum(model.attention(lens))) / c
+      ring_tokens[idx] += -(-int(lens.sum()) // c)
+  view = hdp.block_size(int(ring.max(initial=1)))  # the view's context size
+  out = []
+  for d in range(num_devices):
+    tokens = int(ring_tokens[d] + local_tokens[d])
+    if executor == "ideal":
+      hop_tokens = tokens_per_device if model.pad_compute else int(ring_tokens[d])
+      program = int(ring[d])
+    else:
+      hop_tokens = tokens_per_device if model.pad_compute else tokens
+      program = view if executor == "step_ring" else int(ring[d])
+    out.append(dict(attention=ring_attention[d],
+                    linear=float(model.linear(tokens_per_device if model.pad_compute
+                                              else tokens)),
+                    ring=int(ring[d]), hop_tokens=hop_tokens, program_ring=program,
+                    local_attention=local_attention[d]))
+  return out
+
+
 def device_times(groups: list[list[tuple[Sequence[int], tuple[int, ...]]]], *,
                  num_devices: int, tokens_per_device: int, model: CostModel,
                  executor: str = "ideal") -> np.ndarray:
@@ -312,57 +467,51 @@ def device_times(groups: list[list[tuple[Sequence[int], tuple[int, ...]]]], *,
 
   A device holds at most one ring group (c > 1) and any number of one-device groups
   beside it. executor "ideal" (ByteScale's HDP): only ring members exchange K/V, over
-  their own ring, their ring share only. "step_ring" (jaxsys's HDP executor,
+  their own ring, their ring share only. "step_ring" (jaxsys's lock-step HDP executor,
   jaxsys/train/hdp_step.py): a micro-step is one program over the `data = N/C,
   context = C` view of its largest ring C, so every device's whole block takes C - 1
   hops, needed or not. "run" (jaxsys's per-rank executor, a ring's program over just its
   run of c devices): every member's whole block, fill included, takes c - 1 hops.
-  With pad_compute every device runs tpd tokens through the
-  matmuls and a hop carries tpd tokens.
+  With pad_compute every device runs tpd tokens through the matmuls and a hop carries
+  tpd tokens. No all-reduce is counted here.
   """
   if executor not in EXECUTORS:
     raise ValueError(f"executor={executor!r}: must be one of {EXECUTORS}")
+  kw = dict(num_devices=num_devices, tokens_per_device=tokens_per_device, model=model,
+            executor=executor)
   out = np.zeros((len(groups), num_devices))
   for m, step in enumerate(groups):
-    ring = np.ones(num_devices, np.int64)
-    ring_attention = np.zeros(num_devices)
-    ring_tokens = np.zeros(num_devices, np.int64)
-    local_attention = np.zeros(num_devices)
-    local_tokens = np.zeros(num_devices, np.int64)
-    for group_lengths, devs in step:
-      lens = np.asarray(group_lengths, np.int64)
-      c, idx = len(devs), list(devs)
-      if c == 1:
-        local_attention[idx] += float(np.sum(model.attention(lens)))
-        local_tokens[idx] += int(lens.sum())
-      else:
-        ring[idx] = c
-        ring_attention[idx] += float(np.sum(model.attention(lens))) / c
-        ring_tokens[idx] += -(-int(lens.sum()) // c)
-    program = hdp.block_size(int(ring.max(initial=1)))  # the view's context size
-    for d in range(num_devices):
-      tokens = int(ring_tokens[d] + local_tokens[d])
-      linear = float(model.linear(tokens_per_device if model.pad_compute else tokens))
-      if executor == "ideal":
-        hop_tokens = tokens_per_device if model.pad_compute else int(ring_tokens[d])
-        prog = int(ring[d])
-      else:
-        hop_tokens = tokens_per_device if model.pad_compute else tokens
-        prog = program if executor == "step_ring" else int(ring[d])
-      out[m, d] = model.device(attention=ring_attention[d], linear=linear, ring=int(ring[d]),
-                               hop_tokens=hop_tokens, program_ring=prog,
-                               local_attention=local_attention[d])
+    out[m] = [model.device(**args) for args in _programs(step, **kw)]
   return out
 
 
-def _result(name, times, real_tokens, num_devices, tokens_per_device) -> Result:
+def _device_sent(groups, *, num_devices: int, tokens_per_device: int, model: CostModel,
+                 executor: str) -> dict[str, np.ndarray]:
+  """{kind: [devices] bytes} the ring hops of device_times' micro-steps send."""
+  kw = dict(num_devices=num_devices, tokens_per_device=tokens_per_device, model=model,
+            executor=executor)
+  out = {kind: np.zeros(num_devices) for kind in ("kv", "keys", "dkv")}
+  for step in groups:
+    for d, args in enumerate(_programs(step, **kw)):
+      for kind, sent in model.sent(args["hop_tokens"], args["program_ring"]).items():
+        out[kind][d] += sent
+  return out
+
+
+def _padding(real_tokens: int, slots: int) -> float:
+  return 1.0 - real_tokens / slots if slots else 0.0
+
+
+def _lockstep_result(name, times, sent, real_tokens, num_devices, tokens_per_device,
+                     allreduce: float) -> Result:
+  """A lock-step Result: each micro-step as long as its slowest device, then `allreduce`
+  seconds of gradient all-reduces."""
   steps = times.shape[0]
   maxima, means = times.max(axis=1, initial=0.0), times.mean(axis=1) if steps else np.zeros(0)
   imbalance = float(maxima.sum() / means.sum()) if means.sum() else 1.0
-  slots = steps * num_devices * tokens_per_device
-  return Result(name, float(maxima.sum()), steps, imbalance,
-                1.0 - real_tokens / slots if slots else 0.0,
-                float(times.sum(axis=0).max(initial=0.0)), times)
+  return Result(name, float(maxima.sum()) + allreduce, steps, imbalance,
+                _padding(real_tokens, steps * num_devices * tokens_per_device), times,
+                _most_sent(sent))
 
 
 def hdp_groups(steps: Plan, lengths) -> list:
@@ -372,14 +521,22 @@ def hdp_groups(steps: Plan, lengths) -> list:
 
 def simulate_hdp(lengths, *, num_devices: int, tokens_per_device: int,
                  model: CostModel, executor: str = "ideal") -> Result:
-  """HDP: hdp.plan (costs with the model's d_model) timed by the cost model."""
+  """Lock-step HDP: hdp.plan (costs with the model's d_model) timed by the cost model; one
+  gradient all-reduce over the pool per micro-step ("step_ring": jaxsys's HDPStep runs
+  each micro-step as a program that ends with one) or at the end ("ideal")."""
   lengths = np.asarray(lengths, np.int64)
   steps = hdp.plan(lengths, num_devices=num_devices, tokens_per_device=tokens_per_device,
                    d_model=model.d_model)
-  times = device_times(hdp_groups(steps, lengths), num_devices=num_devices,
-                       tokens_per_device=tokens_per_device, model=model, executor=executor)
+  kw = dict(num_devices=num_devices, tokens_per_device=tokens_per_device, model=model,
+            executor=executor)
+  groups = hdp_groups(steps, lengths)
+  times = device_times(groups, **kw)
+  reductions = len(steps) if executor == "step_ring" else 1
+  sent = _device_sent(groups, **kw)
+  sent["all-reduce"] = np.full(num_devices, reductions * model.allreduce_bytes(num_devices))
   name = "hdp" if executor == "ideal" else f"hdp_{executor}"
-  return _result(name, times, int(lengths.sum()), num_devices, tokens_per_device)
+  return _lockstep_result(name, times, sent, int(lengths.sum()), num_devices,
+                          tokens_per_device, reductions * model.allreduce(num_devices))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -387,39 +544,66 @@ class Job:
   """One micro-batch of a per-rank schedule: a ring on its block or a local batch.
 
   devices: who runs it; start / end: seconds (a ring's members start together and it
-  lasts as long as its slowest); busy[k]: seconds devices[k] computes or sends;
-  entries: (sequence, device ids relative to `devices`), as Ring.entries.
+  lasts as long as its slowest, then its gradient all-reduce); busy[k]: seconds
+  devices[k] computes or sends; entries: (sequence, device ids relative to `devices`), as
+  Ring.entries; sent: bytes each of `devices` sends, by kind.
   """
   devices: tuple[int, ...]
   start: float
   end: float
   busy: np.ndarray
   entries: list
+  sent: dict
+
+
+# How a per-rank step all-reduces its gradients: as PerRankHDPStep compiles ("executor":
+# each ring program over its devices, then `pool_reductions` over the pool), with its final
+# sums added before one all-reduce over the pool ("one_pool"), or only once at the end,
+# every sum kept per device until then ("once", as the static baselines do).
+ALLREDUCES = ("executor", "one_pool", "once")
+
+
+def _check_allreduce(value: str, name: str = "allreduce") -> None:
+  if value not in ALLREDUCES:
+    raise ValueError(f"{name}={value!r}: must be one of {ALLREDUCES}")
+
+
+def _ring_job(devices: tuple[int, ...], cell: int, entries, lengths, start: float, *,
+              model: CostModel, allreduce: str) -> Job:
+  """A ring's Job from `start` (entries: as Ring.entries, indexing `lengths`): one program
+  over its c devices (device_times' "run" executor, the cell as the program's tokens per
+  device), then, with the executor's all-reduces, one over those devices."""
+  c = len(devices)
+  group = [[([int(lengths[i])], rel) for i, rel in entries]]
+  member = device_times(group, num_devices=c, tokens_per_device=cell, model=model,
+                        executor="run")[0]
+  reduce = allreduce != "once"
+  sent = {**model.sent(cell, c), "all-reduce": model.allreduce_bytes(c) if reduce else 0.0}
+  busy = member + (model.allreduce(c) if reduce else 0.0)
+  return Job(tuple(devices), start, start + float(busy.max()), busy, entries, sent)
 
 
 def schedule_jobs(sched: hdp_schedule.Schedule, lengths, *, tokens_per_device: int,
-                  model: CostModel) -> list[Job]:
+                  model: CostModel, allreduce: str = "executor") -> list[Job]:
   """Every micro-batch of a per-rank schedule with its start and end, in run order.
 
   As jaxsys's per-rank executor runs it (jaxsys/train/hdp_step.py): each ring is one
-  program over its run of c devices (`data = 1, context = c`; executor "run" of
-  device_times, with the ring's cell as the program's tokens per device), its members
-  start together when the last of them is free and the ring lasts as long as its slowest
-  member (every member's whole cell, fill included, takes the c - 1 hops); then each
+  program over its run of c devices (`data = 1, context = c`; `_ring_job`), its members
+  start together when the last of them is free, and it lasts as long as its slowest
+  member (every member's whole cell, fill included, takes the hops), then all-reduces
+  its gradients over its devices (but with allreduce="once", see ALLREDUCES); then each
   device runs its local micro-batches on its own.
   """
+  _check_allreduce(allreduce)
   lengths = np.asarray(lengths, np.int64)
   finish = np.zeros(sched.num_devices)
   jobs = []
   for ring in sched.rings:
     devs = list(ring.devices)
-    entries = ring.entries()
-    group = [[([int(lengths[i])], rel) for i, rel in entries]]
-    member = device_times(group, num_devices=len(devs), tokens_per_device=ring.cell,
-                          model=model, executor="run")[0]
-    start = finish[devs].max()
-    finish[devs] = start + member.max()
-    jobs.append(Job(ring.devices, float(start), float(finish[devs[0]]), member, entries))
+    job = _ring_job(ring.devices, ring.cell, ring.entries(), lengths,
+                    float(finish[devs].max()), model=model, allreduce=allreduce)
+    finish[devs] = job.end
+    jobs.append(job)
   for d, batches in enumerate(sched.local):
     for batch in batches:
       lens = lengths[list(batch)]
@@ -431,26 +615,41 @@ def schedule_jobs(sched: hdp_schedule.Schedule, lengths, *, tokens_per_device: i
       start = finish[d]
       finish[d] += secs
       jobs.append(Job((d,), float(start), float(finish[d]), np.array([secs]),
-                      [(i, (0,)) for i in batch]))
+                      [(i, (0,)) for i in batch], {}))
   return jobs
 
 
 def schedule_times(sched: hdp_schedule.Schedule, lengths, *, tokens_per_device: int,
-                   model: CostModel) -> np.ndarray:
+                   model: CostModel, allreduce: str = "executor") -> np.ndarray:
   """[devices] seconds until each device has run its part of a per-rank schedule
-  (timed as `schedule_jobs` says)."""
+  (timed as `schedule_jobs` says; the final all-reduces not included)."""
   finish = np.zeros(sched.num_devices)
-  for job in schedule_jobs(sched, lengths, tokens_per_device=tokens_per_device, model=model):
+  for job in schedule_jobs(sched, lengths, tokens_per_device=tokens_per_device, model=model,
+                           allreduce=allreduce):
     finish[list(job.devices)] = job.end
   return finish
 
 
+def pool_reductions(sched: hdp_schedule.Schedule, lengths, tokens_per_device: int) -> int:
+  """All-reduces over the pool that end a PerRankHDPStep step: its `_reduce` sums the
+  rings' sums and one stacked sum per local micro-batch size, and XLA compiles one
+  all-reduce for each."""
+  sizes = {hdp_schedule.local_cell(int(sum(lengths[i] for i in batch)), tokens_per_device)
+           for batches in sched.local for batch in batches}
+  return 1 + len(sizes)
+
+
 @dataclasses.dataclass(frozen=True)
 class ScheduleCost:
-  """The cost model as hdp_schedule.schedule's time estimate (seconds, links included),
-  so the schedule balances what schedule_jobs will time."""
+  """The cost model as hdp_schedule.schedule's time estimate (seconds, links and a ring's
+  own all-reduce included unless allreduce="once"), so the schedule balances what
+  schedule_jobs will time."""
   model: CostModel
   tokens_per_device: int
+  allreduce: str = "executor"
+
+  def __post_init__(self):
+    _check_allreduce(self.allreduce)
 
   def cell(self, tokens: int) -> float:
     if not self.model.pad_compute:
@@ -458,9 +657,9 @@ class ScheduleCost:
     return self.model.device(attention=0.0, linear=float(self.model.linear(tokens)))
 
   def ring(self, lengths, devices: int, cell: int) -> float:
-    group = [[([int(n) for n in lengths], tuple(range(devices)))]]
-    return float(device_times(group, num_devices=devices, tokens_per_device=cell,
-                              model=self.model, executor="run")[0].max())
+    whole = [(i, tuple(range(devices))) for i in range(len(lengths))]
+    return _ring_job(tuple(range(devices)), cell, whole, lengths, 0.0, model=self.model,
+                     allreduce=self.allreduce).end
 
   def short(self, length: int) -> float:
     return self.model.device(attention=0.0, linear=float(self.model.linear(length)),
@@ -468,21 +667,39 @@ class ScheduleCost:
 
 
 def simulate_per_rank(lengths, *, num_devices: int, tokens_per_device: int,
-                      model: CostModel, widen: bool = True) -> Result:
-  """HDP without lock step: hdp_schedule.schedule (balancing this cost model's times)
-  timed by schedule_times. steps: the most micro-batches any device runs; imbalance:
-  slowest device over the mean."""
+                      model: CostModel, widen: bool = True, allreduce: str = "executor",
+                      estimate: str | None = None) -> Result:
+  """HDP without lock step: hdp_schedule.schedule (balancing this cost model's times,
+  ScheduleCost) timed by schedule_jobs, then the all-reduces over the pool: as
+  PerRankHDPStep compiles them (allreduce="executor") or as an executor that does not
+  exist yet would (see ALLREDUCES). estimate: the all-reduces the schedule's estimate
+  counts (default: `allreduce`'s; "once": none of a ring's own). steps: the most
+  micro-batches any device runs; imbalance: slowest device over the mean."""
+  _check_allreduce(allreduce)
+  if estimate is not None:
+    _check_allreduce(estimate, "estimate")
   lengths = np.asarray(lengths, np.int64)
+  cost = ScheduleCost(model, tokens_per_device, estimate or allreduce)
   sched = hdp_schedule.schedule(lengths, num_devices=num_devices,
                                 tokens_per_device=tokens_per_device, d_model=model.d_model,
-                                widen=widen, cost=ScheduleCost(model, tokens_per_device))
-  finish = schedule_times(sched, lengths, tokens_per_device=tokens_per_device, model=model)
-  counts = sched.micro_batches()
+                                widen=widen, cost=cost)
+  jobs = schedule_jobs(sched, lengths, tokens_per_device=tokens_per_device, model=model,
+                       allreduce=allreduce)
+  finish = np.zeros(num_devices)
+  sent = {kind: np.zeros(num_devices) for kind in SENT_KINDS}
+  for job in jobs:
+    finish[list(job.devices)] = job.end
+    for kind, nbytes in job.sent.items():
+      sent[kind][list(job.devices)] += nbytes
+  reductions = (pool_reductions(sched, lengths, tokens_per_device) if allreduce == "executor"
+                else 1)
+  sent["all-reduce"] += reductions * model.allreduce_bytes(num_devices)
   slots = sched.slots(lengths, tokens_per_device)
-  return Result("hdp_per_rank", float(finish.max(initial=0.0)), int(counts.max(initial=0)),
+  name = "hdp_per_rank" if allreduce == "executor" else f"hdp_per_rank_{allreduce}"
+  return Result(name, float(finish.max(initial=0.0)) + reductions * model.allreduce(num_devices),
+                int(sched.micro_batches().max(initial=0)),
                 float(finish.max() / finish.mean()) if finish.mean() else 1.0,
-                1.0 - int(lengths.sum()) / slots if slots else 0.0,
-                float(finish.max(initial=0.0)), finish[None])
+                _padding(int(lengths.sum()), slots), finish[None], _most_sent(sent))
 
 
 def static_ring(max_len: int, num_devices: int, tokens_per_device: int) -> int:
@@ -495,18 +712,16 @@ def static_ring(max_len: int, num_devices: int, tokens_per_device: int) -> int:
 
 
 STATIC_ORDERS = ("loader", "sorted", "padded")
+STATIC_SCHEDULES = ("lockstep", "groups", "lpt")
 
 
-def static_plan(lengths, *, num_devices: int, tokens_per_device: int, max_len: int,
-                order: str = "loader", seed: int = 0, d_model: int = hdp.DEFAULT_D_MODEL):
-  """Static CP micro-steps: lists of (row's sequence indices, ring device ids).
-
-  FFD rows of c_max * tpd tokens, N / c_max rows per lock-step micro-step, in `order`:
-  "loader" (rows in a seeded random order, as a data loader hands them out), "sorted"
-  (rows by cost, heaviest first, so heavy rows share micro-steps: the best grouping a
-  static lock-step mesh can do) or "padded" (no packing: one sequence per row, padded
-  to it, in loader order).
-  """
+def static_rows(lengths, *, num_devices: int, tokens_per_device: int, max_len: int,
+                order: str = "loader", seed: int = 0, d_model: int = hdp.DEFAULT_D_MODEL
+                ) -> tuple[list[list[int]], int]:
+  """(rows of sequence indices, c_max): FFD rows of c_max * tpd tokens in `order`:
+  "loader" (a seeded random order, as a data loader hands them out), "sorted" (by cost,
+  heaviest first, so heavy rows share lock-step micro-steps) or "padded" (no packing: one
+  sequence per row, padded to it, in loader order)."""
   if order not in STATIC_ORDERS:
     raise ValueError(f"order={order!r}: must be one of {STATIC_ORDERS}")
   lengths = np.asarray(lengths, np.int64)
@@ -519,43 +734,115 @@ def static_plan(lengths, *, num_devices: int, tokens_per_device: int, max_len: i
   else:
     cost = [float(np.sum(hdp.sequence_cost(lengths[r], d_model=d_model))) for r in rows]
     rows = [rows[k] for k in np.argsort(cost, kind="stable")[::-1]]
+  return rows, c
+
+
+def static_plan(lengths, *, num_devices: int, tokens_per_device: int, max_len: int,
+                order: str = "loader", seed: int = 0, d_model: int = hdp.DEFAULT_D_MODEL):
+  """Lock-step static CP micro-steps: lists of (row's sequence indices, ring device ids),
+  N / c_max of `static_rows`' rows per micro-step, in their order."""
+  rows, c = static_rows(lengths, num_devices=num_devices, tokens_per_device=tokens_per_device,
+                        max_len=max_len, order=order, seed=seed, d_model=d_model)
   per_step = num_devices // c
   return [[(row, tuple(range(k * c, (k + 1) * c)))
            for k, row in enumerate(rows[start:start + per_step])]
           for start in range(0, len(rows), per_step)]
 
 
+def layout_gather_bytes(model: CostModel, tokens_per_device: int, ring: int) -> float:
+  """Bytes each device all-gathers to lay one static micro-step's rows out over `context`
+  (compiled only): (ring - 1) / ring of every field's c * tpd tokens, 4 bytes each."""
+  return float(LAYOUT_FIELDS * 4 * (ring - 1) * tokens_per_device) if model.compiled else 0.0
+
+
+def _static_row(model: CostModel, row_lengths, ring: int, tokens_per_device: int):
+  """(seconds, {kind: bytes}) of one ring member running a static row: a ring member's
+  time (group_time) and hops, and the row's layout all-gather."""
+  share = tokens_per_device if model.pad_compute else -(-int(np.sum(row_lengths)) // ring)
+  gather = layout_gather_bytes(model, share, ring)
+  seconds = group_time(model, row_lengths, ring, tokens_per_device)
+  return seconds + gather / model.link_bytes_per_s, {**model.sent(share, ring),
+                                                       "all-gather": gather}
+
+
+def _deal(row_times: np.ndarray, groups: int, schedule: str) -> list[list[int]]:
+  """Row indices per data group: lock step and per-group accumulation deal them in order
+  (row k to group k mod groups, as a lock-step micro-step takes `groups` rows); LPT gives
+  each row, slowest first, to the group done soonest."""
+  if schedule != "lpt":
+    return [list(range(g, row_times.size, groups)) for g in range(groups)]
+  load, dealt = np.zeros(groups), [[] for _ in range(groups)]
+  for k in np.argsort(-row_times, kind="stable"):
+    g = int(np.argmin(load))
+    dealt[g].append(int(k))
+    load[g] += row_times[k]
+  return dealt
+
+
 def simulate_static(lengths, *, num_devices: int, tokens_per_device: int, model: CostModel,
-                    max_len: int, order: str = "loader", seed: int = 0) -> Result:
-  """Static CP (see static_plan) timed by the cost model."""
+                    max_len: int, order: str = "loader", schedule: str = "lockstep",
+                    seed: int = 0) -> Result:
+  """Static CP: `static_rows` run by the N / c_max data groups as `schedule` says (see the
+  module docstring; a lock-step group with no row left runs an empty one), then one
+  gradient all-reduce over the pool."""
+  if schedule not in STATIC_SCHEDULES:
+    raise ValueError(f"schedule={schedule!r}: must be one of {STATIC_SCHEDULES}")
   lengths = np.asarray(lengths, np.int64)
-  steps = static_plan(lengths, num_devices=num_devices, tokens_per_device=tokens_per_device,
-                      max_len=max_len, order=order, seed=seed, d_model=model.d_model)
-  groups = [[(lengths[row].tolist(), devs) for row, devs in step] for step in steps]
-  times = device_times(groups, num_devices=num_devices, tokens_per_device=tokens_per_device,
-                       model=model)
-  return _result(f"static_{order}", times, int(lengths.sum()), num_devices, tokens_per_device)
+  rows, c = static_rows(lengths, num_devices=num_devices, tokens_per_device=tokens_per_device,
+                        max_len=max_len, order=order, seed=seed, d_model=model.d_model)
+  row_times, row_sent = zip(*[_static_row(model, lengths[row], c, tokens_per_device)
+                              for row in rows]) if rows else ((), ())
+  row_times = np.array(row_times)
+  groups = num_devices // c
+  dealt = _deal(row_times, groups, schedule)
+  steps = max(len(ks) for ks in dealt)
+  times = np.zeros((steps, num_devices))
+  sent = {kind: np.zeros(num_devices) for kind in SENT_KINDS}
+  _, empty = _static_row(model, np.zeros(0, np.int64), c, tokens_per_device)
+  for g, ks in enumerate(dealt):
+    members = slice(g * c, (g + 1) * c)
+    times[:len(ks), members] = row_times[ks][:, None]
+    idle = steps - len(ks) if schedule == "lockstep" else 0
+    for one in [row_sent[k] for k in ks] + [empty] * idle:
+      for kind, nbytes in one.items():
+        sent[kind][members] += nbytes
+  sent["all-reduce"] += model.allreduce_bytes(num_devices)
+  reduce = model.allreduce(num_devices)
+  real = int(lengths.sum())
+  if schedule == "lockstep":
+    return _lockstep_result(f"static_{order}", times, sent, real, num_devices,
+                            tokens_per_device, reduce)
+  group_total = times.sum(axis=0)[::c]
+  return Result(f"static_{schedule}", float(group_total.max()) + reduce, steps,
+                float(group_total.max() / group_total.mean()),
+                _padding(real, len(rows) * c * tokens_per_device), times, _most_sent(sent))
+
+
+def _exposed_hops(model: CostModel, length: int, tokens_per_device: int) -> float:
+  """Seconds a sequence's ring (on the devices it needs, hops of real tokens only) spends
+  on hops its compute does not hide, all members together."""
+  c = hdp.devices_needed(int(length), tokens_per_device)
+  if c == 1:
+    return 0.0
+  share = float(model.attention(length)) / c
+  member = lambda tokens: model.device(attention=share, linear=0.0, ring=c, hop_tokens=tokens)
+  return c * (member(length / c) - member(0))
 
 
 def lower_bound(lengths, *, num_devices: int, tokens_per_device: int,
                 model: CostModel) -> float:
-  """Seconds no plan can beat: (all compute + unavoidable exposed ring traffic) / N.
+  """Seconds no plan can beat: (all compute + unavoidable exposed ring traffic) / N, then
+  one gradient all-reduce over the pool.
 
   Compute counts real tokens only. A sequence of L > tpd tokens needs at least
-  c = ceil(L / tpd) devices; each then waits (c - 1) * max(0, h - A/c^2) per layer and
-  direction beyond its compute (A/c^2: one member's attention per hop; 0 with overlap
-  while attention hides the hop).
+  c = ceil(L / tpd) devices; its hops, carrying L / c tokens each, add what they cannot
+  hide (`_exposed_hops`).
   """
-  lengths = np.asarray(lengths, np.float64)
+  lengths = np.asarray(lengths, np.int64)
   attention, linear = model.attention(lengths), model.linear(lengths)
   total = float(np.sum(3.0 * model.n_layers * (attention + linear)))
-  for L, a in zip(lengths, attention):
-    c = math.ceil(L / tokens_per_device)
-    if c > 1:
-      h = model.hop(L / c)
-      wait = max(0.0, h - a / (c * c)) if model.overlap else h
-      total += c * 3.0 * model.n_layers * (c - 1) * wait
-  return total / num_devices
+  total += sum(_exposed_hops(model, int(n), tokens_per_device) for n in lengths)
+  return total / num_devices + model.allreduce(num_devices)
 
 
 def lockstep_bound(lengths, *, num_devices: int, tokens_per_device: int,
@@ -565,7 +852,7 @@ def lockstep_bound(lengths, *, num_devices: int, tokens_per_device: int,
   Every member of a ring (c > 1) counts once per device, sorted by time, slowest first:
   a micro-step holds at most N of them, so the k-th slowest micro-step lasts at least
   member[(k - 1) * N]. Micro-steps beyond those, up to hdp.min_steps, last at least an
-  idle device's padding (pad_compute) or 0.
+  idle device's padding (pad_compute) or 0. Then one gradient all-reduce over the pool.
   """
   lengths = np.asarray(lengths, np.int64)
   members = []
@@ -577,27 +864,29 @@ def lockstep_bound(lengths, *, num_devices: int, tokens_per_device: int,
   steps = hdp.min_steps(lengths, num_devices=num_devices,
                         tokens_per_device=tokens_per_device) if lengths.size else 0
   idle = group_time(model, [], 1, tokens_per_device) if model.pad_compute else 0.0
-  return float(terms.sum() + max(0, steps - terms.size) * idle)
+  return (float(terms.sum() + max(0, steps - terms.size) * idle)
+          + model.allreduce(num_devices))
 
 
 def simulate(lengths, *, num_devices: int, tokens_per_device: int, model: CostModel,
              max_len: int | None = None, seed: int = 0) -> dict:
-  """hdp_per_rank (the per-rank schedule, see simulate_per_rank), the lock-step hdp and
-  hdp_step_ring (jaxsys's lock-step executor, see device_times), static_loader,
-  static_sorted and static_padded Results; in seconds the lower bound ("bound") and the
-  lock-step bound for hdp's ring sizes ("lockstep_bound").
+  """Every strategy's Result by name: hdp_per_rank (see simulate_per_rank), the lock-step
+  hdp and hdp_step_ring (see simulate_hdp), static_loader, static_groups and static_lpt
+  (see simulate_static), static_sorted and static_padded (lock-step); in seconds the lower
+  bound ("bound") and the lock-step bound for hdp's ring sizes ("lockstep_bound").
 
   max_len sizes the static ring (the dataset's longest sequence); default: the batch's.
   """
   lengths = np.asarray(lengths, np.int64)
   max_len = int(lengths.max()) if max_len is None else max_len
   kw = dict(num_devices=num_devices, tokens_per_device=tokens_per_device, model=model)
-  return dict(
-      hdp=simulate_hdp(lengths, **kw),
-      hdp_step_ring=simulate_hdp(lengths, executor="step_ring", **kw),
-      hdp_per_rank=simulate_per_rank(lengths, **kw),
-      static_loader=simulate_static(lengths, max_len=max_len, order="loader", seed=seed, **kw),
-      static_sorted=simulate_static(lengths, max_len=max_len, order="sorted", **kw),
-      static_padded=simulate_static(lengths, max_len=max_len, order="padded", seed=seed, **kw),
-      bound=lower_bound(lengths, **kw),
-      lockstep_bound=lockstep_bound(lengths, **kw))
+  static = dict(max_len=max_len, seed=seed, **kw)
+  out = dict(hdp=simulate_hdp(lengths, **kw),
+             hdp_step_ring=simulate_hdp(lengths, executor="step_ring", **kw),
+             hdp_per_rank=simulate_per_rank(lengths, **kw))
+  for schedule in STATIC_SCHEDULES:
+    result = simulate_static(lengths, schedule=schedule, **static)
+    out[result.name] = result
+  for order in ("sorted", "padded"):
+    out[f"static_{order}"] = simulate_static(lengths, order=order, **static)
+  return dict(out, bound=lower_bound(lengths, **kw), lockstep_bound=lockstep_bound(lengths, **kw))

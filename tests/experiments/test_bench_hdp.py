@@ -4,6 +4,7 @@ import json
 import pytest
 
 from experiments import bench_hdp
+from jaxsys.parallel import hdp_sim
 
 
 def test_sim_part_tiny(tmp_path, capsys):
@@ -14,36 +15,36 @@ def test_sim_part_tiny(tmp_path, capsys):
       out=str(out), fit_kwargs=dict(lengths=(512, 1024, 2048),
                                     token_counts=(1024, 2048, 4096), repeats=1))
   printed = capsys.readouterr().out
-  assert "| distribution | setting | N |" in printed
-  assert "tight rings vs static, loader | tight rings / bound |" in printed
-  # 2 distributions x 2 settings x 2 device counts, one line each.
+  assert "| distribution | setting | K/V | N | per-rank HDP vs best static |" in printed
+  assert "accel: links 25 GB/s per direction" in printed
+  # 2 distributions x 2 settings x 2 attentions x 2 device counts, one line each.
   table = [line for line in printed.splitlines() if line.startswith("| long_tail")
            or line.startswith("| stdlib")]
-  assert len(table) == 8
+  assert len(table) == 16
   assert chart.stat().st_size > 0
   saved = json.loads(out.read_text())
-  assert len(saved["rows"]) == len(result["rows"]) == 2 * 2 * 2 * 2
+  assert len(saved["rows"]) == len(result["rows"]) == 2 * 2 * 2 * 2 * 2
   header = printed.splitlines()[[line.startswith("| distribution") for line in
                                  printed.splitlines()].index(True)]
   assert all(line.count("|") == header.count("|") for line in table)
+  statics = [f"static_{s}" for s in hdp_sim.STATIC_SCHEDULES]
   for row in saved["rows"]:
-    assert row["hdp_over_bound"] >= 1 - 1e-9
-    assert row["per_rank_over_bound"] == pytest.approx(row["hdp_per_rank_time"] / row["bound"])
-    assert row["per_rank_over_bound"] >= 1 - 1e-9
-    assert row["per_rank_speedup_loader"] == pytest.approx(
-        row["static_loader_time"] / row["hdp_per_rank_time"])
-    assert row["speedup_loader"] == pytest.approx(
-        row["static_loader_time"] / row["hdp_time"])
-    assert row["hdp_per_rank_steps"] >= 1
-    # Tight rings (widen=False): the same bound holds, and the ratios are its own.
-    assert row["tight_over_bound"] == pytest.approx(row["tight_time"] / row["bound"])
-    assert row["tight_over_bound"] >= 1 - 1e-9
-    assert row["tight_speedup_loader"] == pytest.approx(
-        row["static_loader_time"] / row["tight_time"])
-    assert row["tight_steps"] >= 1
-  accel = saved["fit"]["models"]["accel"]
-  assert accel["link_bytes_per_s"] == 25e9
-  assert accel["sec_per_linear_flop"] == pytest.approx(1 / 400e12)
+    best = min(row[s] for s in statics)
+    assert row["best_static_time"] == best == row[f"static_{row['best_static']}"]
+    for key, _ in bench_hdp.PER_RANK:
+      assert row[f"{key}_speedup"] == pytest.approx(best / row[key])
+      assert row[key] >= row["bound"] * (1 - 1e-9), key
+    assert row["hdp_over_bound"] == pytest.approx(row["hdp"] / row["bound"])
+    assert row["static_over_bound"] == pytest.approx(best / row["bound"])
+    assert row["speedup_lpt"] == pytest.approx(row["static_lpt"] / row["hdp"])
+    # The same schedule with one all-reduce over the pool at the end instead of several.
+    assert row["one_pool"] <= row["hdp"] * (1 + 1e-12)
+    assert row["hdp_steps"] >= 1
+  models = saved["fit"]["models"]
+  assert models["accel"]["link_bytes_per_s"] == 25e9 and models["cpu"]["compiled"]
+  assert models["accel"]["sec_per_linear_flop"] == pytest.approx(1 / 400e12)
+  assert models["cpu"]["params"] == hdp_sim.dense_params(4096, 32, 4096)
+  assert saved["attentions"] == {"MHA": 4096, "GQA": 1024}
 
 
 def test_draw_schedule_spans_the_schedule():
@@ -51,7 +52,7 @@ def test_draw_schedule_spans_the_schedule():
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  from jaxsys.parallel import hdp_schedule, hdp_sim
+  from jaxsys.parallel import hdp_schedule
   model = hdp_sim.CostModel(sec_per_attention_flop=1e-14, sec_per_linear_flop=5e-15)
   lengths = [70000, 300, 5000, 120, 40000, 9000]
   sched = hdp_schedule.schedule(lengths, num_devices=4, tokens_per_device=32768)

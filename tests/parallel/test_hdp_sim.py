@@ -148,18 +148,145 @@ def test_padding_is_computed_when_asked():
 
 def test_hdp_beats_static_on_long_tail_and_respects_bound():
   model = hdp_sim.CostModel(sec_per_attention_flop=1e-14, sec_per_linear_flop=5e-15,
-                            link_bytes_per_s=25e9)
+                            link_bytes_per_s=25e9, compiled=True,
+                            params=hdp_sim.dense_params(4096, 32, 4096))
   pool = hdp_sim.long_tail_lengths(20_000, seed=0)
   lengths = hdp_sim.sample_batch(pool, 64 * 32768 * 4, seed=1)
   r = hdp_sim.simulate(lengths, num_devices=64, tokens_per_device=32768, model=model,
                        max_len=262144)
   assert r["hdp"].time < r["static_loader"].time
   assert r["hdp"].time <= r["hdp_step_ring"].time
-  for name in ("hdp", "hdp_step_ring", "static_loader", "static_sorted"):
+  for name in ("hdp", "hdp_step_ring", "hdp_per_rank", "static_loader", "static_sorted",
+               "static_groups", "static_lpt"):
     assert r[name].time >= r["bound"] * (1 - 1e-9), name
-    assert r[name].per_rank_time <= r[name].time * (1 + 1e-9), name
-  assert r["bound"] * (1 - 1e-9) <= r["hdp_per_rank"].time <= r["hdp_step_ring"].time
+  # Per-group accumulation deals the rows as the lock step does, minus the waiting.
+  assert r["static_groups"].time <= r["static_loader"].time
+  assert r["static_lpt"].time <= r["static_groups"].time
+  assert r["hdp_per_rank"].time < r["hdp_step_ring"].time
   assert r["bound"] <= r["lockstep_bound"] <= r["hdp"].time * (1 + 1e-9)
+
+
+# d_model = 1, kv_dim = 4, one layer, 16 bytes/s: attention(L) = L^2, linear(T) = T, a
+# K/V hop of s tokens h = s (2 * 4 * 1 byte + 8 bytes of keys a token), its dK/dV g = 2s
+# (2 * 4 * 4 bytes a token).
+COMPILED = hdp_sim.CostModel(sec_per_attention_flop=0.5, sec_per_linear_flop=1 / 36,
+                             link_bytes_per_s=16.0, d_model=1, n_layers=1, kv_dim=4,
+                             bytes_per_element=1, overlap=True, pad_compute=False,
+                             compiled=True)
+
+
+def test_compiled_ring_member_by_hand():
+  assert COMPILED.linear(3) == pytest.approx(3.0)
+  assert COMPILED.hop(2) == pytest.approx(2.0)
+  member = lambda model, c, tokens: model.device(attention=4.0 * c, linear=2.0, ring=c,
+                                                 hop_tokens=tokens)
+  # c=4, blocks of 4, h=1, g=2. Forward 2 + 4 + 3 max(4, 1) = 18; backward: K/V hidden by
+  # the 8 of compute, dK/dV added, one more home: 2 (2 + 4) + 3 (max(8, 1) + 2) + 2 = 44.
+  assert member(COMPILED, 4, 1) == pytest.approx(62.0)
+  # c=2: XLA reuses the forward's K/V hop; forward 10, backward 12 + (8 + 2) + 2 = 24.
+  assert member(COMPILED, 2, 1) == pytest.approx(34.0)
+  # Slow hops (h=10, g=20) show through: 36 + 12 + 3 (max(8, 10) + 20) + 20 = 158.
+  assert member(COMPILED, 4, 10) == pytest.approx(158.0)
+  # Nothing overlapped: 3 * 18 of compute and every hop: forward 3, backward 3 + 4 * 2.
+  serial = dataclasses.replace(COMPILED, overlap=False)
+  assert member(serial, 4, 1) == pytest.approx(54.0 + 14.0)
+  assert COMPILED.hops(4) == (3, 3, 4) and COMPILED.hops(2) == (1, 0, 2)
+  assert COMPILED.hops(1) == (0, 0, 0) and UNIT.hops(4) == (3, 3, 3)
+  assert COMPILED.sent(1, 4) == {"kv": 6 * 8.0, "keys": 6 * 8.0, "dkv": 4 * 32.0}
+
+
+def test_allreduce_bytes():
+  model = dataclasses.replace(COMPILED, params=10)
+  assert model.grad_bytes() == 4 * 12  # f32 gradients, loss sum and token count
+  assert model.allreduce_bytes(4) == pytest.approx(2 * 3 / 4 * 48)
+  assert model.allreduce(4) == pytest.approx(72 / 16)
+  assert COMPILED.allreduce_bytes(8) == 0.0  # params=0: no all-reduce modeled
+  assert hdp_sim.dense_params(4096, 32, 4096) == 6_704_861_184
+  assert hdp_sim.dense_params(4096, 32, 1024) == 5_899_554_816
+  gqa = dataclasses.replace(COMPILED, d_model=4096, kv_dim=1024)
+  mha = dataclasses.replace(gqa, kv_dim=4096)
+  assert gqa.linear(1) / mha.linear(1) == pytest.approx(21 / 24)  # k, v are d x kv_dim
+
+
+@pytest.mark.parametrize("pad_compute", [True, False])
+def test_time_is_compute_plus_bytes_over_the_link(pad_compute):
+  """With nothing overlapped, a strategy's time is its compute plus every byte its
+  busiest device sends over the link: the timed and the counted traffic are one."""
+  model = dataclasses.replace(COMPILED, overlap=False, params=3, pad_compute=pad_compute)
+  free = dataclasses.replace(model, link_bytes_per_s=1e30)
+  lengths = [8, 5, 3, 2, 6, 1]
+  kw = dict(num_devices=4, tokens_per_device=2, max_len=8)  # one data group, c_max = 4
+  for schedule in hdp_sim.STATIC_SCHEDULES:
+    timed = hdp_sim.simulate_static(lengths, model=model, schedule=schedule, **kw)
+    compute = hdp_sim.simulate_static(lengths, model=free, schedule=schedule, **kw)
+    assert timed.time - compute.time == pytest.approx(
+        sum(timed.sent.values()) / model.link_bytes_per_s), schedule
+  # One sequence on the 4 devices it needs: a ring, its all-reduce, the pool's.
+  kw = dict(num_devices=4, tokens_per_device=2, widen=False)
+  timed = hdp_sim.simulate_per_rank([8], model=model, **kw)
+  compute = hdp_sim.simulate_per_rank([8], model=free, **kw)
+  assert timed.sent["all-reduce"] == pytest.approx(2 * model.allreduce_bytes(4))
+  assert timed.time - compute.time == pytest.approx(
+      sum(timed.sent.values()) / model.link_bytes_per_s)
+
+
+def test_static_schedules_by_hand():
+  # FFD rows of 4 tokens on rings of 2 (tpd 2), 2 data groups, in loader order: [2] (9 s:
+  # 3 * (1 + 1 + max(1, h=1))), [0] (30 s), [1, 3] (21 s); see test_two_devices_by_hand.
+  lengths = [4, 3, 2, 1]
+  kw = dict(num_devices=4, tokens_per_device=2, max_len=4, model=UNIT)
+  rows, c = hdp_sim.static_rows(lengths, num_devices=4, tokens_per_device=2, max_len=4)
+  assert (rows, c) == ([[2], [0], [1, 3]], 2)
+  times = {s: hdp_sim.simulate_static(lengths, schedule=s, **kw) for s in hdp_sim.STATIC_SCHEDULES}
+  # Lock step: micro-steps ([2], [0]) and ([1, 3]): 30 + 21.
+  assert times["lockstep"].time == pytest.approx(51.0) and times["lockstep"].steps == 2
+  assert times["lockstep"].name == "static_loader"
+  # Per group, dealt in order: group 0 runs [2] then [1, 3] (30 s), group 1 [0] (30 s).
+  assert times["groups"].time == pytest.approx(30.0)
+  # LPT: [0] to group 0, [1, 3] to group 1, then [2] to group 1 (21 < 30).
+  assert times["lpt"].time == pytest.approx(30.0)
+  np.testing.assert_allclose(times["lpt"].device_time, [[30, 30, 21, 21], [0, 0, 9, 9]])
+  assert times["groups"].padding == pytest.approx(1 - 10 / 12)  # 3 rows of 4 slots
+  assert times["lockstep"].padding == pytest.approx(1 - 10 / 16)  # 2 steps of 8
+
+
+def test_per_rank_all_reduces():
+  """PerRankHDPStep ends a step with one all-reduce over the pool per sum it adds (the
+  rings', and one per local micro-batch size); "one_pool" adds them first."""
+  model = dataclasses.replace(COMPILED, params=5)
+  lengths = [8, 2, 2, 1, 1, 2, 1]
+  kw = dict(num_devices=4, tokens_per_device=2, model=model)
+  sched = hdp_schedule.schedule(lengths, num_devices=4, tokens_per_device=2,
+                                cost=hdp_sim.ScheduleCost(model, 2))
+  sizes = {hdp_schedule.local_cell(sum(lengths[i] for i in batch), 2)
+           for batches in sched.local for batch in batches}
+  assert hdp_sim.pool_reductions(sched, lengths, 2) == 1 + len(sizes) == 3
+  executor = hdp_sim.simulate_per_rank(lengths, **kw)
+  one_pool = hdp_sim.simulate_per_rank(lengths, allreduce="one_pool", **kw)
+  assert executor.time - one_pool.time == pytest.approx(2 * model.allreduce(4))
+  once = hdp_sim.simulate_per_rank(lengths, allreduce="once", **kw)
+  assert once.sent["all-reduce"] == pytest.approx(model.allreduce_bytes(4))
+  assert executor.name == "hdp_per_rank" and once.name == "hdp_per_rank_once"
+  # Planned as if rings had no all-reduce of their own, timed with them.
+  blind = hdp_sim.simulate_per_rank(lengths, estimate="once", **kw)
+  assert blind.name == "hdp_per_rank" and blind.sent["all-reduce"] > once.sent["all-reduce"]
+  # A ring's own all-reduce is part of its job, and of the schedule's estimate.
+  (ring,) = sched.rings
+  (job, *_) = hdp_sim.schedule_jobs(sched, lengths, tokens_per_device=2, model=model)
+  bare = hdp_sim.schedule_jobs(sched, lengths, tokens_per_device=2, model=model,
+                               allreduce="once")[0]
+  assert job.end - bare.end == pytest.approx(model.allreduce(len(ring.devices)))
+  assert job.sent["all-reduce"] == model.allreduce_bytes(len(ring.devices))
+
+
+def test_lower_bound_counts_unhidden_hops_and_the_final_all_reduce():
+  # L=4 on the 2 devices it needs (tpd 2), nothing overlapped: all compute, both members'
+  # hops of 2 real tokens (forward 1 K/V hop, backward 2 dK/dV), one all-reduce, over N=2.
+  model = dataclasses.replace(COMPILED, overlap=False, params=1)
+  compute = 3 * (model.attention(4) + model.linear(4))
+  hops = 2 * sum(model.sent(2, 2).values()) / model.link_bytes_per_s
+  assert hdp_sim.lower_bound([4], num_devices=2, tokens_per_device=2, model=model) == (
+      pytest.approx((compute + hops) / 2 + model.allreduce(2)))
 
 
 def test_long_tail_shape():
@@ -191,10 +318,18 @@ def test_pack_rows_first_fit_decreasing():
 def test_errors():
   with pytest.raises(ValueError, match="sec_per_linear_flop"):
     dataclasses.replace(UNIT, sec_per_linear_flop=0.0)
+  with pytest.raises(ValueError, match=r"CostModel.params=-1: must be an int >= 0"):
+    dataclasses.replace(UNIT, params=-1)
   with pytest.raises(ValueError, match="num_devices=4"):
     hdp_sim.static_ring(262144, 4, 32768)
+  kw = dict(num_devices=1, tokens_per_device=1, model=UNIT)
   with pytest.raises(ValueError, match="order="):
-    hdp_sim.simulate_static([1], num_devices=1, tokens_per_device=1, model=UNIT, max_len=1,
-                            order="random")
+    hdp_sim.simulate_static([1], max_len=1, order="random", **kw)
+  with pytest.raises(ValueError, match=r"schedule='fifo': must be one of \('lockstep'"):
+    hdp_sim.simulate_static([1], max_len=1, schedule="fifo", **kw)
+  with pytest.raises(ValueError, match=r"allreduce='never': must be one of \('executor'"):
+    hdp_sim.simulate_per_rank([1], allreduce="never", **kw)
+  with pytest.raises(ValueError, match=r"estimate='all': must be one of"):
+    hdp_sim.simulate_per_rank([1], estimate="all", **kw)
   with pytest.raises(ValueError, match="does not fit a row"):
     hdp.pack_rows([11], 10)

@@ -1,0 +1,142 @@
+"""The HDP simulator's byte counts equal what the executors' compiled programs send.
+
+The simulator (jaxsys/parallel/hdp_sim.py, compiled=True) is evaluated for the tiny test
+model (configs/tiny_lm.py:size=test: d 64, 2 layers, K/V 2 heads of 16, f32) and set
+beside XLA:CPU's programs on the 8 simulated devices, counted as jaxsys.train.aot does
+(bytes each device sends per collective kind, loop bodies times their trips):
+- a per-rank ring program (PerRankHDPStep) over c = 2 and 4 devices: its K/V and dK/dV
+  hops and its gradient all-reduce over the ring;
+- the per-rank step's other programs: a local program sends nothing, the update nothing,
+  and the final reduce one all-reduce over the pool per stacked sum;
+- a static data=2,context=4 step with 2 accumulated micro-batches: its hops and its
+  layout all-gather per micro-step; its all-reduces (per micro-batch, over context and
+  over data) by the simulator's all-reduce formula.
+The one inexact count: the int32 segment ids and positions sent beside K/V ("keys"). XLA
+sends the forward's once for all layers (every layer's are the same) and, at c = 2, the
+backward reuses the forward's hop; the simulator counts them per layer and hop, so its
+count is an upper bound (8 bytes a token, against K and V's 2 * kv_dim * 2 bytes at bf16:
+4,096 for the simulated GQA model, 16,384 for MHA).
+"""
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import load_run_config
+from jaxsys import mesh as mesh_lib
+from jaxsys.data.packing import FIELDS
+from jaxsys.models import transformer
+from jaxsys.optim import outer
+from jaxsys.parallel import hdp_schedule, hdp_sim
+from jaxsys.train import aot, hdp_step
+from jaxsys.train import setup as setup_lib
+
+RING_TPD = 128  # the per-rank run's tokens per device: a ring program's cell
+# The static step: rows of 256 tokens on context=4 (64 tokens a device), 2 rows a
+# micro-batch (data=2), 2 micro-batches.
+STATIC_ROW, STATIC_ACCUM = 256, 2
+# An s32[...] collective-permute: the ring's segment ids and positions.
+_KEYS = re.compile(r"= s32\[[^\]]*\]\S* collective-permute\(")
+
+
+def _sent(compiled, devices: int) -> dict[str, int]:
+  """Bytes each device sends, by kind; "collective-permute" split into the f32 blocks
+  (K, V, dK, dV) and "keys" (s32)."""
+  hlo = compiled.as_text()
+  sent = {kind: outer.collective_bytes_from_hlo(hlo, devices, trips=True, kind=kind)
+          for kind in aot.COLLECTIVES}
+  blocks = "\n".join(line for line in hlo.splitlines() if not _KEYS.search(line))
+  permutes = sent.pop("collective-permute")
+  sent["blocks"] = outer.collective_bytes_from_hlo(blocks, devices, trips=True,
+                                                   kind="collective-permute")
+  sent["keys"] = permutes - sent["blocks"]
+  return sent
+
+
+def _model(run) -> hdp_sim.CostModel:
+  """The simulator's cost model of `run`'s model, its hops and all-reduces as compiled."""
+  cfg = run.model
+  return hdp_sim.CostModel(sec_per_attention_flop=1.0, sec_per_linear_flop=1.0,
+                           d_model=cfg.d_model, n_layers=cfg.n_layers,
+                           kv_dim=cfg.n_kv_heads * cfg.hd,
+                           bytes_per_element=np.dtype(cfg.dtype).itemsize,
+                           compiled=True, params=transformer.param_count(cfg))
+
+
+@pytest.fixture(scope="module")
+def per_rank():
+  run = load_run_config("stdlib", mesh="data=8", data__seq_len=RING_TPD,
+                        data__variable_length=True, parallel__hdp=True,
+                        parallel__hdp_schedule="per_rank", data__max_len=8 * RING_TPD,
+                        data__truncate_long=True)
+  setup = setup_lib.make_setup(run, mesh_lib.make_mesh(run.mesh))
+  return run, setup, aot._abstract(setup.abstract, setup.state_sh)
+
+
+@pytest.mark.parametrize("c", [2, 4])
+def test_ring_program(per_rank, c):
+  run, setup, state = per_rank
+  update, ring = setup.train_fn.lower(state, c)
+  sent = _sent(ring.compile(), c)
+  model = _model(run)
+  lengths = [c * RING_TPD]  # one sequence on the c devices it needs, cells of RING_TPD
+  sched = hdp_schedule.schedule(lengths, num_devices=c, tokens_per_device=RING_TPD,
+                                widen=False)
+  (job,) = hdp_sim.schedule_jobs(sched, lengths, tokens_per_device=RING_TPD, model=model)
+  assert len(job.devices) == c and sched.rings[0].cell == RING_TPD
+  assert sent["blocks"] == job.sent["kv"] + job.sent["dkv"]
+  assert 0 < sent["keys"] <= job.sent["keys"]
+  assert sent["all-reduce"] == job.sent["all-reduce"] == model.allreduce_bytes(c)
+  assert sent["all-gather"] == sent["reduce-scatter"] == sent["all-to-all"] == 0
+  assert not any(_sent(update.compile(), 8).values())  # the update sends nothing
+
+
+def test_local_program_and_final_reduce(per_rank):
+  """A step of one ring and local micro-batches of two sizes ends with three all-reduces
+  over the pool (hdp_sim.pool_reductions); the local program sends nothing."""
+  run, setup, state = per_rank
+  executor, model = setup.train_fn, _model(run)
+  lengths = [2 * RING_TPD] + [RING_TPD] * 6 + [RING_TPD // 8] * 6
+  docs = [np.zeros(n + 1, np.int32) for n in lengths]
+  sched = executor.plan(lengths)
+  local = executor._local_batches(sched, docs)
+  assert len(sched.rings) == 1 and len(local) == 2
+  acc = jax.eval_shape(hdp_step._zero_sums, state.params)
+  stacked = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct((8,) + x.shape, x.dtype, sharding=s),
+                         acc, executor._stacked_sh)
+  reduce = _sent(executor._reduce.lower([stacked] * len(local), stacked).compile(), 8)
+  reductions = hdp_sim.pool_reductions(sched, lengths, RING_TPD)
+  assert reductions == 3
+  assert reduce["all-reduce"] == reductions * model.allreduce_bytes(8)
+  size = min(local)
+  fields = {f: jax.ShapeDtypeStruct((8, 1, size), np.float32 if f == "loss_mask" else np.int32,
+                                    sharding=executor._stacked_sh[0]) for f in FIELDS}
+  counts = jax.ShapeDtypeStruct((8,), np.int32, sharding=executor._stacked_sh[0])
+  params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        state.params, executor.gathered_sh)
+  local_sent = _sent(executor.local_program(1).lower(params, fields, counts).compile(), 8)
+  assert not any(local_sent.values())
+
+
+def test_static_step():
+  run = load_run_config("stdlib", mesh="data=2,context=4", data__seq_len=STATIC_ROW,
+                        data__batch_size=2 * STATIC_ACCUM,
+                        optimizer__grad_accum_steps=STATIC_ACCUM)
+  setup = setup_lib.make_setup(run, mesh_lib.make_mesh(run.mesh))
+  state = aot._abstract(setup.abstract, setup.state_sh)
+  sent = _sent(setup.train_fn.lower(state, aot._batch(run, setup.batch_sh)).compile(), 8)
+  model = _model(run)
+  # The same micro-steps simulated: 4 rows of 256 tokens, 2 to a lock-step micro-step.
+  static = hdp_sim.simulate_static([STATIC_ROW] * 4, num_devices=8,
+                                   tokens_per_device=STATIC_ROW // 4, model=model,
+                                   max_len=STATIC_ROW)
+  assert static.steps == STATIC_ACCUM
+  assert sent["blocks"] == static.sent["kv"] + static.sent["dkv"]
+  assert 0 < sent["keys"] <= static.sent["keys"]
+  assert sent["all-gather"] == static.sent["all-gather"]
+  # The compiled step all-reduces every micro-batch, over context and then over data; the
+  # simulated baselines all-reduce once, over the pool (the strongest a static mesh does).
+  assert sent["all-reduce"] == STATIC_ACCUM * (model.allreduce_bytes(4)
+                                               + model.allreduce_bytes(2))
+  assert static.sent["all-reduce"] == model.allreduce_bytes(8)
