@@ -3,14 +3,18 @@ r"""HDP's planning time per step: which offered documents a step takes, and its 
   python -m experiments.bench_hdp_planner --devices=8,64,256,1024 --steps=3
 
 No devices needed: the per-rank planner (`hdp_schedule.schedule`, what
-`parallel.hdp_schedule=per_rank` runs) plans for --devices slots of --tokens_per_device
-tokens, --micro_steps micro-batches a step. Each step is offered what the loader offers
-(`hdp_step.loader_budget`: half as many again as a step holds), drawn from the stdlib's
-byte lengths and from the long-tailed lengths (`hdp_sim`), and `hdp.fit_documents` keeps
-what one step takes. The baseline is the planner before it: one plan per offered
-document (each kept if the plan still fits), timed up to --baseline_max_devices. Prints a
-markdown table: plans and seconds per step (median over --steps), and the share of the
-step's token capacity the kept documents fill.
+`parallel.hdp_schedule=per_rank` runs, with training's tight rings) plans for --devices
+slots of --tokens_per_device tokens, --micro_steps micro-batches a step. Each step is
+offered what the loader offers (`hdp_step.loader_budget`: half as many again as a step
+holds), drawn from the stdlib's byte lengths and from the long-tailed lengths (`hdp_sim`),
+and each fit keeps what one step takes:
+  one schedule:  `hdp_schedule.fit`, training's: one schedule with a budget of
+                 micro-batches per device;
+  binary search: `hdp.fit_documents` (the lock-step executor's), a few plans;
+  one plan per document: each offered document kept if the plan still fits (the planner
+                 before both), timed up to --baseline_max_devices.
+Prints a markdown table: plans and seconds per step (median over --steps), and the share
+of the step's token capacity the kept documents fill.
 """
 from __future__ import annotations
 
@@ -66,13 +70,24 @@ def measure(*, devices: int, tokens_per_device: int, micro_steps: int, steps: in
   baseline when asked)."""
   calls = []
 
-  def plan(lengths):
+  schedule = hdp_schedule.schedule
+
+  def counted(*args, **kwargs):
     calls.append(1)
-    return hdp_schedule.schedule(lengths, num_devices=devices,
-                                 tokens_per_device=tokens_per_device)
+    return schedule(*args, **kwargs)
+  plan = lambda lengths: counted(lengths, num_devices=devices,
+                                 tokens_per_device=tokens_per_device, widen=False)
   micro_batches = lambda sched: int(sched.micro_batches().max(initial=0))
   capacity = micro_steps * devices * tokens_per_device
-  fits = {"planner": lambda lengths: hdp.fit_documents(
+
+  def one_schedule(lengths):
+    hdp_schedule.schedule = counted  # hdp_schedule.fit's one call, counted
+    try:
+      return hdp_schedule.fit(lengths, budget=micro_steps, num_devices=devices,
+                              tokens_per_device=tokens_per_device, widen=False)
+    finally:
+      hdp_schedule.schedule = schedule
+  fits = {"one schedule": one_schedule, "binary search": lambda lengths: hdp.fit_documents(
       lengths, budget=micro_steps, capacity=capacity, plan=plan, micro_batches=micro_batches)}
   if baseline:
     fits["one plan per document"] = lambda lengths: one_plan_per_document(

@@ -163,7 +163,7 @@ def _place(lengths, groups, rings, costs, steps, num_devices, tokens_per_device)
     start = k * b + int(np.flatnonzero(run_at[m, k])[-1])
     devs = tuple(range(start, start + r))
     cell_cost[m, list(devs)] = per_cost
-    cell_tokens[m, list(devs)] = _group_share(lengths[list(members)], r)
+    cell_tokens[m, list(devs)] = int(np.sum(-(-lengths[list(members)] // r)))
     ring_of[m, list(devs)] = r
     step_max[m] = max(step_max[m], per_cost)
     entries[m] += [(i, devs) for i in members]
@@ -188,11 +188,6 @@ def _place(lengths, groups, rings, costs, steps, num_devices, tokens_per_device)
   return entries
 
 
-def _group_share(lengths, devices: int) -> int:
-  """Tokens each device holds of sequences all split zigzag over the same devices."""
-  return int(sum(-(-int(n) // devices) for n in lengths))
-
-
 def share_groups(lengths, tokens_per_device: int, num_devices: int
                  ) -> list[tuple[tuple[int, ...], int]]:
   """Long sequences (more than tokens_per_device) in groups that share a ring:
@@ -207,25 +202,44 @@ def share_groups(lengths, tokens_per_device: int, num_devices: int
   lengths = np.asarray(lengths, np.int64)
   need = {i: devices_needed(int(n), tokens_per_device) for i, n in enumerate(lengths)}
   long = sorted((i for i in need if need[i] > 1), key=lambda i: (-lengths[i], i))
-  groups: list[list] = []  # [members, devices, the fewest devices any member needs]
+  members: list[list[int]] = []
+  # Per group: its devices, the fewest devices a member needs, its tokens, and the most
+  # tokens a device holds of it (its share) on its devices.
+  g, least, tokens, share = (np.zeros(len(long), np.int64) for _ in range(4))
+  share_on = lambda k, c, n: int(np.sum(-(-lengths[members[k]] // c))) + -(-n // c)
   for i in long:
-    best, best_g = None, None
-    for group in groups:
-      members, g, least = group
-      cap = 2 * min(least, need[i])
-      grown = g
-      while grown <= min(cap, num_devices) and _group_share(
-          lengths[members + [i]], grown) > tokens_per_device:
-        grown += 1
-      if grown <= min(cap, num_devices) and grown - g < need[i] and (
-          best is None or grown - g < best_g - best[1]):
-        best, best_g = group, grown
-    if best is None:
-      groups.append([[i], need[i], need[i]])
+    n, k = int(lengths[i]), len(members)
+    top = np.minimum(2 * np.minimum(least[:k], need[i]), num_devices)
+    # Grown to fit it (shares only fall as the ring grows): no group can need fewer devices
+    # than its tokens over tokens_per_device.
+    floor = np.maximum(g[:k], -(-(tokens[:k] + n) // tokens_per_device))
+    zero = (share[:k] + -(-n // np.maximum(g[:k], 1)) <= tokens_per_device) & (g[:k] <= top)
+    best = None
+    if zero.any():
+      best = (0, int(np.argmax(zero)), None)
     else:
-      best[0].append(i)
-      best[1], best[2] = best_g, min(best[2], need[i])
-  return [(tuple(members), g) for members, g, _ in groups]
+      for j in np.lexsort((np.arange(k), floor - g[:k])):
+        j, lower = int(j), int(floor[j] - g[j])
+        if best is not None and (lower, j) > best[:2]:
+          break
+        if lower >= need[i] or floor[j] > top[j]:
+          continue
+        grown = int(floor[j])
+        while grown <= top[j] and share_on(j, grown, n) > tokens_per_device:
+          grown += 1
+        if grown <= top[j] and grown - g[j] < need[i] and (best is None or
+                                                          (grown - g[j], j) < best[:2]):
+          best = (int(grown - g[j]), j, grown)
+    if best is None:
+      members.append([i])
+      g[k], least[k], tokens[k], share[k] = need[i], need[i], n, -(-n // need[i])
+    else:
+      _, j, grown = best
+      grown = g[j] if grown is None else grown
+      members[j].append(i)
+      g[j], least[j], tokens[j] = grown, min(least[j], need[i]), tokens[j] + n
+      share[j] = share_on(j, grown, 0)
+  return [(tuple(m), int(g[k])) for k, m in enumerate(members)]
 
 
 def min_steps(lengths: Sequence[int], *, num_devices: int, tokens_per_device: int) -> int:

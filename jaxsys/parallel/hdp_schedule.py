@@ -27,10 +27,16 @@ lasts as long as its slowest member) or of a device's local micro-batch (only th
 attention adds), in the device's newest micro-batch grown to the next size, or in a new
 one. A device runs its rings in order, then its local micro-batches.
 
+With a budget of micro-batches per device (`fit`: what one training step of m micro-batches
+takes of the documents offered), rings and short sequences go only where a device has
+room, the first sequence before all (so a step always keeps it), and what finds no room
+is left out; one schedule, not a search over schedules.
+
 Ring placements are built as candidates (rings shared or one per sequence: shared rings
 fill their cells, but each hop then carries all their shares for a fraction of the
 attention; widened under each rule, and tight) and the one whose estimate ends first,
-short sequences counted at their mean, is kept.
+short sequences counted at their mean, is kept (with a budget: the one that leaves the
+fewest tokens out, then that).
 
 Example:
   s = schedule([9000, 300, 5000, 120], num_devices=4, tokens_per_device=4096)
@@ -79,9 +85,11 @@ class Ring:
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-  """rings: in dispatch order; local[d]: device d's micro-batches after its rings."""
+  """rings: in dispatch order; local[d]: device d's micro-batches after its rings; left:
+  the sequences a budget left out (`schedule(budget=...)`), ascending."""
   rings: tuple[Ring, ...]
   local: tuple[tuple[tuple[int, ...], ...], ...]
+  left: tuple[int, ...] = ()
 
   @property
   def num_devices(self) -> int:
@@ -106,6 +114,14 @@ class Schedule:
     out = [i for r in self.rings for i in r.seqs + sum(r.fill, ())]
     out += [i for batches in self.local for b in batches for i in b]
     return sorted(out)
+
+  def renumbered(self, new: dict[int, int]) -> Schedule:
+    """The same schedule with sequence i called new[i] (nothing left out)."""
+    ids = lambda seqs: tuple(new[i] for i in seqs)
+    return Schedule(
+        rings=tuple(dataclasses.replace(r, seqs=ids(r.seqs), fill=tuple(map(ids, r.fill)))
+                    for r in self.rings),
+        local=tuple(tuple(map(ids, batches)) for batches in self.local))
 
 
 def _ring_sizes(need: int, num_devices: int, widen: bool) -> list[int]:
@@ -192,15 +208,27 @@ class FlopCost:
 
 def schedule(lengths: Sequence[int], *, num_devices: int, tokens_per_device: int,
              d_model: int = hdp.DEFAULT_D_MODEL, widen: bool = True,
-             cost=None) -> Schedule:
+             cost=None, budget: int | None = None, later: int | None = None) -> Schedule:
   """The per-rank schedule of `lengths` (see the module docstring); errors as hdp.plan.
 
   widen=False keeps every ring on the devices it needs. cost: the time estimate balanced
   (cell(tokens), ring(lengths, devices, cell), short(length), all in one unit); default
   FlopCost(tokens_per_device, d_model). A simulator passes its own, links included
   (`hdp_sim.ScheduleCost`).
+
+  budget: at most that many micro-batches on any device; what does not fit is left out
+  (`Schedule.left`). Sequence 0 is then placed first, so it always fits, and sequences
+  from index `later` on (short ones) only after all others, in order, where room is left.
   """
   arr = hdp._check(lengths, num_devices, tokens_per_device)
+  if budget is not None and (not isinstance(budget, int) or budget < 1):
+    raise ValueError(f"budget={budget!r}: must be an int >= 1 (micro-batches per device)")
+  later = arr.size if later is None else later
+  if np.any(arr[later:] > tokens_per_device):
+    raise ValueError(f"later={later}: the sequences from it on must be short "
+                     f"(at most tokens_per_device={tokens_per_device} tokens)")
+  limit = Budget(budget if budget is not None else np.iinfo(np.int64).max, later,
+                   first=budget is not None)
   cost = FlopCost(tokens_per_device, d_model) if cost is None else cost
   need = {i: hdp.devices_needed(int(n), tokens_per_device) for i, n in enumerate(arr)}
   alone = [((i,), c) for i, c in need.items() if c > 1]
@@ -215,30 +243,82 @@ def schedule(lengths: Sequence[int], *, num_devices: int, tokens_per_device: int
     cell = cell_size(int(member_tokens(arr[list(seqs)], c).max()), tokens_per_device)
     return cell, cost.ring(arr[list(seqs)], c, cell)
 
-  candidates = [_place_rings(arr, groups, num_devices, d_model, widened, ring_time, rule,
-                             short_work)
+  # Rings go before short sequences: a short first one keeps a micro-batch of the last
+  # device while they are placed.
+  held, busy = np.zeros(num_devices, np.int64), np.zeros(num_devices)
+  if limit.first and arr.size and arr[0] <= tokens_per_device:
+    held[-1], busy[-1] = 1, cost.short(int(arr[0]))
+  candidates = [_place_rings(arr, groups, widened, ring_time, rule, short_work, limit,
+                             busy, held, d_model)
                 for groups in ([shared] if shared == alone else [shared, alone])
                 for widened, rule in [(True, r) for r in RULES if widen] + [(False, RULES[0])]]
-  rings, load = min(candidates, key=lambda c: max(c[1].max(initial=0.0),
-                                                  (c[1].sum() + short_work) / num_devices))
-  return _place_shorts(arr, rings, load, tokens_per_device, cost)
+  # The fewest tokens left out, then the soonest estimated end.
+  rings, load, counts, left = min(candidates, key=lambda c: (
+      int(arr[c[3]].sum()), max(c[1].max(initial=0.0), (c[1].sum() + short_work) / num_devices)))
+  return _place_shorts(arr, rings, load - busy, counts - held, left, tokens_per_device, cost,
+                       limit)
 
 
-def _place_rings(arr, groups, num_devices, d_model, widen, ring_time, rule, short_work):
-  """(rings as (sequences, devices, cell), load: when each device is done with them) of
-  `groups`, the rings' sequences, their sizes chosen by `rule` (see below); ring_time:
-  (seqs, c) -> (cell, member time)."""
+@dataclasses.dataclass(frozen=True)
+class Budget:
+  """Micro-batches a device may run (`most`); sequences from `later` on go after all
+  others, in order; `first`: sequence 0 goes before all (see `schedule`)."""
+  most: int
+  later: int
+  first: bool
+
+  def order(self, seqs: tuple[int, ...], weight: float) -> tuple:
+    """Sort key of a ring (`seqs`) or a short sequence (`(i,)`) of `weight` (heaviest first)."""
+    i = seqs[0]
+    return (not (self.first and 0 in seqs), i >= self.later,
+            -weight if i < self.later else 0.0, seqs)
+
+
+def fit(lengths: Sequence[int], *, budget: int, num_devices: int, tokens_per_device: int,
+        **kwargs) -> tuple[list[int], Schedule]:
+  """(kept, their schedule): what of the offered `lengths` one step of `budget`
+  micro-batches per device takes, in one schedule; it indexes the kept sequences.
+
+  The run of sequences from the first whose tokens fit the step's slots is scheduled (the
+  first always kept), then the later short ones, in order, where room is left; the rest
+  are not kept. kwargs: `schedule`'s (d_model, widen, cost).
+  """
+  lengths = [int(n) for n in lengths]
+  capacity = budget * num_devices * tokens_per_device
+  within = max(1, int(np.searchsorted(np.cumsum(lengths), capacity, side="right")))
+  order = list(range(within)) + [i for i in range(within, len(lengths))
+                                 if lengths[i] <= tokens_per_device]
+  sched = schedule([lengths[i] for i in order], num_devices=num_devices,
+                   tokens_per_device=tokens_per_device, budget=budget, later=within, **kwargs)
+  left = set(sched.left)
+  kept = sorted(order[k] for k in range(len(order)) if k not in left)
+  position = {i: n for n, i in enumerate(kept)}
+  return kept, sched.renumbered({k: position[i] for k, i in enumerate(order) if k not in left})
+
+
+def _place_rings(arr, groups, widen, ring_time, rule, short_work, budget: Budget, load,
+                 counts, d_model):
+  """(rings as (sequences, devices, cell), load: when each device is done with them,
+  micro-batches per device, sequences left out) of `groups`, the rings' sequences, placed
+  after `load` and `counts`, their sizes chosen by `rule` (see below); ring_time: (seqs, c)
+  -> (cell, member time)."""
+  num_devices = load.size
   costs = hdp.sequence_cost(arr, d_model=d_model) if arr.size else np.zeros(0)
-  load = np.zeros(num_devices)
+  load, counts = load.copy(), counts.copy()
   # Device time still to place: every ring on the devices it needs, every short sequence.
   todo = sum(need * ring_time(seqs, need)[1] for seqs, need in groups) + short_work
   rings: list[tuple[tuple[int, ...], tuple[int, ...], int]] = []
-  for seqs, need in sorted(groups, key=lambda g: (-costs[list(g[0])].sum(), g[0])):
+  left: list[int] = []
+  for seqs, need in sorted(groups, key=lambda g: budget.order(g[0], costs[list(g[0])].sum())):
     todo -= need * ring_time(seqs, need)[1]
     options = []
     for c in _ring_sizes(need, num_devices, widen):
       cell, member = ring_time(seqs, c)
       firsts, starts, idle = _runs(load, c)
+      room = np.lib.stride_tricks.sliding_window_view(counts, c)[firsts].max(axis=1) < budget.most
+      if not room.any():
+        continue
+      firsts, starts, idle = firsts[room], starts[room], idle[room]
       ends = starts + member
       # A ring ends sooner when wider or on a run free sooner, but device time is lost to
       # the pool: its empty slots, exposed hops and members waiting for the last one.
@@ -253,17 +333,22 @@ def _place_rings(arr, groups, num_devices, d_model, widen, ring_time, rule, shor
         keys = np.stack([np.maximum(ends, (busy + todo) / num_devices), lost])
       k = int(np.lexsort(keys[::-1])[0])
       options.append((*keys[:, k], ends[k], c, int(firsts[k]), cell))
+    if not options:  # every run of devices has run its budget
+      left += seqs
+      continue
     *_, end, c, first, cell = min(options)
     load[first:first + c] = end
+    counts[first:first + c] += 1
     rings.append((seqs, tuple(range(first, first + c)), cell))
 
-  return rings, load
+  return rings, load, counts, left
 
 
-def _place_shorts(arr, rings, load, cap, cost) -> Schedule:
-  """The schedule: `rings` (placed, devices busy until `load`) and the short sequences."""
+def _place_shorts(arr, rings, load, counts, left, cap, cost, budget: Budget) -> Schedule:
+  """The schedule: `rings` (placed, devices busy until `load`, `counts` micro-batches each;
+  `left`: sequences left out) and the short sequences."""
   num_devices = load.size
-  load = load.copy()
+  load, counts, left = load.copy(), counts.copy(), list(left)
   # Short sequences, heaviest first, where they end soonest (see the module docstring).
   # A ring lasts as long as its slowest member, so fill that makes a member the slowest
   # delays all of them.
@@ -281,12 +366,12 @@ def _place_shorts(arr, rings, load, cap, cost) -> Schedule:
   free = np.zeros(num_devices, np.int64)     # most slots a batch has before it grows
   last = np.full(num_devices, cap + 1)       # tokens in the newest batch (none: cap + 1)
   short = [i for i in range(arr.size) if arr[i] <= cap]
-  for i in sorted(short, key=lambda i: (-arr[i], i)):
+  for i in sorted(short, key=lambda i: budget.order((i,), arr[i])):
     n = int(arr[i])
     attention = cost.short(n) - cost.cell(n)
     # Per device: a batch with room (free), the newest batch grown to the next size, or
-    # a new batch of the smallest size that holds it.
-    new = size_cost[np.searchsorted(sizes, n)]
+    # a new batch of the smallest size that holds it, within the budget.
+    new = np.where(counts < budget.most, size_cost[np.searchsorted(sizes, n)], np.inf)
     grow = np.where(last + n <= cap, size_cost[np.searchsorted(sizes, np.minimum(last + n, cap))]
                     - size_cost[np.searchsorted(sizes, np.minimum(last, cap))], np.inf)
     adds = np.where(free >= n, 0.0, np.minimum(grow, new))
@@ -304,13 +389,17 @@ def _place_shorts(arr, rings, load, cap, cost) -> Schedule:
         load[members] += max(0.0, extra[j] - most[r])
         most[r] = max(most[r], extra[j])
         continue
+    if np.isinf(ends[d]):  # no room anywhere within the budget
+      left.append(i)
+      continue
     if free[d] >= n:  # the first batch with room
       b = next(b for b, t in enumerate(held[d]) if local_cell(t, cap) - t >= n)
-    elif grow[d] <= new:
+    elif grow[d] <= new[d]:
       b = len(held[d]) - 1
     else:
       local[d].append([])
       held[d].append(0)
+      counts[d] += 1
       b = len(held[d]) - 1
     local[d][b].append(i)
     held[d][b] += n
@@ -321,4 +410,5 @@ def _place_shorts(arr, rings, load, cap, cost) -> Schedule:
   return Schedule(
       rings=tuple(Ring(seqs, devices, tuple(tuple(fill[r, k]) for k in range(len(devices))),
                        cell) for r, (seqs, devices, cell) in enumerate(rings)),
-      local=tuple(tuple(tuple(b) for b in batches) for batches in local))
+      local=tuple(tuple(tuple(b) for b in batches) for batches in local),
+      left=tuple(sorted(left)))

@@ -195,14 +195,6 @@ class _HDPBase:
     plan = batch.get("plan") or self.plan([len(d) - 1 for d in docs])
     return self.run(state, docs, plan)
 
-  def fit(self, docs, micro_steps: int):
-    """(kept, plan of those docs): what of `docs` one step takes, at most `micro_steps`
-    micro-batches on every device, in a few plans (`hdp.fit_documents`). The plan indexes
-    the kept documents; callers pass docs[kept] alongside it."""
-    return hdp.fit_documents([len(d) - 1 for d in docs], budget=micro_steps,
-                             capacity=micro_steps * self.num_devices * self.tokens_per_device,
-                             plan=self.plan, micro_batches=self.micro_batches)
-
   def lower(self, state: TrainState, c: int = 2) -> list:
     """The update's and a ring of `c` slots' micro-step programs, lowered for `state`'s
     shapes (abstract or real): what a compile check builds ahead of any batch."""
@@ -255,6 +247,14 @@ class HDPStep(_HDPBase):
       fields = self._pack([[]] * self.microbatches, [], c)
       jax.block_until_ready(fn(self._gather(params), _put(fields, batch_sh), self._zeros(params)))
       c *= 2
+
+  def fit(self, docs, micro_steps: int):
+    """(kept, plan of those docs): what of `docs` one step takes, at most `micro_steps`
+    micro-steps, in a few plans (`hdp.fit_documents`). The plan indexes the kept
+    documents; callers pass docs[kept] alongside it."""
+    return hdp.fit_documents([len(d) - 1 for d in docs], budget=micro_steps,
+                             capacity=micro_steps * self.num_devices * self.tokens_per_device,
+                             plan=self.plan, micro_batches=self.micro_batches)
 
   def plan(self, lengths) -> hdp.Plan:
     return hdp.plan([int(n) for n in lengths], num_devices=self.num_devices,
@@ -374,6 +374,15 @@ class PerRankHDPStep(_HDPBase):
     return hdp_schedule.schedule([int(n) for n in lengths], num_devices=self.num_devices,
                                  tokens_per_device=self.tokens_per_device,
                                  d_model=self.model_cfg.d_model, widen=self.widen)
+
+  def fit(self, docs, micro_steps: int):
+    """(kept, schedule of those docs): what of `docs` one step takes, at most `micro_steps`
+    micro-batches on every device, in one schedule (`hdp_schedule.fit`). The schedule
+    indexes the kept documents; callers pass docs[kept] alongside it."""
+    return hdp_schedule.fit([len(d) - 1 for d in docs], budget=micro_steps,
+                            num_devices=self.num_devices,
+                            tokens_per_device=self.tokens_per_device,
+                            d_model=self.model_cfg.d_model, widen=self.widen)
 
   @staticmethod
   def micro_batches(sched: hdp_schedule.Schedule) -> int:
@@ -569,10 +578,10 @@ class Planner:
 
   The loader offers more documents than fit. With several pools (one per replica) the
   offer is cut, in order, into one run of documents per pool, each of about the same
-  tokens; each pool keeps, in order, every document of its run (and of what the pools
-  before it left) that its plan still fits, and the last pool's leftovers go back to
-  `loader` (the next batch starts with them), so micro-steps are not left part empty by a
-  token cut.
+  tokens; each pool keeps what of its run (and of what the pools before it left) its
+  `fit` takes, the first document always, and the last pool's leftovers go back to
+  `loader` (the next batch starts with them, in order), so micro-steps are not left part
+  empty by a token cut.
   """
 
   def __init__(self, executor: "HDPExecutor", loader, micro_steps: int):

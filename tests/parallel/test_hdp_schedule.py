@@ -24,7 +24,8 @@ def _check_schedule(sched, lengths, num_devices, tokens_per_device, widen=True):
   T = tokens_per_device
   group_need = dict(hdp.share_groups(lengths, T, num_devices)) if lengths else {}
   assert sched.num_devices == num_devices
-  assert sched.sequences() == list(range(len(lengths))), "each sequence exactly once"
+  assert sorted(sched.sequences() + list(sched.left)) == list(range(len(lengths))), (
+      "each sequence exactly once, or left out by a budget")
   ringed = set()
   for ring in sched.rings:
     c, devs = len(ring.devices), ring.devices
@@ -61,7 +62,7 @@ def _check_schedule(sched, lengths, num_devices, tokens_per_device, widen=True):
     shares = hdp_schedule.member_tokens([lengths[i] for i in whole], c).max()
     assert ring.cell == hdp_schedule.cell_size(int(shares), T), (ring.cell, shares)
   for i, n in enumerate(lengths):
-    assert (i in ringed) == (n > T), f"sequence {i} (L={n}) ringed: {i in ringed}"
+    assert i in sched.left or (i in ringed) == (n > T), f"sequence {i} (L={n}): {i in ringed}"
   for d, batches in enumerate(sched.local):
     for batch in batches:
       assert batch, f"device {d} has an empty micro-batch"
@@ -157,6 +158,64 @@ def test_cells_are_sized_to_the_largest_share():
   assert hdp_schedule.member_tokens([100, 9], 4).tolist() == [28, 27, 27, 27]
   # Steps of tokens_per_device / CELL_STEPS = 8 at T = 64, at most T.
   assert [hdp_schedule.cell_size(n, 64) for n in (1, 8, 9, 28, 63, 64)] == [8, 8, 16, 32, 64, 64]
+
+
+def _check_budget(sched, lengths, budget, T):
+  """At most `budget` micro-batches a device, and each short sequence left out found no
+  room: every device has run its budget, and no micro-batch or ring cell can take it."""
+  counts = sched.micro_batches()
+  assert counts.max(initial=0) <= budget
+  assert not set(sched.left) & set(sched.sequences())
+  held = lambda batch: sum(lengths[i] for i in batch)
+  for i in sched.left:
+    n = lengths[i]
+    if n > T:
+      continue
+    assert (counts == budget).all(), (i, counts.tolist())
+    for batches in sched.local:
+      assert all(hdp_schedule.local_cell(held(b), T) - held(b) < n for b in batches), i
+      assert not batches or held(batches[-1]) + n > T, i  # nor could the newest grow
+    for ring in sched.rings:
+      c = len(ring.devices)
+      spare = (ring.cell - hdp_schedule.member_tokens([lengths[j] for j in ring.seqs], c)
+               - np.array([held(f) for f in ring.fill]))
+      assert (spare < n).all(), (i, ring)
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data(), log_devices=st.integers(0, 4), tokens=st.integers(1, 40),
+       widen=st.booleans(), budget=st.integers(1, 3))
+def test_a_budget_is_kept_and_what_it_leaves_found_no_room(data, log_devices, tokens, widen,
+                                                          budget):
+  num_devices = 2**log_devices
+  lengths = data.draw(st.lists(st.integers(1, num_devices * tokens), min_size=1, max_size=40))
+  sched = hdp_schedule.schedule(lengths, num_devices=num_devices, tokens_per_device=tokens,
+                                widen=widen, budget=budget)
+  assert 0 not in sched.left  # the first is placed first
+  _check_budget(sched, lengths, budget, tokens)
+  _check_schedule(sched, lengths, num_devices, tokens, widen=widen)
+
+
+def test_fit_takes_one_schedule_and_keeps_the_first(monkeypatch):
+  # Rings of 9000 and 5000 tokens fill every device's one micro-batch: the short first
+  # document still runs (a micro-batch of the last device is kept for it), and so would
+  # a first document left out by the step before, so none waits forever.
+  lengths, calls = [300, 9000, 300, 5000, 120] * 3, []
+  schedule = hdp_schedule.schedule
+  monkeypatch.setattr(hdp_schedule, "schedule",
+                      lambda *a, **k: calls.append(1) or schedule(*a, **k))
+  for budget in (1, 2, 3):
+    calls.clear()
+    kept, sched = hdp_schedule.fit(lengths, budget=budget, num_devices=4, tokens_per_device=4096)
+    assert len(calls) == 1 and kept[0] == 0 and kept == sorted(kept)
+    # It indexes the kept documents; the run of them within the step's tokens comes first.
+    kept_lengths = [lengths[i] for i in kept]
+    _check_schedule(sched, kept_lengths, 4, 4096)
+    _check_budget(sched, kept_lengths, budget, 4096)
+    within = np.searchsorted(np.cumsum(lengths), budget * 4 * 4096, side="right")
+    assert all(lengths[i] <= 4096 for i in kept if i >= within)
+  assert len(hdp_schedule.fit(lengths, budget=1, num_devices=4, tokens_per_device=4096)[0]) < len(
+      hdp_schedule.fit(lengths, budget=3, num_devices=4, tokens_per_device=4096)[0])
 
 
 def test_local_micro_batches_are_sized_and_filled_before_growing():

@@ -114,6 +114,20 @@ class HDPStepTest(parameterized.TestCase):
         self.assertTrue(sum(tried) > k * 8 * TOKENS_PER_DEVICE or len(plan(tried)) > k, k)
     self.assertEqual(run.fit(docs, full)[0], list(range(len(docs))))
 
+  def test_per_rank_fit_is_one_schedule_within_k_micro_batches(self):
+    mesh = mesh_lib.make_mesh("data=8")
+    optimizer, state_sh, _ = init(mesh)
+    run = hdp_step.PerRankHDPStep(MODEL, optimizer, mesh, state_sh, TOKENS_PER_DEVICE)
+    docs = documents(0)
+    full = run.micro_batches(run.plan(LENGTHS))
+    for k in range(1, full + 1):
+      kept, sched = run.fit(docs, k)
+      self.assertEqual(kept[0], 0)
+      self.assertLessEqual(run.micro_batches(sched), k)
+      self.assertEqual(sched.sequences(), list(range(len(kept))))  # it indexes the kept
+      self.assertLessEqual(sum(LENGTHS[i] for i in kept), k * 8 * TOKENS_PER_DEVICE)
+    self.assertEqual(run.fit(docs, 2 * full)[0], list(range(len(docs))))
+
   def test_refuses_a_mesh_it_cannot_regroup(self):
     mesh = mesh_lib.make_mesh("data=4,context=2")
     optimizer, state_sh, _ = init(mesh)
