@@ -15,6 +15,11 @@ and each fit keeps what one step takes:
                  before both), timed up to --baseline_max_devices.
 Prints a markdown table: plans and seconds per step (median over --steps), and the share
 of the step's token capacity the kept documents fill.
+
+Then, at each of --program_devices, the programs `PerRankHDPStep` would compile for
+--batches steps of training's fit (`hdp_step.programs`: ring programs per block of slots
+and cell, and the ring shapes they come in; local programs), and the padding of their
+buckets (cells in steps of tpd / 8, local micro-batches of tpd / 2^k slots).
 """
 from __future__ import annotations
 
@@ -39,6 +44,10 @@ def _define_flags() -> None:
   _BASELINE_MAX = flags.DEFINE_integer("baseline_max_devices", 64,
                                        "Largest pool the one-plan-per-document baseline runs.")
   _OUT = flags.DEFINE_string("out", None, "Optional JSON path with every number.")
+  global _PROGRAM_DEVICES, _BATCHES
+  _PROGRAM_DEVICES = flags.DEFINE_list("program_devices", ["8", "64", "1024"],
+                                       "Pool sizes whose compiled programs are counted.")
+  _BATCHES = flags.DEFINE_integer("batches", 100, "Steps whose programs are counted.")
 
 
 def one_plan_per_document(lengths, *, budget: int, plan, micro_batches):
@@ -122,6 +131,39 @@ def run(*, devices, tokens_per_device: int, micro_steps: int, steps: int,
   return rows
 
 
+def count_programs(*, devices: int, tokens_per_device: int, micro_steps: int, batches: int,
+                   distribution: str) -> dict:
+  """Distinct programs over `batches` steps of training's fit, and their buckets' padding:
+  the share of ring and of local slots that hold no token."""
+  found = {"ring": set(), "ring shape": set(), "local": set()}
+  slots = {"ring": 0, "local": 0}
+  tokens = dict(slots)
+  for lengths in _offers(distribution, devices, tokens_per_device, micro_steps, batches):
+    kept, sched = hdp_schedule.fit(lengths, budget=micro_steps, num_devices=devices,
+                                   tokens_per_device=tokens_per_device, widen=False)
+    lengths = np.array([lengths[i] for i in kept])
+    for kind, keys in hdp_step.programs(sched, lengths, tokens_per_device).items():
+      found[kind] |= keys
+    ring_slots = sum(len(r.devices) * r.cell for r in sched.rings)
+    ring_tokens = sum(int(lengths[list(r.seqs + sum(r.fill, ()))].sum()) for r in sched.rings)
+    slots["ring"] += ring_slots
+    tokens["ring"] += ring_tokens
+    slots["local"] += sched.slots(lengths, tokens_per_device) - ring_slots
+    tokens["local"] += int(lengths.sum()) - ring_tokens
+  return dict(distribution=distribution, devices=devices, batches=batches,
+              **{f"{kind} programs": len(keys) for kind, keys in found.items()},
+              **{f"{kind} padding": 1 - tokens[kind] / max(1, slots[kind]) for kind in slots})
+
+
+def programs_table(rows) -> str:
+  lines = ["| lengths | devices | steps | ring programs (block, cell) | ring shapes (size, cell) "
+           "| local programs | ring slots empty | local slots empty |", "|---" * 8 + "|"]
+  lines += [f"| {r['distribution']} | {r['devices']} | {r['batches']} | {r['ring programs']} | "
+            f"{r['ring shape programs']} | {r['local programs']} | {r['ring padding']:.1%} | "
+            f"{r['local padding']:.1%} |" for r in rows]
+  return "\n".join(lines)
+
+
 def table(rows) -> str:
   lines = ["| lengths | devices | fit | documents offered | plans per step | s per step | "
            "capacity filled |", "|---|---|---|---|---|---|---|"]
@@ -136,9 +178,14 @@ def main(argv):
              micro_steps=_MICRO_STEPS.value, steps=_STEPS.value,
              baseline_max_devices=_BASELINE_MAX.value)
   print(table(rows))
+  counts = [count_programs(devices=int(n), tokens_per_device=_TOKENS.value,
+                           micro_steps=_MICRO_STEPS.value, batches=_BATCHES.value,
+                           distribution=distribution)
+            for distribution in ("stdlib", "long_tail") for n in _PROGRAM_DEVICES.value]
+  print(programs_table(counts))
   if _OUT.value:
     with open(_OUT.value, "w") as f:
-      json.dump(rows, f, indent=1)
+      json.dump({"planning": rows, "programs": counts}, f, indent=1)
 
 
 if __name__ == "__main__":

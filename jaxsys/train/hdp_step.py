@@ -552,6 +552,20 @@ def _axis(local) -> int:
   return hdp.block_size(max(1, max(len(batches) for batches in local)))
 
 
+def programs(sched: hdp_schedule.Schedule, lengths, tokens_per_device: int) -> dict[str, set]:
+  """The programs `PerRankHDPStep` compiles for a schedule of `lengths` (no devices needed):
+  "ring": (block of slots, cell) each, "local": (micro-batch axis, slots) each, and "ring
+  shape": (ring size, cell), what a ring program's HLO depends on."""
+  sizes: dict[int, list] = {}
+  for d, batches in enumerate(sched.local):
+    for batch in batches:
+      size = hdp_schedule.local_cell(sum(int(lengths[i]) for i in batch), tokens_per_device)
+      sizes.setdefault(size, [[] for _ in sched.local])[d].append(batch)
+  return {"ring": {(r.devices, r.cell) for r in sched.rings},
+          "ring shape": {(len(r.devices), r.cell) for r in sched.rings},
+          "local": {(_axis(local), size) for size, local in sizes.items()}}
+
+
 def _on(tree, shardings):
   """Pool arrays read on a view of some of their devices, each by its shards there (no copy):
   every view keeps the axes that split them, so those devices hold a whole array."""

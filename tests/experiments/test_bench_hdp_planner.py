@@ -18,3 +18,13 @@ def test_tiny_run():
     assert all(0.5 < r["filled"] <= 1.0 for r in (one, search, baseline))
   table = bench_hdp_planner.table(rows)
   assert table.count("\n") == 1 + len(rows) and "| stdlib | 8 | one schedule |" in table
+
+
+def test_program_counts():
+  """Ring programs come per block of slots and cell, in fewer shapes; the buckets' padding
+  is a share of the slots."""
+  row = bench_hdp_planner.count_programs(devices=8, tokens_per_device=2048, micro_steps=2,
+                                         batches=3, distribution="long_tail")
+  assert 0 < row["ring shape programs"] <= row["ring programs"] and row["local programs"] > 0
+  assert 0 <= row["ring padding"] < 1 and 0 <= row["local padding"] < 1
+  assert "| long_tail | 8 | 3 |" in bench_hdp_planner.programs_table([row])

@@ -87,8 +87,13 @@ class HDPStepTest(parameterized.TestCase):
                                 atol=2e-5)
     if schedule == "lockstep":
       self.assertLessEqual(len(run._programs), 4)  # one program per ring size: log2(8) + 1
-    else:  # a program per ring block used, and the local loop
-      self.assertEqual(set(run._rings), {r.devices for r in run.plan(lengths).rings})
+    else:  # a program per ring block used and cell, and per local loop
+      expected = hdp_step.programs(run.plan(lengths), lengths, TOKENS_PER_DEVICE)
+      self.assertEqual(set(run._rings), {block for block, _ in expected["ring"]})
+      self.assertEqual(sum(run._rings[block][0]._cache_size() for block in run._rings),
+                       len(expected["ring"]))
+      self.assertEqual(sum(fn._cache_size() for fn in run._locals.values()),
+                       len(expected["local"]))
 
   def test_fit_keeps_a_run_that_plans_into_k_steps_in_a_few_plans(self):
     """The documents from the first up to one that would not fit (in k micro-steps, or in
