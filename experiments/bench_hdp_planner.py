@@ -13,8 +13,9 @@ and each fit keeps what one step takes:
   binary search: `hdp.fit_documents` (the lock-step executor's), a few plans;
   one plan per document: each offered document kept if the plan still fits (the planner
                  before both), timed up to --baseline_max_devices.
-Prints a markdown table: plans and seconds per step (median over --steps), and the share
-of the step's token capacity the kept documents fill.
+Prints a markdown table: plans and CPU seconds per step (median over --steps; the planner
+runs on one thread, so on an idle core that is its wall time), and the share of the
+step's token capacity the kept documents fill.
 
 Then, at each of --program_devices, the programs `PerRankHDPStep` would compile for
 --batches steps of training's fit (`hdp_step.programs`: ring programs per block of slots
@@ -107,9 +108,9 @@ def measure(*, devices: int, tokens_per_device: int, micro_steps: int, steps: in
     plans, seconds, filled = [], [], []
     for lengths in offers:
       calls.clear()
-      start = time.perf_counter()
+      start = time.process_time()
       kept, _ = fit(lengths)
-      seconds.append(time.perf_counter() - start)
+      seconds.append(time.process_time() - start)
       plans.append(len(calls))
       filled.append(sum(lengths[i] for i in kept) / capacity)
     out[name] = dict(offered=statistics.median(map(len, offers)),
@@ -165,7 +166,7 @@ def programs_table(rows) -> str:
 
 
 def table(rows) -> str:
-  lines = ["| lengths | devices | fit | documents offered | plans per step | s per step | "
+  lines = ["| lengths | devices | fit | documents offered | plans per step | CPU s per step | "
            "capacity filled |", "|---|---|---|---|---|---|---|"]
   lines += [f"| {r['distribution']} | {r['devices']} | {r['fit']} | {r['offered']:.0f} | "
             f"{r['plans']:.0f} | {r['seconds']:.3f} | {r['filled']:.1%} |" for r in rows]
