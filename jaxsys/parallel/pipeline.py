@@ -150,6 +150,16 @@ def _add_at(tree, i, value):
   return _put(tree, i, jax.tree.map(jnp.add, _take(tree, i), value))
 
 
+def _zeros_of(shapes):
+  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+def _when(pred, fn, *operands):
+  """fn(*operands) where pred, else zeros shaped as its results: a conditional that carries
+  only its operands and results (one carrying the loop's buffers copies them)."""
+  return jax.lax.cond(pred, fn, lambda *_: _zeros_of(jax.eval_shape(fn, *operands)), *operands)
+
+
 def _trash(slot, size: int):
   """Slot -1 (nothing to write) goes to the extra last entry, so writes need no branch."""
   return jnp.where(slot < 0, size, slot)
@@ -435,65 +445,71 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
           lambda: vl.embed(vocab_params, microbatch(emb_mb, 0)["inputs"], stage),
           lambda: c["x0"])
 
-      mb_index, virtual = mine["microbatch"], mine["virtual"]
+      mb_index, virtual, kind = mine["microbatch"], mine["virtual"], mine["kind"]
       g = virtual * p + stage
       mb = microbatch(jnp.maximum(mb_index, 0), g)
       chunk_params = _take(layers, jnp.maximum(virtual, 0))
+      # The branches take and give only their own operands and results: the slot reads and
+      # writes of the loop's buffers happen out here. A conditional that passes the buffers
+      # through copies all of them every tick (issue 28: 109-190 MiB a tick at d 256).
+      x = jnp.where(g == 0, c["x0"], _take(c["act_inbox"], mine["act_in"]))
+      operands = (chunk_params, x, mb)
+      if train:
+        operands += (_take(c["residuals"], mine["res_slot"]),
+                     _take(c["grad_inbox"], mine["grad_in"]))
 
-      def forward(c):
-        x = jnp.where(g == 0, c["x0"], _take(c["act_inbox"], mine["act_in"]))
+      def forward(chunk_params, x, mb, *_):
         if train:
           y, res = chunk.forward(chunk_params, x, mb)
-          c = dict(c, residuals=_put(c["residuals"], mine["res_slot"], res))
-        else:
-          y = chunk.apply(chunk_params, x, mb)
-        return dict(c, send_f=y, head_in=jnp.where(g == G - 1, y, c["head_in"]))
+          return {"y": y, "res": res}
+        return {"y": chunk.apply(chunk_params, x, mb)}
 
-      def backward(c):
-        dy = _take(c["grad_inbox"], mine["grad_in"])
-        res = _take(c["residuals"], mine["res_slot"])
+      def backward(chunk_params, x, mb, res, dy):
         dparams, dx = chunk.backward(chunk_params, res, dy, mb)
-        c = dict(c, send_b=dx, dx0=jnp.where(g == 0, dx, c["dx0"]))
-        c["layer_grads"] = _add_at(c["layer_grads"], virtual, dparams)
-        return c
+        return {"dparams": dparams, "dx": dx}
 
-      def counted(branch, kind):
-        def run(c):
-          c = branch(c)
-          return dict(c, counts=c["counts"].at[kind].add(1))
-        return run
-
+      actions = [forward] + ([backward] if train else [])
+      results = _zeros_of({k: v for a in actions for k, v in jax.eval_shape(a, *operands).items()})
+      fill = lambda action: lambda *ops: {**results, **action(*ops)}
       if uniform_ticks:  # every stage runs every action; the schedule's one is kept
-        kind = mine["kind"]
-        outcomes = [forward(c)] + ([backward(c)] if train else [])
-        pick = lambda old, *new: functools.reduce(
+        outcomes = [fill(a)(*operands) for a in actions]
+        out = jax.tree.map(lambda idle, *new: functools.reduce(
             lambda acc, kn: jnp.where(kind == kn[0], kn[1], acc),
-            zip((FORWARD, BACKWARD), new), old)
-        c = jax.tree.map(pick, c, *outcomes)
-        c = dict(c, counts=c["counts"].at[kind].add(1))
+            zip((FORWARD, BACKWARD), new), idle), results, *outcomes)
       else:
-        branches = [counted(lambda c: c, IDLE), counted(forward, FORWARD)]
-        if train:
-          branches.append(counted(backward, BACKWARD))
-        c = jax.lax.switch(mine["kind"], branches, c)
+        out = jax.lax.switch(kind, [lambda *_: results] + [fill(a) for a in actions], *operands)
+      is_f, is_b = kind == FORWARD, kind == BACKWARD
+      c["counts"] = c["counts"].at[kind].add(1)
+      c["send_f"] = jnp.where(is_f, out["y"], c["send_f"])
+      c["head_in"] = jnp.where(is_f & (g == G - 1), out["y"], c["head_in"])
+      if train:
+        c["residuals"] = _put(c["residuals"], _trash(jnp.where(is_f, mine["res_slot"], -1),
+                                                     schedule.res_slots), out["res"])
+        c["send_b"] = jnp.where(is_b, out["dx"], c["send_b"])
+        c["dx0"] = jnp.where(is_b & (g == 0), out["dx"], c["dx0"])
+        c["layer_grads"] = _add_at(c["layer_grads"], jnp.maximum(virtual, 0), out["dparams"])
 
       head_mb = rows["head_microbatch"]
 
-      def head(c):
+      def head(head_in):
         mb, source = microbatch(head_mb, G - 1), origin(head_mb, G - 1)
         if not train:
-          return dict(c, loss=c["loss"].at[source].add(
-              vl.loss(vocab_params, c["head_in"], mb, stage)))
-        value, dy, dhp = vl.head(vocab_params, c["head_in"], mb, stage)
+          return {"loss": jnp.zeros((R,), jnp.float32).at[source].add(
+              vl.loss(vocab_params, head_in, mb, stage))}
+        value, dy, dhp = vl.head(vocab_params, head_in, mb, stage)
         if scaled:  # the gradient of weights[source] * this microbatch's loss
           w = weights[source]
           dy, dhp = (dy * w).astype(dy.dtype), jax.tree.map(lambda d: d * w, dhp)
-        c = dict(c, loss=c["loss"].at[source].add(value))
+        return {"loss": jnp.zeros((R,), jnp.float32).at[source].add(value), "dy": dy,
+                "dhp": dhp}
+      out = _when(head_mb >= 0, head, c["head_in"])
+      c["loss"] = c["loss"] + out["loss"]
+      if train:
         c["grad_inbox"] = _put(c["grad_inbox"], _trash(
-            jnp.where(stage == p - 1, rows["head_slot"], -1), schedule.grad_slots), dy)
-        c["vocab_grads"] = {k: v + dhp[k] if k in dhp else v for k, v in c["vocab_grads"].items()}
-        return c
-      c = jax.lax.cond(head_mb >= 0, head, lambda c: c, c)
+            jnp.where((stage == p - 1) & (head_mb >= 0), rows["head_slot"], -1),
+            schedule.grad_slots), out["dy"])
+        c["vocab_grads"] = {k: v + out["dhp"][k] if k in out["dhp"] else v
+                            for k, v in c["vocab_grads"].items()}
 
       mb_at = jnp.maximum(mb_index, 0)
       send_f = c["send_f"]
@@ -505,12 +521,9 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
         return c, None
 
       emb_grad_mb = rows["embed_grad_microbatch"]
-
-      def embed_grad(c):
-        d = vl.embed_grad(vocab_params, c["dx0"], microbatch(emb_grad_mb, 0)["inputs"], stage)
-        grads = dict(c["vocab_grads"], embedding=c["vocab_grads"]["embedding"] + d)
-        return dict(c, vocab_grads=grads)
-      c = jax.lax.cond(emb_grad_mb >= 0, embed_grad, lambda c: c, c)
+      d = _when(emb_grad_mb >= 0, lambda dx0: vl.embed_grad(
+          vocab_params, dx0, microbatch(emb_grad_mb, 0)["inputs"], stage), c["dx0"])
+      c["vocab_grads"] = dict(c["vocab_grads"], embedding=c["vocab_grads"]["embedding"] + d)
       send_b = c["send_b"]
       if routed:  # back to the replica that ran the microbatch's previous chunk
         k = offsets[mb_at, jnp.clip(g - 1, 0, G - 1)] - offsets[mb_at, jnp.clip(g, 0, G - 1)]
