@@ -117,7 +117,7 @@ def length_pool(name: str, max_len: int) -> np.ndarray:
 # estimate that leaves out a ring's own all-reduce (as ScheduleCost did before it counted
 # them) and is timed with it; the table leaves it out, the JSON keeps it.
 PER_RANK = (("hdp", {}), ("tight", dict(widen=False)), ("blind", dict(estimate="once")),
-            ("one_pool", dict(allreduce="one_pool")), ("once", dict(allreduce="once")))
+            ("once", dict(allreduce="once")))
 
 
 def simulate_batch(lengths, *, num_devices: int, tokens_per_device: int,
@@ -200,9 +200,8 @@ def sim_table(rows: list[dict]) -> str:
   """Markdown: one line per (distribution, setting, attention, N), spread over seeds."""
   lines = ["| distribution | setting | K/V | N | per-rank HDP vs best static | best static "
            "(batches) | HDP vs lock-step / per-group / LPT static | best static / bound | "
-           "HDP / bound | tight rings vs best | one pool all-reduce vs best | one "
-           "all-reduce vs best |",
-           "|---|---|---|---:|---|---|---|---|---|---|---|---|"]
+           "HDP / bound | tight rings vs best | one all-reduce vs best |",
+           "|---|---|---|---:|---|---|---|---|---|---|---|"]
   for key in _keys(rows):
     rs = [r for r in rows if (r["distribution"], r["setting"], r["attention"], r["devices"])
           == key]
@@ -212,7 +211,7 @@ def sim_table(rows: list[dict]) -> str:
         f"| {' | '.join(map(str, key))} | {_spread(col('hdp_speedup'))} | "
         f"{_wins(col('best_static'))} | {statics} | {_spread(col('static_over_bound'))} | "
         f"{_spread(col('hdp_over_bound'))} | {_spread(col('tight_speedup'))} | "
-        f"{_spread(col('one_pool_speedup'))} | {_spread(col('once_speedup'))} |")
+        f"{_spread(col('once_speedup'))} |")
   return "\n".join(lines)
 
 

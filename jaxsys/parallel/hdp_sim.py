@@ -557,10 +557,10 @@ class Job:
 
 
 # How a per-rank step all-reduces its gradients: as PerRankHDPStep compiles ("executor":
-# each ring program over its devices, then `pool_reductions` over the pool), with its final
-# sums added before one all-reduce over the pool ("one_pool"), or only once at the end,
-# every sum kept per device until then ("once", as the static baselines do).
-ALLREDUCES = ("executor", "one_pool", "once")
+# each ring program over its devices, then one over the pool, its per-device sums added
+# first), or only once at the end, every sum kept per device until then ("once", as the
+# static baselines do).
+ALLREDUCES = ("executor", "once")
 
 
 def _check_allreduce(value: str, name: str = "allreduce") -> None:
@@ -630,15 +630,6 @@ def schedule_times(sched: hdp_schedule.Schedule, lengths, *, tokens_per_device: 
   return finish
 
 
-def pool_reductions(sched: hdp_schedule.Schedule, lengths, tokens_per_device: int) -> int:
-  """All-reduces over the pool that end a PerRankHDPStep step: its `_reduce` sums the
-  rings' sums and one stacked sum per local micro-batch size, and XLA compiles one
-  all-reduce for each."""
-  sizes = {hdp_schedule.local_cell(int(sum(lengths[i] for i in batch)), tokens_per_device)
-           for batches in sched.local for batch in batches}
-  return 1 + len(sizes)
-
-
 @dataclasses.dataclass(frozen=True)
 class ScheduleCost:
   """The cost model as hdp_schedule.schedule's time estimate (seconds, links and a ring's
@@ -691,12 +682,10 @@ def simulate_per_rank(lengths, *, num_devices: int, tokens_per_device: int,
     finish[list(job.devices)] = job.end
     for kind, nbytes in job.sent.items():
       sent[kind][list(job.devices)] += nbytes
-  reductions = (pool_reductions(sched, lengths, tokens_per_device) if allreduce == "executor"
-                else 1)
-  sent["all-reduce"] += reductions * model.allreduce_bytes(num_devices)
+  sent["all-reduce"] += model.allreduce_bytes(num_devices)
   slots = sched.slots(lengths, tokens_per_device)
   name = "hdp_per_rank" if allreduce == "executor" else f"hdp_per_rank_{allreduce}"
-  return Result(name, float(finish.max(initial=0.0)) + reductions * model.allreduce(num_devices),
+  return Result(name, float(finish.max(initial=0.0)) + model.allreduce(num_devices),
                 int(sched.micro_batches().max(initial=0)),
                 float(finish.max() / finish.mean()) if finish.mean() else 1.0,
                 _padding(int(lengths.sum()), slots), finish[None], _most_sent(sent))

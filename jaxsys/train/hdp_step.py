@@ -365,9 +365,11 @@ class PerRankHDPStep(_HDPBase):
     self._stacked_zeros = jax.jit(
         lambda p: jax.tree.map(lambda x: jnp.zeros((n,) + x.shape, x.dtype), _zero_sums(p)),
         out_shardings=self._stacked_sh)
+    # The per-device sums are added where they lie, then summed over the pool: one
+    # all-reduce, not one per local program.
     self._reduce = jax.jit(
         lambda locals_, rings: jax.tree.map(
-            lambda ring, *local: sum(x.sum(0) for x in local) + ring.sum(0), rings, *locals_),
+            lambda ring, *local: (ring + sum(local)).sum(0), rings, *locals_),
         out_shardings=self._acc_sh)
 
   def plan(self, lengths) -> hdp_schedule.Schedule:

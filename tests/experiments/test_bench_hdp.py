@@ -37,8 +37,8 @@ def test_sim_part_tiny(tmp_path, capsys):
     assert row["hdp_over_bound"] == pytest.approx(row["hdp"] / row["bound"])
     assert row["static_over_bound"] == pytest.approx(best / row["bound"])
     assert row["speedup_lpt"] == pytest.approx(row["static_lpt"] / row["hdp"])
-    # The same schedule with one all-reduce over the pool at the end instead of several.
-    assert row["one_pool"] <= row["hdp"] * (1 + 1e-12)
+    # The same schedule with its sums kept per device until one all-reduce at the end.
+    assert row["once"] <= row["hdp"] * (1 + 1e-12)
     assert row["hdp_steps"] >= 1
   models = saved["fit"]["models"]
   assert models["accel"]["link_bytes_per_s"] == 25e9 and models["cpu"]["compiled"]

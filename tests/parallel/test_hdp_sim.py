@@ -251,21 +251,19 @@ def test_static_schedules_by_hand():
 
 
 def test_per_rank_all_reduces():
-  """PerRankHDPStep ends a step with one all-reduce over the pool per sum it adds (the
-  rings', and one per local micro-batch size); "one_pool" adds them first."""
+  """PerRankHDPStep all-reduces each ring program's gradients over its devices, then ends
+  a step with one all-reduce over the pool; "once" keeps every sum per device until then."""
   model = dataclasses.replace(COMPILED, params=5)
   lengths = [8, 2, 2, 1, 1, 2, 1]
   kw = dict(num_devices=4, tokens_per_device=2, model=model)
   sched = hdp_schedule.schedule(lengths, num_devices=4, tokens_per_device=2,
                                 cost=hdp_sim.ScheduleCost(model, 2))
-  sizes = {hdp_schedule.local_cell(sum(lengths[i] for i in batch), 2)
-           for batches in sched.local for batch in batches}
-  assert hdp_sim.pool_reductions(sched, lengths, 2) == 1 + len(sizes) == 3
+  (ring,) = sched.rings
   executor = hdp_sim.simulate_per_rank(lengths, **kw)
-  one_pool = hdp_sim.simulate_per_rank(lengths, allreduce="one_pool", **kw)
-  assert executor.time - one_pool.time == pytest.approx(2 * model.allreduce(4))
   once = hdp_sim.simulate_per_rank(lengths, allreduce="once", **kw)
   assert once.sent["all-reduce"] == pytest.approx(model.allreduce_bytes(4))
+  assert executor.sent["all-reduce"] == pytest.approx(
+      model.allreduce_bytes(4) + model.allreduce_bytes(len(ring.devices)))
   assert executor.name == "hdp_per_rank" and once.name == "hdp_per_rank_once"
   # Planned as if rings had no all-reduce of their own, timed with them.
   blind = hdp_sim.simulate_per_rank(lengths, estimate="once", **kw)
