@@ -109,10 +109,11 @@ def micro_batches(name: str, docs, steps, *, num_devices: int, tokens_per_device
 
 
 def flop_model(d_model: int) -> hdp_sim.CostModel:
-  """One FLOP per second, free links, real tokens only: times in FLOPs of work."""
+  """One FLOP per second, free links, real tokens only: times in FLOPs of work (K/V as
+  wide as the model: the matmul FLOPs the planner counts, `hdp.sequence_cost`)."""
   return hdp_sim.CostModel(sec_per_attention_flop=1.0, sec_per_linear_flop=1.0,
-                           link_bytes_per_s=1e30, d_model=d_model, n_layers=1, kv_dim=1,
-                           pad_compute=False)
+                           link_bytes_per_s=1e30, d_model=d_model, n_layers=1,
+                           kv_dim=d_model, pad_compute=False)
 
 
 def per_rank_stats(sched, lengths, *, tokens_per_device: int, d_model: int) -> dict:
