@@ -26,8 +26,8 @@ def _batch(batch=8, seq=16, seed=0):
 
 
 @functools.lru_cache(maxsize=None)
-def _reference(tie: bool):
-  cfg = dataclasses_replace(CFG, tie_embeddings=tie)
+def _reference(tie: bool, n_layers: int = CFG.n_layers):
+  cfg = dataclasses_replace(CFG, tie_embeddings=tie, n_layers=n_layers)
   params = transformer.init_params(cfg, jax.random.key(1))
   batch = _batch()
   loss_fn = lambda p: jnp.sum(step_lib.token_losses(cfg, p, batch))
@@ -82,6 +82,15 @@ def assert_close(tree, ref, rtol=1e-5):
                         jax.tree.leaves(ref)):
     err = float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
     assert err < rtol, f"{jax.tree_util.keystr(path[0])}: relative error {err:.2e}"
+
+
+def test_interleaved_with_two_virtual_stages_on_four():
+  """Interleaved 1F1B at p=4, v=2 (8 chunks of one layer, m=8): each stage runs two chunks
+  that are p apart in the model (v=2 is exact at p=2 in CASES, with and without VP)."""
+  cfg, params, batch, ref_loss, ref_grads = _reference(False, n_layers=8)
+  loss, grads = _run(cfg, params, batch, "stage=4,data=2", "interleaved_1f1b", 8, 2)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  assert_close(grads, ref_grads)
 
 
 @pytest.mark.parametrize("vocab_parallel,algorithm", [(False, 2), (True, 1), (True, 2)])
