@@ -283,8 +283,10 @@ def _leaf_kind(path) -> str:
   return "other"
 
 
-def state_bytes_by_kind(cfg, layout, mesh, optimizer) -> dict[str, int]:
-  """Per-device bytes of the stage-view train state (parameters + optimizer), by leaf kind."""
+def state_bytes_by_kind(cfg, layout, mesh, optimizer, device=None) -> dict[str, int]:
+  """Bytes of the stage-view train state (parameters + optimizer) on `device` (default: the
+  mesh's first), by leaf kind: the slice of each leaf its sharding puts there."""
+  device = mesh.devices.flat[0] if device is None else device
   view = layouts.View(stages=layout)
   abstract = jax.eval_shape(view.to_view, state_lib.abstract_train_state(cfg, optimizer))
   shardings = state_lib.state_shardings(abstract, cfg, optimizer, mesh,
@@ -293,9 +295,16 @@ def state_bytes_by_kind(cfg, layout, mesh, optimizer) -> dict[str, int]:
   out = {k: 0 for k in ("layers", *VOCAB_KINDS, "other")}
   leaves = jax.tree_util.tree_flatten_with_path(abstract)[0]
   for (path, leaf), sh in zip(leaves, jax.tree.leaves(shardings)):
-    shape = sh.shard_shape(leaf.shape)
+    index = sh.devices_indices_map(leaf.shape)[device]
+    shape = [len(range(*i.indices(n))) for i, n in zip(index, leaf.shape)]
     out[_leaf_kind(path)] += int(np.prod(shape, dtype=np.int64)) * leaf.dtype.itemsize
   return out
+
+
+def stage_devices(mesh) -> list:
+  """One device of each stage of `mesh`, in stage order."""
+  return [np.take(mesh.devices, s, axis=mesh.axis_names.index("stage")).flat[0]
+          for s in range(mesh.shape["stage"])]
 
 
 def head_flops_replicated(cfg, tokens: int) -> float:
@@ -340,14 +349,16 @@ def vocab_rows(vocabs, *, d_model, n_layers, d_ff, heads, stages, tokens) -> lis
   for V in vocabs:
     t0 = time.perf_counter()
     cfg = dataclasses.replace(layer_cfg, vocab_size=V)
-    by = {}
+    by, per_stage = {}, {}
     for vp in (True, False):
       layout = pipeline.Layout(stages=stages, virtual=1, vocab_size=V, vocab_parallel=vp)
-      by[vp] = state_bytes_by_kind(cfg, layout, mesh, optimizer)
+      # Each stage's bytes read from where the shardings put the leaves on its devices.
+      per_stage[vp] = [state_bytes_by_kind(cfg, layout, mesh, optimizer, device)
+                       for device in stage_devices(mesh)]
+      by[vp] = per_stage[vp][0]
     vocab_b = lambda d: sum(d[k] for k in VOCAB_KINDS)
-    # SPMD: every device of every stage holds the same shard shapes.
-    vp_stage = [by[True]["layers"] + vocab_b(by[True]) + by[True]["other"]] * stages
-    spmd_stage = [by[False]["layers"] + vocab_b(by[False]) + by[False]["other"]] * stages
+    vp_stage = [b["layers"] + vocab_b(b) + b["other"] for b in per_stage[True]]
+    spmd_stage = [b["layers"] + vocab_b(b) + b["other"] for b in per_stage[False]]
     rep = by[False]
     mpmd_stage = [rep["layers"] + rep["other"]] * stages
     mpmd_stage[0] += rep["embedding"]
