@@ -5,7 +5,7 @@ r"""Pipeline and vocabulary parallelism on simulated devices: bubbles, FLOPs, me
       --chart=docs/pipeline_schedules.png
 
 (The script sets 8 simulated CPU devices itself when XLA_FLAGS does not name a count.)
-It prints three markdown tables and writes every number to --out:
+It prints a markdown table per part (--parts) and writes every number to --out:
 
 1. Schedules (gpipe, 1f1b, interleaved_1f1b with 2 virtual stages) on meshes
    stage=p, data=8/p, for every p in --stages and m in --microbatches: the schedule's
@@ -25,12 +25,18 @@ It prints three markdown tables and writes every number to --out:
    loss + gradients for gpipe / 1f1b / interleaved, and the residual buffer the executor
    keeps for the backward (schedule.res_slots x one slot's residual bytes).
 3. Vocabulary layers at p=4 (stage=4, data=2): per-device parameter + AdamW bytes of the
-   stage-view train state (abstract: jax.eval_shape, `sharding.shard_shape` per leaf,
-   nothing allocated) with vocabulary parallelism (VP) and without, and the MPMD placement
+   stage-view train state on each stage's devices (abstract: jax.eval_shape, each leaf's
+   slice there from its sharding, nothing allocated) with vocabulary parallelism (VP) and
+   without, and the MPMD placement
    (embedding on stage 0, output layer on the last stage) computed from the same leaves;
    per-device FLOPs of one microbatch's vocabulary work (VP: `vocab.output_layer` under
    shard_map; replicated: norm + output layer + cross-entropy forward and backward, which
    only the last stage runs) beside one stage's transformer layers.
+4. Step CPU work (part `cpu`, timed): process CPU seconds of one jitted loss-and-gradients
+   step (median of --cpu_repeats after a warm-up) of gpipe, 1f1b, 1f1b with VP and
+   interleaved v=2 at stage=4, data=2, m=8 (d 256, 8 layers, vocabulary 8,192, 16 rows of
+   128 tokens), over the unpipelined step's on data=8, in the same process. The simulated
+   devices share the cores, so this is all devices' work, not a step's time on chips.
 """
 from __future__ import annotations
 
@@ -60,6 +66,7 @@ from jaxsys.optim.inner import make_optimizer
 from jaxsys.train import config_check
 from jaxsys.parallel import pipeline, vocab
 from jaxsys.train import state as state_lib
+from jaxsys.train import step as step_lib
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 VOCAB_KINDS = ("embedding", "unembedding", "final_norm")
@@ -82,7 +89,9 @@ _V_D_FF = flags.DEFINE_integer("vocab_d_ff", 4096, "Vocabulary table: MLP width.
 _V_HEADS = flags.DEFINE_integer("vocab_heads", 16, "Vocabulary table: heads (= kv heads).")
 _V_SEQ = flags.DEFINE_integer("vocab_seq", 1024, "Vocabulary table: tokens per microbatch.")
 _V_STAGES = flags.DEFINE_integer("vocab_stages", 4, "Vocabulary table: stages p (data=8/p).")
-_PARTS = flags.DEFINE_list("parts", ["schedules", "memory", "vocab"], "Which tables to make.")
+_PARTS = flags.DEFINE_list("parts", ["schedules", "memory", "vocab"],
+                           "Which tables to make: schedules, memory, vocab, cpu.")
+_CPU_REPEATS = flags.DEFINE_integer("cpu_repeats", 5, "Step CPU table: timed steps (median).")
 _OUT = flags.DEFINE_string("out", "/tmp/bench_pipeline.json", "JSON file with every number.")
 _CHART = flags.DEFINE_string("chart", "", "If set, a PNG of the p=4, m=8 schedules' tick charts.")
 
@@ -385,6 +394,42 @@ def vocab_rows(vocabs, *, d_model, n_layers, d_ff, heads, stages, tokens) -> lis
   return out
 
 
+def cpu_rows(*, d_model: int = 256, n_layers: int = 8, vocab_size: int = 8192, seq: int = 128,
+             rows: int = 16, stages: int = 4, microbatches: int = 8, repeats: int = 5
+             ) -> list[dict]:
+  """Table 4: process CPU seconds of a pipelined step over the unpipelined one's."""
+  cfg = dataclasses.replace(small_model(d_model=d_model, n_layers=n_layers,
+                                        vocab_size=vocab_size, n_kv_heads=4), d_ff=4 * d_model)
+  params = transformer.init_params(cfg, jax.random.key(0))
+  batch = {k: jnp.asarray(v) for k, v in packing.random_packed_batch(
+      rows, seq, docs_per_row=2, vocab_size=vocab_size, seed=0).items()}
+
+  def cpu_seconds(fn, *args) -> float:
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+      start = time.process_time()
+      jax.block_until_ready(fn(*args))
+      times.append(time.process_time() - start)
+    return float(np.median(times))
+  flat = mesh_lib.make_mesh(f"data={jax.device_count()}")
+  step = jax.jit(jax.value_and_grad(lambda p, b: jnp.sum(step_lib.token_losses(cfg, p, b))))
+  base = cpu_seconds(step, params, jax.device_put(batch, mesh_lib.batch_sharding(flat)))
+  out = [dict(schedule=f"unpipelined, data={jax.device_count()}", seconds=base, ratio=1.0)]
+  mesh = make_mesh(stages)
+  for name, v, vp in (("gpipe", 1, False), ("1f1b", 1, False), ("1f1b", 1, True),
+                      ("interleaved_1f1b", 2, False)):
+    layout = pipeline.Layout(stages=stages, virtual=v, vocab_size=vocab_size, vocab_parallel=vp)
+    schedule = pipeline.make_schedule(name, stages=stages, microbatches=microbatches,
+                                      virtual_stages=v)
+    fn = _pipelined_fn(cfg, schedule, layout, mesh, with_counts=False)
+    seconds = cpu_seconds(fn, pipeline.to_stages(layout, params), batch)
+    out.append(dict(schedule=name + (" + VP" if vp else ""), seconds=seconds,
+                    ratio=seconds / base))
+    log(f"cpu {out[-1]['schedule']}: {seconds:.3f} s, {seconds / base:.2f}x")
+  return out
+
+
 # ---------------------------------------------------------------------------
 # Tables and chart
 # ---------------------------------------------------------------------------
@@ -503,7 +548,8 @@ def draw_schedules(schedules_list, path: str | None = None, axes=None):
 def run(parts, *, stages_list, microbatches_list, skip=(), names=SCHEDULES, mem_names=SCHEDULES,
         d_model=64, n_layers=16, seq=32,
         mem_stages=4, mem_microbatches=(4, 8, 16), mem_seq=256, mem_rows=1,
-        vocabs=(), vocab_kw=None, out_path=None, chart_path=None) -> dict[str, Any]:
+        vocabs=(), vocab_kw=None, cpu_kw=None, out_path=None, chart_path=None
+        ) -> dict[str, Any]:
   """Every table of `parts`; writes the JSON to `out_path` and returns it."""
   t0 = time.perf_counter()
   cfg = small_model(d_model=d_model, n_layers=n_layers)
@@ -525,6 +571,8 @@ def run(parts, *, stages_list, microbatches_list, skip=(), names=SCHEDULES, mem_
                                    names=mem_names)
   if "vocab" in parts:
     result["vocab"] = vocab_rows(vocabs, **(vocab_kw or {}))
+  if "cpu" in parts:
+    result["cpu"] = cpu_rows(**(cpu_kw or {}))
   result["seconds"] = time.perf_counter() - t0
   if out_path:
     with open(out_path, "w") as f:
@@ -540,6 +588,9 @@ def tables(result) -> str:
     parts.append(memory_table(result["memory"]))
   if "vocab" in result:
     parts.append(vocab_table(result["vocab"]))
+  if "cpu" in result:
+    parts.append("| step | CPU s | x unpipelined |\n|---|---:|---:|\n" + "\n".join(
+        f"| {r['schedule']} | {r['seconds']:.3f} | {r['ratio']:.2f} |" for r in result["cpu"]))
   return "\n\n".join(parts)
 
 
@@ -555,6 +606,7 @@ def main(argv):
       mem_seq=_MEM_SEQ.value, mem_rows=_MEM_ROWS.value, vocabs=ints(_VOCABS.value),
       vocab_kw=dict(d_model=_V_D_MODEL.value, n_layers=_V_LAYERS.value, d_ff=_V_D_FF.value,
                     heads=_V_HEADS.value, stages=_V_STAGES.value, tokens=_V_SEQ.value),
+      cpu_kw=dict(repeats=_CPU_REPEATS.value),
       out_path=_OUT.value, chart_path=_CHART.value or None)
   print(tables(result))
   log(f"wrote {_OUT.value} ({result['seconds']:.0f}s)")

@@ -9,11 +9,13 @@ from experiments import bench_pipeline
 def test_tiny_run(tmp_path):
   out, chart = tmp_path / "bench.json", tmp_path / "chart.png"
   result = bench_pipeline.run(
-      ["schedules", "memory", "vocab"], stages_list=[2], microbatches_list=[2], d_model=16,
+      ["schedules", "memory", "vocab", "cpu"], stages_list=[2], microbatches_list=[2], d_model=16,
       # Each schedule compiled once: 1f1b and interleaved run, gpipe only compiles.
       names=["1f1b", "interleaved_1f1b"], mem_names=["gpipe"],
       n_layers=4, seq=8, mem_stages=2, mem_microbatches=[2], mem_seq=8, mem_rows=1,
       vocabs=[250], vocab_kw=dict(d_model=16, n_layers=2, d_ff=32, heads=2, stages=2, tokens=8),
+      cpu_kw=dict(d_model=16, n_layers=4, vocab_size=256, seq=8, rows=8, stages=2,
+                  microbatches=2, repeats=1),
       out_path=str(out), chart_path=str(chart))
   saved = json.loads(out.read_text())
   assert {"schedules", "memory", "vocab", "devices", "jax_version", "model"} <= set(saved)
@@ -26,6 +28,10 @@ def test_tiny_run(tmp_path):
     # Every stage runs each of its m * v chunks forward and backward exactly once.
     assert r["forward_ticks_per_stage"] == r["backward_ticks_per_stage"] == [2 * r["virtual"]] * 2
     assert 0.9 < r["flops_ratio"] < 1.3
+  cpu = {r["schedule"]: r for r in saved["cpu"]}
+  assert len(cpu) == 5 and cpu["unpipelined, data=8"]["ratio"] == 1.0
+  assert all(r["seconds"] > 0 and r["ratio"] == pytest.approx(
+      r["seconds"] / cpu["unpipelined, data=8"]["seconds"]) for r in cpu.values())
   (mem,) = saved["memory"]
   assert mem["schedule"] == "gpipe" and mem["res_slots"] == 2  # all m = 2 microbatches held
   assert mem["temp_bytes"] > mem["residual_bytes"] == 2 * mem["residual_slot_bytes"] > 0
@@ -34,4 +40,4 @@ def test_tiny_run(tmp_path):
   assert v["mpmd_max_over_min"] > 1.0
   assert v["vocab_layer_bytes_vp"] < v["vocab_layer_bytes_replicated"]
   text = bench_pipeline.tables(result)
-  assert text.count("\n|---") == 3
+  assert text.count("\n|---") == 4
