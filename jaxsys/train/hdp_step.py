@@ -472,15 +472,7 @@ class PerRankHDPStep(_HDPBase):
     return {block: acc for block, (_, acc) in sums.items()}, reductions
 
   def _local_batches(self, sched: hdp_schedule.Schedule, docs) -> dict[int, list]:
-    """The local micro-batches by their slots (`hdp_schedule.local_cell`): {slots: each
-    device's micro-batches of that size}, one local program each."""
-    out: dict[int, list] = {}
-    for d, batches in enumerate(sched.local):
-      for batch in batches:
-        size = hdp_schedule.local_cell(sum(len(docs[i]) - 1 for i in batch),
-                                       self.tokens_per_device)
-        out.setdefault(size, [[] for _ in range(self.num_devices)])[d].append(batch)
-    return out
+    return local_batches(sched, [len(doc) - 1 for doc in docs], self.tokens_per_device)
 
   def _local_inputs(self, k: int, size: int, local, docs):
     """A local program's inputs: every device's micro-batches (`local[d]`, lists of
@@ -554,18 +546,27 @@ def _axis(local) -> int:
   return hdp.block_size(max(1, max(len(batches) for batches in local)))
 
 
+def local_batches(sched: hdp_schedule.Schedule, lengths, tokens_per_device: int
+                  ) -> dict[int, list]:
+  """The local micro-batches of a schedule of `lengths` by their slots
+  (`hdp_schedule.local_cell`): {slots: each device's micro-batches of that size}, one
+  local program each."""
+  out: dict[int, list] = {}
+  for d, batches in enumerate(sched.local):
+    for batch in batches:
+      size = hdp_schedule.local_cell(sum(int(lengths[i]) for i in batch), tokens_per_device)
+      out.setdefault(size, [[] for _ in sched.local])[d].append(batch)
+  return out
+
+
 def programs(sched: hdp_schedule.Schedule, lengths, tokens_per_device: int) -> dict[str, set]:
   """The programs `PerRankHDPStep` compiles for a schedule of `lengths` (no devices needed):
   "ring": (block of slots, cell) each, "local": (micro-batch axis, slots) each, and "ring
   shape": (ring size, cell), what a ring program's HLO depends on."""
-  sizes: dict[int, list] = {}
-  for d, batches in enumerate(sched.local):
-    for batch in batches:
-      size = hdp_schedule.local_cell(sum(int(lengths[i]) for i in batch), tokens_per_device)
-      sizes.setdefault(size, [[] for _ in sched.local])[d].append(batch)
   return {"ring": {(r.devices, r.cell) for r in sched.rings},
           "ring shape": {(len(r.devices), r.cell) for r in sched.rings},
-          "local": {(_axis(local), size) for size, local in sizes.items()}}
+          "local": {(_axis(local), size)
+                    for size, local in local_batches(sched, lengths, tokens_per_device).items()}}
 
 
 def _on(tree, shardings):

@@ -8,9 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxsys import hlo_flops
 from jaxsys import mesh as mesh_lib
 from jaxsys.data import packing
 from jaxsys.models import transformer
+from jaxsys.optim import outer
 from jaxsys.parallel import pipeline
 from jaxsys.train import step as step_lib
 from jaxsys.train import config_check
@@ -153,41 +155,30 @@ def test_1f1b_memory_grows_with_stages_not_microbatches():
   assert one_f_one_b[-1] < gpipe / 2.5, (one_f_one_b, gpipe)
 
 
-_COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) .*\{$")
-_COPY = re.compile(r"^\s*(?:ROOT )?%[\w.\-]+ = (\w+)\[([\d,]*)\]\S* copy\(")
-_LOOP = re.compile(r" while\(.*body=%([\w.\-]+).*\"known_trip_count\":\{\"n\":\"(\d+)\"")
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4}
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}|true_computation=%([\w.\-]+), "
-                       r"false_computation=%([\w.\-]+)")
+_COPY = re.compile(r"=\s*(\S+)\s+copy\(")
 
 
 def _copied_per_tick(hlo: str, ticks: int) -> int:
   """Bytes the tick loop's body copies on its costliest path: its own copies, and of each
   conditional the branch that copies most (one branch runs)."""
-  bodies, name = {}, None
-  for line in hlo.splitlines():
-    match = _COMPUTATION.match(line)
-    if match:
-      name, bodies[match[1]] = match[1], []
-    elif name is not None and line.strip() == "}":
-      name = None
-    elif name is not None:
-      bodies[name].append(line)
+  comps, _ = outer._computations(hlo)
 
   def copied(computation: str) -> int:
     total = 0
-    for line in bodies[computation]:
-      copy = _COPY.match(line)
+    for line in comps[computation]:
+      copy = _COPY.search(line)
       if copy:
-        total += _BYTES[copy[1]] * int(np.prod([int(d) for d in copy[2].split(",") if d]))
-      branches = _BRANCHES.search(line)
+        total += outer._shape_bytes(copy[1])
+      branches = outer._BRANCHES.search(line)
       if branches:
-        names = re.findall(r"%([\w.\-]+)", branches[1] or "") or list(branches.groups()[1:])
+        names = (re.findall(r"%?([\w.\-]+)", branches[1]) if branches[1]
+                 else branches.group(2, 3))
         total += max(copied(n) for n in names)
     return total
 
-  (body,) = [m[1] for lines in bodies.values() for m in map(_LOOP.search, lines)
-             if m and int(m[2]) == ticks]
+  (body,) = [name for lines in comps.values() for line in lines
+             if " while(" in line and hlo_flops.trip_count(line, comps) == ticks
+             for name in re.findall(r"body=%?([\w.\-]+)", line)]
   return copied(body)
 
 
