@@ -16,9 +16,10 @@ A forward keeps its chunk's `jax.vjp` residuals in a slot of a buffer of
 depend on the microbatch (`dependence.py`); the weight-only ones (the weights, reshaped
 weights) the backward recomputes from the live weights. The head (final norm, output layer,
 cross-entropy) and the input embedding run in phases all stages join, on the ticks the
-schedule says, so vocabulary parallelism (`vocab.py`: both split over `stage`) runs
-inside the schedule rather than after it. Without it the first and last stage own the
-(replicated) vocabulary layers and the other stages skip those phases. Evaluation
+schedule says, so vocabulary parallelism (`vocab.py`: both split over `stage`, or over
+`stage` x `tensor` where the layout has a tensor size) runs inside the schedule rather than
+after it. Without it the first and last stage own the (replicated) vocabulary layers and
+the other stages skip those phases. Evaluation
 (`pipeline_loss`) runs the schedule's forwards only.
 
 Loss and gradients are those of the summed token loss; the caller divides once by the
@@ -51,6 +52,7 @@ __all__ = ["make_schedule", "Schedule", "Layout", "to_stages", "from_stages",
            "split_microbatches"]
 
 AXIS = "stage"
+TENSOR_AXIS = "tensor"  # automatic in the executor; VP takes it by hand around its layers
 DATA_AXIS = "data"  # the batch axis the executor splits by hand (see _execute)
 SCHEDULES = ("none", "gpipe", "1f1b", "interleaved_1f1b")
 VOCAB_PARAMS = ("embedding", "unembedding")
@@ -60,19 +62,30 @@ Batch = dict[str, jax.Array]
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-  """How the canonical parameters are viewed for a pipeline of `stages` x `virtual` chunks."""
+  """How the canonical parameters are viewed for a pipeline of `stages` x `virtual` chunks.
+
+  `tensor`: the size of the mesh's `tensor` axis, over which vocabulary parallelism also
+  splits the vocabulary (stages x tensor shards); 1 splits it over `stage` alone.
+  """
   stages: int
   virtual: int
   vocab_size: int
   vocab_parallel: bool
+  tensor: int = 1
 
   @property
   def chunks(self) -> int:
     return self.stages * self.virtual
 
   @property
+  def vocab_axes(self) -> tuple[str, ...]:
+    """The mesh axes VP splits the vocabulary over, the first major (`vocab.py`)."""
+    return (AXIS, TENSOR_AXIS) if self.tensor > 1 else (AXIS,)
+
+  @property
   def padded_vocab(self) -> int:
-    return vocab.padded_vocab(self.vocab_size, self.stages) if self.vocab_parallel else self.vocab_size
+    return (vocab.padded_vocab(self.vocab_size, self.stages * self.tensor) if self.vocab_parallel
+            else self.vocab_size)
 
   def leaf_to_stages(self, name: str, x):
     """One canonical leaf (named by its last key) in the pipeline view."""
@@ -102,8 +115,9 @@ class Layout:
     return out
 
   def rules(self, rules):
-    """Logical rules of the view: with vocabulary parallelism the vocab dim splits over `stage`."""
-    return ((("vocab", AXIS),) if self.vocab_parallel else ()) + tuple(rules)
+    """Logical rules of the view: with vocabulary parallelism the vocab dim splits over
+    `vocab_axes` (stage, or stage x tensor)."""
+    return ((("vocab", self.vocab_axes),) if self.vocab_parallel else ()) + tuple(rules)
 
 
 def _kind(path) -> str:
@@ -232,17 +246,45 @@ class _VocabLayers:
   """Input embedding and head (final norm, output layer, summed cross-entropy) per microbatch.
 
   Replicated: stage 0 embeds, the last stage runs the head; others skip (per-device
-  branch). Vocabulary-parallel: every stage runs its vocab shard and one collective joins them.
+  branch). Vocabulary-parallel: every stage runs its vocab shard and one collective joins
+  them. Over stage x tensor, `tensor` (automatic in the executor) is taken by hand around
+  the vocab functions, so each device runs its own 1 / (stages x tensor) of the vocabulary
+  and their collectives span both axes; the broadcasts of hidden states stay over `stage`.
   """
 
-  def __init__(self, cfg, layout: Layout, algorithm: int):
+  def __init__(self, cfg, layout: Layout, algorithm: int, mesh):
     self.cfg, self.layout, self.algorithm = cfg, layout, algorithm
     self.last = layout.stages - 1
+    tensor = dict(mesh.shape).get(TENSOR_AXIS, 1)
+    if layout.vocab_parallel and layout.tensor not in (1, tensor):
+      raise ValueError(f"the layout splits the vocabulary over tensor={layout.tensor}, the mesh "
+                       f"has tensor={tensor}: build the Layout with tensor={tensor} (or 1, over "
+                       f"stage alone)")
+    self.axes = layout.vocab_axes
+    self.shard_size = layout.padded_vocab // (layout.stages * layout.tensor)
+
+  def _by_hand(self, fn, in_specs, out_specs):
+    """`fn` (vocab.py's, over `self.axes`) where every one of those axes is manual: with
+    `tensor` among them, in a shard_map over `tensor` (specs name it alone; `stage` and the
+    executor's other manual axes stay manual inside)."""
+    if TENSOR_AXIS not in self.axes:
+      return fn
+    # check_vma=False as the executor's: its values carry no varying-axes types to check.
+    return jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs, axis_names={TENSOR_AXIS},
+                         check_vma=False)
+
+  @staticmethod
+  def _split(name: str) -> P:
+    """The `tensor` spec of a vocab weight: its vocabulary dim split."""
+    return P(TENSOR_AXIS) if name == "embedding" else P(None, TENSOR_AXIS)
 
   def embed(self, params, tokens, stage):
     cfg = self.cfg
     if self.layout.vocab_parallel:
-      return vocab.embed(params["embedding"], tokens, axis=AXIS, dtype=jnp.dtype(cfg.dtype))
+      fn = self._by_hand(
+          functools.partial(vocab.embed, axis=self.axes, dtype=jnp.dtype(cfg.dtype)),
+          (self._split("embedding"), P()), P())
+      return fn(params["embedding"], tokens)
     return jax.lax.cond(stage == 0, lambda: transformer.embed(cfg, params["embedding"], tokens),
                         lambda: jnp.zeros(tokens.shape + (cfg.d_model,), cfg.dtype))
 
@@ -250,7 +292,10 @@ class _VocabLayers:
     """Gradient of the embedding (replicated: on stage 0 only; else the local shard)."""
     if self.layout.vocab_parallel:
       dx = vocab.broadcast_from(dx, 0, axis=AXIS)
-      return vocab.embed_grad(dx, tokens, vocab_shard_size=params["embedding"].shape[0], axis=AXIS)
+      fn = self._by_hand(functools.partial(vocab.embed_grad, vocab_shard_size=self.shard_size,
+                                           axis=self.axes),
+                         (P(), P()), self._split("embedding"))
+      return fn(dx, tokens)
     _, vjp = jax.vjp(lambda e: transformer.embed(self.cfg, e, tokens), params["embedding"])
     return jax.lax.cond(stage == 0, lambda: vjp(dx)[0],
                         lambda: jnp.zeros_like(params["embedding"]))
@@ -277,9 +322,10 @@ class _VocabLayers:
     cfg = self.cfg
     name = "embedding" if cfg.tie_embeddings else "unembedding"
     output_layer = vocab.output_layer_tied if cfg.tie_embeddings else vocab.output_layer
-    return name, *output_layer(h, head_params[name], mb["targets"], mb["loss_mask"],
-                               vocab_size=cfg.vocab_size, axis=AXIS, algorithm=algorithm,
-                               dtype=jnp.dtype(cfg.dtype))
+    fn = self._by_hand(functools.partial(output_layer, vocab_size=cfg.vocab_size, axis=self.axes,
+                                         algorithm=algorithm, dtype=jnp.dtype(cfg.dtype)),
+                       (P(), self._split(name), P(), P()), (P(), P(), self._split(name)))
+    return name, *fn(h, head_params[name], mb["targets"], mb["loss_mask"])
 
   def _logits(self, head_params, y):
     return transformer.unembed(self.cfg, y, head_params["final_norm"],
@@ -393,7 +439,7 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
   tick_tables = {k: jnp.asarray(getattr(schedule, k)) for k in (
       "embed_microbatch", "embed_grad_microbatch", "head_microbatch", "head_slot")}
   chunk = _Chunk(cfg, attention_fn)
-  vl = _VocabLayers(cfg, layout, vocab_algorithm)
+  vl = _VocabLayers(cfg, layout, vocab_algorithm, mesh)
   p = layout.stages
   G = layout.chunks
 
@@ -564,7 +610,8 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
 
 def _param_specs(layout: Layout, params, replicas: bool = False):
   """shard_map specs over `stage` (and a leading `replica` dim): layers on their stage dim,
-  vocab layers when parallel."""
+  vocab layers when parallel (their split over `tensor` too, an automatic axis here, is
+  taken by `_VocabLayers`)."""
   lead = (routing.AXIS,) if replicas else ()
 
   def spec(path, x):

@@ -1,4 +1,4 @@
-"""Vocabulary Parallelism (VP): the vocabulary layers split along the vocabulary over stages.
+"""Vocabulary Parallelism (VP): the vocabulary layers split along the vocabulary over devices.
 
 Yeung et al., "Balancing Pipeline Parallelism with Vocabulary Parallelism" (arXiv
 2411.05288; reference code sail-sg/VocabularyParallelism). With plain pipeline
@@ -8,9 +8,13 @@ memory than the others. VP gives every stage a contiguous shard of Vs = V_pad / 
 vocabulary rows (shard i holds ids [i * Vs, (i + 1) * Vs)) of the embedding and of the
 output layer, and each stage works on the whole microbatch for its own shard.
 
-Every function here runs INSIDE a `jax.shard_map` in which `axis` (default "stage") is
-a manual axis of size P. Padding rows (ids >= vocab_size, up to `padded_vocab`) get
-logit -inf, so they never change the loss and get exactly zero gradient.
+Every function here runs INSIDE a `jax.shard_map` in which `axis` (default "stage"), the
+axis or tuple of axes the vocabulary is split over, is manual; P below is the number of
+shards, the product of their sizes, and shard i is the axes' linear index (the first
+axis major: ("stage", "tensor") puts shard s * T + t on stage s, tensor rank t, as the
+paper's reference code splits over pipeline x tensor ranks). Padding rows (ids >=
+vocab_size, up to `padded_vocab`) get logit -inf, so they never change the loss and get
+exactly zero gradient.
 
 The output layer is written out forward AND backward (`output_layer`), no autodiff
 through collectives, because its passes are what a pipeline schedule places:
@@ -59,35 +63,41 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+# A mesh axis name, or a tuple of them (lax.psum and axis_index take either).
+Axes = str | tuple[str, ...]
+
 
 def bytes_per_microbatch(tokens: int, d_model: int, stages: int, itemsize: int,
-                         train: bool = True) -> int:
-  """Bytes one stage sends over `axis` for one microbatch of `tokens` tokens (its share on
-  this device), each psum a ring all-reduce: the embedding's gather (`embed`), the last
-  stage's hidden state to every stage (`broadcast_from`), the softmax statistics (3 float32
-  per token from each of the P stages) and, in training, dh and the embedding gradient's
-  broadcast of dx. Activations are `itemsize` bytes per value."""
-  ring = lambda n: 2 * (stages - 1) * n // stages
-  activations = 4 if train else 2
-  return activations * ring(tokens * d_model * itemsize) + ring(stages * tokens * 3 * 4)
+                         train: bool = True, tensor: int = 1) -> int:
+  """Bytes one device sends for one microbatch of `tokens` tokens (its share on this
+  device), each psum a ring all-reduce, the vocabulary split over stages x `tensor`
+  (N shards): the embedding's gather and, in training, dh over all N shards; the softmax
+  statistics (3 float32 per token from each of the N shards) too; the last stage's hidden
+  state to every stage (`broadcast_from`) and, in training, the embedding gradient's
+  broadcast of dx over `stage` only. Activations are `itemsize` bytes per value."""
+  ring = lambda n, over: 2 * (over - 1) * n // over
+  shards, activation = stages * tensor, tokens * d_model * itemsize
+  activations = 2 if train else 1  # over all shards, and over stage alone: each
+  return (activations * (ring(activation, shards) + ring(activation, stages))
+          + ring(shards * tokens * 3 * 4, shards))
 
 
 def padded_vocab(vocab_size: int, shards: int) -> int:
-  """`vocab_size` rounded up to a multiple of `shards` (so every stage holds Vs rows)."""
+  """`vocab_size` rounded up to a multiple of `shards` (so every shard holds Vs rows)."""
   if vocab_size < 1 or shards < 1:
     raise ValueError(f"padded_vocab: vocab_size={vocab_size} and shards={shards} must be >= 1")
   return -(-vocab_size // shards) * shards
 
 
-def _local_ids(tokens_BT, vocab_shard_size: int, axis: str):
+def _local_ids(tokens_BT, vocab_shard_size: int, axis: Axes):
   """Token ids relative to this shard's first row, and whether this shard holds them."""
   local = tokens_BT - lax.axis_index(axis) * vocab_shard_size
   inside = (local >= 0) & (local < vocab_shard_size)
   return jnp.where(inside, local, 0), inside
 
 
-def _psum_one_source(x, axis: str):
-  """psum of values that are zero on all stages but one: exact, in x's own bytes.
+def _psum_one_source(x, axis: Axes):
+  """psum of values that are zero on all shards but one: exact, in x's own bytes.
 
   Summed as unsigned integers of the same width (zero bits plus one value's bits is that
   value's bits): no rounding, no wider wire format, and it sidesteps an XLA:CPU crash on
@@ -99,31 +109,31 @@ def _psum_one_source(x, axis: str):
   return lax.bitcast_convert_type(lax.psum(lax.bitcast_convert_type(x, bits), axis), x.dtype)
 
 
-def broadcast_from(x, source_index: int, *, axis: str = "stage"):
+def broadcast_from(x, source_index: int, *, axis: Axes = "stage"):
   """`x` of stage `source_index`, on every stage (one psum of the masked value)."""
   # where, not multiply: a non-source stage's x may hold inf or nan.
   return _psum_one_source(jnp.where(lax.axis_index(axis) == source_index, x, jnp.zeros_like(x)),
                           axis)
 
 
-def embed(embedding_shard_VsD, tokens_BT, *, axis: str = "stage", dtype=jnp.float32):
-  """Token embeddings [B, T, D] in `dtype` on every stage, from each stage's vocab shard."""
+def embed(embedding_shard_VsD, tokens_BT, *, axis: Axes = "stage", dtype=jnp.float32):
+  """Token embeddings [B, T, D] in `dtype` on every shard, from each one's vocabulary rows."""
   local, inside = _local_ids(tokens_BT, embedding_shard_VsD.shape[0], axis)
   rows = jnp.take(embedding_shard_VsD, local, axis=0).astype(dtype)
-  # Exactly one stage contributes a non-zero row per token, so the sum is exact in any dtype.
+  # Exactly one shard contributes a non-zero row per token, so the sum is exact in any dtype.
   return _psum_one_source(jnp.where(inside[..., None], rows, jnp.zeros_like(rows)), axis)
 
 
-def embed_grad(dx_BTD, tokens_BT, *, vocab_shard_size: int, axis: str = "stage"):
-  """Gradient [Vs, D] (float32) of this stage's embedding shard; dx is the same on all stages."""
+def embed_grad(dx_BTD, tokens_BT, *, vocab_shard_size: int, axis: Axes = "stage"):
+  """Gradient [Vs, D] (float32) of this embedding shard; dx is the same on all shards."""
   local, inside = _local_ids(tokens_BT, vocab_shard_size, axis)
   dx = jnp.where(inside[..., None], dx_BTD.astype(jnp.float32), 0.0)
   d = dx.shape[-1]
   return jnp.zeros((vocab_shard_size, d), jnp.float32).at[local.reshape(-1)].add(dx.reshape(-1, d))
 
 
-def _gather_by_psum(x, axis: str):
-  """[P, ...]: every stage's `x`, by ONE psum of x placed in this stage's slot.
+def _gather_by_psum(x, axis: Axes):
+  """[P, ...]: every shard's `x`, by ONE psum of x placed in this shard's slot.
 
   Not `lax.all_gather`: its result is typed as varying over `axis`, so the loss built
   from it could not leave shard_map as replicated; the psum's result is invariant. The
@@ -134,7 +144,7 @@ def _gather_by_psum(x, axis: str):
 
 
 def output_layer(h_BTD, w_shard_DVs, targets_BT, mask_BT, *, vocab_size: int,
-                 axis: str = "stage", algorithm: int = 2, dtype=jnp.float32):
+                 axis: Axes = "stage", algorithm: int = 2, dtype=jnp.float32):
   """Output projection + cross-entropy, forward and backward: (loss_sum, dh_BTD, dw_shard_DVs).
 
   h is the final-normed hidden state (identical on every stage), w_shard this stage's
@@ -148,7 +158,7 @@ def output_layer(h_BTD, w_shard_DVs, targets_BT, mask_BT, *, vocab_size: int,
   b, t, d = h_BTD.shape
   vs = w_shard_DVs.shape[1]
   if vs * p != padded_vocab(vocab_size, p):
-    raise ValueError(f"output_layer: w_shard_DVs has {vs} columns on {p} stages of axis {axis!r}; "
+    raise ValueError(f"output_layer: w_shard_DVs has {vs} columns on {p} shards of axis {axis!r}; "
                      f"vocab_size={vocab_size} needs {padded_vocab(vocab_size, p) // p} "
                      f"(padded_vocab={padded_vocab(vocab_size, p)})")
   h_MD = h_BTD.reshape(b * t, d).astype(dtype)
@@ -199,7 +209,7 @@ def output_layer(h_BTD, w_shard_DVs, targets_BT, mask_BT, *, vocab_size: int,
 
 
 def output_layer_tied(h_BTD, embedding_shard_VsD, targets_BT, mask_BT, *, vocab_size: int,
-                      axis: str = "stage", algorithm: int = 2, dtype=jnp.float32):
+                      axis: Axes = "stage", algorithm: int = 2, dtype=jnp.float32):
   """`output_layer` with the tied weight embedding.T * d_model**-0.5.
 
   Returns (loss_sum, dh_BTD, d_embedding_shard_VsD); add `embed_grad` of the input side

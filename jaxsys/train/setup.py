@@ -167,7 +167,8 @@ def make_layout(run: RunConfig, mesh) -> pipeline.Layout | None:
   virtual = run.pipeline.virtual_stages
   pipeline.check_layout(stages, virtual, run.model.n_layers)
   return pipeline.Layout(stages=stages, virtual=virtual, vocab_size=run.model.vocab_size,
-                         vocab_parallel=run.pipeline.vocab_parallel)
+                         vocab_parallel=run.pipeline.vocab_parallel,
+                         tensor=dict(mesh.shape).get(pipeline.TENSOR_AXIS, 1))
 
 
 def _gradient_fn(run: RunConfig, mesh, view: layouts.View, schedule, context_split):
@@ -248,7 +249,7 @@ def transfer_bytes(model_cfg, schedule: pipeline.Schedule, mesh: Mesh, batch_siz
   collective-permutes over `replica`, and every replica gathers the others' batch rows
   once (5 arrays of 4 bytes a token; ring all-gather: R-1 times its own share). With
   vocabulary parallelism every microbatch's embedding and output layer also communicate
-  over `stage` (`vocab.bytes_per_microbatch`).
+  over `stage` and `tensor` (`vocab.bytes_per_microbatch`).
   """
   shape = dict(mesh.shape)
   replicas = shape.get(replicas_lib.AXIS, 1)
@@ -261,7 +262,8 @@ def transfer_bytes(model_cfg, schedule: pipeline.Schedule, mesh: Mesh, batch_siz
   gather = (replicas - 1) * rows * tokens * 4 * 5 if routed else 0
   head = (schedule.microbatches * vocab.bytes_per_microbatch(
       rows // schedule.microbatches * tokens, model_cfg.d_model, shape[pipeline.AXIS],
-      jnp.dtype(model_cfg.dtype).itemsize) if vocab_parallel else 0)
+      jnp.dtype(model_cfg.dtype).itemsize, tensor=shape.get(pipeline.TENSOR_AXIS, 1))
+          if vocab_parallel else 0)
   return 2 * moves * activation, gather + head
 
 

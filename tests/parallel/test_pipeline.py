@@ -47,7 +47,7 @@ def _run(cfg, params, batch, mesh_spec, name, microbatches, virtual=1, vocab_par
   mesh = mesh_lib.make_mesh(mesh_spec)
   stages = dict(mesh.shape)["stage"]
   layout = pipeline.Layout(stages=stages, virtual=virtual, vocab_size=cfg.vocab_size,
-                           vocab_parallel=vocab_parallel)
+                           vocab_parallel=vocab_parallel, tensor=dict(mesh.shape).get("tensor", 1))
   schedule = pipeline.make_schedule(name, stages=stages, microbatches=microbatches,
                                     virtual_stages=virtual)
   staged = pipeline.to_stages(layout, params)
@@ -95,11 +95,16 @@ def test_interleaved_with_two_virtual_stages_on_four():
   assert_close(grads, ref_grads)
 
 
-@pytest.mark.parametrize("vocab_parallel,algorithm", [(False, 2), (True, 1), (True, 2)])
-def test_tied_embeddings_and_vocab_algorithms(vocab_parallel, algorithm):
-  cfg, params, batch, ref_loss, ref_grads = _reference(True)
-  loss, grads = _run(cfg, params, batch, "stage=4,data=2", "1f1b", 4,
-                     vocab_parallel=vocab_parallel, algorithm=algorithm)
+@pytest.mark.parametrize("mesh_spec,tie,vocab_parallel,algorithm", [
+    ("stage=4,data=2", True, False, 2), ("stage=4,data=2", True, True, 1),
+    ("stage=4,data=2", True, True, 2),
+    # VP over stage x tensor (untied with Algorithm 2: CASES).
+    ("stage=2,tensor=2,data=2", False, True, 1), ("stage=2,tensor=2,data=2", True, True, 1),
+    ("stage=2,tensor=2,data=2", True, True, 2)])
+def test_embeddings_and_vocab_algorithms(mesh_spec, tie, vocab_parallel, algorithm):
+  cfg, params, batch, ref_loss, ref_grads = _reference(tie)
+  loss, grads = _run(cfg, params, batch, mesh_spec, "1f1b", 4, vocab_parallel=vocab_parallel,
+                     algorithm=algorithm)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
   assert_close(grads, ref_grads)
 
@@ -226,10 +231,12 @@ def test_layout_round_trip():
                                   params["layers"]["wq"][l])
 
 
-@pytest.mark.parametrize("vocab_parallel", [False, True])
-def test_vocab_layer_bytes_per_device(vocab_parallel, make_config):
-  """With VP every device holds 1/stages of the (padded) vocab layers and their Adam moments."""
-  config = make_config(mesh="stage=4,data=2", pipeline__schedule="1f1b",
+@pytest.mark.parametrize("mesh_spec,vocab_parallel,shards", [
+    ("stage=4,data=2", False, 1), ("stage=4,data=2", True, 4), ("stage=4,tensor=2", True, 8)])
+def test_vocab_layer_bytes_per_device(mesh_spec, vocab_parallel, shards, make_config):
+  """With VP every device holds 1/(stages x tensor) of the (padded) vocab layers and their
+  Adam moments."""
+  config = make_config(mesh=mesh_spec, pipeline__schedule="1f1b",
                        pipeline__vocab_parallel=vocab_parallel, model__n_layers=4)
   run = config_check.check_config(config)
   model_cfg, mesh = run.model, mesh_lib.make_mesh(run.mesh)
@@ -247,7 +254,58 @@ def test_vocab_layer_bytes_per_device(vocab_parallel, make_config):
   per_device = vocab_bytes(setup.state_sh.params, setup.abstract.params)
   whole = 2 * model_cfg.vocab_size * model_cfg.d_model * 4  # embedding + output layer, f32
   padded = 2 * setup.view.stages.padded_vocab * model_cfg.d_model * 4
-  assert per_device == (padded // 4 if vocab_parallel else whole)
+  assert setup.view.stages.padded_vocab % shards == 0
+  assert per_device == (padded // shards if vocab_parallel else whole)
+
+
+def _vocab_dots_only(hlo: str, vocab_dims) -> str:
+  """`hlo` with every dot that has none of `vocab_dims` in its output's or operands' shape
+  renamed out of `hlo_flops.dot_flops`'s sight: the output layer's three matmuls (logits,
+  dh, dw) remain."""
+  shapes = dict(re.findall(r"%([\w.\-]+) = \w+\[([\d,]*)\]", hlo))
+  dot = re.compile(r"= \w+\[([\d,]*)\]\S* dot\(%([\w.\-]+), %([\w.\-]+)\)")
+
+  def keep(line):
+    m = dot.search(line)
+    return m is None or any(int(d) in vocab_dims for ds in (m[1], shapes[m[2]], shapes[m[3]])
+                            for d in ds.split(",") if d)
+  return "\n".join(l if keep(l) else l.replace(" dot(", " not-a-dot(") for l in hlo.splitlines())
+
+
+def test_vocab_parallel_output_layer_flops_over_stage_and_tensor():
+  """On stage=4,tensor=2 each device runs 1/8 of the output layer's matmuls (VP over stage
+  alone: 1/4, each stage's shard replicated over tensor), read from the compiled program:
+  the dots with a vocabulary dim (V, V/4 or V/8 = 37, no other dim of the model), the
+  tick loop's head branch counted on every tick, against the unsplit layer's 3 matmuls
+  (logits, dh, dw) of 2 x tokens x d_model x V each per microbatch."""
+  v = 8 * 37
+  cfg = dataclasses_replace(CFG, vocab_size=v)
+  mesh = mesh_lib.make_mesh("stage=4,tensor=2")
+  layout = pipeline.Layout(stages=4, virtual=1, vocab_size=v, vocab_parallel=True, tensor=2)
+  schedule = pipeline.make_schedule("1f1b", stages=4, microbatches=4)
+  params = jax.eval_shape(lambda: pipeline.to_stages(
+      layout, transformer.init_params(cfg, jax.random.key(0))))
+  rows, seq = 4, 16  # one row of 16 tokens a microbatch
+  batch = {k: jax.ShapeDtypeStruct((rows, seq), jnp.float32 if k == "loss_mask" else jnp.int32)
+           for k in packing.FIELDS}
+  fn = jax.jit(lambda p, b: pipeline.pipeline_loss_and_grads(cfg, schedule, layout, p, b,
+                                                             mesh=mesh))
+  hlo = fn.lower(params, batch).compile().as_text()
+  per_device = hlo_flops.dot_flops(_vocab_dots_only(hlo, {v, v // 4, v // 8}))
+  unsplit = len(schedule.kind) * 3 * 2 * (rows // 4 * seq) * cfg.d_model * v
+  assert per_device / unsplit == pytest.approx(1 / 8), per_device / unsplit
+
+
+def test_vocab_split_over_a_tensor_axis_the_mesh_lacks_is_refused():
+  cfg, params, batch, _, _ = _reference(False)
+  layout = pipeline.Layout(stages=2, virtual=1, vocab_size=cfg.vocab_size, vocab_parallel=True,
+                           tensor=4)
+  mesh = mesh_lib.make_mesh("stage=2,tensor=2,data=2")
+  with pytest.raises(ValueError, match=r"over tensor=4, the mesh has tensor=2") as err:
+    pipeline.pipeline_loss_and_grads(
+        cfg, pipeline.make_schedule("1f1b", stages=2, microbatches=4), layout,
+        pipeline.to_stages(layout, params), batch, mesh=mesh)
+  assert "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize("mesh_spec,name,virtual,vocab_parallel", [
@@ -259,7 +317,7 @@ def test_forward_only_loss(mesh_spec, name, virtual, vocab_parallel):
   mesh = mesh_lib.make_mesh(mesh_spec)
   stages = dict(mesh.shape)["stage"]
   layout = pipeline.Layout(stages=stages, virtual=virtual, vocab_size=cfg.vocab_size,
-                           vocab_parallel=vocab_parallel)
+                           vocab_parallel=vocab_parallel, tensor=dict(mesh.shape).get("tensor", 1))
   schedule = pipeline.make_schedule(name, stages=stages, microbatches=4, virtual_stages=virtual)
   fn = jax.jit(lambda p, b: pipeline.pipeline_loss(cfg, schedule, layout, p, b, mesh=mesh))
   staged = pipeline.to_stages(layout, params)

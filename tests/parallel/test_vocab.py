@@ -176,29 +176,37 @@ class OutputLayerTest(parameterized.TestCase):
 
 class BytesTest(parameterized.TestCase):
 
-  @parameterized.parameters(True, False)
-  def test_bytes_per_microbatch_are_the_compiled_collectives(self, train):
+  @parameterized.product(train=[True, False], tensor=[1, 2])
+  def test_bytes_per_microbatch_are_the_compiled_collectives(self, train, tensor):
     """What a pipeline's microbatch runs of VP (the embedding, the broadcast of the last
     stage's hidden state, the output layer and, in training, the broadcast of dx for the
-    embedding's gradient), compiled: the bytes its collectives send, by the ring rule."""
-    h, w, targets, mask = _inputs()
-    emb = jax.random.normal(jax.random.key(4), (vocab.padded_vocab(V, STAGES), D))
+    embedding's gradient), compiled: the bytes its collectives send, by the ring rule. With
+    tensor=2 the vocabulary splits over stage x tensor (8 shards), the broadcasts over stage."""
+    h, _, targets, mask = _inputs()
+    mesh = Mesh(np.array(jax.devices()[:STAGES * tensor]).reshape(STAGES, tensor),
+                ("stage", "tensor"))
+    axes = ("stage", "tensor") if tensor > 1 else "stage"
+    v_pad = vocab.padded_vocab(V, STAGES * tensor)
+    emb = jax.random.normal(jax.random.key(4), (v_pad, D))
+    w = jax.random.normal(jax.random.key(5), (D, v_pad))
 
     def microbatch(emb_shard, w_shard, tokens, targets, mask, dx):
-      x = vocab.embed(emb_shard, tokens)
+      x = vocab.embed(emb_shard, tokens, axis=axes)
       y = vocab.broadcast_from(x * 2.0, STAGES - 1)  # stands in for the stages' layers
-      loss, dh, dw = vocab.output_layer(y, w_shard, targets, mask, vocab_size=V, algorithm=1)
+      loss, dh, dw = vocab.output_layer(y, w_shard, targets, mask, vocab_size=V, algorithm=1,
+                                        axis=axes)
       if not train:
         return loss, dh[:0], dw[:0], emb_shard[:0]
       demb = vocab.embed_grad(vocab.broadcast_from(dx + dh, 0), tokens,
-                              vocab_shard_size=emb_shard.shape[0])
+                              vocab_shard_size=emb_shard.shape[0], axis=axes)
       return loss, dh, dw, demb
-    fn = jax.shard_map(microbatch, mesh=_mesh(),
-                       in_specs=(P("stage"), P(None, "stage"), P(), P(), P(), P()),
-                       out_specs=(P(), P(), P(None, "stage"), P("stage")))
+    fn = jax.shard_map(microbatch, mesh=mesh,
+                       in_specs=(P(axes), P(None, axes), P(), P(), P(), P()),
+                       out_specs=(P(), P(), P(None, axes), P(axes)))
     hlo = jax.jit(fn).lower(emb, w, targets, targets, mask, h).compile().as_text()
     self.assertEqual(outer_lib.collective_bytes_from_hlo(hlo, STAGES),
-                     vocab.bytes_per_microbatch(B * T, D, STAGES, itemsize=4, train=train))
+                     vocab.bytes_per_microbatch(B * T, D, STAGES, itemsize=4, train=train,
+                                                tensor=tensor))
 
 
 class EmbeddingTest(parameterized.TestCase):
