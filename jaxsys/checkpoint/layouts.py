@@ -150,7 +150,7 @@ TRANSFORMS = {
     "stages": Transform(lambda tree, layout: pipeline.to_stages(layout, tree),
                         lambda tree, layout: pipeline.from_stages(layout, tree),
                         "layers [virtual, stage, layers/chunk, ...] and the vocabulary padded "
-                        "to a multiple of the stages (vocabulary parallelism)"),
+                        "to a multiple of stages x tensor (vocabulary parallelism)"),
 }
 
 

@@ -114,7 +114,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Pipeline parallelism over the mesh's `stage` axis (jaxsys/parallel/pipeline.py): none,
   # gpipe, 1f1b or interleaved_1f1b, e.g. --config.mesh=stage=4,data=2
   # --config.pipeline.schedule=1f1b --config.pipeline.microbatches=8
-  # --config.pipeline.vocab_parallel=true (embedding and output layer split over stages;
+  # --config.pipeline.vocab_parallel=true (embedding and output layer split over stage x tensor;
   # vocab_algorithm 2 syncs once per microbatch, 1 is the paper's naive baseline).
   # routing (with an outer optimizer over a replica x stage mesh): fixed sends each
   # microbatch to the next stage of its own replica; random to the next stage of a replica

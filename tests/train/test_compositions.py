@@ -207,7 +207,9 @@ def test_hdp_equals_data_parallelism_over_the_same_documents(names, options):
   the planner sent them."""
   config = _config(names, data__max_len=64, **options)
   setup = _setup(config)
-  lengths = [60, 61, 40, 17, 30, 9, 5, 15, 12, 3, 8, 16, 2, 50, 33]
+  # Rings and local slots in one step, a few cell sizes: each over-pipeline program costs
+  # seconds to trace and compile (15 documents of 15 lengths took twice as long, same paths).
+  lengths = [60, 61, 30, 31, 29, 28, 3, 2]
   batch = setup.device_batch({"tokens": _documents(lengths)})
   parts = [part["tokens"] for part in batch.get("pools", [batch])]
   assert all(parts) and sum(map(len, parts)) == len(lengths)  # every document, every pool
