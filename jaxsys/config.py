@@ -90,6 +90,7 @@ class PipelineConfig:
   vocab_parallel: bool
   vocab_algorithm: int
   routing: str
+  gather_once: bool  # with fsdp: each stage's weights gathered once a step, not every tick
 
 
 @dataclasses.dataclass(frozen=True)

@@ -120,6 +120,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # microbatch to the next stage of its own replica; random to the next stage of a replica
   # drawn per step, microbatch and boundary, seeded by optimizer.outer_seed (NoLoCo, arXiv
   # 2506.10911; jaxsys/train/grads.py routed_pipeline).
+  # gather_once (with an fsdp axis): each stage's weights all-gathered once a step and its
+  # gradients reduce-scattered once, not in every tick; costs the stage's whole weights and
+  # gradients on each of its devices.
   # Context parallelism: a `context` mesh axis > 1 splits every sequence over it and runs
   # context-parallel attention (jaxsys/parallel/context.py), e.g. --config.mesh=data=2,context=4;
   # context_layout zigzag evens the causal work, contiguous is the naive order;
@@ -144,5 +147,5 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                                               hdp_widen_rings=False))
   c.pipeline = ml_collections.ConfigDict(dict(
       schedule="none", microbatches=4, virtual_stages=1, vocab_parallel=False, vocab_algorithm=2,
-      routing="fixed"))
+      routing="fixed", gather_once=False))
   return c

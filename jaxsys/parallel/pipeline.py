@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxsys import mesh as mesh_lib
 from jaxsys.models import transformer
 from jaxsys.parallel import dependence, routing, vocab
 from jaxsys.parallel.schedules import BACKWARD, FORWARD, IDLE, Schedule, make_schedule
@@ -54,6 +55,7 @@ __all__ = ["make_schedule", "Schedule", "Layout", "to_stages", "from_stages",
 AXIS = "stage"
 TENSOR_AXIS = "tensor"  # automatic in the executor; VP takes it by hand around its layers
 DATA_AXIS = "data"  # the batch axis the executor splits by hand (see _execute)
+FSDP_AXIS = "fsdp"  # automatic, or by hand where the weights are gathered once a step
 SCHEDULES = ("none", "gpipe", "1f1b", "interleaved_1f1b")
 VOCAB_PARAMS = ("embedding", "unembedding")
 
@@ -357,23 +359,28 @@ class _VocabLayers:
 def pipeline_loss_and_grads(cfg: transformer.TransformerConfig, schedule: Schedule,
                             layout: Layout, params, batch: Batch, *, mesh,
                             vocab_algorithm: int = 2, attention_fn: Callable | None = None,
-                            with_counts: bool = False):
+                            with_counts: bool = False, gather_once: bool = False):
   """(summed token loss, gradients of it in the pipeline view) of `batch` run by `schedule`.
 
   `params` are in the `to_stages` view; `batch` is [B, T] arrays with B divisible by
   schedule.microbatches. Divide loss and gradients by the token count for the mean.
   `with_counts` adds a third output, the ticks each stage actually spent in each branch,
   [stages, 3] for (idle, forward, backward): the executed bubble, counted by the program.
+  `gather_once`: with an `fsdp` axis, each stage's weights are all-gathered once before the
+  ticks and its gradients reduce-scattered once after them (MaxText's
+  `pipeline_fsdp_ag_once`), instead of a gather and a reduction in every tick; the cost is
+  the stage's whole weights and gradients held on every device of the stage.
   """
   loss, grads, counts = _execute(cfg, schedule, layout, params, batch, mesh=mesh, train=True,
-                                 vocab_algorithm=vocab_algorithm, attention_fn=attention_fn)
+                                 vocab_algorithm=vocab_algorithm, attention_fn=attention_fn,
+                                 gather_once=gather_once)
   return (loss[0], grads, counts) if with_counts else (loss[0], grads)
 
 
 def replica_loss_and_grads(cfg: transformer.TransformerConfig, schedule: Schedule,
                            layout: Layout, params, batch: Batch, *, mesh, shifts=None,
                            weights=None, vocab_algorithm: int = 2,
-                           attention_fn: Callable | None = None):
+                           attention_fn: Callable | None = None, gather_once: bool = False):
   """(loss sums [R], gradients [R, ...]) of R pipelines, one per replica of the `replica` axis.
 
   `params`: [R, ...] in the `to_stages` view; `batch`: [B, T], replica r's rows
@@ -382,6 +389,7 @@ def replica_loss_and_grads(cfg: transformer.TransformerConfig, schedule: Schedul
   moves microbatch m to the replica shifts[m, g] further on. loss[r] sums the token loss
   of replica r's rows wherever they ran. The gradients are those of sum_r weights[r] *
   loss[r] (weights: [R], default ones), each replica's for its own parameters.
+  `gather_once` as in `pipeline_loss_and_grads`.
   """
   replicas = jax.tree.leaves(params)[0].shape[0]
   if dict(mesh.shape).get(routing.AXIS) != replicas:
@@ -389,15 +397,18 @@ def replica_loss_and_grads(cfg: transformer.TransformerConfig, schedule: Schedul
                      f"not {dict(mesh.shape)}")
   loss, grads, _ = _execute(cfg, schedule, layout, params, batch, mesh=mesh, train=True,
                             vocab_algorithm=vocab_algorithm, attention_fn=attention_fn,
-                            replicas=replicas, shifts=shifts, weights=weights)
+                            replicas=replicas, shifts=shifts, weights=weights,
+                            gather_once=gather_once)
   return loss, grads
 
 
 def pipeline_loss(cfg: transformer.TransformerConfig, schedule: Schedule, layout: Layout, params,
-                  batch: Batch, *, mesh, attention_fn: Callable | None = None) -> jax.Array:
+                  batch: Batch, *, mesh, attention_fn: Callable | None = None,
+                  gather_once: bool = False) -> jax.Array:
   """The summed token loss of `batch`, forward only (evaluation), by `schedule.forward_only()`."""
   loss, _, _ = _execute(cfg, schedule.forward_only(), layout, params, batch, mesh=mesh,
-                        train=False, vocab_algorithm=1, attention_fn=attention_fn)
+                        train=False, vocab_algorithm=1, attention_fn=attention_fn,
+                        gather_once=gather_once)
   return loss[0]
 
 
@@ -409,7 +420,8 @@ def _replica_microbatches(batch: Batch, replicas: int, n: int) -> Batch:
 
 
 def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, mesh, train: bool,
-             vocab_algorithm: int, attention_fn, replicas: int = 1, shifts=None, weights=None):
+             vocab_algorithm: int, attention_fn, replicas: int = 1, shifts=None, weights=None,
+             gather_once: bool = False):
   """Runs `schedule`'s ticks; without `train` only forwards and the head's loss.
 
   Loss sums come back as a vector over the replicas whose rows they are ([1] for one
@@ -431,6 +443,15 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
   # a step) inside the ticks' branches.
   shards = dict(mesh.shape).get(DATA_AXIS, 1)
   data = DATA_AXIS if shards > 1 and mbs["inputs"].shape[2] % shards == 0 else None
+  # Gathered once, `fsdp` is manual like `data`: each device runs its own rows on the whole
+  # stage's weights and sums its own gradients; left automatic, XLA gathers each chunk's
+  # weights and reduces its gradients inside every tick that runs it.
+  fsdp = dict(mesh.shape).get(FSDP_AXIS, 1)
+  gathered = _fsdp_dims(cfg, layout) if gather_once and fsdp > 1 else None
+  if gathered is not None and mbs["inputs"].shape[2] % (fsdp * (shards if data else 1)):
+    raise ValueError(f"gather_once: a microbatch's {mbs['inputs'].shape[2]} rows do not divide "
+                     f"over fsdp={fsdp}" + (f" x data={shards}" if data else ""))
+  rows = tuple(a for a in (data, FSDP_AXIS if gathered is not None else None) if a)
   offsets = (routing.offsets(jnp.asarray(shifts, jnp.int32), R) if routed
              else jnp.zeros((schedule.microbatches, layout.chunks), jnp.int32))
   weights = jnp.ones((R,), jnp.float32) if weights is None else jnp.asarray(weights, jnp.float32)
@@ -448,6 +469,9 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
     replica = jax.lax.axis_index(routing.AXIS) if R > 1 else 0
     if R > 1:
       params = jax.tree.map(lambda x: x[0], params)
+    if gathered is not None:
+      params = jax.tree.map(lambda x, d: x if d < 0 else jax.lax.all_gather(
+          x, FSDP_AXIS, axis=d, tiled=True), params, gathered)
     layers = jax.tree.map(lambda x: x[:, 0], params["layers"])  # [virtual, chunk, ...]
     vocab_params = {k: v for k, v in params.items() if k != "layers"}
     Bm, T = mbs["inputs"].shape[2:]
@@ -515,7 +539,11 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
         return {"dparams": dparams, "dx": dx}
 
       actions = [forward] + ([backward] if train else [])
-      results = _zeros_of({k: v for a in actions for k, v in jax.eval_shape(a, *operands).items()})
+      # The actions' results, shaped without tracing them again (their vjps dominate the
+      # executor's tracing time): a forward gives an activation and its residuals, a
+      # backward the chunk's gradients and one.
+      results = _zeros_of({"y": act, **({"res": res_shapes, "dparams": chunk_params, "dx": act}
+                                        if train else {})})
       fill = lambda action: lambda *ops: {**results, **action(*ops)}
       if uniform_ticks:  # every stage runs every action; the schedule's one is kept
         outcomes = [fill(a)(*operands) for a in actions]
@@ -580,8 +608,8 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
     c, _ = jax.lax.scan(tick, carry, {**tables, **tick_tables})
     # Replicated head: only the last stage added loss; parallel: every stage holds the total.
     loss = c["loss"] if layout.vocab_parallel else jax.lax.psum(c["loss"], AXIS)
-    if data:
-      loss = jax.lax.psum(loss, data)
+    if rows:
+      loss = jax.lax.psum(loss, rows)
     if R > 1:  # each replica's head added the losses of the rows it met
       loss = jax.lax.psum(loss, routing.AXIS)
     if not train:
@@ -592,35 +620,53 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
     grads = {**vocab_grads, "layers": layer_grads}
     if data:
       grads = jax.lax.psum(grads, data)
+    if gathered is not None:  # each device keeps its own shard of the sum
+      grads = jax.tree.map(lambda g, d: jax.lax.psum(g, FSDP_AXIS) if d < 0 else
+                           jax.lax.psum_scatter(g, FSDP_AXIS, scatter_dimension=d, tiled=True),
+                           grads, gathered)
     if R > 1:
       grads = jax.tree.map(lambda x: x[None], grads)
     return loss, grads, c["counts"][None]
 
-  param_specs = _param_specs(layout, params, R > 1)
-  mbs_spec = P(routing.AXIS if R > 1 and not routed else None, None, data)  # [R, M, Bm, T]
+  param_specs = _param_specs(layout, params, R > 1, gathered)
+  mbs_spec = P(routing.AXIS if R > 1 and not routed else None, None, rows or None)  # [R,M,Bm,T]
   fn = jax.shard_map(per_stage, mesh=mesh, in_specs=(param_specs, mbs_spec, P(), P()),
                      out_specs=(P(), param_specs if train else None, P(AXIS)),
-                     axis_names={AXIS} | ({routing.AXIS} if R > 1 else set()) | (
-                         {data} if data else set()),
+                     axis_names={AXIS} | ({routing.AXIS} if R > 1 else set()) | set(rows),
                      # Per-stage branches mix stage-varying and uniform values everywhere;
                      # the executor's collectives are explicit, none is differentiated.
                      check_vma=False)
   return fn(params, mbs, offsets, weights)
 
 
-def _param_specs(layout: Layout, params, replicas: bool = False):
+def _param_specs(layout: Layout, params, replicas: bool = False, gathered=None):
   """shard_map specs over `stage` (and a leading `replica` dim): layers on their stage dim,
   vocab layers when parallel (their split over `tensor` too, an automatic axis here, is
-  taken by `_VocabLayers`)."""
-  lead = (routing.AXIS,) if replicas else ()
+  taken by `_VocabLayers`); with `gathered` (`_fsdp_dims`), each leaf's `fsdp` dim too."""
+  lead = 1 if replicas else 0
 
-  def spec(path, x):
+  def spec(path, x, d=-1):
     kind = _kind(path)
+    dims = [routing.AXIS] * lead + [None] * (x.ndim - lead)
     if kind == "layers":
-      return P(*lead, None, AXIS)
-    if layout.vocab_parallel and kind == "embedding":
-      return P(*lead, AXIS)
-    if layout.vocab_parallel and kind == "unembedding":
-      return P(*lead, None, AXIS)
-    return P(*lead)
-  return jax.tree_util.tree_map_with_path(spec, params)
+      dims[lead + 1] = AXIS
+    elif layout.vocab_parallel and kind in VOCAB_PARAMS:
+      dims[lead + (kind == "unembedding")] = AXIS
+    if d >= 0:
+      dims[lead + d] = FSDP_AXIS
+    return P(*dims)
+  if gathered is None:
+    return jax.tree_util.tree_map_with_path(spec, params)
+  return jax.tree_util.tree_map_with_path(spec, params, gathered)
+
+
+def _fsdp_dims(cfg: transformer.TransformerConfig, layout: Layout):
+  """Each stage-view parameter's dim split over `fsdp` by the layout's rules (-1: none)."""
+  rules = {}
+  for name, axes in layout.rules(mesh_lib.DEFAULT_RULES):
+    rules.setdefault(name, axes)  # the first matching rule wins, as in the shardings
+
+  def dim(axes):
+    return next((i for i, a in enumerate(axes) if rules.get(a) == FSDP_AXIS), -1)
+  return jax.tree.map(dim, layout.logical_axes(transformer.param_axes(cfg)),
+                      is_leaf=lambda x: isinstance(x, tuple))

@@ -174,6 +174,7 @@ FIELDS: dict[str, Rule] = {
     "pipeline.vocab_algorithm": Rule(lambda v: _is_int(v) and v in (1, 2),
                                      "1 or 2 (the Vocabulary Parallelism paper's algorithms)"),
     "pipeline.routing": one_of("fixed", "random"),
+    "pipeline.gather_once": BOOL,
 }
 
 
@@ -245,6 +246,10 @@ RELATIONS: tuple[Relation, ...] = (
     Relation(("pipeline.vocab_parallel", "mesh axis stage", "pipeline.schedule"),
              lambda vp, p, sched: not vp or (p > 1 and sched != "none"),
              "be False without a pipeline over a stage axis larger than 1"),
+    Relation(("pipeline.gather_once", "mesh axis fsdp", "pipeline.schedule"),
+             lambda once, f, sched: not once or (f > 1 and sched != "none"),
+             "be False without a pipeline over a mesh whose fsdp axis is larger than 1 (it "
+             "gathers each stage's fsdp-split weights once a step)"),
     Relation(("model.n_layers", "mesh axis stage", "pipeline.virtual_stages", "pipeline.schedule"),
              lambda n, p, v, sched: sched == "none" or n % (p * v) == 0,
              "split evenly into (mesh axis stage) x pipeline.virtual_stages chunks"),
@@ -360,9 +365,8 @@ def _derived(mesh, values: dict[str, Any]) -> dict[str, Any]:
   shards = {f"mesh shards of {name!r}": _shards(mesh, name)
             for name in ("batch", *_SHARDED_FIELDS.values())}
   return {**shards, "MiB of K/V gathered per device": _gathered_kv_mib(values, shards),
-          "mesh axis replica": dict(mesh.shape).get("replica", 1),
-          "mesh axis stage": dict(mesh.shape).get("stage", 1),
-          "mesh axis context": dict(mesh.shape).get("context", 1),
+          **{f"mesh axis {axis}": dict(mesh.shape).get(axis, 1)
+             for axis in ("replica", "stage", "fsdp", "context")},
           "mesh axes data x fsdp": math.prod(dict(mesh.shape).get(a, 1)
                                              for a in hdp_step.SLOT_AXES),
           "processes": jax.process_count()}

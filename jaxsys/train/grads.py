@@ -64,14 +64,16 @@ def autodiff(model_cfg: transformer.TransformerConfig,
 
 def pipelined(model_cfg: transformer.TransformerConfig, schedule: pipeline.Schedule,
               layout: pipeline.Layout, mesh, *, vocab_algorithm: int = 2,
-              context_split: step_lib.ContextSplit | None = None) -> GradFn:
-  """Gradients of the stage-view parameters by the pipeline executor running `schedule`."""
+              context_split: step_lib.ContextSplit | None = None,
+              gather_once: bool = False) -> GradFn:
+  """Gradients of the stage-view parameters by the pipeline executor running `schedule`
+  (`gather_once`: `pipeline.pipeline_loss_and_grads`')."""
   def grad_fn(params, batch, step=None):
     count = jnp.sum(batch["loss_mask"])
     batch, attention_fn = with_attention(batch, context_split)
     total, grads = pipeline.pipeline_loss_and_grads(
         model_cfg, schedule, layout, params, batch, mesh=mesh, vocab_algorithm=vocab_algorithm,
-        attention_fn=attention_fn)
+        attention_fn=attention_fn, gather_once=gather_once)
     return total, count, grads
   return grad_fn
 
@@ -111,8 +113,8 @@ def over_replicas(grad_fn: GradFn, replicas: int) -> ReplicaGradFn:
 def routed_pipeline(model_cfg: transformer.TransformerConfig, schedule: pipeline.Schedule,
                     layout: pipeline.Layout, mesh, replicas: int, *,
                     routing_seed: int | None = None, vocab_algorithm: int = 2,
-                    accum_steps: int = 1, context_split: step_lib.ContextSplit | None = None
-                    ) -> ReplicaGradFn:
+                    accum_steps: int = 1, context_split: step_lib.ContextSplit | None = None,
+                    gather_once: bool = False) -> ReplicaGradFn:
   """R pipelines over `replica` x `stage`; `routing_seed` None routes each replica's rows
   through its own stages, else through replicas drawn from (seed, step, accumulation step).
 
@@ -130,7 +132,7 @@ def routed_pipeline(model_cfg: transformer.TransformerConfig, schedule: pipeline
       mb, attention_fn = with_attention(mb, context_split)
       return pipeline.replica_loss_and_grads(
           model_cfg, schedule, layout, params, mb, mesh=mesh, shifts=shifts, weights=weights,
-          vocab_algorithm=vocab_algorithm, attention_fn=attention_fn)
+          vocab_algorithm=vocab_algorithm, attention_fn=attention_fn, gather_once=gather_once)
 
     if accum_steps == 1:
       losses, grads = one(0, batch)

@@ -307,15 +307,16 @@ class _OverPipelines:
   inside the stages (the executor's uniform ticks) where the view has context > 1."""
 
   def __init__(self, *args, schedule: pipeline.Schedule, layout: pipeline.Layout,
-               vocab_algorithm: int = 2, **kwargs):
+               vocab_algorithm: int = 2, gather_once: bool = False, **kwargs):
     self.schedule, self.layout, self.vocab_algorithm = schedule, layout, vocab_algorithm
+    self.gather_once = gather_once
     self.microbatches = schedule.microbatches
     super().__init__(*args, **kwargs)
 
   def _grad_fn(self, view: Mesh) -> grads.GradFn:
     return grads.pipelined(self.model_cfg, self.schedule, self.layout, view,
                            vocab_algorithm=self.vocab_algorithm,
-                           context_split=_context_split(view))
+                           context_split=_context_split(view), gather_once=self.gather_once)
 
 
 class PipelinedHDPStep(_OverPipelines, HDPStep):
@@ -651,7 +652,7 @@ def make_executor(run: RunConfig, optimizer, mesh, state_sh: TrainState,
       return (PerRankHDPStep if per_rank else HDPStep)(*args, **kwargs)
     return (PipelinedPerRankHDPStep if per_rank else PipelinedHDPStep)(
         *args, schedule=schedule, layout=layout, vocab_algorithm=run.pipeline.vocab_algorithm,
-        **kwargs)
+        gather_once=run.pipeline.gather_once, **kwargs)
   if REPLICA not in mesh.axis_names:
     return executor(mesh, state_sh)
   return ReplicaPools(executor, mesh, state_sh)

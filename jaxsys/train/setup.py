@@ -174,7 +174,7 @@ def make_layout(run: RunConfig, mesh) -> pipeline.Layout | None:
 def _gradient_fn(run: RunConfig, mesh, view: layouts.View, schedule, context_split):
   """The run's gradient function: one model's, or the replicas' (`grads`)."""
   model_cfg, accum = run.model, run.optimizer.grad_accum_steps
-  vocab_algorithm = run.pipeline.vocab_algorithm
+  vocab_algorithm, gather_once = run.pipeline.vocab_algorithm, run.pipeline.gather_once
   if view.stages is None:
     fn = grads.accumulate(grads.autodiff(model_cfg, context_split), accum)
     return grads.over_replicas(fn, view.replicas) if view.replicas else fn
@@ -182,14 +182,15 @@ def _gradient_fn(run: RunConfig, mesh, view: layouts.View, schedule, context_spl
     seed = run.outer.seed if run.pipeline.routing == "random" else None
     return grads.routed_pipeline(model_cfg, schedule, view.stages, mesh, view.replicas,
                                  routing_seed=seed, vocab_algorithm=vocab_algorithm,
-                                 accum_steps=accum, context_split=context_split)
+                                 accum_steps=accum, context_split=context_split,
+                                 gather_once=gather_once)
   fn = grads.pipelined(model_cfg, schedule, view.stages, mesh, vocab_algorithm=vocab_algorithm,
-                       context_split=context_split)
+                       context_split=context_split, gather_once=gather_once)
   return grads.accumulate(fn, accum)
 
 
 def _eval_fn(model_cfg, mesh, view: layouts.View, schedule, param_sh, batch_sh,
-             context_split) -> Callable:
+             context_split, gather_once: bool) -> Callable:
   """token_bytes -> the jitted eval step of one replica's parameters in the view."""
   def make(token_bytes):
     table = jnp.asarray(token_bytes, jnp.float32)
@@ -200,7 +201,8 @@ def _eval_fn(model_cfg, mesh, view: layouts.View, schedule, param_sh, batch_sh,
                                   context_split=context_split)
       laid, attention_fn = grads.with_attention(batch, context_split)
       loss_sum = pipeline.pipeline_loss(model_cfg, schedule, view.stages, params, laid,
-                                        mesh=mesh, attention_fn=attention_fn)
+                                        mesh=mesh, attention_fn=attention_fn,
+                                        gather_once=gather_once)
       return step_lib.eval_sums_of_loss(loss_sum, batch, table)
     return jax.jit(sharded.under_mesh(eval_step, mesh), in_shardings=(param_sh, batch_sh),
                    out_shardings=NamedSharding(mesh, PartitionSpec()),
@@ -347,7 +349,8 @@ def make_setup(run: RunConfig, mesh: Mesh, loader=None) -> Setup:
   eval_params = (jax.jit(lambda p: jax.tree.map(lambda x: x[0], p),
                          in_shardings=(state_sh.params,), out_shardings=view_param_sh)
                  if replicas else (lambda p: p))
-  eval_fn = _eval_fn(model_cfg, mesh, view, schedule, view_param_sh, batch_sh, context_split)
+  eval_fn = _eval_fn(model_cfg, mesh, view, schedule, view_param_sh, batch_sh, context_split,
+                     run.pipeline.gather_once)
   run_view = {"mesh": run.mesh, "devices": mesh_lib.describe(mesh)}
   if layout is not None:
     run_view["pipeline"] = {"schedule": run.pipeline.schedule, "stages": layout.stages,

@@ -218,6 +218,10 @@ class RelationsTest(parameterized.TestCase):
       ("vocab_parallel_without_stage", dict(pipeline__vocab_parallel=True),
        "pipeline.vocab_parallel=True is invalid with mesh axis stage=1, "
        "pipeline.schedule='none'; it must be False without a pipeline"),
+      ("gather_once_without_fsdp", dict(mesh="stage=2,data=-1", pipeline__schedule="1f1b",
+                                        pipeline__gather_once=True),
+       "pipeline.gather_once=True is invalid with mesh axis fsdp=1, pipeline.schedule='1f1b'; "
+       "it must be False without a pipeline over a mesh whose fsdp axis is larger than 1"),
       ("virtual_gpipe", dict(mesh="stage=2,data=-1", pipeline__schedule="gpipe",
                              pipeline__virtual_stages=2, model__n_layers=4),
        "pipeline.virtual_stages=2 needs pipeline.schedule=interleaved_1f1b"),
