@@ -13,15 +13,21 @@ slots an executor needs: residuals kept for the backward, and the activation and
 inboxes. This module is pure numpy so it imports anywhere, fast; the executor only reads
 the tables.
 
+Ticks assume forward and backward cost the same; `timed(schedule, Costs(...))` gives the
+time they take when they do not, run asynchronously (each stage starts an op as soon as
+its inputs arrive) or in lock step (the executor: a tick lasts its slowest action).
+
 Example:
   sched = make_schedule("1f1b", stages=4, microbatches=8)
   sched.ticks, sched.bubble_fraction, sched.max_in_flight   # 22, 3/11, 4
   print(sched.chart())
+  timed(sched, Costs(forward=1, backward=2)).lockstep   # 40.0 (GPipe: 33.0)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import numpy as np
@@ -345,3 +351,85 @@ def _build(name: str, p: int, m: int, v: int, programs: list[list[_Op]]) -> Sche
       act_slots=max(1, max(a.peak for a in act)),
       grad_slots=max(1, max(a.peak for a in grad)) if has_backward else 0,
       programs=tuple(tuple(prog) for prog in programs))
+
+
+# ---------------------------------------------------------------------------
+# Time with unequal forward and backward costs
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Costs:
+  """Time of one microbatch's forward / backward through ALL the layers one stage holds.
+
+  An interleaved chunk holds 1/v of them and costs 1/v, so makespans compare across
+  schedules of the same model and stages. comm: time to send an activation or gradient to
+  the next stage (asynchronous: per message between stages; lock step: per tick).
+  """
+  forward: float
+  backward: float
+  comm: float = 0.0
+
+  def __post_init__(self):
+    for field, low in (("forward", "> 0"), ("backward", "> 0"), ("comm", ">= 0")):
+      x = getattr(self, field)
+      ok = (isinstance(x, (int, float, np.integer, np.floating))
+            and not isinstance(x, (bool, np.bool_)) and math.isfinite(x))
+      if not ok or (x <= 0 if field != "comm" else x < 0):
+        raise ValueError(f"Costs.{field}={x!r} is invalid; valid: a finite number {low}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+  """Makespans and timed bubbles (idle time / (stages x makespan)) in the units of Costs.
+
+  asynchronous: each stage runs its program order, every op as soon as the stage is free
+    and its inputs have arrived (Megatron-style). lockstep: the executor's ticks, each as
+    long as its slowest action plus comm. busy: compute time per stage (the same for both);
+    time spent in comm counts as idle.
+  """
+  asynchronous: float
+  lockstep: float
+  busy: tuple[float, ...]
+
+  def _bubble(self, makespan: float) -> float:
+    return 1.0 - sum(self.busy) / (len(self.busy) * makespan) if makespan else 0.0
+
+  @property
+  def asynchronous_bubble(self) -> float:
+    return self._bubble(self.asynchronous)
+
+  @property
+  def lockstep_bubble(self) -> float:
+    return self._bubble(self.lockstep)
+
+
+def timed(schedule: Schedule, costs: Costs) -> Timing:
+  """The schedule's time under `costs`, asynchronous and in lock step (see Timing)."""
+  p, v, last = schedule.stages, schedule.virtual_stages, schedule.chunks - 1
+  cost = np.array([0.0, costs.forward / v, costs.backward / v])
+  action = cost[schedule.kind]  # [ticks, stages]
+  # Lock step: every tick waits for its slowest stage, then its two ppermutes.
+  lockstep = float(np.sum(action.max(axis=1, initial=0.0)) + costs.comm * schedule.ticks)
+  # Asynchronous: the table's per-stage order is the program order, and everything an op
+  # needs ran at an earlier tick, so walking the ticks visits producers first.
+  end: dict[_Op, float] = {}
+  free = [0.0] * p
+  for t in range(schedule.ticks):
+    for s in range(p):
+      k = int(schedule.kind[t, s])
+      if k == IDLE:
+        continue
+      mb, g = int(schedule.microbatch[t, s]), int(schedule.virtual[t, s]) * p + s
+      if k == FORWARD:
+        needs = [(FORWARD, mb, g - 1)] if g > 0 else []
+      else:  # its forward's residuals; the head's gradient (after FORWARD g) needs no send
+        needs = [(FORWARD, mb, g)] + ([(BACKWARD, mb, g + 1)] if g < last else [])
+      start = free[s]
+      for n in needs:
+        sent = n[2] % p != s  # only a message to another stage pays comm
+        start = max(start, end[n] + (costs.comm if sent else 0.0))
+      end[(k, mb, g)] = free[s] = start + cost[k]
+  asynchronous = max(free) if end else 0.0
+  return Timing(asynchronous=float(asynchronous), lockstep=lockstep,
+                busy=tuple(float(x) for x in action.sum(axis=0)))

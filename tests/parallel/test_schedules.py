@@ -10,7 +10,7 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 from jaxsys.parallel import schedules as sched_lib
-from jaxsys.parallel.schedules import BACKWARD, FORWARD, IDLE, make_schedule
+from jaxsys.parallel.schedules import BACKWARD, FORWARD, IDLE, Costs, make_schedule, timed
 
 # (name, stages, microbatches, virtual_stages): small, odd and uneven shapes included.
 _CASES = (
@@ -280,6 +280,90 @@ class ErrorTest(parameterized.TestCase):
 
   def test_gpipe_allows_fewer_microbatches_than_stages(self):
     self.assertEqual(make_schedule("gpipe", stages=4, microbatches=2).ticks, 2 * (2 + 4 - 1))
+
+
+class TimedTest(parameterized.TestCase):
+
+  # Backward = 2 x forward, no comm, in units of one stage's forward (an interleaved chunk
+  # is half a stage's layers). Lock step: 1F1B's ticks mix 1- and 2-unit actions across
+  # stages and each waits for the slowest; asynchronous 1F1B matches GPipe.
+  @parameterized.named_parameters(
+      ("p4_m8_gpipe", "gpipe", 4, 8, 1, 33.0, 33.0),
+      ("p4_m8_1f1b", "1f1b", 4, 8, 1, 40.0, 33.0),
+      ("p4_m8_interleaved", "interleaved_1f1b", 4, 8, 2, 34.0, 28.5),
+      ("p8_m32_gpipe", "gpipe", 8, 32, 1, 117.0, 117.0),
+      ("p8_m32_1f1b", "1f1b", 8, 32, 1, 148.0, 117.0),
+      ("p8_m32_interleaved", "interleaved_1f1b", 8, 32, 2, 134.0, 106.5),
+  )
+  def test_backward_twice_forward(self, name, p, m, v, lockstep, asynchronous):
+    t = timed(make_schedule(name, stages=p, microbatches=m, virtual_stages=v),
+              Costs(forward=1, backward=2))
+    self.assertEqual((t.lockstep, t.asynchronous), (lockstep, asynchronous))
+    self.assertEqual(t.busy, (3.0 * m,) * p)
+    self.assertAlmostEqual(t.lockstep_bubble, 1 - 3 * m / lockstep, places=12)
+    self.assertAlmostEqual(t.asynchronous_bubble, 1 - 3 * m / asynchronous, places=12)
+
+  @parameterized.named_parameters(*_named(_CASES))
+  def test_equal_costs_give_ticks(self, name, p, m, v):
+    sched = make_schedule(name, stages=p, microbatches=m, virtual_stages=v)
+    t = timed(sched, Costs(forward=1, backward=1))
+    # A tick is a chunk: 1/v of a stage's layers.
+    self.assertAlmostEqual(t.lockstep * v, sched.ticks, places=9)
+    self.assertAlmostEqual(t.asynchronous * v, sched.ticks, places=9)
+    self.assertAlmostEqual(t.lockstep_bubble, sched.bubble_fraction, places=12)
+    self.assertAlmostEqual(t.asynchronous_bubble, sched.bubble_fraction, places=12)
+
+  def test_asynchronous_1f1b_no_worse_than_gpipe(self):
+    for p, m in itertools.product((2, 3, 4, 8), (8, 9, 16, 32)):
+      costs = Costs(forward=1, backward=2)
+      with self.subTest(p=p, m=m):
+        gpipe = timed(make_schedule("gpipe", stages=p, microbatches=m), costs)
+        one = timed(make_schedule("1f1b", stages=p, microbatches=m), costs)
+        self.assertLessEqual(one.asynchronous, gpipe.asynchronous + 1e-9)
+        for t in (gpipe, one):  # a lock-step tick never starts anything earlier
+          self.assertLessEqual(t.asynchronous, t.lockstep + 1e-9)
+
+  def test_comm_costs_1f1b_more_than_gpipe(self):
+    # GPipe pays the 2(p-1) sends of one round trip once; 1F1B's steady state waits on a
+    # round trip every p microbatches, so with comm > 0 it ends later even asynchronously.
+    costs = Costs(forward=1, backward=2, comm=0.1)
+    gpipe = timed(make_schedule("gpipe", stages=4, microbatches=8), costs)
+    one = timed(make_schedule("1f1b", stages=4, microbatches=8), costs)
+    self.assertAlmostEqual(gpipe.asynchronous, 33.6, places=9)  # 33 + 6 sends
+    self.assertAlmostEqual(one.asynchronous, 34.6, places=9)
+
+  def test_comm(self):
+    # GPipe, p=2, m=1: F0, send, F1, B1 (the head's gradient is local), send, B0.
+    t = timed(make_schedule("gpipe", stages=2, microbatches=1), Costs(1, 1, comm=0.25))
+    self.assertEqual((t.asynchronous, t.lockstep), (4.5, 5.0))  # 2 sends / 4 ticks
+    self.assertEqual(t.busy, (2.0, 2.0))
+    self.assertAlmostEqual(t.lockstep_bubble, 1 - 4 / 10, places=12)
+    sched = make_schedule("1f1b", stages=4, microbatches=8)
+    self.assertEqual(timed(sched, Costs(1, 2, comm=0.5)).lockstep, 40.0 + 0.5 * sched.ticks)
+    # One stage sends nothing: comm costs nothing asynchronously.
+    one = make_schedule("interleaved_1f1b", stages=1, microbatches=3, virtual_stages=3)
+    self.assertEqual(timed(one, Costs(1, 2, comm=5.0)).asynchronous, 9.0)
+
+  @parameterized.named_parameters(
+      ("forward_zero", dict(forward=0, backward=1), "Costs.forward=0 is invalid; valid: a "
+       "finite number > 0"),
+      ("forward_bool", dict(forward=True, backward=1), "Costs.forward=True is invalid"),
+      ("forward_str", dict(forward="1", backward=1), "Costs.forward='1' is invalid"),
+      ("backward_nan", dict(forward=1, backward=float("nan")), "Costs.backward=nan is invalid"),
+      ("backward_inf", dict(forward=1, backward=float("inf")), "Costs.backward=inf is invalid"),
+      ("backward_negative", dict(forward=1, backward=-2.0), "Costs.backward=-2.0 is invalid"),
+      ("comm_negative", dict(forward=1, backward=2, comm=-0.1),
+       "Costs.comm=-0.1 is invalid; valid: a finite number >= 0"),
+  )
+  def test_bad_costs(self, kwargs, fragment):
+    with self.assertRaises(ValueError) as cm:
+      Costs(**kwargs)
+    msg = str(cm.exception)
+    self.assertIn(fragment, msg)
+    self.assertNotIn("\n", msg)
+
+  def test_zero_comm_allowed(self):
+    self.assertEqual(Costs(forward=1, backward=2.5, comm=0).comm, 0)
 
 
 class ImportTest(absltest.TestCase):
