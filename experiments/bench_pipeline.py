@@ -9,18 +9,20 @@ It prints a markdown table per part (--parts) and writes every number to --out:
 
 1. Schedules (gpipe, 1f1b, interleaved_1f1b with 2 virtual stages) on meshes
    stage=p, data=8/p, for every p in --stages and m in --microbatches: the schedule's
-   theoretical bubble (idle stage-ticks / all stage-ticks of its table), the MEASURED
-   bubble (one executed step of `pipeline_loss_and_grads(..., with_counts=True)`, which
-   counts inside the executed `lax.switch` branches), and layer FLOPs executed per device
-   over useful layer FLOPs. XLA's `cost_analysis` counts a while loop's body ONCE
-   (whatever the trip count) and a conditional as its costliest branch, so the whole
-   pipelined program's number says nothing about executed work (it is recorded as
-   `xla_whole_program_flops`). Instead the chunk forward and backward (the executor's own
-   `_Chunk`) are compiled on their own for their per-call FLOPs and multiplied by the
-   executed counts; useful = the cost analysis of the unpipelined forward + backward of all
-   layers on the same per-device rows, divided by p. Each device gets one row per
-   microbatch (a microbatch is 8/p rows split over data). MaxText's GPipe computes through
-   the bubble; its ratio would be (m + p - 1) / m.
+   bubble in ticks (idle stage-ticks / all stage-ticks of its table, forward = backward),
+   its TIMED bubbles (`schedules.timed`: idle time / stages x makespan, run asynchronously
+   and in the executor's lock step, with backward / forward = the chunk programs' FLOP
+   ratio below; not wall time), and layer FLOPs executed per device over useful layer
+   FLOPs. The executed tick counts (`pipeline_loss_and_grads(..., with_counts=True)`)
+   only re-count the table, so they serve the FLOPs and a check, not a bubble. XLA's
+   `cost_analysis` counts a while loop's body ONCE (whatever the trip count) and a
+   conditional as its costliest branch, so the whole pipelined program's number says
+   nothing about executed work (it is recorded as `xla_whole_program_flops`). Instead the
+   chunk forward and backward (the executor's own `_Chunk`) are compiled on their own for
+   their per-call FLOPs and multiplied by the executed counts; useful = the cost analysis
+   of the unpipelined forward + backward of all layers on the same per-device rows, divided
+   by p. Each device gets one row per microbatch (a microbatch is 8/p rows split over
+   data). MaxText's GPipe computes through the bubble; its ratio would be (m + p - 1) / m.
 2. Memory at p=4 (stage=4, data=2), fixed microbatch size: compiled temp bytes per device of
    loss + gradients for gpipe / 1f1b / interleaved, and the residual buffer the executor
    keeps for the backward (schedule.res_slots x one slot's residual bytes).
@@ -64,7 +66,7 @@ from jaxsys.data import packing
 from jaxsys.models import transformer
 from jaxsys.optim.inner import make_optimizer
 from jaxsys.train import config_check
-from jaxsys.parallel import pipeline, vocab
+from jaxsys.parallel import pipeline, schedules, vocab
 from jaxsys.train import state as state_lib
 from jaxsys.train import step as step_lib
 
@@ -198,7 +200,7 @@ def grid(stages_list, microbatches_list, skip=(), names=SCHEDULES
 
 def schedule_rows(cfg, stages_list, microbatches_list, *, seq: int, skip=(),
                   names=SCHEDULES) -> list[dict]:
-  """Table 1: theoretical and measured bubble, executed over useful layer FLOPs per device."""
+  """Table 1: tick and timed bubbles, executed over useful layer FLOPs per device."""
   rows_out = []
   configs = grid(stages_list, microbatches_list, skip, names)
   chunk_cache, useful_cache = {}, {}
@@ -225,10 +227,15 @@ def schedule_rows(cfg, stages_list, microbatches_list, *, seq: int, skip=(),
     executed = counts[:, 1] * cf["forward"] + counts[:, 2] * cf["backward"]
     useful_fwd, useful = (x / p for x in useful_cache[m])
     theory_idle = np.sum(schedule.kind == pipeline.IDLE, axis=0)
+    # Backward over forward from the chunk programs' FLOPs (a FLOP ratio, not timed).
+    ratio = cf["backward"] / cf["forward"]
+    timing = schedules.timed(schedule, schedules.Costs(forward=1.0, backward=ratio))
     row = dict(
         schedule=name, stages=p, microbatches=m, virtual=v, data=data, ticks=schedule.ticks,
         bubble_theory=schedule.bubble_fraction,
-        bubble_measured=float(counts[:, 0].sum() / counts.sum()),
+        backward_forward_flop_ratio=ratio,
+        makespan_async=timing.asynchronous, makespan_lockstep=timing.lockstep,
+        bubble_async=timing.asynchronous_bubble, bubble_lockstep=timing.lockstep_bubble,
         idle_ticks_per_stage_measured=counts[:, 0].tolist(),
         idle_ticks_per_stage_theory=theory_idle.tolist(),
         forward_ticks_per_stage=counts[:, 1].tolist(),
@@ -245,7 +252,8 @@ def schedule_rows(cfg, stages_list, microbatches_list, *, seq: int, skip=(),
         seconds=time.perf_counter() - t0)
     rows_out.append(row)
     log(f"schedules {i + 1}/{len(configs)}: {name} p={p} m={m} bubble "
-        f"{row['bubble_theory']:.4f} measured {row['bubble_measured']:.4f} FLOPs x"
+        f"{row['bubble_theory']:.4f} timed {row['bubble_async']:.4f} / "
+        f"{row['bubble_lockstep']:.4f} (B/F {ratio:.2f}) FLOPs x"
         f"{row['flops_ratio']:.3f} ({row['seconds']:.1f}s)")
   return rows_out
 
@@ -440,20 +448,22 @@ def _mib(b: float) -> str:
 
 
 def schedule_table(rows) -> str:
-  """One row per (p, m): each schedule's bubble, theory / measured; FLOPs ratios; in flight."""
-  lines = ["| p | m | bubble GPipe | bubble 1F1B | bubble interleaved v=2 | executed / useful "
-           "layer FLOPs (fwd, bwd) | MaxText GPipe (m+p-1)/m | max in flight G / 1 / i |",
-           "|---:|---:|---:|---:|---:|---|---:|---|"]
+  """One row per (p, m): each schedule's bubble, ticks / timed async / timed lock step (at
+  the chunks' backward / forward FLOP ratio); FLOPs ratios; in flight."""
+  lines = ["| p | m | B/F FLOPs | bubble GPipe | bubble 1F1B | bubble interleaved v=2 | executed "
+           "/ useful layer FLOPs (fwd, bwd) | MaxText GPipe (m+p-1)/m | max in flight G / 1 / i |",
+           "|---:|---:|---:|---:|---:|---:|---|---:|---|"]
   keys = sorted({(r["stages"], r["microbatches"]) for r in rows})
   for p, m in keys:
     by = {r["schedule"]: r for r in rows if (r["stages"], r["microbatches"]) == (p, m)}
-    cell = lambda n: (f"{by[n]['bubble_theory']:.4f} / {by[n]['bubble_measured']:.4f}"
-                      if n in by else "-")
+    cell = lambda n: (f"{by[n]['bubble_theory']:.4f} / {by[n]['bubble_async']:.4f} / "
+                      f"{by[n]['bubble_lockstep']:.4f}" if n in by else "-")
     span = lambda k: (f"{min(r[k] for r in by.values()):.3f}" if len({round(r[k], 3) for r in
                       by.values()}) == 1 else f"{min(r[k] for r in by.values()):.3f}-"
                       f"{max(r[k] for r in by.values()):.3f}")
     inflight = " / ".join(str(by[n]["max_in_flight"]) if n in by else "-" for n in SCHEDULES)
-    lines.append(f"| {p} | {m} | {cell('gpipe')} | {cell('1f1b')} | {cell('interleaved_1f1b')} | "
+    lines.append(f"| {p} | {m} | {span('backward_forward_flop_ratio')} | {cell('gpipe')} | "
+                 f"{cell('1f1b')} | {cell('interleaved_1f1b')} | "
                  f"{span('flops_ratio')} ({span('forward_flops_ratio')}, "
                  f"{span('backward_flops_ratio')}) | {(m + p - 1) / m:.3f} | {inflight} |")
   return "\n".join(lines)
@@ -556,8 +566,10 @@ def run(parts, *, stages_list, microbatches_list, skip=(), names=SCHEDULES, mem_
   result: dict[str, Any] = dict(
       devices=jax.device_count(), backend=jax.default_backend(), jax_version=jax.__version__,
       model=dataclasses.asdict(cfg), seq=seq, argv=sys.argv,
-      notes="bubble = idle stage-ticks / all stage-ticks; FLOPs from XLA cost_analysis (while "
-            "bodies counted once, so per-call chunk FLOPs x executed counts); bytes per device.")
+      notes="bubble_theory = idle stage-ticks / all stage-ticks; bubble_async / "
+            "bubble_lockstep = schedules.timed at the chunks' backward / forward FLOP ratio; "
+            "FLOPs from XLA cost_analysis (while bodies counted once, so per-call chunk FLOPs x "
+            "executed counts); bytes per device.")
   if chart_path:
     draw_schedules([pipeline.make_schedule(n, stages=4, microbatches=8,
                                            virtual_stages=2 if n == "interleaved_1f1b" else 1)
