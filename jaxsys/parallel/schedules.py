@@ -228,6 +228,16 @@ def _interleaved_program(s: int, p: int, m: int, v: int) -> list[_Op]:
 # ---------------------------------------------------------------------------
 
 
+def _needs(op: _Op, num_chunks: int) -> list[_Op]:
+  """The ops whose results `op` reads: a forward its previous chunk's; a backward its own
+  forward's residuals and the next chunk's gradient (the last chunk's comes from the head,
+  right after its forward)."""
+  kind, mb, g = op
+  if kind == FORWARD:
+    return [(FORWARD, mb, g - 1)] if g > 0 else []
+  return [(FORWARD, mb, g)] + ([(BACKWARD, mb, g + 1)] if g < num_chunks - 1 else [])
+
+
 def _simulate(programs: list[list[_Op]], p: int, num_chunks: int) -> list[list[_Op | None]]:
   """ASAP timing: each tick each stage runs its next op if its inputs have arrived, else idles."""
   done: dict[_Op, int] = {}  # op -> tick it ran
@@ -241,12 +251,8 @@ def _simulate(programs: list[list[_Op]], p: int, num_chunks: int) -> list[list[_
       if pos[s] == len(programs[s]):
         continue
       kind, mb, g = programs[s][pos[s]]
-      if kind == FORWARD:
-        needs = [(FORWARD, mb, g - 1)] if g > 0 else []
-      else:
-        needs = [(FORWARD, mb, g)] + ([(BACKWARD, mb, g + 1)] if g < num_chunks - 1 else [])
       # Everything finished at a tick < t has arrived by t (the head too: end of its tick).
-      if all(done.get(n, t) < t for n in needs):
+      if all(done.get(n, t) < t for n in _needs((kind, mb, g), num_chunks)):
         row[s] = (kind, mb, g)
     for s, op in enumerate(row):
       if op is not None:
@@ -406,7 +412,7 @@ class Timing:
 
 def timed(schedule: Schedule, costs: Costs) -> Timing:
   """The schedule's time under `costs`, asynchronous and in lock step (see Timing)."""
-  p, v, last = schedule.stages, schedule.virtual_stages, schedule.chunks - 1
+  p, v = schedule.stages, schedule.virtual_stages
   cost = np.array([0.0, costs.forward / v, costs.backward / v])
   action = cost[schedule.kind]  # [ticks, stages]
   # Lock step: every tick waits for its slowest stage, then its two ppermutes.
@@ -421,12 +427,8 @@ def timed(schedule: Schedule, costs: Costs) -> Timing:
       if k == IDLE:
         continue
       mb, g = int(schedule.microbatch[t, s]), int(schedule.virtual[t, s]) * p + s
-      if k == FORWARD:
-        needs = [(FORWARD, mb, g - 1)] if g > 0 else []
-      else:  # its forward's residuals; the head's gradient (after FORWARD g) needs no send
-        needs = [(FORWARD, mb, g)] + ([(BACKWARD, mb, g + 1)] if g < last else [])
       start = free[s]
-      for n in needs:
+      for n in _needs((k, mb, g), schedule.chunks):
         sent = n[2] % p != s  # only a message to another stage pays comm
         start = max(start, end[n] + (costs.comm if sent else 0.0))
       end[(k, mb, g)] = free[s] = start + cost[k]
