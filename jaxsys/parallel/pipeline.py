@@ -447,7 +447,7 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
   # stage's weights and sums its own gradients; left automatic, XLA gathers each chunk's
   # weights and reduces its gradients inside every tick that runs it.
   fsdp = dict(mesh.shape).get(FSDP_AXIS, 1)
-  gathered = _fsdp_dims(cfg, layout) if gather_once and fsdp > 1 else None
+  gathered = _fsdp_dims(cfg, layout, mesh) if gather_once and fsdp > 1 else None
   if gathered is not None and mbs["inputs"].shape[2] % (fsdp * (shards if data else 1)):
     raise ValueError(f"gather_once: a microbatch's {mbs['inputs'].shape[2]} rows do not divide "
                      f"over fsdp={fsdp}" + (f" x data={shards}" if data else ""))
@@ -660,13 +660,13 @@ def _param_specs(layout: Layout, params, replicas: bool = False, gathered=None):
   return jax.tree_util.tree_map_with_path(spec, params, gathered)
 
 
-def _fsdp_dims(cfg: transformer.TransformerConfig, layout: Layout):
-  """Each stage-view parameter's dim split over `fsdp` by the layout's rules (-1: none)."""
-  rules = {}
-  for name, axes in layout.rules(mesh_lib.DEFAULT_RULES):
-    rules.setdefault(name, axes)  # the first matching rule wins, as in the shardings
+def _fsdp_dims(cfg: transformer.TransformerConfig, layout: Layout, mesh):
+  """Each stage-view parameter's dim split over `fsdp` on `mesh` (-1: none), by the same
+  rules and mapping that place the run's parameters."""
+  rules = layout.rules(mesh_lib.DEFAULT_RULES)
 
   def dim(axes):
-    return next((i for i, a in enumerate(axes) if rules.get(a) == FSDP_AXIS), -1)
+    spec = mesh_lib.logical_to_partition_spec(axes, mesh, rules)
+    return next((i for i, entry in enumerate(spec) if entry == FSDP_AXIS), -1)
   return jax.tree.map(dim, layout.logical_axes(transformer.param_axes(cfg)),
                       is_leaf=lambda x: isinstance(x, tuple))
