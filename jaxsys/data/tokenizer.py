@@ -1,4 +1,5 @@
-"""Tokenizers: raw bytes (default) and a byte-level BPE trained locally with `tokenizers`.
+"""Tokenizers: raw bytes (default), a byte-level BPE trained locally with `tokenizers`, and a
+Hugging Face checkpoint's own `tokenizer.json` (`data.tokenizer=hf:<dir>`).
 
 Both map any UTF-8 text to ids and back exactly, and report how many bytes each token
 stands for (`token_bytes`), so losses can be compared across tokenizers in bits per byte.
@@ -23,6 +24,7 @@ from absl import logging
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 TOKENIZERS = ("byte", "bpe")
+HF_PREFIX = "hf:"  # data.tokenizer=hf:<dir>: <dir>/tokenizer.json (or the file itself)
 MIN_BPE_VOCAB = 257  # 256 byte tokens plus at least one merge.
 # encode_batch builds Rust `Encoding` objects for a whole batch at once; chunking bounds
 # the peak memory on large corpora without losing the parallelism within a chunk.
@@ -59,6 +61,29 @@ class ByteTokenizer:
   def token_bytes(self) -> np.ndarray:
     """int32 [vocab_size]: bytes per token (all ones)."""
     return np.ones(self.vocab_size, dtype=np.int32)
+
+  @property
+  def hf_tokenizer(self) -> tokenizers.Tokenizer:
+    """The same ids as a `tokenizers.Tokenizer` (a byte-level BPE without merges), so a
+    byte-level model exports with a tokenizer.json `transformers` loads."""
+    alphabet = _byte_alphabet()
+    tok = tokenizers.Tokenizer(models.BPE(vocab={alphabet[b]: b for b in range(256)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _byte_alphabet() -> list[str]:
+  """GPT-2's ByteLevel character of each byte value 0..255."""
+  printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+               *range(ord("®"), ord("ÿ") + 1)]
+  chars, extra = {}, 0
+  for b in range(256):
+    if b in printable:
+      chars[b] = chr(b)
+    else:
+      chars[b], extra = chr(256 + extra), extra + 1
+  return [chars[b] for b in range(256)]
 
 
 def _check_bpe_vocab_size(vocab_size) -> None:
@@ -179,7 +204,120 @@ class BPETokenizer:
     return out
 
 
-Tokenizer = ByteTokenizer | BPETokenizer
+class HFTokenizer:
+  """A Hugging Face checkpoint's `tokenizer.json`, used as it defines itself: documents are
+  encoded with its special tokens (its post-processor's BOS/EOS), ids are decoded with them.
+
+  Example::
+
+    tok = HFTokenizer.load("/ckpt/SmolLM-135M")  # its tokenizer.json
+    tok.encode("hi")  # e.g. [bos, ...] when the tokenizer adds a BOS
+  """
+
+  def __init__(self, tokenizer: tokenizers.Tokenizer, directory: str | None = None):
+    self._tok = tokenizer
+    self.directory = directory
+    ids = [*tokenizer.get_vocab(with_added_tokens=True).values(), -1]
+    self._size = max(tokenizer.get_vocab_size(with_added_tokens=True), max(ids) + 1)
+    self._dtype = np.uint16 if self._size <= 2**16 else np.int32
+    self.bos_token, self.eos_token = _special_tokens(directory)
+
+  @classmethod
+  def load(cls, path: str | os.PathLike) -> HFTokenizer:
+    """From `path`/tokenizer.json (a checkpoint directory) or the file `path` itself."""
+    path = str(path)
+    file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+      raise ValueError(f"{file} is missing; data.tokenizer='hf:<dir>' needs the checkpoint's "
+                       "tokenizer.json")
+    try:
+      tok = tokenizers.Tokenizer.from_file(file)
+    except Exception as e:  # the Rust library's parse errors have no common type
+      raise ValueError(f"{file} is not a tokenizer.json the tokenizers library reads: "
+                       f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    return cls(tok, os.path.dirname(os.path.abspath(file)))
+
+  @property
+  def vocab_size(self) -> int:
+    """Ids the tokenizer can produce (largest id + 1): the model needs as many embedding rows."""
+    return self._size
+
+  @property
+  def hf_tokenizer(self) -> tokenizers.Tokenizer:
+    return self._tok
+
+  def encode(self, text: str | bytes) -> np.ndarray:
+    """Ids of one document, with the special tokens the tokenizer adds (e.g. a BOS)."""
+    text = text if isinstance(text, str) else bytes(text).decode("utf-8", errors="replace")
+    return np.asarray(self._tok.encode(text, add_special_tokens=True).ids, dtype=self._dtype)
+
+  def encode_batch(self, texts: Sequence[str | bytes]) -> list[np.ndarray]:
+    out = []
+    for i in range(0, len(texts), _ENCODE_CHUNK_DOCS):
+      chunk = [t if isinstance(t, str) else bytes(t).decode("utf-8", errors="replace")
+               for t in texts[i : i + _ENCODE_CHUNK_DOCS]]
+      encodings = self._tok.encode_batch_fast(chunk, add_special_tokens=True)
+      out.extend(np.asarray(e.ids, dtype=self._dtype) for e in encodings)
+    return out
+
+  def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+    return self._tok.decode([int(i) for i in np.asarray(ids).reshape(-1)], skip_special_tokens=False)
+
+  def token_bytes(self) -> np.ndarray:
+    """int32 [vocab_size]: UTF-8 bytes each token stands for (special tokens: 0), for bits per
+    byte. Byte-level BPE (Llama 3, GPT-2, SmolLM): one byte a character. SentencePiece-style
+    (Llama 2: '▁' for a space, <0xNN> byte fallback): the word-start '▁' counts as the space it
+    decodes to, so a document's first word counts one byte more than its text."""
+    spec = json.loads(self._tok.to_str())
+    special = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
+    added = {t["id"]: t["content"] for t in spec.get("added_tokens", [])}
+    kinds = _component_types(spec.get("decoder")) | _component_types(spec.get("pre_tokenizer"))
+    out = np.zeros(self.vocab_size, dtype=np.int32)
+    alphabet = set(pre_tokenizers.ByteLevel.alphabet())
+    for token, idx in self._tok.get_vocab(with_added_tokens=True).items():
+      if idx in special:
+        continue
+      if idx in added:
+        out[idx] = len(added[idx].encode("utf-8"))
+      elif "ByteLevel" in kinds:
+        if not set(token) <= alphabet:
+          raise ValueError(f"token {token!r} (id {idx}) is not in the ByteLevel alphabet")
+        out[idx] = len(token)
+      elif "Metaspace" in kinds or "ByteFallback" in kinds:
+        byte = len(token) == 6 and token.startswith("<0x") and token.endswith(">")
+        out[idx] = 1 if byte else len(token.replace("\u2581", " ").encode("utf-8"))
+      else:
+        raise ValueError(f"tokenizer.json decoder/pre_tokenizer types {sorted(kinds)}: bits per "
+                         "byte needs a ByteLevel or a SentencePiece-style (Metaspace, ByteFallback) "
+                         "tokenizer")
+    return out
+
+
+def _component_types(component: dict | None) -> set[str]:
+  """The types of a tokenizer.json decoder / pre_tokenizer, a Sequence's members included."""
+  if not component:
+    return set()
+  inner = component.get("decoders") or component.get("pretokenizers") or []
+  return {component.get("type")} | set().union(*map(_component_types, inner))
+
+
+def _special_tokens(directory: str | None) -> tuple[str | None, str | None]:
+  """(bos_token, eos_token) from the checkpoint's tokenizer_config.json, where it has one."""
+  path = os.path.join(directory, "tokenizer_config.json") if directory else ""
+  if not os.path.isfile(path):
+    return None, None
+  with open(path) as f:
+    config = json.load(f)
+  pick = lambda t: t.get("content") if isinstance(t, dict) else t
+  return pick(config.get("bos_token")), pick(config.get("eos_token"))
+
+
+def hf_directory(name: str) -> str | None:
+  """'hf:<dir>' -> '<dir>'; any other tokenizer name -> None."""
+  return name[len(HF_PREFIX):] if isinstance(name, str) and name.startswith(HF_PREFIX) else None
+
+
+Tokenizer = ByteTokenizer | BPETokenizer | HFTokenizer
 
 
 def make_tokenizer(
@@ -194,12 +332,16 @@ def make_tokenizer(
   Example::
 
     make_tokenizer("byte")
+    make_tokenizer("hf:/ckpt/SmolLM-135M")  # its tokenizer.json
     make_tokenizer("bpe", vocab_size=1024, train_docs=docs, cache_path="/tmp/run/tokenizer.json")
   """
   if name == "byte":
     return ByteTokenizer()
+  if hf_directory(name) is not None:
+    return HFTokenizer.load(hf_directory(name))
   if name != "bpe":
-    raise ValueError(f"data.tokenizer={name!r} is not a tokenizer; use one of {', '.join(map(repr, TOKENIZERS))}")
+    raise ValueError(f"data.tokenizer={name!r} is not a tokenizer; use one of {', '.join(map(repr, TOKENIZERS))} "
+                     "or 'hf:<dir>'")
   _check_bpe_vocab_size(vocab_size)
   if cache_path is not None and os.path.exists(cache_path):
     tok = BPETokenizer.load(cache_path)

@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxsys import config as config_lib
 from jaxsys import mesh as mesh_lib
-from jaxsys.checkpoint import layouts
+from jaxsys.checkpoint import hf, layouts
 from jaxsys.checkpoint.manager import NUMERIC_FIELDS
 from jaxsys.data.tokenizer import MIN_BPE_VOCAB, TOKENIZERS
 from jaxsys.kernels.backends import IMPLS
@@ -105,7 +105,8 @@ FIELDS: dict[str, Rule] = {
     "allow_model_change": Rule(
         lambda v: isinstance(v, str) and set(filter(None, map(str.strip, v.split(","))))
         <= set(NUMERIC_FIELDS), f"'' or a comma-separated subset of {', '.join(NUMERIC_FIELDS)}"),
-    "init_from": Rule(lambda v: isinstance(v, str), "a run's workdir, or '' (random init)"),
+    "init_from": Rule(lambda v: isinstance(v, str), "a run's workdir, 'hf:<dir>' (a Hugging Face "
+                      "Llama checkpoint), or '' (random init)"),
     "model.vocab_size": integer(1),
     "model.d_model": integer(1),
     "model.n_layers": integer(1),
@@ -125,7 +126,9 @@ FIELDS: dict[str, Rule] = {
                                           or next(glob.iglob(v, recursive=True), None) is not None),
         "'stdlib', an existing directory, or a file or glob that matches files, such as "
         "'/path/**/*.txt'"),
-    "data.tokenizer": one_of(*TOKENIZERS),
+    "data.tokenizer": Rule(
+        lambda v: isinstance(v, str) and (v in TOKENIZERS or v.startswith(hf.PREFIX)),
+        choices=(*TOKENIZERS, "hf:<dir> (its tokenizer.json)")),
     "data.vocab_size": integer(1),
     "data.seq_len": integer(1),
     "data.batch_size": integer(1),
@@ -223,7 +226,8 @@ RELATIONS: tuple[Relation, ...] = (
              lambda hd, d, h: (hd or d // h) % 2 == 0,
              "give an even head dim (RoPE rotates pairs of dims; None means d_model // n_heads)"),
     Relation(("data.vocab_size", "data.tokenizer"),
-             lambda v, tok: v == 256 if tok == "byte" else v >= MIN_BPE_VOCAB,
+             lambda v, tok: v == 256 if tok == "byte" else v >= MIN_BPE_VOCAB if tok == "bpe"
+             else True,  # hf: data.vocab_size is its tokenizer's (hf.run_values)
              f"be 256 for the byte tokenizer, >= {MIN_BPE_VOCAB} for bpe (256 bytes + merges)"),
     Relation(("model.vocab_size", "data.vocab_size"), lambda m, d: m >= d,
              "be >= data.vocab_size (every token needs an embedding row)"),
@@ -420,7 +424,7 @@ def check_config(config, workdir: Any = None, devices=None) -> config_lib.RunCon
   a TPU slice's to compile for it) to check what depends on it. `workdir=None` skips the
   workdir check.
   """
-  values = _field_values(config)
+  values = hf.run_values(_field_values(config))  # init_from=hf:<dir>: its model and tokenizer
   mesh = mesh_lib.make_mesh(values["mesh"], devices)
   related = {**values, **_derived(mesh, values)}
   for relation in RELATIONS:
