@@ -94,7 +94,7 @@ class ErrorsTest(parameterized.TestCase):
       tokenizer_lib.BPETokenizer.train([b"ab ab ab"], vocab_size=5000)
 
   def test_unknown_tokenizer(self):
-    with self.assertRaisesRegex(ValueError, r"^data\.tokenizer='chars' is not a tokenizer; use one of 'byte', 'bpe'$"):
+    with self.assertRaisesRegex(ValueError, r"^data\.tokenizer='chars' is not a tokenizer; use one of 'byte', 'bpe' or 'hf:<dir>'$"):
       tokenizer_lib.make_tokenizer("chars")
 
   def test_bpe_without_docs_or_cache(self):
