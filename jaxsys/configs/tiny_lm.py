@@ -66,6 +66,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Another run's workdir (or its checkpoints dir): a fresh run starts from its latest
   # parameters (inner/outer optimizer state, step and data position start fresh); a
   # run that resumes its own checkpoint ignores it. "" starts from random parameters.
+  # "hf:<dir>": a Hugging Face Llama checkpoint (config.json + safetensors); its config.json
+  # sets the model's shape fields (vocab_size ... tie_embeddings; dtype, param_dtype,
+  # attention_impl and remat stay the run's) and its tokenizer.json becomes data.tokenizer
+  # (unless that is set to another "hf:<dir>"); see jaxsys/checkpoint/hf.py.
   c.init_from = ""
   # Model fields that change the function but not the shapes (rope_theta, norm_eps, dtype),
   # comma-separated, that a resume or init_from may change; others differing are refused.
