@@ -72,6 +72,14 @@ SLOW = (
     "tests/train/test_replicas.py::test_resume_is_exact_with_outer_state",
     "tests/train/test_step.py::TrainStepTest::test_context_parallel_equals_data_parallel",
     "tests/train/test_step.py::TrainStepTest::test_sharded_equals_single_device",
+    "tests/train/test_hdp_step.py::HDPStepTest::test_tensor_splits_and_fsdp_shards_in_the_compiled_programs",
+    "tests/train/test_loop.py::test_trains_evaluates_and_checkpoints",
+    "tests/train/test_loop.py::test_refuses_checkpoint_of_another_model",
+    "tests/train/test_pipelined.py::test_views_round_trip",
+    "tests/parallel/test_pipeline.py::test_matches_unpipelined[stage=4,tensor=2-interleaved_1f1b-8-1-False]",
+    "tests/parallel/test_pipeline.py::test_matches_unpipelined[stage=4,data=2-1f1b-4-1-False]",
+    "tests/parallel/test_pipeline.py::test_matches_unpipelined[stage=2,data=4-gpipe-4-1-True]",
+    "tests/parallel/test_pipeline.py::test_matches_unpipelined[stage=2,data=4-interleaved_1f1b-4-2-True]",
 )
 
 
