@@ -12,6 +12,8 @@ Example:
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import math
@@ -148,7 +150,7 @@ def _dense(x, w, n_in: int = 1, *, out_shape: tuple[int, ...] | None = None, dty
     y = _matmul(x.reshape(*lead, k), w.reshape(k, math.prod(n_shape)))
     out_shape = n_shape if out_shape is None else out_shape
   elif _is_qweight(w):
-    y = _quant_matmul().qmatmul(x.reshape(-1, k), w)
+    y = _qmatmul(x.reshape(-1, k), w)
   elif callable(w):
     y = w(x.reshape(-1, k))
   else:
@@ -165,16 +167,41 @@ def _quant_matmul():
   return quant_matmul
 
 
+# The qmatmul implementation quantized weights run with while a model is traced.
+_QMATMUL_IMPL = contextvars.ContextVar("jaxsys_qmatmul_impl", default="auto")
+
+
+@contextlib.contextmanager
+def qmatmul_impl(impl: str):
+  """Quantized weights traced inside the block run `qmatmul(..., impl=impl)` ("auto" outside).
+
+  jit's cache does not see the context: a jitted caller enters it inside the traced
+  function and takes `impl` as a static argument (as `generate.generate` does).
+  """
+  _quant_matmul().resolve_impl(impl)  # an unknown impl is refused here, not at trace time
+  token = _QMATMUL_IMPL.set(impl)
+  try:
+    yield
+  finally:
+    _QMATMUL_IMPL.reset(token)
+
+
+def _qmatmul(x_MK, w):
+  return _quant_matmul().qmatmul(x_MK, w, impl=_QMATMUL_IMPL.get())
+
+
 def _is_qweight(w) -> bool:
   return not isinstance(w, (jax.Array, np.ndarray)) and isinstance(w, _quant_matmul().QWeight)
 
 
 def block(p: dict[str, jax.Array], x_BTD, positions_BT, segment_ids_BT, cfg: TransformerConfig,
-          attention_fn: Callable):
+          attention_fn: Callable, cache: Any = None):
   """One pre-norm decoder layer on ONE layer's parameters (no leading `layers` axis).
 
   `attention_fn(q, k, v, *, segment_ids, positions, causal)`: the tokens' positions go with
   them, so an injected attention (a ring over `context`) masks right in any token order.
+  With `cache` (this layer's, e.g. a decoder's keys and values) attention_fn also takes
+  `cache=` and returns (o, new cache), and block returns (x, new cache).
   """
   dt = jnp.dtype(cfg.dtype)
   H, K, hd, D, F = cfg.n_heads, cfg.n_kv_heads, cfg.hd, cfg.d_model, cfg.d_ff
@@ -183,12 +210,17 @@ def block(p: dict[str, jax.Array], x_BTD, positions_BT, segment_ids_BT, cfg: Tra
   k = _dense(h, p["wk"], out_shape=(K, hd), dtype=dt)
   v = _dense(h, p["wv"], out_shape=(K, hd), dtype=dt)
   q, k = rope(q, positions_BT, cfg.rope_theta), rope(k, positions_BT, cfg.rope_theta)
-  o = attention_fn(q, k, v, segment_ids=segment_ids_BT, positions=positions_BT, causal=True)
+  kw = dict(segment_ids=segment_ids_BT, positions=positions_BT, causal=True)
+  if cache is None:
+    o = attention_fn(q, k, v, **kw)
+  else:
+    o, cache = attention_fn(q, k, v, cache=cache, **kw)
   x_BTD = x_BTD + _dense(o, p["wo"], n_in=2, out_shape=(D,), dtype=dt)
   h = rms_norm(x_BTD, p["mlp_norm"], cfg.norm_eps)
   gate = _dense(h, p["w_gate"], out_shape=(F,), dtype=dt)
   up = _dense(h, p["w_up"], out_shape=(F,), dtype=dt)
-  return x_BTD + _dense(jax.nn.silu(gate) * up, p["w_down"], out_shape=(D,), dtype=dt)
+  x_BTD = x_BTD + _dense(jax.nn.silu(gate) * up, p["w_down"], out_shape=(D,), dtype=dt)
+  return x_BTD if cache is None else (x_BTD, cache)
 
 
 class DecoderLayers(nnx.Module):
@@ -222,19 +254,23 @@ class DecoderLayers(nnx.Module):
 
 
 def apply_layers(cfg: TransformerConfig, stacked: dict[str, jax.Array], x_BTD, positions_BT,
-                 segment_ids_BT, attention_fn: Callable):
+                 segment_ids_BT, attention_fn: Callable, caches: Any = None):
   """`block` over a stack of layers (leading axis of every `stacked` leaf): all of the
-  model's, or one pipeline stage's chunk of them."""
+  model's, or one pipeline stage's chunk of them. With `caches` (every leaf stacked on a
+  leading `layers` axis) each layer gets its own and this returns (x, new caches)."""
   layer = functools.partial(block, cfg=cfg, attention_fn=attention_fn)
   if REMAT_POLICIES[cfg.remat] is not None:
     layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat])
 
-  def body(x, p):
-    return layer(p, x, positions_BT, segment_ids_BT), None
+  def body(x, p_and_cache):
+    p, cache = p_and_cache
+    if cache is None:
+      return layer(p, x, positions_BT, segment_ids_BT), None
+    return layer(p, x, positions_BT, segment_ids_BT, cache=cache)
 
   depth = jax.tree.leaves(stacked)[0].shape[0]
-  x_BTD, _ = jax.lax.scan(body, x_BTD, stacked, unroll=depth <= UNROLL_MAX_LAYERS)
-  return x_BTD
+  x_BTD, caches = jax.lax.scan(body, x_BTD, (stacked, caches), unroll=depth <= UNROLL_MAX_LAYERS)
+  return x_BTD if caches is None else (x_BTD, caches)
 
 
 class Transformer(nnx.Module):
@@ -292,7 +328,7 @@ def unembed(cfg: TransformerConfig, x_BTD, final_norm_D, embedding_VD, unembeddi
   if cfg.tie_embeddings and _is_qweight(embedding_VD):
     embedding_VD = _quant_matmul().dequantize(embedding_VD)
   elif not cfg.tie_embeddings and _is_qweight(unembedding_DV):
-    logits = _quant_matmul().qmatmul(x_BTD.reshape(b * t, d), unembedding_DV)
+    logits = _qmatmul(x_BTD.reshape(b * t, d), unembedding_DV)
     return logits.astype(jnp.float32).reshape(b, t, -1)
   if cfg.tie_embeddings:
     # N(0, 1) embeddings: scale so tied logits start at unit variance like untied ones.
