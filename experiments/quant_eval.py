@@ -1,8 +1,12 @@
 r"""Post-training quantization of a trained run: one accuracy table, beside qwix's PTQ.
 
   python -m experiments.quant_eval --workdir=/tmp/jaxsys_tiny
+  python -m experiments.quant_eval --workdir=/tmp/q --init_from=hf:/ckpt/SmolLM-135M \
+      --config=tiny_lm --config.data.seq_len=512
 
 Loads the latest checkpoint of --workdir (its config comes from the checkpoint's meta),
+or with --init_from=hf:<dir> a Hugging Face Llama checkpoint (the model and tokenizer are
+its own, the data, eval and batch settings --config's; --workdir receives the table),
 quantizes the layer matmuls with every scheme x method (RTN; SmoothQuant for
 w8a8_int8; GPTQ with calibration batches of the TRAIN split) and with qwix, scores
 validation bits per byte on the run's own eval batches, prints the table and writes
@@ -12,9 +16,14 @@ import json
 import os
 import sys
 
+import jax
 from absl import app, flags
+from ml_collections import config_flags
 
+from jaxsys import configs
 from jaxsys import metrics as metrics_lib
+from jaxsys.checkpoint import hf
+from jaxsys.cli import args
 from jaxsys.quant import evaluate
 from jaxsys.train import config_check
 
@@ -25,10 +34,28 @@ _GROUP = flags.DEFINE_integer("group_size", 128, "w4a16 group size (rows of K pe
 _ALPHA = flags.DEFINE_float("alpha", 0.5, "SmoothQuant migration strength.")
 _ROWS = flags.DEFINE_string("rows", None, "Rows after the float one, e.g. "
                             "'w4a16:gptq,w4a16:gptq+act_order,w8a8_int8:qwix' (default: all).")
+_INIT_FROM = flags.DEFINE_string("init_from", None, "'hf:<dir>': quantize that Hugging Face "
+                                 "Llama checkpoint instead of --workdir's.")
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", configs.path("tiny_lm"), "With --init_from: the data, eval and calibration "
+    "settings (a config file's path or a packaged config's name).", lock_config=True)
 flags.mark_flags_as_required(["workdir"])
 # Valid values of the numeric flags, checked before the checkpoint is loaded.
 _FLAG_RULES = ((_STEP, config_check.integer(0)), (_CALIB, config_check.integer(1)),
                (_GROUP, config_check.integer(1)), (_ALPHA, config_check.number(0, 1)))
+
+
+def load_hf_run(config, spec: str) -> evaluate.Run:
+  """The `evaluate.Run` of a Hugging Face checkpoint: `config` (a training config) with
+  init_from=`spec` ('hf:<dir>', so the model and tokenizer are the checkpoint's), step 0."""
+  if hf.parse_spec(spec) is None:
+    raise ValueError(f"--init_from={spec!r} is invalid; it must be 'hf:<dir>' (a Hugging Face "
+                     "Llama checkpoint directory)")
+  config = config.copy_and_resolve_references()
+  config.init_from = spec
+  run = config_check.check_config(config)
+  _, params = hf.load(hf.parse_spec(spec), run.model)
+  return evaluate.Run(run, jax.device_get(params), 0)
 
 
 def main(argv):
@@ -40,7 +67,11 @@ def main(argv):
       if error:
         raise ValueError(error)
     wanted = evaluate.DEFAULT_ROWS if _ROWS.value is None else evaluate.parse_rows(_ROWS.value)
-    run = evaluate.load_run(_WORKDIR.value, _STEP.value)
+    if _INIT_FROM.value is None:
+      run = evaluate.load_run(_WORKDIR.value, _STEP.value)
+    else:
+      run = load_hf_run(_CONFIG.value, _INIT_FROM.value)
+      os.makedirs(_WORKDIR.value, exist_ok=True)
   except ValueError as e:
     sys.exit(f"error: {e}")
   rows = evaluate.evaluate_table(run, _WORKDIR.value, rows=wanted, calib_batches=_CALIB.value,
@@ -58,4 +89,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=args.parse_flags)

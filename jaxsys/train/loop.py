@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxsys import flops as flops_lib
 from jaxsys import mesh as mesh_lib
 from jaxsys import metrics as metrics_lib
-from jaxsys.checkpoint import layouts
+from jaxsys.checkpoint import hf, layouts
 from jaxsys.checkpoint.lock import WorkdirLock
 from jaxsys.checkpoint.manager import Checkpointer, check_same_model, snapshot_dir
 from jaxsys.checkpoint.reader import read_params
@@ -355,6 +355,11 @@ def _fresh_state(parts: _Parts):
   state = setup.init_state(run.seed)
   if not run.init_from:
     return state
+  hf_dir = hf.parse_spec(run.init_from)
+  if hf_dir is not None:  # check_config already took the run's model config from it
+    _, params = hf.load(hf_dir, run.model, shardings=setup.param_sh)
+    logging.info("init_from: Hugging Face checkpoint %s", hf_dir)
+    return setup.start_from(state, params)
   saved = read_params(run.init_from, expect_model=parts.meta["model"],
                       allow_model_change=run.allow_model_change)
   if saved is None:

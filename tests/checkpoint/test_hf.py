@@ -1,0 +1,268 @@
+"""jaxsys.checkpoint.hf against transformers' own LlamaForCausalLM (CPU torch): import,
+export, round trip, sharded import, refusals; the checkpoint's tokenizer; init_from=hf:<dir>."""
+import json
+import os
+import shutil
+
+import chex
+import jax
+import numpy as np
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from jaxsys import mesh as mesh_lib
+from jaxsys.checkpoint import hf
+from jaxsys.data import tokenizer as tokenizer_lib
+from jaxsys.models import transformer
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+TOKENS = np.random.RandomState(0).randint(0, 256, (2, 16))
+# Untied with the default head dim and a sharded save; tied with head_dim 8 != 64 / 4 and
+# room for its tokenizer's 280 ids (the untied one's 256 rows are too few for them).
+MODELS = {
+    "untied": dict(tie_word_embeddings=False, vocab_size=256, shard="20KB"),
+    "tied": dict(tie_word_embeddings=True, vocab_size=320, head_dim=8, shard=None),
+}
+
+
+def _randomize(model, seed):
+  """Weights of unit-scale activations and norm scales away from 1, so a swapped or
+  mis-laid tensor shows in the logits (HF's 0.02 init and unit norms would hide it)."""
+  gen = torch.Generator().manual_seed(seed)
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if name.endswith("norm.weight"):
+        p.copy_(0.5 + torch.rand(p.shape, generator=gen))
+      else:
+        p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+  return model
+
+
+def _torch_logits(model, tokens):
+  with torch.no_grad():
+    return model(torch.tensor(tokens)).logits.float().numpy()
+
+
+def _assert_close(got, want, rtol=1e-4):
+  err = np.abs(np.asarray(got) - want).max() / np.abs(want).max()
+  assert err < rtol, f"max |diff| / max |logit| = {err:.2e}"
+  return err
+
+
+def _tokenizer_json(path, vocab_size=280):
+  """A byte-level BPE with a <s> BOS its post-processor adds and a </s> EOS."""
+  tok = Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>"],
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                show_progress=False)
+  tok.train_from_iterator(["def f(x):\n  return x + 1\n", "héllo wörld, hello world"] * 50,
+                          trainer=trainer)
+  tok.post_processor = processors.TemplateProcessing(
+      single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+  tok.save(str(path))
+  return tok
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+  """{kind: (directory, transformers model)} of tiny random Llamas saved by save_pretrained."""
+  out = {}
+  for i, (kind, kw) in enumerate(MODELS.items()):
+    kw = dict(kw)
+    shard = kw.pop("shard")
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, rope_theta=50_000.0, rms_norm_eps=1e-5,
+        **kw)
+    model = _randomize(transformers.LlamaForCausalLM(config), seed=i).eval()
+    directory = str(tmp_path_factory.mktemp(kind))
+    model.save_pretrained(directory, **({"max_shard_size": shard} if shard else {}))
+    _tokenizer_json(os.path.join(directory, "tokenizer.json"))
+    out[kind] = directory, model
+  return out
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_import_equals_transformers(checkpoints, kind):
+  directory, model = checkpoints[kind]
+  if kind == "untied":  # the sharded save: shards and their index
+    assert os.path.exists(os.path.join(directory, "model.safetensors.index.json"))
+  cfg, params = hf.load(directory)
+  assert (cfg.norm_eps, cfg.rope_theta, cfg.hd) == (1e-5, 50_000.0, 16 if kind == "untied" else 8)
+  _assert_close(transformer.apply(cfg, params, TOKENS), _torch_logits(model, TOKENS))
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_export_loads_in_transformers(tmp_path, tie):
+  cfg = transformer.TransformerConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4,
+                                      n_kv_heads=2, d_ff=96, rope_theta=30_000.0, norm_eps=1e-5,
+                                      tie_embeddings=tie)
+  params = transformer.init_params(cfg, jax.random.key(1))
+  params["layers"]["attn_norm"] = params["layers"]["attn_norm"] * 1.5  # not all ones
+  hf.save(str(tmp_path), cfg, params, tokenizer_lib.ByteTokenizer(),
+          max_shard_bytes=None if tie else 40_000)
+  model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+  _assert_close(_torch_logits(model, TOKENS), np.asarray(transformer.apply(cfg, params, TOKENS)))
+  # The byte tokenizer's tokenizer.json gives transformers the same ids.
+  tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
+  text = "héllo\n\tx"
+  assert tok(text)["input_ids"] == list(tokenizer_lib.ByteTokenizer().encode(text))
+
+
+def test_round_trip(checkpoints, tmp_path):
+  directory, _ = checkpoints["untied"]
+  cfg, params = hf.load(directory)
+  hf.save(str(tmp_path), cfg, params)
+  cfg2, params2 = hf.load(str(tmp_path))
+  assert cfg2 == cfg
+  chex.assert_trees_all_equal(params2, params)
+
+
+def test_export_of_quantized_params_is_dequantized(checkpoints, tmp_path):
+  from jaxsys.quant import ptq, rules  # pylint: disable=import-outside-toplevel
+  cfg, params = hf.load(checkpoints["untied"][0])
+  q = ptq.quantize_params(cfg, params, rules.default_rules("w4a16", group_size=32))
+  hf.save(str(tmp_path), cfg, q)
+  model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+  _, deq = hf.load(str(tmp_path))  # float weights equal to the QWeights' values
+  _assert_close(_torch_logits(model, TOKENS), np.asarray(transformer.apply(cfg, deq, TOKENS)))
+  assert not np.allclose(deq["layers"]["wq"], params["layers"]["wq"])
+
+
+@pytest.mark.parametrize("spec", ["fsdp=4,tensor=2", "data=2,fsdp=4"])
+def test_sharded_import_equals_unsharded(checkpoints, spec):
+  directory, _ = checkpoints["untied"]
+  _, ref = hf.load(directory)
+  mesh = mesh_lib.make_mesh(spec)
+  cfg, params = hf.load(directory, mesh=mesh)
+  want = mesh_lib.logical_to_sharding(transformer.param_axes(cfg), mesh)
+  jax.tree.map(lambda x, sh: x.sharding.is_equivalent_to(sh, x.ndim) or pytest.fail(
+      f"{x.sharding} != {sh}"), params, want)
+  assert len(params["layers"]["wq"].sharding.device_set) == 8
+  assert params["layers"]["wq"].addressable_shards[0].data.size < params["layers"]["wq"].size
+  chex.assert_trees_all_equal(jax.device_get(params), jax.device_get(ref))
+
+
+def _edited(src, tmp_path, **fields):
+  out = tmp_path / "edited"
+  shutil.copytree(src, out)
+  with open(out / "config.json") as f:
+    config = json.load(f)
+  config.update(fields)
+  with open(out / "config.json", "w") as f:
+    json.dump(config, f)
+  return str(out)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ( dict(architectures=["Qwen2ForCausalLM"]),
+     "architectures=['Qwen2ForCausalLM'] is not supported (its q/k/v_proj biases"),
+    (dict(rope_parameters=dict(rope_type="llama3", factor=8.0, rope_theta=5e5)),
+     "rope_parameters.rope_type='llama3' is not supported"),
+    (dict(rope_scaling=dict(type="yarn", factor=4.0)),
+     "rope_scaling.rope_type='yarn' is not supported"),
+    (dict(attention_bias=True), "attention_bias=True is not supported"),
+    (dict(hidden_act="gelu"), "hidden_act='gelu' is not supported"),
+    (dict(intermediate_size=128), "tensor 'model.layers.0.mlp.down_proj.weight' has "
+     "shape (64, 96) but config.json gives (64, 128)"),
+])
+def test_refusals_name_the_field(checkpoints, tmp_path, fields, message):
+  with pytest.raises(ValueError) as e:
+    hf.load(_edited(checkpoints["untied"][0], tmp_path, **fields))
+  assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_refusals_of_missing_files(checkpoints, tmp_path):
+  with pytest.raises(ValueError, match=r"config.json is missing"):
+    hf.load(str(tmp_path))
+  src = checkpoints["tied"][0]
+  shutil.copy(os.path.join(src, "config.json"), tmp_path)
+  with pytest.raises(ValueError, match=r"has no model.safetensors nor model.safetensors.index"):
+    hf.load(str(tmp_path))
+  cfg = hf.model_config(src)
+  with pytest.raises(ValueError, match=r"gives model.d_ff=96 but the run has model.d_ff=64; "):
+    hf.load(src, transformer.TransformerConfig(**{**cfg.__dict__, "d_ff": 64}))
+
+
+def test_tokenizer(tmp_path):
+  _tokenizer_json(tmp_path / "tokenizer.json")
+  with open(tmp_path / "tokenizer_config.json", "w") as f:
+    json.dump({"bos_token": "<s>", "eos_token": {"content": "</s>"}}, f)
+  tok = tokenizer_lib.make_tokenizer(f"hf:{tmp_path}")
+  assert isinstance(tok, tokenizer_lib.HFTokenizer)
+  assert (tok.vocab_size, tok.bos_token, tok.eos_token) == (280, "<s>", "</s>")
+  text = "def héllo(x):\n  return wörld  \n"
+  ids = tok.encode(text)
+  assert ids[0] == tok.hf_tokenizer.token_to_id("<s>")  # the BOS its post-processor adds
+  assert tok.decode(ids) == "<s>" + text
+  [batch] = tok.encode_batch([text.encode()])
+  np.testing.assert_array_equal(batch, ids)
+  table = tok.token_bytes()
+  assert table[ids[0]] == 0 and table.sum() > 256  # specials 0 bytes; merges > 1
+  assert table[ids].sum() == len(text.encode("utf-8"))  # bits per byte count every byte once
+
+
+def test_sentencepiece_token_bytes(tmp_path):
+  """Llama 2 style: '▁' word starts, <0xNN> byte fallback."""
+  vocab = {"<s>": 0, "</s>": 1, **{f"<0x{b:02X}>": 2 + b for b in range(256)}, "▁": 258,
+           "▁hé": 259, "llo": 260}
+  tok = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True))
+  tok.add_special_tokens(["<s>", "</s>"])
+  tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                   decoders.Fuse()])
+  tok.save(str(tmp_path / "tokenizer.json"))
+  table = tokenizer_lib.HFTokenizer.load(tmp_path).token_bytes()
+  assert list(table[[0, 1, 2, 258, 259, 260]]) == [0, 0, 1, 1, 4, 3]
+
+
+def test_init_from_hf_takes_model_and_tokenizer(checkpoints, make_config, tmp_path):
+  from jaxsys.train import config_check  # pylint: disable=import-outside-toplevel
+  directory, _ = checkpoints["tied"]
+  run = config_check.check_config(make_config(init_from=f"hf:{directory}", model__n_layers=7))
+  assert run.model == hf.model_config(directory, run.model)  # n_layers=7 replaced by 2
+  assert (run.model.n_layers, run.model.head_dim, run.model.tie_embeddings) == (2, 8, False)
+  assert (run.data.tokenizer, run.data.vocab_size) == (f"hf:{directory}", 280)
+  # A tokenizer with more ids (280) than the model's embedding rows (256): one line.
+  with pytest.raises(ValueError, match=r"^model.vocab_size=256 is invalid with "
+                     r"data.vocab_size=280; it must be >= data.vocab_size"):
+    config_check.check_config(make_config(init_from=f"hf:{checkpoints['untied'][0]}"))
+  shutil.copytree(directory, tmp_path / "bare")
+  os.remove(tmp_path / "bare" / "tokenizer.json")
+  with pytest.raises(ValueError, match=r"bare/tokenizer.json is missing; data.tokenizer="):
+    config_check.check_config(make_config(init_from=f"hf:{tmp_path / 'bare'}"))
+
+
+def test_quant_eval_loads_hf(checkpoints, make_config):
+  from experiments import quant_eval  # pylint: disable=import-outside-toplevel
+  directory, _ = checkpoints["tied"]
+  run = quant_eval.load_hf_run(make_config(), f"hf:{directory}")
+  assert run.config.model == hf.model_config(directory, run.config.model)
+  assert run.config.data.tokenizer == f"hf:{directory}"
+  chex.assert_trees_all_equal(run.params, jax.device_get(hf.load(directory)[1]))
+
+
+def test_run_starts_from_hf(checkpoints, make_config, tmp_path):
+  """init_from=hf:<dir> on a sharded mesh: one step at learning rate 0 (the warmup's first)
+  saves the checkpoint's parameters, and the run trains on its tokenizer."""
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  from jaxsys.checkpoint.manager import Checkpointer  # pylint: disable=import-outside-toplevel
+  from jaxsys.train import loop  # pylint: disable=import-outside-toplevel
+  directory, _ = checkpoints["tied"]
+  workdir = str(tmp_path / "run")
+  config = make_config(init_from=f"hf:{directory}", total_steps=1, eval_every=1, eval_steps=1,
+                       mesh="data=2,fsdp=2,tensor=2", optimizer__warmup_steps=5,
+                       optimizer__schedule_steps=10)
+  loop.train_and_evaluate(config, workdir)
+  ckpts = os.path.join(workdir, "checkpoints")
+  with ocp.CheckpointManager(ckpts, item_names=("state",)) as m:
+    state = m.restore(Checkpointer(ckpts).latest_step(),
+                      args=ocp.args.Composite(state=ocp.args.StandardRestore()))["state"]
+  chex.assert_trees_all_equal(jax.device_get(state["params"]),
+                              jax.device_get(hf.load(directory)[1]))
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    rows = [json.loads(line) for line in f]
+  assert any(np.isfinite(r.get("val_bpb", np.nan)) for r in rows), rows
