@@ -41,12 +41,14 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxsys import mesh as mesh_lib
 from jaxsys.models import transformer
-from jaxsys.parallel import dependence, routing, vocab
-from jaxsys.parallel.schedules import BACKWARD, FORWARD, IDLE, Schedule, make_schedule
+from jaxsys.parallel import dependence, routing, schedules, vocab
+from jaxsys.parallel.schedules import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, IDLE,
+                                       KINDS, Schedule, make_schedule)
 
 __all__ = ["make_schedule", "Schedule", "Layout", "to_stages", "from_stages",
            "pipeline_loss_and_grads", "pipeline_loss", "replica_loss_and_grads",
@@ -56,7 +58,7 @@ AXIS = "stage"
 TENSOR_AXIS = "tensor"  # automatic in the executor; VP takes it by hand around its layers
 DATA_AXIS = "data"  # the batch axis the executor splits by hand (see _execute)
 FSDP_AXIS = "fsdp"  # automatic, or by hand where the weights are gathered once a step
-SCHEDULES = ("none", "gpipe", "1f1b", "interleaved_1f1b")
+SCHEDULES = ("none", *schedules.SCHEDULES)
 VOCAB_PARAMS = ("embedding", "unembedding")
 
 Batch = dict[str, jax.Array]
@@ -232,6 +234,19 @@ class _Chunk:
       leaves[i] = r
     return jax.tree.unflatten(treedef, leaves)(dy)
 
+  def backward_input(self, params, residuals, dy, mb: Batch):
+    """The input gradient alone (zero-bubble B): the backward with the weight gradients'
+    matmuls dead code, which XLA drops."""
+    return self.backward(params, residuals, dy, mb)[1]
+
+  def backward_weight(self, params, residuals, dy, mb: Batch):
+    """The weight gradients alone (zero-bubble W), from the same stored residuals and
+    output gradient. A black-box vjp cannot hand W the cotangents B computed inside the
+    chunk, so W walks the chunk's backward chain again (all but the input gradient's last
+    matmuls): B + W costs more than one BACKWARD (`bench_pipeline` measures by how much),
+    the price of splitting any chunk function without touching the model."""
+    return self.backward(params, residuals, dy, mb)[0]
+
 
 def _losses(logits, mb: Batch):
   """Per-token cross-entropy, the label's logit picked by a one-hot product, not a gather: a
@@ -247,16 +262,16 @@ def _losses(logits, mb: Batch):
 class _VocabLayers:
   """Input embedding and head (final norm, output layer, summed cross-entropy) per microbatch.
 
-  Replicated: stage 0 embeds, the last stage runs the head; others skip (per-device
-  branch). Vocabulary-parallel: every stage runs its vocab shard and one collective joins
+  Replicated: stage 0 embeds, the head's stage (the last chunk's: the last stage, or
+  stage 0 in a V) runs the head; others skip (per-device branch). Vocabulary-parallel: every stage runs its vocab shard and one collective joins
   them. Over stage x tensor, `tensor` (automatic in the executor) is taken by hand around
   the vocab functions, so each device runs its own 1 / (stages x tensor) of the vocabulary
   and their collectives span both axes; the broadcasts of hidden states stay over `stage`.
   """
 
-  def __init__(self, cfg, layout: Layout, algorithm: int, mesh):
+  def __init__(self, cfg, layout: Layout, algorithm: int, mesh, head_stage: int):
     self.cfg, self.layout, self.algorithm = cfg, layout, algorithm
-    self.last = layout.stages - 1
+    self.last = head_stage
     tensor = dict(mesh.shape).get(TENSOR_AXIS, 1)
     if layout.vocab_parallel and layout.tensor not in (1, tensor):
       raise ValueError(f"the layout splits the vocabulary over tensor={layout.tensor}, the mesh "
@@ -365,7 +380,8 @@ def pipeline_loss_and_grads(cfg: transformer.TransformerConfig, schedule: Schedu
   `params` are in the `to_stages` view; `batch` is [B, T] arrays with B divisible by
   schedule.microbatches. Divide loss and gradients by the token count for the mean.
   `with_counts` adds a third output, the ticks each stage actually spent in each branch,
-  [stages, 3] for (idle, forward, backward): the executed bubble, counted by the program.
+  [stages, schedules.KINDS] for (idle, forward, backward, backward input, backward weight):
+  the executed bubble, counted by the program.
   `gather_once`: with an `fsdp` axis, each stage's weights are all-gathered once before the
   ticks and its gradients reduce-scattered once after them (MaxText's
   `pipeline_fsdp_ag_once`), instead of a gather and a reduction in every tick; the cost is
@@ -455,14 +471,39 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
   offsets = (routing.offsets(jnp.asarray(shifts, jnp.int32), R) if routed
              else jnp.zeros((schedule.microbatches, layout.chunks), jnp.int32))
   weights = jnp.ones((R,), jnp.float32) if weights is None else jnp.asarray(weights, jnp.float32)
+  # Arrivals other than the usual ring direction (a V's way back up, its turn on a stage):
+  # their permutes exist only where the schedule sends that way.
+  extra = tuple(k for k in ("act_recv_back", "act_recv_self", "grad_recv_back", "grad_recv_self")
+                if np.any(getattr(schedule, k) >= 0) and (train or k.startswith("act")))
+  if routed and extra:
+    raise ValueError(f"pipeline.schedule={schedule.name} sends between stages other than "
+                     f"s -> s + 1 (a V); routed replicas take loop schedules only (gpipe, "
+                     f"1f1b, interleaved_1f1b, zb_h1)")
   tables = {k: jnp.asarray(getattr(schedule, k)) for k in (
-      "kind", "microbatch", "virtual", "res_slot", "act_recv", "act_in", "grad_recv", "grad_in")}
+      "kind", "microbatch", "virtual", "res_slot", "act_recv", "act_in", "grad_recv", "grad_in",
+      *extra)}
   tick_tables = {k: jnp.asarray(getattr(schedule, k)) for k in (
       "embed_microbatch", "embed_grad_microbatch", "head_microbatch", "head_slot")}
   chunk = _Chunk(cfg, attention_fn)
-  vl = _VocabLayers(cfg, layout, vocab_algorithm, mesh)
+  head_stage = schedule.head_stage
+  vl = _VocabLayers(cfg, layout, vocab_algorithm, mesh, head_stage)
   p = layout.stages
   G = layout.chunks
+  if (schedule.stages, schedule.virtual_stages) != (p, layout.virtual):
+    raise ValueError(f"the schedule has {schedule.stages} stages x {schedule.virtual_stages} "
+                     f"virtual, the layout {p} x {layout.virtual}: build both from the same "
+                     f"mesh and pipeline.virtual_stages")
+  chunk_of = jnp.asarray(schedule.chunk_of)
+  # The layout keeps chunk v * p + s at [v, s] (a loop); a schedule that places chunks
+  # otherwise (a V: chunk 2p - 1 - s on stage s) gets its chunks by one ppermute per
+  # virtual row before the ticks, and the gradients sent back after them: that row's
+  # weights and gradients cross the stage axis once a step each.
+  moves = [None if np.array_equal(row, np.arange(v * p, (v + 1) * p)) else
+           [(int(g) % p, s) for s, g in enumerate(row)]
+           for v, row in enumerate(np.asarray(schedule.chunk_of))]
+  assert all(int(g) // p == v for v, row in enumerate(np.asarray(schedule.chunk_of))
+             for g in row), schedule.chunk_of
+  split = schedule.split_backward
 
   def per_stage(params, mbs, offsets, weights):
     stage = jax.lax.axis_index(AXIS)
@@ -473,6 +514,7 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
       params = jax.tree.map(lambda x, d: x if d < 0 else jax.lax.all_gather(
           x, FSDP_AXIS, axis=d, tiled=True), params, gathered)
     layers = jax.tree.map(lambda x: x[:, 0], params["layers"])  # [virtual, chunk, ...]
+    layers = _move_rows(layers, moves)
     vocab_params = {k: v for k, v in params.items() if k != "layers"}
     Bm, T = mbs["inputs"].shape[2:]
 
@@ -491,7 +533,7 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
     zero_act = jnp.zeros(act.shape, act.dtype)
     carry = dict(act_inbox=buffer(schedule.act_slots, act), arrive_f=zero_act, send_f=zero_act,
                  x0=zero_act, head_in=zero_act, loss=jnp.zeros((R,), jnp.float32),
-                 counts=jnp.zeros((3,), jnp.int32))
+                 counts=jnp.zeros((KINDS,), jnp.int32))
     if train:
       res_shapes = chunk.residual_shapes(_take(layers, 0), act, microbatch(0, 0))
       carry.update(
@@ -501,14 +543,28 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
           layer_grads=jax.tree.map(jnp.zeros_like, layers),
           vocab_grads=jax.tree.map(jnp.zeros_like, vocab_params))
 
+    if "act_recv_back" in extra:
+      carry["arrive_f_back"] = zero_act
+    if "grad_recv_back" in extra:
+      carry["arrive_b_back"] = zero_act
+
     def tick(c, rows):
       mine = {k: rows[k][stage] for k in tables}
       c = dict(c)
-      c["act_inbox"] = _put(c["act_inbox"], _trash(mine["act_recv"], schedule.act_slots),
-                            c["arrive_f"])
-      if train:
-        c["grad_inbox"] = _put(c["grad_inbox"], _trash(mine["grad_recv"], schedule.grad_slots),
-                               c["arrive_b"])
+      # Arrivals: from the ring neighbour, the other neighbour, and this stage's own last
+      # send (a V's turn: send_f / send_b still hold what the previous tick sent).
+      for buf, slots, arrivals in (
+          ("act_inbox", schedule.act_slots, (("act_recv", "arrive_f"),
+                                             ("act_recv_back", "arrive_f_back"),
+                                             ("act_recv_self", "send_f"))),
+          ("grad_inbox", schedule.grad_slots, (("grad_recv", "arrive_b"),
+                                               ("grad_recv_back", "arrive_b_back"),
+                                               ("grad_recv_self", "send_b")))):
+        if buf not in c:
+          continue
+        for table, value in arrivals:
+          if table in mine:
+            c[buf] = _put(c[buf], _trash(mine[table], slots), c[value])
       emb_mb = rows["embed_microbatch"]
       c["x0"] = jax.lax.cond(
           emb_mb >= 0,
@@ -516,7 +572,7 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
           lambda: c["x0"])
 
       mb_index, virtual, kind = mine["microbatch"], mine["virtual"], mine["kind"]
-      g = virtual * p + stage
+      g = chunk_of[jnp.maximum(virtual, 0), stage]
       mb = microbatch(jnp.maximum(mb_index, 0), g)
       chunk_params = _take(layers, jnp.maximum(virtual, 0))
       # The branches take and give only their own operands and results: the slot reads and
@@ -538,7 +594,17 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
         dparams, dx = chunk.backward(chunk_params, res, dy, mb)
         return {"dparams": dparams, "dx": dx}
 
-      actions = [forward] + ([backward] if train else [])
+      def backward_input(chunk_params, x, mb, res, dy):
+        return {"dx": chunk.backward_input(chunk_params, res, dy, mb)}
+
+      def backward_weight(chunk_params, x, mb, res, dy):
+        return {"dparams": chunk.backward_weight(chunk_params, res, dy, mb)}
+
+      # One branch per kind the schedule runs, indexed by kind (a split schedule never runs
+      # a whole BACKWARD: that branch idles).
+      idle = lambda *_: {}
+      actions = ([forward] + ([backward] if train and not split else []) +
+                 ([idle, backward_input, backward_weight] if train and split else []))
       # The actions' results, shaped without tracing them again (their vjps dominate the
       # executor's tracing time): a forward gives an activation and its residuals, a
       # backward the chunk's gradients and one.
@@ -549,10 +615,11 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
         outcomes = [fill(a)(*operands) for a in actions]
         out = jax.tree.map(lambda idle, *new: functools.reduce(
             lambda acc, kn: jnp.where(kind == kn[0], kn[1], acc),
-            zip((FORWARD, BACKWARD), new), idle), results, *outcomes)
+            zip(range(FORWARD, KINDS), new), idle), results, *outcomes)
       else:
         out = jax.lax.switch(kind, [lambda *_: results] + [fill(a) for a in actions], *operands)
-      is_f, is_b = kind == FORWARD, kind == BACKWARD
+      is_f = kind == FORWARD
+      is_b = (kind == BACKWARD) | (kind == BACKWARD_INPUT)  # sends an input gradient
       c["counts"] = c["counts"].at[kind].add(1)
       c["send_f"] = jnp.where(is_f, out["y"], c["send_f"])
       c["head_in"] = jnp.where(is_f & (g == G - 1), out["y"], c["head_in"])
@@ -580,7 +647,7 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
       c["loss"] = c["loss"] + out["loss"]
       if train:
         c["grad_inbox"] = _put(c["grad_inbox"], _trash(
-            jnp.where((stage == p - 1) & (head_mb >= 0), rows["head_slot"], -1),
+            jnp.where((stage == head_stage) & (head_mb >= 0), rows["head_slot"], -1),
             schedule.grad_slots), out["dy"])
         c["vocab_grads"] = {k: v + out["dhp"][k] if k in out["dhp"] else v
                             for k, v in c["vocab_grads"].items()}
@@ -591,6 +658,8 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
         k = offsets[mb_at, jnp.clip(g + 1, 0, G - 1)] - offsets[mb_at, jnp.clip(g, 0, G - 1)]
         send_f = routing.shift(send_f, jnp.where(mine["kind"] == FORWARD, k, 0), R)
       c["arrive_f"] = jax.lax.ppermute(send_f, AXIS, [(i, (i + 1) % p) for i in range(p)])
+      if "arrive_f_back" in c:
+        c["arrive_f_back"] = jax.lax.ppermute(send_f, AXIS, [(i, (i - 1) % p) for i in range(p)])
       if not train:
         return c, None
 
@@ -603,6 +672,8 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
         k = offsets[mb_at, jnp.clip(g - 1, 0, G - 1)] - offsets[mb_at, jnp.clip(g, 0, G - 1)]
         send_b = routing.shift(send_b, jnp.where(mine["kind"] == BACKWARD, k, 0), R)
       c["arrive_b"] = jax.lax.ppermute(send_b, AXIS, [(i, (i - 1) % p) for i in range(p)])
+      if "arrive_b_back" in c:
+        c["arrive_b_back"] = jax.lax.ppermute(send_b, AXIS, [(i, (i + 1) % p) for i in range(p)])
       return c, None
 
     c, _ = jax.lax.scan(tick, carry, {**tables, **tick_tables})
@@ -614,7 +685,8 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
       loss = jax.lax.psum(loss, routing.AXIS)
     if not train:
       return loss, None, c["counts"][None]
-    layer_grads = jax.tree.map(lambda x: x[:, None], c["layer_grads"])
+    layer_grads = jax.tree.map(lambda x: x[:, None],
+                               _move_rows(c["layer_grads"], moves, back=True))
     vocab_grads = {k: (v if layout.vocab_parallel and k in VOCAB_PARAMS
                        else jax.lax.psum(v, AXIS)) for k, v in c["vocab_grads"].items()}
     grads = {**vocab_grads, "layers": layer_grads}
@@ -637,6 +709,21 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
                      # the executor's collectives are explicit, none is differentiated.
                      check_vma=False)
   return fn(params, mbs, offsets, weights)
+
+
+def _move_rows(layers, moves, back: bool = False):
+  """Each virtual row of `layers` ([virtual, ...] on every stage) moved across `stage` by
+  its (source, destination) pairs (None: stays); `back` moves it home."""
+  rows = []
+  for v, pairs in enumerate(moves):
+    row = jax.tree.map(lambda x: x[v], layers)
+    if pairs is not None:
+      perm = [(d, s) for s, d in pairs] if back else pairs
+      row = jax.tree.map(lambda x: jax.lax.ppermute(x, AXIS, perm), row)
+    rows.append(row)
+  if all(m is None for m in moves):
+    return layers
+  return jax.tree.map(lambda *xs: jnp.stack(xs), *rows)
 
 
 def _param_specs(layout: Layout, params, replicas: bool = False, gathered=None):

@@ -1,20 +1,26 @@
 """Pipeline schedules as static tables: which stage does what at each tick, and where data lives.
 
-Time is counted in ticks; at each tick every stage does one action: IDLE, FORWARD or
-BACKWARD of one (microbatch, virtual) chunk, forward and backward costing the same. There
-are G = stages * virtual_stages global chunks; chunk g runs on stage g % stages with virtual
-index g // stages. Activations flow chunk 0 -> G-1, gradients G-1 -> 0; what a stage sends
-at tick t reaches stage (s +- 1) % stages at tick t + 1. The loss head runs at the end of
-the tick of FORWARD(mb, G-1), so BACKWARD(mb, G-1) can run one tick later.
+Time is counted in ticks; at each tick every stage does one action: IDLE, FORWARD,
+BACKWARD (input and weight gradients at once), or the two halves zero-bubble schedules
+split it into, BACKWARD_INPUT ("B": the input gradient, sent on) and BACKWARD_WEIGHT ("W":
+the weight gradient, deferrable), of one (microbatch, virtual) chunk, each costing one
+tick. There are G = stages * virtual_stages global chunks; `chunk_of[virtual, stage]`
+places them: chunk g = virtual * stages + stage for GPipe, 1F1B and interleaved 1F1B (a
+loop: chunk g on stage g % stages), and the V of ZBV (chunk s and 2*stages-1-s on stage s:
+down the stages and back up). Activations flow chunk 0 -> G-1, gradients G-1 -> 0; what a
+stage sends at tick t reaches the next chunk's stage (s + 1, s - 1 or s itself) at tick
+t + 1. The loss head runs at the end of the tick of FORWARD(mb, G-1), on that chunk's
+stage, so the backward of (mb, G-1) can run one tick later.
 
-A schedule is a per-stage program order (the op sequence of GPipe, 1F1B or Megatron's
-interleaved 1F1B) turned into ticks by an as-soon-as-possible simulation, plus the buffer
-slots an executor needs: residuals kept for the backward, and the activation and gradient
-inboxes. This module is pure numpy so it imports anywhere, fast; the executor only reads
-the tables.
+A schedule is a per-stage program order (the op sequence of GPipe, 1F1B, Megatron's
+interleaved 1F1B, ZB-H1 or ZBV) turned into ticks by an as-soon-as-possible simulation,
+plus the buffer slots an executor needs: residuals kept for the backward (until the
+weight gradient, where it is split off), and the activation and gradient inboxes (a
+gradient stays until its weight gradient too). This module is pure numpy so it imports
+anywhere, fast; the executor only reads the tables.
 
-Ticks assume forward and backward cost the same; `timed(schedule, Costs(...))` gives the
-time they take when they do not, run asynchronously (each stage starts an op as soon as
+Ticks assume every action costs the same; `timed(schedule, Costs(...))` gives the time
+they take when they do not (forward, backward, and its input and weight halves), run asynchronously (each stage starts an op as soon as
 its inputs arrive) or in lock step (the executor: a tick lasts its slowest action).
 
 Example:
@@ -32,8 +38,13 @@ from typing import Any
 
 import numpy as np
 
-IDLE, FORWARD, BACKWARD = 0, 1, 2
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b")
+IDLE, FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT = 0, 1, 2, 3, 4
+KINDS = 5
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv")
+# The backward kinds that send an input gradient on, and those that end a chunk's hold on
+# its residuals and output gradient.
+_SENDS_GRAD = (BACKWARD, BACKWARD_INPUT)
+_FREES = (BACKWARD, BACKWARD_WEIGHT)
 
 # An op in a stage's program: (kind, microbatch, global chunk).
 _Op = tuple[int, int, int]
@@ -44,12 +55,18 @@ class Schedule:
   """A pipeline schedule: int32 tables [ticks, stages] (-1 where unused) and per-tick vectors.
 
   kind, microbatch, virtual: the action of each stage at each tick.
-  res_slot: residual-buffer slot a FORWARD writes and its BACKWARD reads (then frees).
-  act_recv / act_in: activation-inbox slot written by the arrival at the start of the tick /
-    read by a FORWARD of chunk > 0 (freed after the tick).
-  grad_recv / grad_in: the same for the gradient inbox; BACKWARD reads its output gradient
-    from grad_in. head_slot[t]: the slot on stage (G-1) % stages that the loss head writes at
-    the end of tick t (-1: no head that tick).
+  chunk_of [virtual_stages, stages]: the global chunk each (virtual, stage) runs.
+  res_slot: residual-buffer slot a FORWARD writes and its BACKWARD reads (then frees); a
+    BACKWARD_INPUT reads it and its BACKWARD_WEIGHT reads it again, then frees it.
+  act_recv / act_in: activation-inbox slot written by the arrival from stage s - 1 at the
+    start of the tick / read by a FORWARD of chunk > 0 (freed after the tick).
+    act_recv_back, act_recv_self: slots written by the arrivals from stage s + 1 and from
+    the stage itself (the V's turn); -1 where nothing comes that way.
+  grad_recv / grad_in: the same for the gradient inbox (grad_recv from stage s + 1,
+    grad_recv_back from s - 1, grad_recv_self from s); the backward kinds read their output
+    gradient from grad_in, a BACKWARD_INPUT leaving it for its BACKWARD_WEIGHT.
+    head_slot[t]: the slot on `head_stage` that the loss head writes at the end of tick t
+    (-1: no head that tick).
   head_microbatch, embed_microbatch, embed_grad_microbatch [ticks]: microbatch of the
     FORWARD of chunk G-1 / FORWARD of chunk 0 / BACKWARD of chunk 0 at each tick, -1 none.
   res_slots, act_slots, grad_slots: buffer sizes per stage.
@@ -73,6 +90,11 @@ class Schedule:
   res_slots: int
   act_slots: int
   grad_slots: int
+  chunk_of: np.ndarray = dataclasses.field(default=None, repr=False)
+  act_recv_back: np.ndarray = dataclasses.field(default=None, repr=False)
+  act_recv_self: np.ndarray = dataclasses.field(default=None, repr=False)
+  grad_recv_back: np.ndarray = dataclasses.field(default=None, repr=False)
+  grad_recv_self: np.ndarray = dataclasses.field(default=None, repr=False)
   # Per-stage program order, kept so forward_only() can re-simulate the same order.
   programs: tuple[tuple[_Op, ...], ...] = dataclasses.field(repr=False, default=())
 
@@ -89,7 +111,23 @@ class Schedule:
   def chunk(self) -> np.ndarray:
     """Global chunk index of each action [ticks, stages], -1 when idle."""
     stage = np.arange(self.stages, dtype=np.int32)[None, :]
-    return np.where(self.kind == IDLE, -1, self.virtual * self.stages + stage).astype(np.int32)
+    return np.where(self.kind == IDLE, -1,
+                    self.chunk_of[np.maximum(self.virtual, 0), stage]).astype(np.int32)
+
+  @property
+  def stage_of(self) -> np.ndarray:
+    """The stage each global chunk runs on [chunks]."""
+    return _stage_of(self.chunk_of)
+
+  @property
+  def head_stage(self) -> int:
+    """The stage of the last chunk, where the loss head's gradient starts the backward."""
+    return int(self.stage_of[-1])
+
+  @property
+  def split_backward(self) -> bool:
+    """Whether the backward runs as input- and weight-gradient passes (zero-bubble)."""
+    return bool(np.any(self.kind == BACKWARD_WEIGHT))
 
   @property
   def bubble_fraction(self) -> float:
@@ -100,21 +138,35 @@ class Schedule:
   def useful_fraction(self) -> float:
     return 1.0 - self.bubble_fraction
 
+  def _held(self) -> np.ndarray:
+    """Chunks each stage holds residuals of after each tick [ticks, stages]."""
+    freed = np.isin(self.kind, _FREES)
+    return np.cumsum(self.kind == FORWARD, axis=0) - np.cumsum(freed, axis=0)
+
   @property
   def max_in_flight(self) -> int:
-    """Most (microbatch, virtual) chunks one stage holds between FORWARD and BACKWARD.
+    """Most (microbatch, virtual) chunks one stage holds residuals of, from FORWARD to
+    BACKWARD (or to BACKWARD_WEIGHT, which still reads them).
 
     0 for a forward-only schedule, which keeps nothing for a backward.
     """
-    if not np.any(self.kind == BACKWARD):
+    if not np.any(np.isin(self.kind, _FREES)):
       return 0
-    held = np.cumsum(self.kind == FORWARD, axis=0) - np.cumsum(self.kind == BACKWARD, axis=0)
-    return int(held.max())
+    return int(self._held().max())
+
+  @property
+  def peak_activations(self) -> float:
+    """The most residuals one stage holds, in microbatches of a whole stage's layers: a
+    chunk is 1/virtual_stages of them (1F1B and ZB-H1: stages; GPipe: microbatches)."""
+    if not np.any(np.isin(self.kind, _FREES)):
+      return 0.0
+    return float(self._held().max()) / self.virtual_stages
 
   def forward_only(self) -> Schedule:
     """The FORWARD actions alone, in the same per-stage order, re-timed (for evaluation)."""
     programs = [[op for op in prog if op[0] == FORWARD] for prog in self.programs]
-    return _build(self.name, self.stages, self.microbatches, self.virtual_stages, programs)
+    return _build(self.name, self.stages, self.microbatches, self.virtual_stages, programs,
+                  self.chunk_of)
 
   def summary(self) -> str:
     return (f"schedule={self.name} stages={self.stages} microbatches={self.microbatches} "
@@ -122,7 +174,8 @@ class Schedule:
             f"bubble={self.bubble_fraction:.3f} max_in_flight={self.max_in_flight}")
 
   def chart(self) -> str:
-    """One row per stage, one cell per tick: F<mb> forward, b<mb> backward, '.' idle.
+    """One row per stage, one cell per tick: F<mb> forward, b<mb> backward, B<mb> its input
+    gradient, W<mb> its weight gradient, '.' idle.
 
     With virtual stages a letter names the virtual index (F3a = microbatch 3, virtual 0).
     """
@@ -132,7 +185,7 @@ class Schedule:
       tag = ""
       if self.virtual_stages > 1:
         tag = chr(ord("a") + v) if self.virtual_stages <= 26 else f":{v}"
-      return ("F" if k == FORWARD else "b") + f"{mb}{tag}"
+      return "?FbBW"[k] + f"{mb}{tag}"
 
     cells = [[cell(int(self.kind[t, s]), int(self.microbatch[t, s]), int(self.virtual[t, s]))
               for t in range(self.ticks)] for s in range(self.stages)]
@@ -146,16 +199,30 @@ class Schedule:
 
 def make_schedule(name: str, *, stages: int, microbatches: int,
                   virtual_stages: int = 1) -> Schedule:
-  """The schedule `name` (gpipe, 1f1b or interleaved_1f1b) for the given sizes."""
+  """The schedule `name` (one of SCHEDULES) for the given sizes (zbv: virtual_stages=2)."""
   check(name, stages=stages, microbatches=microbatches, virtual_stages=virtual_stages)
   p, m, v = int(stages), int(microbatches), int(virtual_stages)
+  chunk_of = _loop_placement(p, v)
   if name == "gpipe":
     programs = [_gpipe_program(s, p, m) for s in range(p)]
   elif name == "1f1b":
     programs = [_interleaved_program(s, p, m, 1) for s in range(p)]
-  else:
+  elif name == "interleaved_1f1b":
     programs = [_interleaved_program(s, p, m, v) for s in range(p)]
-  return _build(name, p, m, v, programs)
+  elif name == "zb_h1":
+    programs = [_zb_h1_program(s, p, m) for s in range(p)]
+  else:
+    chunk_of = _v_placement(p)
+    programs = [_zbv_program(s, p, m) for s in range(p)]
+  return _build(name, p, m, v, programs, chunk_of)
+
+
+def min_microbatches(name: str, stages: int) -> int:
+  """The fewest microbatches the schedule `name` takes on `stages` stages: GPipe 1, the
+  others one per stage (1F1B's steady state; ZB-H1 and ZBV hold up to `stages`
+  microbatches' residuals on a stage, so fewer only shorten their warmup, but gain
+  nothing over GPipe)."""
+  return 1 if name == "gpipe" else stages
 
 
 def _is_int(x: Any) -> bool:
@@ -173,12 +240,16 @@ def check(name: Any, *, stages: Any, microbatches: Any, virtual_stages: Any = 1)
   if not _is_int(virtual_stages) or virtual_stages < 1:
     raise ValueError(f"pipeline.virtual_stages={virtual_stages!r} is invalid; valid: an int "
                      f">= 1")
-  if name != "interleaved_1f1b" and virtual_stages != 1:
+  if name == "zbv" and virtual_stages != 2:
+    raise ValueError(f"pipeline.virtual_stages={virtual_stages} is invalid for "
+                     f"pipeline.schedule=zbv; valid: 2 (its V: two chunks a stage)")
+  if name not in ("interleaved_1f1b", "zbv") and virtual_stages != 1:
     raise ValueError(f"pipeline.virtual_stages={virtual_stages} needs "
                      f"pipeline.schedule=interleaved_1f1b (got {name}, which needs 1)")
-  if name != "gpipe" and microbatches < stages:
+  low = min_microbatches(name, stages)
+  if microbatches < low:
     raise ValueError(f"pipeline.microbatches={microbatches} is fewer than the {stages} stages; "
-                     f"{name} needs microbatches >= stages")
+                     f"{name} needs microbatches >= stages ({low})")
   if name == "interleaved_1f1b" and microbatches % stages:
     raise ValueError(f"pipeline.microbatches={microbatches} is not a multiple of the {stages} "
                      f"stages; interleaved_1f1b needs microbatches % stages == 0")
@@ -187,6 +258,24 @@ def check(name: Any, *, stages: Any, microbatches: Any, virtual_stages: Any = 1)
 # ---------------------------------------------------------------------------
 # Program orders
 # ---------------------------------------------------------------------------
+
+
+def _loop_placement(p: int, v: int) -> np.ndarray:
+  """chunk_of of a loop: chunk g on stage g % p, virtual g // p."""
+  return np.arange(p * v, dtype=np.int32).reshape(v, p)
+
+
+def _v_placement(p: int) -> np.ndarray:
+  """chunk_of of a V: stage s runs chunk s (virtual 0) and chunk 2p - 1 - s (virtual 1)."""
+  stage = np.arange(p, dtype=np.int32)
+  return np.stack([stage, 2 * p - 1 - stage])
+
+
+def _stage_of(chunk_of: np.ndarray) -> np.ndarray:
+  stage_of = np.zeros(chunk_of.size, np.int32)
+  for v, s in np.ndindex(*chunk_of.shape):
+    stage_of[chunk_of[v, s]] = s
+  return stage_of
 
 
 def _gpipe_program(s: int, p: int, m: int) -> list[_Op]:
@@ -223,19 +312,99 @@ def _interleaved_program(s: int, p: int, m: int, v: int) -> list[_Op]:
   return prog
 
 
+def _zb_h1_program(s: int, p: int, m: int) -> list[_Op]:
+  """ZB-H1 (Qi et al. 2023, arXiv 2401.10241, section 3) for stage s: 1F1B's order of
+  forwards and input gradients, each weight gradient deferred on stage s by s microbatches
+  into the cooldown, where 1F1B's stages idle. Residuals live from F to W, at most
+  `stages` microbatches on stage 0 as in 1F1B; stage s also holds s + 1 output gradients
+  between B and W.
+  """
+  ops = lambda kind, k: (kind, k, s)
+  warmup = min(p - s - 1, m)
+  prog = [ops(FORWARD, k) for k in range(warmup)]
+  f, b, w = warmup, 0, 0
+  for _ in range(s):  # W held back: one F, one B
+    if f < m:
+      prog += [ops(FORWARD, f), ops(BACKWARD_INPUT, b)]
+      f, b = f + 1, b + 1
+  while f < m:
+    prog += [ops(FORWARD, f), ops(BACKWARD_INPUT, b), ops(BACKWARD_WEIGHT, w)]
+    f, b, w = f + 1, b + 1, w + 1
+  while b < m:
+    prog += [ops(BACKWARD_INPUT, b), ops(BACKWARD_WEIGHT, w)]
+    b, w = b + 1, w + 1
+  prog += [ops(BACKWARD_WEIGHT, k) for k in range(w, m)]
+  return prog
+
+
+def _zbv_program(s: int, p: int, m: int) -> list[_Op]:
+  """ZB-V (arXiv 2401.10241, section 6) for stage s: chunks s and 2p - 1 - s (the V),
+  each a half stage. Warmup: 2(p - s) - 1 forwards of the first chunk, then s pairs of
+  (second, first), then p - s rounds of the second chunk's F, B, W; steady state: F, B, W
+  of the first chunk then of the second; cooldown: s pairs of B (first, second), then p - s
+  rounds of B and W of the first chunk, then the remaining W's. At most 2p chunks (p
+  stages' worth) of residuals on a stage, as 1F1B.
+  """
+  c0, c1 = s, 2 * p - 1 - s
+  f = {c0: 0, c1: 0}
+  b = {c0: 0, c1: 0}
+  w = {c0: 0, c1: 0}
+  prog: list[_Op] = []
+
+  def run(kind, c, count):
+    if count[c] < m:
+      prog.append((kind, count[c], c))
+      count[c] += 1
+
+  for _ in range(2 * (p - s) - 1):
+    run(FORWARD, c0, f)
+  for _ in range(s):
+    run(FORWARD, c1, f)
+    run(FORWARD, c0, f)
+  for _ in range(p - s):
+    run(FORWARD, c1, f)
+    run(BACKWARD_INPUT, c1, b)
+    run(BACKWARD_WEIGHT, c1, w)
+  while f[c1] < f[c0] or f[c0] < m:
+    run(FORWARD, c0, f)
+    run(BACKWARD_INPUT, c0, b)
+    run(BACKWARD_WEIGHT, c0, w)
+    run(FORWARD, c1, f)
+    run(BACKWARD_INPUT, c1, b)
+    run(BACKWARD_WEIGHT, c1, w)
+  for _ in range(s):
+    run(BACKWARD_INPUT, c0, b)
+    run(BACKWARD_INPUT, c1, b)
+  for _ in range(p - s):
+    run(BACKWARD_INPUT, c0, b)
+    run(BACKWARD_WEIGHT, c0, w)
+  while w[c1] < m or w[c0] < m:
+    while w[c1] < b[c1]:
+      run(BACKWARD_WEIGHT, c1, w)
+    while w[c0] < b[c0]:
+      run(BACKWARD_WEIGHT, c0, w)
+    if b[c0] < m or b[c1] < m:  # what the rounds above left (few microbatches)
+      run(BACKWARD_INPUT, c1, b)
+      run(BACKWARD_INPUT, c0, b)
+  return prog
+
+
 # ---------------------------------------------------------------------------
 # Timing and buffer slots
 # ---------------------------------------------------------------------------
 
 
 def _needs(op: _Op, num_chunks: int) -> list[_Op]:
-  """The ops whose results `op` reads: a forward its previous chunk's; a backward its own
-  forward's residuals and the next chunk's gradient (the last chunk's comes from the head,
-  right after its forward)."""
+  """The ops whose results `op` reads: a forward its previous chunk's; a backward (or its
+  input half) its own forward's residuals and the next chunk's gradient from the same kind
+  (the last chunk's comes from the head, right after its forward); a weight gradient its
+  input gradient's output gradient (the same stage's)."""
   kind, mb, g = op
   if kind == FORWARD:
     return [(FORWARD, mb, g - 1)] if g > 0 else []
-  return [(FORWARD, mb, g)] + ([(BACKWARD, mb, g + 1)] if g < num_chunks - 1 else [])
+  if kind == BACKWARD_WEIGHT:
+    return [(BACKWARD_INPUT, mb, g)]
+  return [(FORWARD, mb, g)] + ([(kind, mb, g + 1)] if g < num_chunks - 1 else [])
 
 
 def _simulate(programs: list[list[_Op]], p: int, num_chunks: int) -> list[list[_Op | None]]:
@@ -281,9 +450,14 @@ class _Slots:
     return slot
 
 
-def _build(name: str, p: int, m: int, v: int, programs: list[list[_Op]]) -> Schedule:
+def _build(name: str, p: int, m: int, v: int, programs: list[list[_Op]],
+           chunk_of: np.ndarray) -> Schedule:
   """Times the programs and assigns every buffer slot."""
   num_chunks = p * v
+  stage_of = _stage_of(chunk_of)
+  virtual_of = np.zeros(num_chunks, np.int32)
+  for vi, s in np.ndindex(*chunk_of.shape):
+    virtual_of[chunk_of[vi, s]] = vi
   rows = _simulate(programs, p, num_chunks)
   ticks = len(rows)
   table = lambda: np.full((ticks, p), -1, np.int32)
@@ -291,6 +465,15 @@ def _build(name: str, p: int, m: int, v: int, programs: list[list[_Op]]) -> Sche
   kind = np.zeros((ticks, p), np.int32)
   microbatch, virtual, res_slot = table(), table(), table()
   act_recv, act_in, grad_recv, grad_in = table(), table(), table(), table()
+  act_back, act_self, grad_back, grad_self = table(), table(), table(), table()
+
+  def inbox(src: int, dst: int, ahead: int, usual, back, self_):
+    """The recv table of a message from stage src to dst: the buffer's usual ring direction
+    (`ahead` = +1 activations, -1 gradients) first, so p <= 2 uses it alone."""
+    if (src + ahead) % p == dst:
+      return usual
+    return self_ if src == dst else back
+
   head_slot, head_mb, embed_mb, embed_grad_mb = vector(), vector(), vector(), vector()
   res = [_Slots() for _ in range(p)]
   act = [_Slots() for _ in range(p)]
@@ -298,8 +481,9 @@ def _build(name: str, p: int, m: int, v: int, programs: list[list[_Op]]) -> Sche
   res_of: dict[tuple[int, int], int] = {}   # (mb, g) -> residual slot
   act_of: dict[tuple[int, int], int] = {}   # (mb, g) -> inbox slot holding g's input
   grad_of: dict[tuple[int, int], int] = {}  # (mb, g) -> inbox slot holding g's output grad
-  has_backward = any(op[0] == BACKWARD for prog in programs for op in prog)
+  has_backward = any(op[0] != FORWARD for prog in programs for op in prog)
   last = num_chunks - 1
+  head_stage = int(stage_of[last])
 
   for t in range(ticks):
     # Arrivals at the start of tick t: what tick t-1 sent.
@@ -309,17 +493,19 @@ def _build(name: str, p: int, m: int, v: int, programs: list[list[_Op]]) -> Sche
           continue
         k, mb, g = op
         if k == FORWARD and g < last:
-          dst = (g + 1) % p
-          act_of[(mb, g + 1)] = act_recv[t, dst] = act[dst].take()
-        elif k == BACKWARD and g > 0:
-          dst = (g - 1) % p
-          grad_of[(mb, g - 1)] = grad_recv[t, dst] = grad[dst].take()
+          src, dst = stage_of[g], stage_of[g + 1]
+          recv = inbox(src, dst, 1, act_recv, act_back, act_self)
+          act_of[(mb, g + 1)] = recv[t, dst] = act[dst].take()
+        elif k in _SENDS_GRAD and g > 0:
+          src, dst = stage_of[g], stage_of[g - 1]
+          recv = inbox(src, dst, -1, grad_recv, grad_back, grad_self)
+          grad_of[(mb, g - 1)] = recv[t, dst] = grad[dst].take()
     freed = []  # (allocator, slot) read this tick, free only after the tick
     for s, op in enumerate(rows[t]):
       if op is None:
         continue
       k, mb, g = op
-      kind[t, s], microbatch[t, s], virtual[t, s] = k, mb, g // p
+      kind[t, s], microbatch[t, s], virtual[t, s] = k, mb, virtual_of[g]
       if k == FORWARD:
         if g > 0:
           act_in[t, s] = act_of.pop((mb, g))
@@ -329,23 +515,27 @@ def _build(name: str, p: int, m: int, v: int, programs: list[list[_Op]]) -> Sche
         if has_backward:
           res_of[(mb, g)] = res_slot[t, s] = res[s].take()
       else:
-        res_slot[t, s] = res_of.pop((mb, g))
-        freed.append((res[s], res_slot[t, s]))
-        grad_in[t, s] = grad_of.pop((mb, g))
-        freed.append((grad[s], grad_in[t, s]))
-        if g == 0:
+        # An input gradient leaves its residuals and output gradient to its weight gradient.
+        keep = k == BACKWARD_INPUT
+        res_slot[t, s] = res_of[(mb, g)] if keep else res_of.pop((mb, g))
+        grad_in[t, s] = grad_of[(mb, g)] if keep else grad_of.pop((mb, g))
+        if not keep:
+          freed += [(res[s], res_slot[t, s]), (grad[s], grad_in[t, s])]
+        if g == 0 and k in _SENDS_GRAD:
           embed_grad_mb[t] = mb
     # The head writes at the end of the tick, before this tick's reads are freed.
     for op in rows[t]:
       if op is not None and op[0] == FORWARD and op[2] == last:
         head_mb[t] = op[1]
         if has_backward:
-          grad_of[(op[1], last)] = head_slot[t] = grad[last % p].take()
+          grad_of[(op[1], last)] = head_slot[t] = grad[head_stage].take()
     for alloc, slot in freed:
       alloc.used.discard(int(slot))
 
+  chunk_of = np.array(chunk_of, np.int32)
   for arr in (kind, microbatch, virtual, res_slot, act_recv, act_in, grad_recv, grad_in,
-              head_slot, head_mb, embed_mb, embed_grad_mb):
+              head_slot, head_mb, embed_mb, embed_grad_mb, act_back, act_self, grad_back,
+              grad_self, chunk_of):
     arr.setflags(write=False)
   return Schedule(
       name=name, stages=p, microbatches=m, virtual_stages=v,
@@ -356,6 +546,8 @@ def _build(name: str, p: int, m: int, v: int, programs: list[list[_Op]]) -> Sche
       res_slots=max(a.peak for a in res),
       act_slots=max(1, max(a.peak for a in act)),
       grad_slots=max(1, max(a.peak for a in grad)) if has_backward else 0,
+      chunk_of=chunk_of, act_recv_back=act_back, act_recv_self=act_self,
+      grad_recv_back=grad_back, grad_recv_self=grad_self,
       programs=tuple(tuple(prog) for prog in programs))
 
 
@@ -368,21 +560,37 @@ def _build(name: str, p: int, m: int, v: int, programs: list[list[_Op]]) -> Sche
 class Costs:
   """Time of one microbatch's forward / backward through ALL the layers one stage holds.
 
-  An interleaved chunk holds 1/v of them and costs 1/v, so makespans compare across
-  schedules of the same model and stages. comm: time to send an activation or gradient to
-  the next stage (asynchronous: per message between stages; lock step: per tick).
+  An interleaved or V chunk holds 1/v of them and costs 1/v, so makespans compare across
+  schedules of the same model and stages. backward_input / backward_weight: the two
+  passes zero-bubble schedules split the backward into (None: backward / 2 each); they
+  need not add up to `backward` (an executor may redo work in each). comm: time to send an
+  activation or gradient to the next stage (asynchronous: per message between stages;
+  lock step: per tick).
   """
   forward: float
   backward: float
   comm: float = 0.0
+  backward_input: float | None = None
+  backward_weight: float | None = None
 
   def __post_init__(self):
-    for field, low in (("forward", "> 0"), ("backward", "> 0"), ("comm", ">= 0")):
+    for field, low in (("forward", "> 0"), ("backward", "> 0"), ("comm", ">= 0"),
+                       ("backward_input", "> 0"), ("backward_weight", "> 0")):
       x = getattr(self, field)
+      if x is None and field.startswith("backward_"):
+        continue
       ok = (isinstance(x, (int, float, np.integer, np.floating))
             and not isinstance(x, (bool, np.bool_)) and math.isfinite(x))
       if not ok or (x <= 0 if field != "comm" else x < 0):
-        raise ValueError(f"Costs.{field}={x!r} is invalid; valid: a finite number {low}")
+        raise ValueError(f"Costs.{field}={x!r} is invalid; valid: a finite number {low}"
+                         + (" or None" if field.startswith("backward_") else ""))
+
+  def of_kind(self) -> np.ndarray:
+    """Cost of each action kind (IDLE .. BACKWARD_WEIGHT) on a whole stage's layers."""
+    half = self.backward / 2
+    return np.array([0.0, self.forward, self.backward,
+                     half if self.backward_input is None else self.backward_input,
+                     half if self.backward_weight is None else self.backward_weight])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -413,8 +621,9 @@ class Timing:
 def timed(schedule: Schedule, costs: Costs) -> Timing:
   """The schedule's time under `costs`, asynchronous and in lock step (see Timing)."""
   p, v = schedule.stages, schedule.virtual_stages
-  cost = np.array([0.0, costs.forward / v, costs.backward / v])
+  cost = costs.of_kind() / v
   action = cost[schedule.kind]  # [ticks, stages]
+  stage_of = schedule.stage_of
   # Lock step: every tick waits for its slowest stage, then its two ppermutes.
   lockstep = float(np.sum(action.max(axis=1, initial=0.0)) + costs.comm * schedule.ticks)
   # Asynchronous: the table's per-stage order is the program order, and everything an op
@@ -426,10 +635,10 @@ def timed(schedule: Schedule, costs: Costs) -> Timing:
       k = int(schedule.kind[t, s])
       if k == IDLE:
         continue
-      mb, g = int(schedule.microbatch[t, s]), int(schedule.virtual[t, s]) * p + s
+      mb, g = int(schedule.microbatch[t, s]), int(schedule.chunk_of[schedule.virtual[t, s], s])
       start = free[s]
       for n in _needs((k, mb, g), schedule.chunks):
-        sent = n[2] % p != s  # only a message to another stage pays comm
+        sent = stage_of[n[2]] != s  # only a message to another stage pays comm
         start = max(start, end[n] + (costs.comm if sent else 0.0))
       end[(k, mb, g)] = free[s] = start + cost[k]
   asynchronous = max(free) if end else 0.0

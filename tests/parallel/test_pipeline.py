@@ -132,7 +132,8 @@ def test_executed_ticks_match_the_schedule(name, virtual):
   _, _, counts = jax.jit(lambda p, b: pipeline.pipeline_loss_and_grads(
       cfg, schedule, layout, p, b, mesh=mesh, with_counts=True))(
           pipeline.to_stages(layout, params), batch)
-  expected = np.stack([np.bincount(schedule.kind[:, s], minlength=3) for s in range(2)])
+  expected = np.stack([np.bincount(schedule.kind[:, s], minlength=pipeline.KINDS)
+                       for s in range(2)])
   np.testing.assert_array_equal(counts, expected)
   assert counts[:, 0].sum() / counts.sum() == pytest.approx(schedule.bubble_fraction)
 

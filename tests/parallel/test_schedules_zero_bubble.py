@@ -1,0 +1,330 @@
+"""Zero-bubble schedules (ZB-H1, ZBV) as tables: pure numpy, no devices."""
+
+import itertools
+
+import numpy as np
+from absl.testing import absltest, parameterized
+
+from jaxsys.parallel import schedules as sched_lib
+from jaxsys.parallel.schedules import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, IDLE,
+                                       Costs, make_schedule, timed)
+
+# (name, stages, microbatches, virtual_stages): odd and uneven shapes, and the loop
+# schedules too, so the general replay covers them.
+_CASES = (
+    [("zb_h1", p, m, 1) for p, m in [(1, 1), (1, 3), (2, 2), (2, 5), (3, 3), (3, 7), (4, 4),
+                                     (4, 8), (8, 8), (8, 13)]]
+    + [("zbv", p, m, 2) for p, m in [(1, 1), (1, 3), (2, 2), (2, 4), (2, 5), (3, 3), (3, 7),
+                                     (4, 4), (4, 8), (4, 11), (8, 16)]]
+    + [("1f1b", 4, 8, 1), ("gpipe", 3, 5, 1), ("interleaved_1f1b", 4, 8, 2)])
+_NAMED = [(f"{n}_p{p}_m{m}_v{v}", n, p, m, v) for n, p, m, v in _CASES]
+_RECV = {"act": ("act_recv", "act_recv_back", "act_recv_self"),
+         "grad": ("grad_recv", "grad_recv_back", "grad_recv_self")}
+
+
+def _dst(sched, src: int, via: str) -> int:
+  """Where a message from `src` lands through the recv table named `via`."""
+  step = {"act_recv": 1, "act_recv_back": -1, "grad_recv": -1, "grad_recv_back": 1}
+  return src if via.endswith("self") else (src + step[via]) % sched.stages
+
+
+def replay(sched: sched_lib.Schedule) -> None:
+  """Walks the ticks as the executor does, moving symbolic values through every buffer.
+
+  ("act", mb, g): chunk g's output; ("grad", mb, g): the gradient with respect to it;
+  ("res", mb, g): chunk g's residuals. A message sent at tick t (a forward's output to the
+  next chunk's stage, an input gradient to the previous chunk's) is written at t + 1 by
+  the recv table of its route (from s - 1, from s + 1, from itself); a BACKWARD_INPUT reads
+  its residuals and output gradient and leaves them, its BACKWARD_WEIGHT reads the same
+  slots and frees them. Writing a full slot, reading a wrong value, a message through the
+  wrong route, or anything left behind fails.
+  """
+  p, G = sched.stages, sched.chunks
+  stage_of = sched.stage_of
+  training = bool(np.any(sched.kind >= BACKWARD))
+  busy = object()
+  bufs = {"res": [[None] * sched.res_slots for _ in range(p)],
+          "act": [[None] * sched.act_slots for _ in range(p)],
+          "grad": [[None] * sched.grad_slots for _ in range(p)]}
+
+  def write(name, s, slot, value, what):
+    buf = bufs[name]
+    assert 0 <= slot < len(buf[s]), f"{what}: slot {slot} outside [0, {len(buf[s])})"
+    assert buf[s][slot] is None, f"{what}: slot {slot} on stage {s} still holds {buf[s][slot]}"
+    buf[s][slot] = value
+
+  def read(name, s, slot, value, what, reading, free=True):
+    buf = bufs[name]
+    assert 0 <= slot < len(buf[s]), f"{what}: slot {slot} outside [0, {len(buf[s])})"
+    assert buf[s][slot] == value, f"{what}: slot {slot} on stage {s} holds {buf[s][slot]}"
+    if free:  # a slot read this tick is not writable until the tick ends
+      buf[s][slot] = busy
+      reading.append((buf, s, slot))
+
+  sent = {"act": [], "grad": []}  # (src, dst, value) sent last tick
+  for t in range(sched.ticks):
+    what = f"tick {t}"
+    for name, tables in _RECV.items():
+      landed = set()
+      for via in tables:
+        for s in range(p):
+          slot = int(getattr(sched, via)[t, s])
+          if slot < 0:
+            continue
+          srcs = [src for src, dst, _ in sent[name] if dst == s and _dst(sched, src, via) == s]
+          assert srcs, f"{what}: {via} on stage {s} but nothing sent that way"
+          (value,) = [v for src, dst, v in sent[name] if dst == s and src in srcs]
+          write(name, s, slot, value, f"{what} {via}")
+          landed.add((s, value))
+      assert landed == {(dst, v) for _, dst, v in sent[name]}, f"{what}: {name} lost"
+    sent, reading = {"act": [], "grad": []}, []
+    embed = embed_grad = head = -1
+    for s in range(p):
+      k, mb, vi = (int(x[t, s]) for x in (sched.kind, sched.microbatch, sched.virtual))
+      here = f"{what} stage {s}"
+      if k == IDLE:
+        assert (mb, vi, sched.res_slot[t, s], sched.act_in[t, s], sched.grad_in[t, s]) == (
+            -1, -1, -1, -1, -1), here
+        continue
+      g = int(sched.chunk_of[vi, s])
+      assert stage_of[g] == s, here
+      if k == FORWARD:
+        assert sched.grad_in[t, s] == -1, here
+        if g == 0:
+          assert sched.act_in[t, s] == -1, here
+          embed = mb
+        else:
+          read("act", s, int(sched.act_in[t, s]), ("act", mb, g - 1), f"{here} act_in", reading)
+        if training:
+          write("res", s, int(sched.res_slot[t, s]), ("res", mb, g), f"{here} res_slot")
+        if g < G - 1:
+          sent["act"].append((s, int(stage_of[g + 1]), ("act", mb, g)))
+        else:
+          head = mb
+        continue
+      assert sched.act_in[t, s] == -1, here
+      free = k != BACKWARD_INPUT  # the weight gradient reads them again
+      read("res", s, int(sched.res_slot[t, s]), ("res", mb, g), f"{here} res_slot", reading, free)
+      read("grad", s, int(sched.grad_in[t, s]), ("grad", mb, g), f"{here} grad_in", reading,
+           free)
+      if k in (BACKWARD, BACKWARD_INPUT):
+        if g > 0:
+          sent["grad"].append((s, int(stage_of[g - 1]), ("grad", mb, g - 1)))
+        else:
+          embed_grad = mb
+    assert sched.embed_microbatch[t] == embed, what
+    assert sched.embed_grad_microbatch[t] == embed_grad, what
+    assert sched.head_microbatch[t] == head, what
+    if head >= 0 and training:
+      write("grad", sched.head_stage, int(sched.head_slot[t]), ("grad", head, G - 1),
+            f"{what} head")
+    else:
+      assert sched.head_slot[t] == -1, what
+    for buf, s, slot in reading:
+      buf[s][slot] = None
+  assert not sent["act"] and not sent["grad"], "messages sent on the last tick"
+  for name, buf in bufs.items():
+    for s, slots in enumerate(buf):
+      assert all(x is None for x in slots), f"left in {name} on stage {s}: {slots}"
+
+
+def _when(sched):
+  """(kind, microbatch, chunk) -> tick, each op once."""
+  when = {}
+  for t, s in itertools.product(range(sched.ticks), range(sched.stages)):
+    k = int(sched.kind[t, s])
+    if k != IDLE:
+      key = (k, int(sched.microbatch[t, s]), int(sched.chunk[t, s]))
+      assert key not in when, key
+      when[key] = t
+  return when
+
+
+class StructureTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(*_NAMED)
+  def test_replay(self, name, p, m, v):
+    replay(make_schedule(name, stages=p, microbatches=m, virtual_stages=v))
+
+  @parameterized.named_parameters(*_NAMED)
+  def test_replay_forward_only(self, name, p, m, v):
+    full = make_schedule(name, stages=p, microbatches=m, virtual_stages=v)
+    fwd = full.forward_only()
+    replay(fwd)
+    np.testing.assert_array_equal(fwd.chunk_of, full.chunk_of)
+    if name != "zbv":  # a loop's forwards alone: no bubble but the fill
+      self.assertEqual(fwd.ticks, v * m + p - 1)
+    self.assertFalse(np.any(fwd.kind >= BACKWARD))
+    for s in range(p):
+      order = lambda x: [(int(x.microbatch[t, s]), int(x.virtual[t, s]))
+                         for t in range(x.ticks) if x.kind[t, s] == FORWARD]
+      self.assertEqual(order(fwd), order(full))
+
+  @parameterized.named_parameters(*[c for c in _NAMED if c[1] in ("zb_h1", "zbv")])
+  def test_f_before_b_before_w_and_across_stages(self, name, p, m, v):
+    sched = make_schedule(name, stages=p, microbatches=m, virtual_stages=v)
+    G = p * v
+    when = _when(sched)
+    self.assertEqual(set(when), {(k, mb, g) for k in (FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
+                                 for mb in range(m) for g in range(G)})
+    self.assertTrue(sched.split_backward)
+    for mb, g in itertools.product(range(m), range(G)):
+      f, b, w = (when[(k, mb, g)] for k in (FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT))
+      self.assertLess(f, b)
+      self.assertLess(b, w)
+      if g > 0:  # the input activation arrives one tick after it was sent
+        self.assertGreater(f, when[(FORWARD, mb, g - 1)])
+      if g < G - 1:  # the output gradient likewise, from the next chunk's input gradient
+        self.assertGreater(b, when[(BACKWARD_INPUT, mb, g + 1)])
+      else:  # the head runs at the end of the last forward's tick
+        self.assertGreater(b, f)
+    # Every stage runs 3 ops per microbatch and chunk.
+    np.testing.assert_array_equal(np.sum(sched.kind != IDLE, axis=0), 3 * v * m)
+
+  def test_v_placement(self):
+    sched = make_schedule("zbv", stages=4, microbatches=8, virtual_stages=2)
+    np.testing.assert_array_equal(sched.chunk_of, [[0, 1, 2, 3], [7, 6, 5, 4]])
+    np.testing.assert_array_equal(sched.stage_of, [0, 1, 2, 3, 3, 2, 1, 0])
+    self.assertEqual(sched.head_stage, 0)
+    # The V's turn stays on stage 3; its way back up arrives from s + 1.
+    self.assertTrue(np.any(sched.act_recv_self[:, 3] >= 0))
+    self.assertTrue(np.all(sched.act_recv_self[:, :3] < 0))
+    self.assertTrue(np.any(sched.act_recv_back >= 0))
+    for loop in ("1f1b", "zb_h1"):
+      other = make_schedule(loop, stages=4, microbatches=8)
+      self.assertEqual(other.head_stage, 3)
+      for k in ("act_recv_back", "act_recv_self", "grad_recv_back", "grad_recv_self"):
+        self.assertTrue(np.all(getattr(other, k) < 0), (loop, k))
+
+  def test_zb_h1_defers_each_stages_weight_gradients(self):
+    # Stage s runs its first W after s + 1 input gradients (arXiv 2401.10241, ZB-H1).
+    p, m = 4, 8
+    sched = make_schedule("zb_h1", stages=p, microbatches=m)
+    for s in range(p):
+      ops = [int(k) for k in sched.kind[:, s] if k != IDLE]
+      first_w = ops.index(BACKWARD_WEIGHT)
+      self.assertEqual(ops[:first_w].count(BACKWARD_INPUT), s + 1)
+      self.assertEqual(ops[:first_w].count(FORWARD), min(p, m))
+
+  def test_chart(self):
+    lines = make_schedule("zb_h1", stages=2, microbatches=2).chart().splitlines()
+    self.assertEqual(lines[1].split("|")[1].split(), ["F0", "F1", ".", "B0", "W0", "B1", "W1"])
+    self.assertIn("W0b", make_schedule("zbv", stages=2, microbatches=2,
+                                       virtual_stages=2).chart())
+
+
+class MemoryTest(parameterized.TestCase):
+
+  def test_peak_activations_equal_1f1b(self):
+    """ZB-H1 and ZBV hold at most `stages` microbatches of a stage's activations, as 1F1B
+    (the paper's 'same memory'); GPipe holds all of them."""
+    for p, m in itertools.product((1, 2, 3, 4, 8), (8, 9, 16, 32)):
+      if m < p:
+        continue
+      one = make_schedule("1f1b", stages=p, microbatches=m)
+      zb = make_schedule("zb_h1", stages=p, microbatches=m)
+      zbv = make_schedule("zbv", stages=p, microbatches=m, virtual_stages=2)
+      with self.subTest(p=p, m=m):
+        self.assertEqual(one.peak_activations, p)
+        self.assertEqual(zb.peak_activations, one.peak_activations)
+        self.assertEqual(zb.max_in_flight, one.max_in_flight)
+        self.assertEqual(zb.res_slots, zb.max_in_flight)
+        self.assertEqual(zbv.peak_activations, one.peak_activations)
+        self.assertEqual(zbv.max_in_flight, 2 * p)  # chunks of half a stage
+    self.assertEqual(make_schedule("gpipe", stages=4, microbatches=8).peak_activations, 8)
+
+  def test_output_gradients_held_between_b_and_w(self):
+    # What the split costs beyond 1F1B: stage s keeps s + 1 output gradients for its Ws.
+    p = 4
+    zb = make_schedule("zb_h1", stages=p, microbatches=8)
+    self.assertEqual(zb.grad_slots, p)
+    self.assertEqual(make_schedule("1f1b", stages=p, microbatches=8).grad_slots, 1)
+
+
+class TimedTest(parameterized.TestCase):
+
+  def test_zb_h1_bubble_a_third_of_1f1b(self):
+    """F = B = W (1F1B's backward = B + W = 2F): asynchronously 1F1B idles (p-1)(F+B+W),
+    ZB-H1 (p-1)(F+B-W), a third of it (arXiv 2401.10241, section 3.1); ZBV less still."""
+    costs = Costs(forward=1, backward=2, backward_input=1, backward_weight=1)
+    for p, m in itertools.product((2, 3, 4, 8), (8, 9, 16, 32)):
+      one = timed(make_schedule("1f1b", stages=p, microbatches=m), costs)
+      zb = timed(make_schedule("zb_h1", stages=p, microbatches=m), costs)
+      zbv = timed(make_schedule("zbv", stages=p, microbatches=m, virtual_stages=2), costs)
+      with self.subTest(p=p, m=m):
+        self.assertEqual(one.busy, zb.busy)
+        self.assertEqual(one.asynchronous, 3 * m + 3 * (p - 1))
+        self.assertEqual(zb.asynchronous, 3 * m + (p - 1))
+        self.assertLess(zb.asynchronous_bubble, one.asynchronous_bubble)
+        self.assertLess(zb.lockstep_bubble, one.lockstep_bubble)
+        self.assertLessEqual(zbv.asynchronous, zb.asynchronous)
+        # Every ZB-H1 tick holds actions of one cost: lock step loses nothing.
+        self.assertEqual(zb.lockstep, zb.asynchronous)
+
+  @parameterized.named_parameters(
+      # (p, m, forward, backward, input, weight, ZB-H1 ends sooner): B = 2F split evenly;
+      # and the executor's own split (dot FLOPs of its compiled chunk programs, d 64: W walks
+      # the chunk's whole backward chain again, so B + W = 1.53 backwards). ZB-H1's bubble
+      # is below 1F1B's either way; with the executor's split its extra work outweighs it.
+      ("p4_m8_even", 4, 8, 1.0, 2.0, 1.0, 1.0, True),
+      ("p8_m32_even", 8, 32, 1.0, 2.0, 1.0, 1.0, True),
+      ("p4_m8_executor", 4, 8, 1.0, 2.0, 1.0625, 2.0, False),
+      ("p8_m32_executor", 8, 32, 1.0, 2.0, 1.0625, 2.0, False),
+  )
+  def test_zb_h1_below_1f1b(self, p, m, forward, backward, backward_input, backward_weight,
+                            sooner):
+    costs = Costs(forward=forward, backward=backward, backward_input=backward_input,
+                  backward_weight=backward_weight)
+    one = timed(make_schedule("1f1b", stages=p, microbatches=m), costs)
+    zb = timed(make_schedule("zb_h1", stages=p, microbatches=m), costs)
+    zbv = timed(make_schedule("zbv", stages=p, microbatches=m, virtual_stages=2), costs)
+    self.assertLess(zb.asynchronous_bubble, one.asynchronous_bubble)
+    self.assertLess(zbv.asynchronous_bubble, one.asynchronous_bubble)
+    self.assertEqual(zb.asynchronous < one.asynchronous, sooner)
+
+  def test_default_split_halves_the_backward(self):
+    np.testing.assert_array_equal(Costs(forward=1, backward=3).of_kind(), [0, 1, 3, 1.5, 1.5])
+    np.testing.assert_array_equal(Costs(1, 3, backward_input=2, backward_weight=0.5).of_kind(),
+                                  [0, 1, 3, 2, 0.5])
+
+  @parameterized.named_parameters(
+      ("input_zero", dict(backward_input=0), "Costs.backward_input=0 is invalid; valid: a "
+       "finite number > 0 or None"),
+      ("weight_negative", dict(backward_weight=-1.0), "Costs.backward_weight=-1.0 is invalid"),
+      ("weight_bool", dict(backward_weight=True), "Costs.backward_weight=True is invalid"))
+  def test_bad_split_costs(self, kwargs, fragment):
+    with self.assertRaises(ValueError) as cm:
+      Costs(forward=1, backward=2, **kwargs)
+    self.assertIn(fragment, str(cm.exception))
+    self.assertNotIn("\n", str(cm.exception))
+
+
+class ErrorTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      ("zb_h1_few", "zb_h1", 4, 3, 1,
+       "pipeline.microbatches=3 is fewer than the 4 stages; zb_h1 needs microbatches >= "
+       "stages (4)"),
+      ("zbv_few", "zbv", 4, 2, 2,
+       "pipeline.microbatches=2 is fewer than the 4 stages; zbv needs microbatches >= "
+       "stages (4)"),
+      ("zbv_virtual", "zbv", 4, 8, 1,
+       "pipeline.virtual_stages=1 is invalid for pipeline.schedule=zbv; valid: 2"),
+      ("zbv_virtual_4", "zbv", 4, 8, 4, "pipeline.virtual_stages=4 is invalid"),
+      ("zb_h1_virtual", "zb_h1", 4, 8, 2,
+       "pipeline.virtual_stages=2 needs pipeline.schedule=interleaved_1f1b (got zb_h1"),
+  )
+  def test_errors(self, name, stages, microbatches, virtual, fragment):
+    with self.assertRaises(ValueError) as cm:
+      make_schedule(name, stages=stages, microbatches=microbatches, virtual_stages=virtual)
+    self.assertIn(fragment, str(cm.exception))
+    self.assertNotIn("\n", str(cm.exception))
+
+  def test_min_microbatches(self):
+    self.assertEqual(sched_lib.min_microbatches("gpipe", 4), 1)
+    for name in ("1f1b", "interleaved_1f1b", "zb_h1", "zbv"):
+      self.assertEqual(sched_lib.min_microbatches(name, 4), 4)
+
+
+if __name__ == "__main__":
+  absltest.main()

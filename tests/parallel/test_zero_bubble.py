@@ -1,0 +1,122 @@
+"""Zero-bubble schedules (ZB-H1, ZBV) run by the pipeline executor: exact against the
+unpipelined model, their backward split into input- and weight-gradient passes."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxsys import hlo_flops
+from jaxsys import mesh as mesh_lib
+from jaxsys.models import transformer
+from jaxsys.parallel import pipeline, routing
+from tests.parallel.test_pipeline import _reference, _run, assert_close
+
+
+@pytest.mark.parametrize("mesh_spec,name,microbatches,virtual,n_layers,tie,vocab_parallel", [
+    ("stage=4,data=2", "zb_h1", 4, 1, 4, False, False),
+    ("stage=4,data=2", "zb_h1", 8, 1, 4, False, True),
+    ("stage=2,tensor=2,data=2", "zb_h1", 4, 1, 4, True, True),  # VP over stage x tensor
+    # The V on 4 stages: chunks 0-3 down, 4-7 back up, the turn on stage 3, the head on 0.
+    ("stage=4,data=2", "zbv", 4, 2, 8, False, False),
+    ("stage=4,tensor=2", "zbv", 8, 2, 8, False, True),
+    ("stage=2,data=4", "zbv", 4, 2, 4, True, False),
+    ("stage=2,data=4", "zbv", 4, 2, 4, True, True),
+])
+def test_matches_unpipelined(mesh_spec, name, microbatches, virtual, n_layers, tie,
+                             vocab_parallel):
+  cfg, params, batch, ref_loss, ref_grads = _reference(tie, n_layers=n_layers)
+  loss, grads = _run(cfg, params, batch, mesh_spec, name, microbatches, virtual, vocab_parallel)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  assert_close(grads, ref_grads)
+
+
+@pytest.mark.parametrize("name,virtual,vocab_parallel", [("zb_h1", 1, False), ("zbv", 2, True)])
+def test_forward_only_loss(name, virtual, vocab_parallel):
+  """Evaluation runs the forwards alone, the V's head on stage 0."""
+  cfg, params, batch, ref_loss, _ = _reference(False, n_layers=8)
+  mesh = mesh_lib.make_mesh("stage=4,data=2")
+  layout = pipeline.Layout(stages=4, virtual=virtual, vocab_size=cfg.vocab_size,
+                           vocab_parallel=vocab_parallel)
+  schedule = pipeline.make_schedule(name, stages=4, microbatches=4, virtual_stages=virtual)
+  fn = jax.jit(lambda p, b: pipeline.pipeline_loss(cfg, schedule, layout, p, b, mesh=mesh))
+  np.testing.assert_allclose(fn(pipeline.to_stages(layout, params), batch), ref_loss, rtol=1e-5)
+
+
+def test_executed_ticks_match_the_schedule():
+  """The executor runs the table's input- and weight-gradient branches where it says."""
+  cfg, params, batch, _, _ = _reference(False)
+  mesh = mesh_lib.make_mesh("stage=2,data=4")
+  layout = pipeline.Layout(stages=2, virtual=1, vocab_size=cfg.vocab_size, vocab_parallel=False)
+  schedule = pipeline.make_schedule("zb_h1", stages=2, microbatches=4)
+  _, _, counts = jax.jit(lambda p, b: pipeline.pipeline_loss_and_grads(
+      cfg, schedule, layout, p, b, mesh=mesh, with_counts=True))(
+          pipeline.to_stages(layout, params), batch)
+  expected = np.stack([np.bincount(schedule.kind[:, s], minlength=pipeline.KINDS)
+                       for s in range(2)])
+  np.testing.assert_array_equal(counts, expected)
+  assert counts[:, pipeline.BACKWARD].sum() == 0 and counts[:, pipeline.BACKWARD_WEIGHT].min() == 4
+
+
+def test_split_backward_drops_the_other_half():
+  """B keeps the input gradient's matmuls only (about half the backward's); W walks the
+  chunk's whole cotangent chain again: the norm scales' gradients need the cotangent of
+  every norm's output, the chunk's first one included, so W drops no matmul (measured:
+  B 17.8 / W 33.6 / whole 33.6 MFLOP of dots, a chunk of 2 layers) and B + W costs about
+  1.5 backwards. Both equal the whole backward's halves."""
+  cfg = transformer.TransformerConfig(vocab_size=61, d_model=64, n_layers=2, n_heads=4,
+                                      n_kv_heads=2, d_ff=256, attention_impl="xla")
+  params = transformer.init_params(cfg, jax.random.key(0))["layers"]
+  x = jnp.ones((2, 32, cfg.d_model), jnp.float32)
+  mb = {"positions": jnp.tile(jnp.arange(32), (2, 1)), "segment_ids": jnp.ones((2, 32), jnp.int32)}
+  _, attention_fn = transformer.default_inputs(cfg, mb["positions"], None, None)
+  chunk = pipeline._Chunk(cfg, attention_fn)
+  _, res = chunk.forward(params, x, mb)
+
+  def flops(fn):
+    return hlo_flops.dot_flops(jax.jit(fn).lower(params, res, x, mb).compile().as_text())
+  whole = flops(chunk.backward)
+  b, w = flops(chunk.backward_input), flops(chunk.backward_weight)
+  assert 0 < b < 0.6 * whole and w <= whole, (b, w, whole)
+  assert b + w > 1.5 * whole  # W walks the chain again: the price of a black-box chunk
+  dparams, dx = chunk.backward(params, res, x, mb)
+  np.testing.assert_allclose(chunk.backward_input(params, res, x, mb), dx, rtol=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6),
+               chunk.backward_weight(params, res, x, mb), dparams)
+
+
+def test_routed_replicas_refuse_a_v():
+  R, p = 2, 2
+  cfg, _, batch, _, _ = _reference(False)
+  mesh = mesh_lib.make_mesh("replica=2,stage=2,data=2")
+  layout = pipeline.Layout(stages=p, virtual=2, vocab_size=cfg.vocab_size, vocab_parallel=False)
+  keys = jax.random.split(jax.random.key(0), R)
+  params = jax.vmap(lambda k: pipeline.to_stages(layout, transformer.init_params(cfg, k)))(keys)
+  schedule = pipeline.make_schedule("zbv", stages=p, microbatches=2, virtual_stages=2)
+  shifts = routing.draw_shifts(0, 0, R, 2, layout.chunks)
+  with pytest.raises(ValueError, match=r"pipeline.schedule=zbv sends between stages") as err:
+    pipeline.replica_loss_and_grads(cfg, schedule, layout, params, batch, mesh=mesh,
+                                    shifts=shifts)
+  assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("overrides,error", [
+    (dict(pipeline__microbatches=2),
+     "pipeline.microbatches=2 is fewer than the 4 stages; zbv needs microbatches >= stages (4)"),
+    (dict(pipeline__virtual_stages=1),
+     "pipeline.virtual_stages=1 is invalid for pipeline.schedule=zbv; valid: 2"),
+    (dict(pipeline__schedule="zb_h1", pipeline__virtual_stages=1, pipeline__microbatches=2),
+     "pipeline.microbatches=2 is fewer than the 4 stages; zb_h1 needs microbatches >= stages (4)"),
+    (dict(), None), (dict(pipeline__schedule="zb_h1", pipeline__virtual_stages=1), None)])
+def test_config_check(make_config, overrides, error):
+  """A run's config names the schedules; too few microbatches or a V without two virtual
+  stages is refused in one line naming the field, the value and what is valid."""
+  from jaxsys.train import config_check
+  config = make_config(**{"mesh": "stage=4,data=2", "pipeline__schedule": "zbv",
+                          "pipeline__virtual_stages": 2, "pipeline__microbatches": 4,
+                          "model__n_layers": 8, **overrides})
+  if error is None:
+    config_check.check_config(config)
+    return
+  with pytest.raises(ValueError) as err:
+    config_check.check_config(config)
+  assert error in str(err.value) and "\n" not in str(err.value), str(err.value)
