@@ -245,6 +245,34 @@ def generate(cfg: transformer.TransformerConfig, params: dict[str, Any], prompts
   return fn(params, prompts, lengths, key)
 
 
+def greedy_without_cache(cfg: transformer.TransformerConfig, params: dict[str, Any], prompts,
+                         lengths, *, max_new_tokens: int, qmatmul_impl: str = "auto") -> Generation:
+  """The baseline decoder: `transformer.apply` on the whole prefix at every step (greedy, no
+  cache, no EOS); each step costs a full pass over T + max_new_tokens tokens."""
+  prompts, lengths, _ = _check(cfg, prompts, lengths, max_new_tokens, None, Sampling(), None,
+                               "right", qmatmul_impl)
+  return _recompute(cfg, max_new_tokens, qmatmul_impl)(params, prompts, lengths)
+
+
+@functools.lru_cache(maxsize=8)
+def _recompute(cfg, n, qmatmul_impl):
+  def run(params, prompts_BT, lengths_B):
+    b, t = prompts_BT.shape
+    rows = jnp.arange(b)
+
+    def step(i, tokens_BW):
+      with transformer.qmatmul_impl(qmatmul_impl):
+        logits = transformer.apply(cfg, params, tokens_BW)  # causal: what follows is unseen
+      new = jnp.argmax(logits[rows, lengths_B + i - 1], axis=-1).astype(jnp.int32)
+      return tokens_BW.at[rows, lengths_B + i].set(new)
+
+    tokens = jnp.pad(prompts_BT, ((0, 0), (0, n)))
+    tokens = jax.lax.fori_loop(0, n, step, tokens)
+    new_BN = jnp.take_along_axis(tokens, lengths_B[:, None] + jnp.arange(n), axis=1)
+    return Generation(new_BN, jnp.full((b,), n, jnp.int32), None)
+  return jax.jit(run)
+
+
 def shard_params(cfg: transformer.TransformerConfig, params: dict[str, Any], mesh: Mesh):
   """params placed on `mesh` by their logical axes; a QWeight's [K, N] codes and scales split
   N as the weight's output dims are split (K stays whole)."""

@@ -69,6 +69,9 @@ class GenerateTest(parameterized.TestCase):
     np.testing.assert_allclose(out.logits, ref, atol=1e-5, rtol=1e-5)
     np.testing.assert_array_equal(out.tokens, ref.argmax(-1))
     np.testing.assert_array_equal(out.lengths, [NEW] * len(rows))
+    if padding == "right":  # the benchmark's baseline decoder gives the same tokens
+      base = gen.greedy_without_cache(cfg, params, prompts, lengths, max_new_tokens=NEW)
+      np.testing.assert_array_equal(base.tokens, out.tokens)
 
   def test_cache_longer_than_needed_and_eos(self):
     rows, prompts, lengths = _prompts()

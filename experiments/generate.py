@@ -1,0 +1,135 @@
+r"""Samples text from a training run's checkpoint, float or quantized.
+
+  python -m experiments.generate --workdir=/tmp/jaxsys_tiny --prompt='def main(' \
+      --prompt='import ' --max_new_tokens=64 --temperature=0.8 --top_p=0.95
+  python -m experiments.generate --workdir=/tmp/jaxsys_tiny --prompt='class ' --quant=w4a16
+
+Loads the latest (or --step) checkpoint of --workdir (the model config from its meta),
+the run's tokenizer (byte, or the BPE the run saved as <workdir>/tokenizer.json),
+optionally quantizes the layer matmuls with round-to-nearest (--quant; the embedding and
+LM head stay float), and decodes every --prompt as one batch with the KV cache
+(jaxsys/models/generate.py). Prints each prompt and its continuation, then the decoding
+rate. --timing decodes a second time and reports that run's tokens/s (the first one
+compiles); --no_cache decodes greedily by re-running the model on the whole prefix at
+every step (the baseline). --mesh splits the batch over `data` and the heads over
+`tensor`. Bad input exits 1 with one "error:" line.
+"""
+import os
+import sys
+import time
+
+import jax
+from absl import app, flags
+
+from jaxsys import mesh as mesh_lib
+from jaxsys import metrics as metrics_lib
+from jaxsys.data import tokenizer as tokenizer_lib
+from jaxsys.kernels.backends import IMPLS
+from jaxsys.kernels.quant_matmul import SCHEMES
+from jaxsys.models import generate
+from jaxsys.quant import evaluate, ptq, rules
+from jaxsys.train import config_check
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "Workdir of a training run (experiments.train).")
+_PROMPT = flags.DEFINE_multi_string("prompt", None, "A prompt; repeat the flag for a batch.")
+_STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
+_NEW = flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate per prompt.")
+_MAX_LEN = flags.DEFINE_integer("max_len", None, "KV cache length (default: the longest "
+                                "prompt + max_new_tokens).")
+_TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0: greedy.")
+_TOP_K = flags.DEFINE_integer("top_k", 0, "Sample among the k most likely tokens (0: off).")
+_TOP_P = flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass, in (0, 1] (1: off).")
+_SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
+_EOS = flags.DEFINE_integer("eos_id", None, "Stop a row at this token (default: none; the byte "
+                            "and BPE tokenizers define no EOS).")
+_QUANT = flags.DEFINE_string("quant", "none", f"none or one of {', '.join(SCHEMES)}.")
+_GROUP = flags.DEFINE_integer("group_size", 128, "w4a16 group size (rows of K per scale).")
+_IMPL = flags.DEFINE_string("qmatmul_impl", "auto", f"Quantized matmul: {', '.join(IMPLS)}.")
+_MESH = flags.DEFINE_string("mesh", "", "e.g. data=2,tensor=2 (default: one device).")
+_TIMING = flags.DEFINE_bool("timing", False, "Decode twice; report the second run's rate.")
+_NO_CACHE = flags.DEFINE_bool("no_cache", False, "Greedy, re-running the whole prefix each step.")
+flags.mark_flags_as_required(["workdir", "prompt"])
+_FLAG_RULES = ((_STEP, config_check.integer(0)), (_NEW, config_check.integer(1)),
+               (_MAX_LEN, config_check.integer(1)), (_GROUP, config_check.integer(1)))
+
+
+def _check_flags():
+  """Everything that needs no checkpoint, before one is read."""
+  for flag, rule in _FLAG_RULES:
+    error = flag.value is not None and rule.error(f"--{flag.name}", flag.value)
+    if error:
+      raise ValueError(error)
+  if _QUANT.value not in ("none", *SCHEMES):
+    raise ValueError(f"--quant={_QUANT.value!r} is not known; choose one of "
+                     f"{('none', *SCHEMES)}")
+  if _IMPL.value not in IMPLS:
+    raise ValueError(f"--qmatmul_impl={_IMPL.value!r} is not known; choose one of {IMPLS}")
+  if any(not p for p in _PROMPT.value):
+    raise ValueError("--prompt='' is empty; every prompt needs at least one character")
+  if _NO_CACHE.value and (_TEMPERATURE.value or _EOS.value is not None or _MESH.value):
+    raise ValueError("--no_cache decodes greedily on one device without EOS; drop "
+                     "--temperature, --eos_id and --mesh")
+  try:
+    return generate.Sampling(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value)
+  except ValueError as e:
+    raise ValueError(str(e).replace("sampling: ", "--", 1)) from None
+
+
+def _tokenizer(data_cfg, workdir):
+  """The run's tokenizer: the BPE it trained and saved in its workdir, or the byte one."""
+  if data_cfg.tokenizer == "bpe":
+    path = os.path.join(workdir, "tokenizer.json")
+    if not os.path.exists(path):
+      raise ValueError(f"{path}: the run's BPE tokenizer is missing; pass the --workdir the "
+                       "run trained in")
+    return tokenizer_lib.make_tokenizer("bpe", vocab_size=data_cfg.vocab_size, cache_path=path)
+  return tokenizer_lib.make_tokenizer(data_cfg.tokenizer)
+
+
+def main(argv):
+  del argv
+  metrics_lib.quiet_library_logs()
+  try:
+    sampling = _check_flags()
+    mesh = mesh_lib.make_mesh(_MESH.value) if _MESH.value else None
+    run = evaluate.load_run(_WORKDIR.value, _STEP.value)
+    cfg, params = run.config.model, run.params
+    tokenizer = _tokenizer(run.config.data, _WORKDIR.value)
+    prompts, lengths = generate.pad_prompts([tokenizer.encode(p) for p in _PROMPT.value])
+    if _QUANT.value != "none":
+      params = ptq.quantize_params(cfg, params, rules.default_rules(_QUANT.value,
+                                                                    group_size=_GROUP.value))
+    if mesh is not None:
+      params = generate.shard_params(cfg, params, mesh)
+
+    def decode():
+      if _NO_CACHE.value:
+        return generate.greedy_without_cache(cfg, params, prompts, lengths,
+                                             max_new_tokens=_NEW.value, qmatmul_impl=_IMPL.value)
+      return generate.generate(cfg, params, prompts, lengths, jax.random.key(_SEED.value),
+                               max_new_tokens=_NEW.value, max_len=_MAX_LEN.value,
+                               sampling=sampling, eos_id=_EOS.value, qmatmul_impl=_IMPL.value,
+                               mesh=mesh)
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(decode())
+    seconds = time.perf_counter() - t0
+  except ValueError as e:
+    sys.exit(f"error: {e}")
+  if _TIMING.value:
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(decode())
+    seconds = time.perf_counter() - t0
+  tokens, counts = jax.device_get((out.tokens, out.lengths))
+  for i, (prompt, row, n) in enumerate(zip(_PROMPT.value, tokens, counts)):
+    print(f"--- sample {i}: {n} new tokens ---")
+    print(prompt + tokenizer.decode(row[:n]))
+  new = int(counts.sum())
+  what = "including compilation" if not _TIMING.value else "second run, compiled"
+  print(f"--- {run.config.model.n_layers}-layer model at step {run.step}, "
+        f"{'float' if _QUANT.value == 'none' else _QUANT.value}, "
+        f"{'no cache' if _NO_CACHE.value else 'KV cache'}, batch {len(tokens)}: {new} tokens in "
+        f"{seconds:.3f} s = {new / seconds:.1f} tokens/s ({what}) ---")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,57 @@
+"""experiments/generate.py on a real run's checkpoint: samples float and quantized, bad input."""
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+PROMPTS = ("--prompt=def main(", "--prompt=import os", "--prompt=class ", "--prompt=#")
+
+
+def _run(module, *flags):
+  return subprocess.run([sys.executable, "-m", module, *flags], cwd=ROOT, capture_output=True,
+                        text=True, timeout=300)
+
+
+def _samples(stdout: str) -> list[str]:
+  """The printed samples (each '--- sample i' header and its text), without the rate line."""
+  return [line for line in stdout.splitlines() if not line.startswith("--- 2-layer")]
+
+
+def test_generate_from_a_trained_run(small_corpus, tmp_path):
+  train = _run("experiments.train", "--config=configs/tiny_lm.py:size=test",
+               f"--config.data.source={small_corpus}", "--config.data.num_threads=0",
+               f"--workdir={tmp_path}", "--config.total_steps=3", "--config.eval_every=0",
+               "--config.checkpoint_every=0")
+  assert train.returncode == 0, train.stderr[-3000:]
+
+  # Greedy with the KV cache on a data=4,tensor=2 mesh prints what re-running the whole
+  # prefix every step prints.
+  cached = _run("experiments.generate", f"--workdir={tmp_path}", *PROMPTS, "--max_new_tokens=12",
+                "--mesh=data=4,tensor=2")
+  assert cached.returncode == 0, cached.stderr[-3000:]
+  assert "--- sample 0: 12 new tokens ---\ndef main(" in cached.stdout
+  assert "--- sample 1: 12 new tokens ---\nimport os" in cached.stdout
+  assert "KV cache, batch 4: 48 tokens in" in cached.stdout
+  recomputed = _run("experiments.generate", f"--workdir={tmp_path}", *PROMPTS,
+                    "--max_new_tokens=12", "--no_cache")
+  assert recomputed.returncode == 0, recomputed.stderr[-3000:]
+  assert _samples(recomputed.stdout) == _samples(cached.stdout)
+
+  quantized = _run("experiments.generate", f"--workdir={tmp_path}", *PROMPTS,
+                   "--max_new_tokens=12", "--quant=w4a16", "--group_size=32", "--temperature=0.8",
+                   "--top_k=20")
+  assert quantized.returncode == 0, quantized.stderr[-3000:]
+  assert ", w4a16, KV cache, batch 4: 48 tokens" in quantized.stdout
+
+  bad = _run("experiments.generate", f"--workdir={tmp_path}", *PROMPTS, "--max_len=8")
+  assert bad.returncode == 1
+  assert bad.stderr.strip().splitlines()[-1] == (
+      "error: generate: the prompt (9 tokens, the longest row's padded width) + "
+      "max_new_tokens=64 = 73 does not fit max_len=8 (the KV cache's length); use max_len >= 73, "
+      "or a shorter prompt or fewer new tokens")
+
+
+def test_bad_flag_is_one_line_before_loading(tmp_path):
+  proc = _run("experiments.generate", f"--workdir={tmp_path}", "--prompt=x", "--top_p=0")
+  assert proc.returncode == 1
+  assert proc.stderr.strip() == "error: --top_p=0.0 must be a number in (0, 1] (1: off)"
