@@ -97,6 +97,9 @@ class GenerateTest(parameterized.TestCase):
                        return_logits=True)
     ref = _reference(CFG, q, rows, out.tokens, impl=impl)
     np.testing.assert_allclose(out.logits, ref, atol=1e-4, rtol=1e-4)
+    jaxpr = jax.make_jaxpr(lambda q: gen.generate(CFG, q, prompts, lengths, max_new_tokens=3,
+                                                  qmatmul_impl=impl).tokens)(q)
+    self.assertEqual("pallas_call" in str(jaxpr), impl == "pallas")
     np.testing.assert_array_equal(out.tokens, ref.argmax(-1))
 
   def test_bf16_compute(self):
