@@ -245,9 +245,10 @@ def test_quant_eval_loads_hf(checkpoints, make_config):
   chex.assert_trees_all_equal(run.params, jax.device_get(hf.load(directory)[1]))
 
 
-def test_run_starts_from_hf(checkpoints, make_config, tmp_path):
+def test_run_starts_from_hf_and_exports(checkpoints, make_config, tmp_path):
   """init_from=hf:<dir> on a sharded mesh: one step at learning rate 0 (the warmup's first)
-  saves the checkpoint's parameters, and the run trains on its tokenizer."""
+  saves the checkpoint's parameters, and the run trains on its tokenizer; the run exported
+  (experiments/hf_export.py) loads in transformers with that tokenizer."""
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
   from jaxsys.checkpoint.manager import Checkpointer  # pylint: disable=import-outside-toplevel
   from jaxsys.train import loop  # pylint: disable=import-outside-toplevel
@@ -266,3 +267,14 @@ def test_run_starts_from_hf(checkpoints, make_config, tmp_path):
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     rows = [json.loads(line) for line in f]
   assert any(np.isfinite(r.get("val_bpb", np.nan)) for r in rows), rows
+
+  from experiments import hf_export  # pylint: disable=import-outside-toplevel
+  out = str(tmp_path / "export")
+  hf_export.export(workdir, out)
+  model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+  cfg = hf.model_config(directory)
+  _assert_close(_torch_logits(model, TOKENS),
+                np.asarray(transformer.apply(cfg, state["params"], TOKENS)))
+  text = "def f(x):\n  return wörld\n"
+  assert (transformers.AutoTokenizer.from_pretrained(out)(text)["input_ids"]
+          == list(tokenizer_lib.make_tokenizer(f"hf:{directory}").encode(text)))
