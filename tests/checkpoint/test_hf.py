@@ -245,6 +245,7 @@ def test_quant_eval_loads_hf(checkpoints, make_config):
   chex.assert_trees_all_equal(run.params, jax.device_get(hf.load(directory)[1]))
 
 
+@pytest.mark.slow  # a training run: about 15 s on 2 cores
 def test_run_starts_from_hf_and_exports(checkpoints, make_config, tmp_path):
   """init_from=hf:<dir> on a sharded mesh: one step at learning rate 0 (the warmup's first)
   saves the checkpoint's parameters, and the run trains on its tokenizer; the run exported
