@@ -10,6 +10,7 @@ and compare the parameters. Needs torch and transformers (the `dev` extra).
 """
 import dataclasses
 import os
+import re
 
 import jax
 import numpy as np
@@ -50,7 +51,7 @@ def check(name: str, spec, out: str, tokens: np.ndarray) -> dict:
       num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim or d // heads,
       rope_theta=500_000.0, rms_norm_eps=1e-5, tie_word_embeddings=tied)
   model = _randomize(transformers.LlamaForCausalLM(config), seed=0)
-  src, dst = os.path.join(out, name.split()[0] + str(len(name)), "src"), None
+  src = os.path.join(out, re.sub(r"\W+", "_", name).strip("_"), "src")
   model.save_pretrained(src, max_shard_size="2MB")
   with torch.no_grad():
     want = model(torch.tensor(tokens % vocab)).logits.numpy()

@@ -154,7 +154,7 @@ def run_values(values: dict[str, Any]) -> dict[str, Any]:
     new["data.vocab_size"] = tokenizer_lib.HFTokenizer.load(tokenizer_dir).vocab_size
   changed = [f"{k}={new[k]!r} (config: {values[k]!r})" for k in new if new[k] != values[k]]
   if changed:
-    logging.info("init_from=%s: %s", values.get("init_from"), ", ".join(changed))
+    logging.info("from the Hugging Face checkpoint: %s", ", ".join(changed))
   return new
 
 
