@@ -1,10 +1,13 @@
-"""TPU chips and slices: datasheet figures, and a slice's devices for compiling without a TPU.
+"""Accelerator chips and slices: datasheet figures, and a slice's devices for compiling
+without the accelerator.
 
 `slice_devices("v5p-128")` gives the devices of a TPU slice from libtpu's topology
 description (`jax.experimental.topologies`): `jax.jit(...).lower(...).compile()` on a mesh
 of them builds that TPU's executable on a CPU host, with the real chip's memory use,
 FLOPs and HLO. Slices are named as Cloud TPU names them (`v5p-128`: v4 and v5p count
 TensorCores, two to a chip; v5e and v6e count chips) or by their shape (`v5p:4x4x4`).
+`slice_devices("h100-8")` does the same for NVIDIA H100s (8 to a host) through the CUDA
+PJRT plugin, given XLA's description of the GPU instead of a GPU.
 """
 from __future__ import annotations
 
@@ -23,12 +26,28 @@ class Chip:
   hbm_bytes: float
   hbm_bandwidth: float  # bytes/s
   ici_bandwidth: float  # bytes/s, bidirectional, all of a chip's links together
-  torus_dims: int  # 2 (v5e, v6e) or 3 (v4, v5p)
+  torus_dims: int  # 2 (v5e, v6e) or 3 (v4, v5p); GPUs: 3 (slices x hosts x GPUs a host)
   cores_per_chip: int  # TensorCores: Cloud TPU names of v4 and v5p slices count these
   source: str
+  platform: str = "tpu"
+  target_config: str = ""  # GPUs: XLA's GpuTargetConfigProto (text), what a GPU would report
 
 
 GB, GIB = 1e9, 2 ** 30
+# XLA's description of an H100 SXM (xla/tools/hlo_opt/gpu_specs/h100_sxm.txtpb): what the
+# CUDA plugin compiles for when no GPU is there to ask.
+_H100_SXM = """gpu_device_info {
+  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
+  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132
+  fpus_per_core: 128 block_dim_limit_x: 2147483647 block_dim_limit_y: 65535
+  block_dim_limit_z: 65535 memory_bandwidth: 3352320000000 l2_cache_size: 52428800
+  clock_rate_ghz: 1.98 device_memory_size: 84978434048 shared_memory_per_block_optin: 232448
+  cuda_compute_capability { major: 9 } registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+}
+platform_name: "CUDA"
+device_description_str: "NVIDIA H100 80GB HBM3"
+"""
 CHIPS: dict[str, Chip] = {c.name: c for c in (
     Chip("v4", "TPU v4", 275e12, 32 * GIB, 1200 * GB, 300 * GB, 3, 2,
          "cloud.google.com/tpu/docs/v4 (peak, HBM); ICI: 6 links x 50 GB/s, Jouppi et al., "
@@ -39,6 +58,11 @@ CHIPS: dict[str, Chip] = {c.name: c for c in (
          "cloud.google.com/tpu/docs/v5p"),
     Chip("v6e", "TPU v6 lite", 918e12, 32 * GB, 1638 * GB, 800 * GB, 2, 1,
          "cloud.google.com/tpu/docs/v6e"),
+    # Within a host (NVLink); across hosts a GPU has 400 Gb/s of InfiniBand, 18x less.
+    Chip("h100", "NVIDIA H100 80GB HBM3", 989.4e12, 84_978_434_048, 3352 * GB, 900 * GB, 3, 1,
+         "NVIDIA H100 Tensor Core GPU datasheet, SXM5 (dense bf16, HBM3, NVLink 4); HBM size "
+         "and bandwidth as XLA's gpu_specs/h100_sxm.txtpb", platform="gpu",
+         target_config=_H100_SXM),
 )}
 
 # The slice shapes Cloud TPU offers by chip count (the first one listed for a count).
@@ -47,6 +71,9 @@ _SHAPES_2D = {4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16",
 _SHAPES_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8",
               256: "4x8x8", 512: "8x8x8", 1024: "8x8x16", 2048: "8x16x16", 4096: "16x16x16"}
 INSTALL = "pip install 'jax[tpu]' (brings libtpu; or pip install -e '.[tpu]')"
+INSTALL_GPU = ("pip install 'jax[cuda12-local]' (the CUDA plugin without CUDA's libraries; or "
+               "pip install -e '.[gpu-compile]')")
+_GPUS_PER_HOST = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,12 +103,12 @@ class Slice:
 def valid_names() -> str:
   """The slice names this module takes, for an error message."""
   return ("<chip>-<n> or <chip>:<shape> with chip one of " + ", ".join(CHIPS)
-          + " (e.g. v5e-8, v5p-128, v6e:4x4, v4:2x2x2)")
+          + " (e.g. v5e-8, v5p-128, v6e:4x4, v4:2x2x2, h100-8, h100-16)")
 
 
 def parse(name: str) -> tuple[Chip, str]:
   """(chip, shape) of a slice name; a ValueError naming what is valid otherwise."""
-  match = re.fullmatch(r"(v\d[a-z]?)(?:-(\d+)|:(\d+(?:x\d+)+))", str(name).strip().lower())
+  match = re.fullmatch(r"(v\d[a-z]?|h100)(?:-(\d+)|:(\d+(?:x\d+)+))", str(name).strip().lower())
   chip = CHIPS.get(match[1]) if match else None
   if chip is None:
     raise ValueError(f"topology={name!r} is not a TPU slice; it must be {valid_names()}")
@@ -96,12 +123,16 @@ def parse(name: str) -> tuple[Chip, str]:
   shape = _shapes(chip).get(chips) if not rest else None
   if shape is None:
     counts = ", ".join(f"{chip.name}-{c * chip.cores_per_chip}" for c in _shapes(chip))
-    raise ValueError(f"topology={name!r} is not a {chip.name} slice Cloud TPU offers; valid: "
+    offers = "GPU count jaxsys knows" if chip.platform == "gpu" else "slice Cloud TPU offers"
+    raise ValueError(f"topology={name!r} is not a {chip.name} {offers}; valid: "
                      f"{counts}, or a shape such as {chip.name}:{_shapes(chip)[8]}")
   return chip, shape
 
 
 def _shapes(chip: Chip) -> dict[int, str]:
+  if chip.platform == "gpu":  # 1 slice x hosts x GPUs a host
+    return {n: f"1x{max(1, n // _GPUS_PER_HOST)}x{min(n, _GPUS_PER_HOST)}"
+            for n in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
   return _SHAPES_3D if chip.torus_dims == 3 else _SHAPES_2D
 
 
@@ -109,6 +140,8 @@ def slice_devices(name: str) -> Slice:
   """The slice `name` with its devices from libtpu, no TPU needed. ValueError: an unknown
   name, or a shape libtpu refuses; RuntimeError: libtpu is not installed."""
   chip, shape = parse(name)
+  if chip.platform == "gpu":
+    return _gpu_slice(name, chip, shape)
   try:
     import libtpu  # noqa: F401 pylint: disable=import-outside-toplevel,unused-import
   except ImportError:
@@ -127,4 +160,22 @@ def slice_devices(name: str) -> Slice:
   except Exception as e:  # pylint: disable=broad-except  (libtpu raises XlaRuntimeError)
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     raise ValueError(f"topology={name!r}: libtpu refuses the shape {shape} ({first})") from None
+  return Slice(chip, shape, tuple(topology.devices))
+
+
+def _gpu_slice(name: str, chip: Chip, shape: str) -> Slice:
+  """The GPUs of `shape` (slices x hosts x GPUs a host) from the CUDA plugin, no GPU needed."""
+  try:
+    import jax_plugins.xla_cuda12  # noqa: F401 pylint: disable=import-outside-toplevel,unused-import
+  except ImportError:
+    raise RuntimeError(f"compiling for {chip.name} needs jax's CUDA plugin, which is not "
+                       f"installed: {INSTALL_GPU}") from None
+  from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
+  try:
+    topology = topologies.get_topology_desc(chip.name, platform="cuda", topology=shape,
+                                            target_config=chip.target_config)
+  except Exception as e:  # pylint: disable=broad-except
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    raise ValueError(f"topology={name!r}: the CUDA plugin refuses the shape {shape} ({first})"
+                     ) from None
   return Slice(chip, shape, tuple(topology.devices))

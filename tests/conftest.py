@@ -121,6 +121,11 @@ def pytest_sessionfinish(session):
 needs_libtpu = pytest.mark.skipif(
     not os.environ.get("CI") and importlib.util.find_spec("libtpu") is None,
     reason="libtpu is not installed: pip install -e '.[dev,tpu]'")
+# GPU executables built here need jax's CUDA plugin (no CUDA libraries, no GPU), which the
+# README's test command installs (the `gpu-compile` extra).
+needs_cuda_plugin = pytest.mark.skipif(
+    not os.environ.get("CI") and importlib.util.find_spec("jax_plugins") is None,
+    reason="jax's CUDA plugin is not installed: pip install -e '.[dev,gpu-compile]'")
 
 
 @pytest.fixture(scope="session")

@@ -15,6 +15,7 @@ or a shape (`v6e:4x4`, `v4:2x2x2`). The mesh must use the slice's devices. A pro
 does not fit is reported, not an error. Bad input (an unknown topology, a mesh of another
 size, no libtpu) is one `error:` line, exit 1.
 """
+import json
 import os
 import sys
 import time
@@ -35,6 +36,7 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "A config file's path 
                                           lock_config=True)
 _TOPOLOGY = flags.DEFINE_string("topology", None, "The TPU slice to compile for: "
                                 + chips.valid_names())
+_JSON = flags.DEFINE_string("json", None, "Also write the report's figures to this JSON file.")
 flags.mark_flags_as_required(["config", "topology"])
 
 
@@ -49,9 +51,12 @@ def main(argv):
     sys.exit(f"error: {e}")
   start = time.perf_counter()
   setup, programs = aot.compile_run(run, slice_)
+  seconds = time.perf_counter() - start
   print(aot.report(run, setup, programs))
-  print(f"compiled in {time.perf_counter() - start:.1f} s on {os.cpu_count()} CPU cores "
-        f"(jax {jax.__version__})")
+  print(f"compiled in {seconds:.1f} s on {os.cpu_count()} CPU cores (jax {jax.__version__})")
+  if _JSON.value:
+    with open(_JSON.value, "w", encoding="utf-8") as f:
+      json.dump(aot.summary(run, setup, programs) | {"compile_seconds": seconds}, f, indent=1)
   return 0
 
 

@@ -26,6 +26,8 @@ from jaxsys.optim import outer as outer_lib
 from jaxsys.train.setup import Setup, make_setup
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+# How a Pallas kernel shows in compiled HLO: a Mosaic custom call (TPU) or a Triton one (GPU).
+_KERNEL_CALLS = re.compile(r'custom_call_target="(?:tpu_custom_call|__gpu\$xla\.gpu\.triton)"')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,8 +41,9 @@ class Program:
   temp_bytes: int
   code_bytes: int
   flops: float  # the HLO's dots and Pallas kernels, loops counted in full
-  kernel_flops: float  # of which the Pallas kernels' (their own cost estimates)
-  xla_flops: float  # cost_analysis (a loop body counted once)
+  kernel_flops: float  # of which the Pallas TPU kernels' (their own cost estimates)
+  kernel_calls: int  # Pallas kernels in the program: Mosaic (TPU) or Triton (GPU) calls
+  xla_flops: float  # cost_analysis (a loop body counted once); 0 where XLA gives none (GPU)
   bytes_accessed: float  # cost_analysis
   collective_bytes: dict[str, int]  # sent per device, by kind, loops counted in full
 
@@ -94,7 +97,7 @@ def measure(name: str, compiled, slice_: chips.Slice) -> Program:
   return Program(name, slice_, memory.argument_size_in_bytes, memory.output_size_in_bytes,
                  memory.alias_size_in_bytes, memory.temp_size_in_bytes,
                  memory.generated_code_size_in_bytes, hlo_flops.dot_flops(hlo),
-                 hlo_flops.dot_flops(hlo, matmuls=False),
+                 hlo_flops.dot_flops(hlo, matmuls=False), len(_KERNEL_CALLS.findall(hlo)),
                  float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0)),
                  {k: v for k, v in sent.items() if v})
 
@@ -172,6 +175,30 @@ _HELP = ("less would need: --config.model.remat=dots or full (recompute activati
          "(k microbatches a step)")
 
 
+def summary(run: RunConfig, setup: Setup, programs: list[Program | Overflow]) -> dict:
+  """The report's figures as plain data (per device; bytes, FLOPs, seconds), for tables."""
+  s = programs[0].slice
+  out = {"slice": s.name, "chips": s.chips, "devices": len(s.devices),
+         "mesh": mesh_lib.describe(setup.mesh), "params": transformer.param_count(run.model),
+         "tokens": run.data.batch_size * run.data.seq_len, "programs": {}}
+  for p in programs:
+    if isinstance(p, Overflow):
+      out["programs"][p.name] = {"fits": False, "needed_bytes": p.needed_bytes,
+                                 "hbm_bytes": p.available_bytes}
+      continue
+    out["programs"][p.name] = {
+        "fits": p.fits, "peak_bytes": p.peak_bytes, "hbm_bytes": p.hbm_bytes,
+        "temp_bytes": p.temp_bytes, "flops": p.flops, "kernel_flops": p.kernel_flops,
+        "collective_bytes": p.collective_bytes, "seconds": p.seconds,
+        "bound_seconds": p.bound_seconds()}
+  train = programs[0]
+  if isinstance(train, Program) and train.name == "train step":
+    out["model_flops"] = model_flops_per_step(run)
+    out["flops_over_model"] = train.flops * len(s.devices) / out["model_flops"]
+    out["mfu_ceiling"] = mfu_ceiling(run, train)
+  return out
+
+
 def _gib(n: float) -> str:
   """Bytes in GiB, or MiB / KiB where that reads better."""
   for unit, scale in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
@@ -207,8 +234,10 @@ def report(run: RunConfig, setup: Setup, programs: list[Program]) -> str:
               f"{_gib(p.alias_bytes)}), temporaries {_gib(p.temp_bytes)}, code "
               f"{_gib(p.code_bytes)}",
               f"  FLOPs {p.flops:.4g} (matmuls and Pallas kernels, loops in full; of "
-              f"which kernels {p.kernel_flops:.4g}); XLA cost analysis {p.xla_flops:.4g} "
-              f"FLOPs, {p.bytes_accessed:.4g} bytes accessed",
+              f"which kernels {p.kernel_flops:.4g}, {p.kernel_calls} kernel calls); "
+              + (f"XLA cost analysis {p.xla_flops:.4g} FLOPs, {p.bytes_accessed:.4g} bytes "
+                 "accessed" if p.xla_flops else "no XLA cost analysis for this target: the HBM "
+                 "bound is left out, Triton kernels' FLOPs are not counted"),
               f"  collectives sent: {sent}",
               f"  roofline: >= {p.seconds * 1e3:.2f} ms (compute {bound['compute'] * 1e3:.2f}, "
               f"HBM {bound['memory'] * 1e3:.2f}, ICI {bound['ici'] * 1e3:.2f})"]

@@ -6,7 +6,7 @@ import sys
 import jax
 import pytest
 
-from conftest import load_test_config, needs_libtpu
+from conftest import load_test_config, needs_cuda_plugin, needs_libtpu
 from jaxsys import chips, hlo_flops
 from jaxsys import mesh as mesh_lib
 from jaxsys.train import aot, config_check
@@ -15,7 +15,9 @@ from jaxsys.train.setup import make_setup
 
 @pytest.mark.parametrize("name,chip,shape", [("v5p-128", "v5p", "4x4x4"), ("v5e-8", "v5e", "2x4"),
                                              ("v4-8", "v4", "2x2x1"), ("v6e:4x4", "v6e", "4x4"),
-                                             ("V5P:2x2x2", "v5p", "2x2x2")])
+                                             ("V5P:2x2x2", "v5p", "2x2x2"),
+                                             ("h100-8", "h100", "1x1x8"),
+                                             ("h100-32", "h100", "1x4x8")])
 def test_slice_names(name, chip, shape):
   assert chips.parse(name) == (chips.CHIPS[chip], shape)
 
@@ -23,7 +25,8 @@ def test_slice_names(name, chip, shape):
 @pytest.mark.parametrize("name,message", [
     ("v7x-8", "topology='v7x-8' is not a TPU slice; it must be <chip>-<n> or <chip>:<shape>"),
     ("v5p-12", "topology='v5p-12' is not a v5p slice Cloud TPU offers; valid: v5p-8, v5p-16"),
-    ("v5e:2x2x2", "topology='v5e:2x2x2': a v5e shape has 2 dimensions")])
+    ("v5e:2x2x2", "topology='v5e:2x2x2': a v5e shape has 2 dimensions"),
+    ("h100-12", "topology='h100-12' is not a h100 GPU count jaxsys knows; valid: h100-1")])
 def test_bad_slice_names(name, message):
   with pytest.raises(ValueError) as error:
     chips.parse(name)
@@ -50,6 +53,24 @@ def test_the_tpu_kernels_are_chosen_for_the_slice():
   assert train.fits and 0 < train.peak_bytes < train.hbm_bytes
   assert train.collective_bytes["all-gather"] > 0  # fsdp gathers its weights
   assert "v5e:2x2: 4 chips" in aot.report(run, setup, programs)
+
+
+@needs_cuda_plugin
+def test_the_gpu_kernels_are_chosen_for_the_gpus():
+  """On 4 H100s (XLA's description of one, no GPU) the step's attention is the Triton
+  kernel: its forward and two backward kernels are Triton calls in the compiled step; the
+  matmuls are the analytic count's, the memory the GPU's."""
+  run, setup, programs = _compile("h100-4", mesh="fsdp=2,tensor=2", model__d_model=128,
+                                  model__n_heads=4, model__n_kv_heads=2, model__remat="none")
+  train, evaluate = programs
+  layers = run.model.n_layers  # XLA:GPU unrolls the short layer loop
+  assert (train.kernel_calls, evaluate.kernel_calls) == (3 * layers, layers), (
+      train.kernel_calls, evaluate.kernel_calls)
+  assert train.fits and 0 < train.peak_bytes < train.hbm_bytes
+  assert train.collective_bytes["all-gather"] > 0  # fsdp gathers its weights
+  matmuls = train.flops * 4 / aot.model_flops_per_step(run, attention=False)
+  assert 0.95 < matmuls < 1.3, matmuls  # attention's own matmuls are in the Triton kernels
+  assert "h100:1x1x4: 4 chips" in aot.report(run, setup, programs)
 
 
 @needs_libtpu
@@ -131,6 +152,12 @@ def test_no_libtpu_is_one_line(monkeypatch):
   monkeypatch.setitem(sys.modules, "libtpu", None)  # import libtpu raises ImportError
   with pytest.raises(RuntimeError, match=r"needs libtpu, which is not installed: pip install"):
     chips.slice_devices("v5e-8")
+
+
+def test_no_cuda_plugin_is_one_line(monkeypatch):
+  monkeypatch.setitem(sys.modules, "jax_plugins.xla_cuda12", None)
+  with pytest.raises(RuntimeError, match=r"needs jax's CUDA plugin, which is not installed: pip"):
+    chips.slice_devices("h100-8")
 
 
 
