@@ -134,11 +134,16 @@ def test_export_of_quantized_params_is_dequantized(checkpoints, tmp_path):
 
 
 @pytest.mark.parametrize("spec", ["fsdp=4,tensor=2", "data=2,fsdp=4"])
-def test_sharded_import_equals_unsharded(checkpoints, spec):
+def test_sharded_import_equals_unsharded(checkpoints, spec, monkeypatch):
   directory, _ = checkpoints["untied"]
   _, ref = hf.load(directory)
   mesh = mesh_lib.make_mesh(spec)
+  blocks = []  # the shape of every host block read: one device's shard of one layer
+  block = hf._block  # pylint: disable=protected-access
+  monkeypatch.setattr(hf, "_block", lambda *a: blocks.append(block(*a).shape) or block(*a))
   cfg, params = hf.load(directory, mesh=mesh)
+  wq_shard = params["layers"]["wq"].addressable_shards[0].data.shape
+  assert wq_shard[1:] in blocks and max(map(np.prod, blocks)) <= 256 * 64 // 4
   want = mesh_lib.logical_to_sharding(transformer.param_axes(cfg), mesh)
   jax.tree.map(lambda x, sh: x.sharding.is_equivalent_to(sh, x.ndim) or pytest.fail(
       f"{x.sharding} != {sh}"), params, want)
