@@ -7,13 +7,14 @@ r"""Pipeline and vocabulary parallelism on simulated devices: bubbles, FLOPs, me
 (The script sets 8 simulated CPU devices itself when XLA_FLAGS does not name a count.)
 It prints a markdown table per part (--parts) and writes every number to --out:
 
-1. Schedules (gpipe, 1f1b, interleaved_1f1b with 2 virtual stages) on meshes
+1. Schedules (gpipe, 1f1b, interleaved_1f1b with 2 virtual stages, and the zero-bubble
+   zb_h1 and zbv, the V with 2 chunks a stage) on meshes
    stage=p, data=8/p, for every p in --stages and m in --microbatches: the schedule's
-   bubble in ticks (idle stage-ticks / all stage-ticks of its table, forward = backward),
+   bubble in ticks (idle stage-ticks / all stage-ticks of its table, every action one tick),
    its TIMED bubbles (`schedules.timed`: idle time / stages x makespan, run asynchronously
-   and in the executor's lock step, with backward / forward = the chunk programs' FLOP
-   ratio below; not wall time), and layer FLOPs executed per device over useful layer
-   FLOPs. The executed tick counts (`pipeline_loss_and_grads(..., with_counts=True)`)
+   and in the executor's lock step, with backward / forward, and the zero-bubble input- and
+   weight-gradient passes' / forward, = the chunk programs' FLOP ratios below; not wall
+   time), and layer FLOPs executed per device over useful layer FLOPs. The executed tick counts (`pipeline_loss_and_grads(..., with_counts=True)`)
    only re-count the table, so they serve the FLOPs and a check, not a bubble. XLA's
    `cost_analysis` counts a while loop's body ONCE (whatever the trip count) and a
    conditional as its costliest branch, so the whole pipelined program's number says
@@ -70,7 +71,9 @@ from jaxsys.parallel import pipeline, schedules, vocab
 from jaxsys.train import state as state_lib
 from jaxsys.train import step as step_lib
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv")
+# Virtual stages each schedule runs with here.
+VIRTUAL = {"interleaved_1f1b": 2, "zbv": 2}
 VOCAB_KINDS = ("embedding", "unembedding", "final_norm")
 
 _STAGES = flags.DEFINE_list("stages", ["2", "4", "8"], "Stages p (mesh stage=p, data=8/p).")
@@ -153,9 +156,18 @@ def chunk_flops(cfg, layers_per_chunk: int, rows: int, seq: int) -> dict[str, fl
   params = _abstract_layers(cfg, 1)
   res = chunk.residual_shapes(params, x, mb)
   fwd = jax.jit(chunk.forward).lower(params, x, mb).compile()
-  bwd = jax.jit(chunk.backward).lower(params, res, x, mb).compile()
-  return {"forward": flops(fwd) * layers_per_chunk, "backward": flops(bwd) * layers_per_chunk,
-          "residual_bytes": res_bytes}
+  out = {"forward": flops(fwd) * layers_per_chunk, "residual_bytes": res_bytes,
+         "activation_bytes": int(np.prod(x.shape)) * x.dtype.itemsize}
+  # The whole backward, and the zero-bubble split: B (input gradient and the cotangent
+  # chain) and W (weight gradients from B's stash); together the backward's work once.
+  stash = chunk.stash_shapes(params, res, x, mb)
+  out["stash_bytes"] = layers_per_chunk * sum(int(np.prod(s.shape)) * s.dtype.itemsize
+                                              for s in stash)
+  for name, args in (("backward", (params, res, x, mb)), ("backward_input", (params, res, x, mb)),
+                     ("backward_weight", (params, res, x, stash, mb))):
+    program = jax.jit(getattr(chunk, name)).lower(*args).compile()
+    out[name] = flops(program) * layers_per_chunk
+  return out
 
 
 @functools.lru_cache(maxsize=None)
@@ -189,7 +201,7 @@ def grid(stages_list, microbatches_list, skip=(), names=SCHEDULES
       if (p, m) in skip:
         continue
       for name in names:
-        v = 2 if name == "interleaved_1f1b" else 1
+        v = VIRTUAL.get(name, 1)
         if name != "gpipe" and m < p:
           continue
         if name == "interleaved_1f1b" and m % p:
@@ -217,38 +229,53 @@ def schedule_rows(cfg, stages_list, microbatches_list, *, seq: int, skip=(),
     b = batch(m * data, seq, cfg.vocab_size, seed=m)
     compiled = _pipelined_fn(cfg, schedule, layout, mesh).lower(staged, b).compile()
     _, _, counts = compiled(staged, b)
-    counts = np.asarray(counts)  # [p, 3]: idle, forward, backward ticks per stage
+    counts = np.asarray(counts)  # [p, KINDS]: idle, forward, backward, B, W ticks per stage
     key = cfg.n_layers // (p * v)
     if key not in chunk_cache:
       chunk_cache[key] = chunk_flops(cfg, key, 1, seq)
     cf = chunk_cache[key]
     if m not in useful_cache:
       useful_cache[m] = unpipelined_layer_flops(cfg, m, seq)
-    executed = counts[:, 1] * cf["forward"] + counts[:, 2] * cf["backward"]
+    backward = (counts[:, pipeline.BACKWARD] * cf["backward"]
+                + counts[:, pipeline.BACKWARD_INPUT] * cf["backward_input"]
+                + counts[:, pipeline.BACKWARD_WEIGHT] * cf["backward_weight"])
+    executed = counts[:, 1] * cf["forward"] + backward
     useful_fwd, useful = (x / p for x in useful_cache[m])
     theory_idle = np.sum(schedule.kind == pipeline.IDLE, axis=0)
-    # Backward over forward from the chunk programs' FLOPs (a FLOP ratio, not timed).
+    # Backward (and its B and W halves) over forward from the chunk programs' FLOPs (a
+    # FLOP ratio, not timed).
     ratio = cf["backward"] / cf["forward"]
-    timing = schedules.timed(schedule, schedules.Costs(forward=1.0, backward=ratio))
+    split = (cf["backward_input"] / cf["forward"], cf["backward_weight"] / cf["forward"])
+    timing = schedules.timed(schedule, schedules.Costs(
+        forward=1.0, backward=ratio, backward_input=split[0], backward_weight=split[1]))
+    # The paper's comparison: B = W = F, 1F1B's backward B + W.
+    even = schedules.timed(schedule, schedules.Costs(1.0, 2.0, backward_input=1.0,
+                                                     backward_weight=1.0))
     row = dict(
         schedule=name, stages=p, microbatches=m, virtual=v, data=data, ticks=schedule.ticks,
         bubble_theory=schedule.bubble_fraction,
         backward_forward_flop_ratio=ratio,
+        input_forward_flop_ratio=split[0], weight_forward_flop_ratio=split[1],
         makespan_async=timing.asynchronous, makespan_lockstep=timing.lockstep,
         bubble_async=timing.asynchronous_bubble, bubble_lockstep=timing.lockstep_bubble,
+        makespan_async_even=even.asynchronous, bubble_async_even=even.asynchronous_bubble,
         idle_ticks_per_stage_measured=counts[:, 0].tolist(),
         idle_ticks_per_stage_theory=theory_idle.tolist(),
         forward_ticks_per_stage=counts[:, 1].tolist(),
-        backward_ticks_per_stage=counts[:, 2].tolist(),
+        backward_ticks_per_stage=counts[:, pipeline.BACKWARD].tolist(),
+        input_ticks_per_stage=counts[:, pipeline.BACKWARD_INPUT].tolist(),
+        weight_ticks_per_stage=counts[:, pipeline.BACKWARD_WEIGHT].tolist(),
         chunk_forward_flops=cf["forward"], chunk_backward_flops=cf["backward"],
+        chunk_input_flops=cf["backward_input"], chunk_weight_flops=cf["backward_weight"],
         executed_layer_flops_per_device=float(executed.max()),
         useful_layer_flops_per_device=float(useful),
         flops_ratio=float(executed.max() / useful),
         forward_flops_ratio=float((counts[:, 1] * cf["forward"]).max() / useful_fwd),
-        backward_flops_ratio=float((counts[:, 2] * cf["backward"]).max() / (useful - useful_fwd)),
+        backward_flops_ratio=float(backward.max() / (useful - useful_fwd)),
         maxtext_gpipe_ratio=(m + p - 1) / m,
         xla_whole_program_flops=flops(compiled),
         max_in_flight=schedule.max_in_flight, res_slots=schedule.res_slots,
+        peak_activations=schedule.peak_activations, grad_slots=schedule.grad_slots,
         seconds=time.perf_counter() - t0)
     rows_out.append(row)
     log(f"schedules {i + 1}/{len(configs)}: {name} p={p} m={m} bubble "
@@ -268,7 +295,7 @@ def memory_rows(cfg, stages: int, microbatches_list, *, seq: int, rows: int,
   for m in microbatches_list:
     for name in names:
       t0 = time.perf_counter()
-      v = 2 if name == "interleaved_1f1b" else 1
+      v = VIRTUAL.get(name, 1)
       schedule = pipeline.make_schedule(name, stages=stages, microbatches=m, virtual_stages=v)
       layout = pipeline.Layout(stages=stages, virtual=v, vocab_size=cfg.vocab_size,
                                vocab_parallel=False)
@@ -276,7 +303,8 @@ def memory_rows(cfg, stages: int, microbatches_list, *, seq: int, rows: int,
       b = _abstract_batch(m * rows * data, seq)
       compiled = _pipelined_fn(cfg, schedule, layout, mesh, False).lower(staged, b).compile()
       mem = compiled.memory_analysis()
-      slot = chunk_flops(cfg, cfg.n_layers // (stages * v), rows, seq)["residual_bytes"]
+      cf = chunk_flops(cfg, cfg.n_layers // (stages * v), rows, seq)
+      slot = cf["residual_bytes"]
       out.append(dict(schedule=name, stages=stages, microbatches=m, virtual=v,
                       rows_per_device_per_microbatch=rows, seq=seq,
                       temp_bytes=int(mem.temp_size_in_bytes),
@@ -284,6 +312,13 @@ def memory_rows(cfg, stages: int, microbatches_list, *, seq: int, rows: int,
                       output_bytes=int(mem.output_size_in_bytes),
                       res_slots=schedule.res_slots, residual_slot_bytes=slot,
                       residual_bytes=schedule.res_slots * slot,
+                      peak_activations=schedule.peak_activations,
+                      # Output gradients held (zero-bubble: from B until W).
+                      grad_slots=schedule.grad_slots,
+                      grad_bytes=schedule.grad_slots * cf["activation_bytes"],
+                      # What B hands W (zero-bubble), one per held output gradient.
+                      stash_bytes=(schedule.grad_slots * cf["stash_bytes"]
+                                   if schedule.split_backward else 0),
                       seconds=time.perf_counter() - t0))
       log(f"memory {name} p={stages} m={m}: temp {out[-1]['temp_bytes'] / 2**20:.2f} MiB, "
           f"residuals {out[-1]['residual_bytes'] / 2**20:.2f} MiB")
@@ -450,9 +485,10 @@ def _mib(b: float) -> str:
 def schedule_table(rows) -> str:
   """One row per (p, m): each schedule's bubble, ticks / timed async / timed lock step (at
   the chunks' backward / forward FLOP ratio); FLOPs ratios; in flight."""
-  lines = ["| p | m | B/F FLOPs | bubble GPipe | bubble 1F1B | bubble interleaved v=2 | executed "
-           "/ useful layer FLOPs (fwd, bwd) | MaxText GPipe (m+p-1)/m | max in flight G / 1 / i |",
-           "|---:|---:|---:|---:|---:|---:|---|---:|---|"]
+  lines = ["| p | m | B/F FLOPs | bubble GPipe | bubble 1F1B | bubble interleaved v=2 | bubble "
+           "ZB-H1 | bubble ZBV | executed / useful layer FLOPs (fwd, bwd) | MaxText GPipe "
+           "(m+p-1)/m | max in flight G / 1 / i / H1 / V |",
+           "|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---|"]
   keys = sorted({(r["stages"], r["microbatches"]) for r in rows})
   for p, m in keys:
     by = {r["schedule"]: r for r in rows if (r["stages"], r["microbatches"]) == (p, m)}
@@ -463,7 +499,7 @@ def schedule_table(rows) -> str:
                       f"{max(r[k] for r in by.values()):.3f}")
     inflight = " / ".join(str(by[n]["max_in_flight"]) if n in by else "-" for n in SCHEDULES)
     lines.append(f"| {p} | {m} | {span('backward_forward_flop_ratio')} | {cell('gpipe')} | "
-                 f"{cell('1f1b')} | {cell('interleaved_1f1b')} | "
+                 f"{cell('1f1b')} | {cell('interleaved_1f1b')} | {cell('zb_h1')} | {cell('zbv')} | "
                  f"{span('flops_ratio')} ({span('forward_flops_ratio')}, "
                  f"{span('backward_flops_ratio')}) | {(m + p - 1) / m:.3f} | {inflight} |")
   return "\n".join(lines)
@@ -471,15 +507,16 @@ def schedule_table(rows) -> str:
 
 def memory_table(rows) -> str:
   lines = ["| m | schedule | temp MiB / device | x GPipe | residual slots | residual MiB "
-           "| x GPipe |",
-           "|---:|---|---:|---:|---:|---:|---:|"]
+           "| x GPipe | peak activations (stages' worth) | output-gradient slots | + stash MiB |",
+           "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
   gp = {r["microbatches"]: r for r in rows if r["schedule"] == "gpipe"}
   for r in rows:
     g = gp.get(r["microbatches"])
     ratio = lambda k: f"{r[k] / g[k]:.3f}" if g else "-"
     lines.append(f"| {r['microbatches']} | {r['schedule']} | {_mib(r['temp_bytes'])} | "
                  f"{ratio('temp_bytes')} | {r['res_slots']} | {_mib(r['residual_bytes'])} | "
-                 f"{ratio('residual_bytes')} |")
+                 f"{ratio('residual_bytes')} | {r.get('peak_activations', 0):g} | "
+                 f"{r.get('grad_slots', 0)} | {_mib(r.get('stash_bytes', 0))} |")
   return "\n".join(lines)
 
 
@@ -502,7 +539,8 @@ def vocab_table(rows) -> str:
 
 
 def draw_schedules(schedules_list, path: str | None = None, axes=None):
-  """Tick-by-stage charts: color = microbatch, solid = forward, hatched light = backward.
+  """Tick-by-stage charts: color = microbatch, solid = forward, hatched light = backward (or
+  its input-gradient half), dotted light = weight gradient.
 
   The x axis is time in units of one stage's full forward: an interleaved chunk-tick
   (1/v of a stage's layers) is drawn 1/v wide, so the charts compare in time.
@@ -532,8 +570,9 @@ def draw_schedules(schedules_list, path: str | None = None, axes=None):
         color = cmap(mb % cmap.N)
         fwd = k == pipeline.FORWARD
         w = 1 / s.virtual_stages
+        hatch = {pipeline.FORWARD: None, pipeline.BACKWARD_WEIGHT: "..."}.get(k, "///")
         ax.add_patch(plt.Rectangle((t * w, st), w, 1, facecolor=color, alpha=1.0 if fwd else 0.45,
-                                   hatch=None if fwd else "///", edgecolor="white", lw=0.6))
+                                   hatch=hatch, edgecolor="white", lw=0.6))
         label = f"{mb}" + (chr(ord("a") + v) if s.virtual_stages > 1 else "")
         ax.text((t + 0.5) * w, st + 0.5, label, ha="center", va="center", fontsize=6)
     ax.set_xlim(0, tmax)
@@ -547,8 +586,11 @@ def draw_schedules(schedules_list, path: str | None = None, axes=None):
     ax.set_title(f"{name}: p={s.stages}, m={s.microbatches}, {ticks}, bubble "
                  f"{s.bubble_fraction:.3f}, max in flight {s.max_in_flight}", fontsize=8)
   axes[0].legend(handles=[Patch(facecolor="grey", label="forward"),
-                          Patch(facecolor="grey", alpha=0.45, hatch="///", label="backward")],
-                 loc="upper right", fontsize=7, ncol=2)
+                          Patch(facecolor="grey", alpha=0.45, hatch="///",
+                                label="backward (zero-bubble: its input gradient)"),
+                          Patch(facecolor="grey", alpha=0.45, hatch="...",
+                                label="weight gradient")],
+                 loc="upper right", fontsize=7, ncol=3)
   fig.tight_layout()
   if path:
     fig.savefig(path, dpi=130)
@@ -572,7 +614,7 @@ def run(parts, *, stages_list, microbatches_list, skip=(), names=SCHEDULES, mem_
             "executed counts); bytes per device.")
   if chart_path:
     draw_schedules([pipeline.make_schedule(n, stages=4, microbatches=8,
-                                           virtual_stages=2 if n == "interleaved_1f1b" else 1)
+                                           virtual_stages=VIRTUAL.get(n, 1))
                     for n in SCHEDULES], chart_path)
     result["chart"] = chart_path
   if "schedules" in parts:

@@ -42,6 +42,8 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src.interpreters import partial_eval as pe
+from jax.extend import core as jax_core
 from jax.sharding import PartitionSpec as P
 
 from jaxsys import mesh as mesh_lib
@@ -195,6 +197,7 @@ class _Chunk:
   def __init__(self, cfg: transformer.TransformerConfig, attention_fn: Callable):
     self.cfg, self.attention_fn = cfg, attention_fn
     self._stored: dict[Any, list[int]] = {}
+    self._splits: dict[Any, _Split] = {}
 
   def apply(self, params, x, mb: Batch):
     return transformer.apply_layers(self.cfg, params, x, mb["positions"], mb["segment_ids"],
@@ -234,18 +237,80 @@ class _Chunk:
       leaves[i] = r
     return jax.tree.unflatten(treedef, leaves)(dy)
 
-  def backward_input(self, params, residuals, dy, mb: Batch):
-    """The input gradient alone (zero-bubble B): the backward with the weight gradients'
-    matmuls dead code, which XLA drops."""
-    return self.backward(params, residuals, dy, mb)[1]
+  def _split(self, params, residuals, dy, mb: Batch) -> "_Split":
+    """The backward unzipped in two by data dependence (jax's partial evaluation, as
+    `jax.linearize` splits a function): the residuals the input gradient does not read
+    (the matmul inputs only weight gradients need) are 'unknown', so every operation that
+    reads them, each weight gradient's matmul, goes to W, and the rest, the input
+    gradient and the whole cotangent chain, to B, which hands W the cotangents it needs
+    (the stash). B + W does the backward's work once: no op runs in both."""
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                          (params, residuals, dy, mb))
+    leaves, tree = jax.tree.flatten(shapes)
+    key = (tree, tuple((a.shape, a.dtype) for a in leaves))
+    if key not in self._splits:
+      n_params, n_res = len(jax.tree.leaves(params)), len(residuals)
 
-  def backward_weight(self, params, residuals, dy, mb: Batch):
-    """The weight gradients alone (zero-bubble W), from the same stored residuals and
-    output gradient. A black-box vjp cannot hand W the cotangents B computed inside the
-    chunk, so W walks the chunk's backward chain again (all but the input gradient's last
-    matmuls): B + W costs more than one BACKWARD (`bench_pipeline` measures by how much),
-    the price of splitting any chunk function without touching the model."""
-    return self.backward(params, residuals, dy, mb)[0]
+      def flat_backward(*flat):
+        p, r, d, m = jax.tree.unflatten(tree, flat)
+        dparams, dx = self.backward(p, r, d, m)
+        return [dx, *jax.tree.leaves(dparams)]
+      closed = jax.make_jaxpr(flat_backward)(*leaves)
+      n_out = len(closed.out_avals)
+      # The backward's fresh forward trace is dead code: drop it before splitting.
+      jaxpr, _ = pe.dce_jaxpr(closed.jaxpr, [True] * n_out, instantiate=True)
+      _, for_dx = pe.dce_jaxpr(jaxpr, [True] + [False] * (n_out - 1))
+      weight_only = [n_params <= i < n_params + n_res and not used
+                     for i, used in enumerate(for_dx)]
+      known, unknown, out_unknown, stash = pe.partial_eval_jaxpr_nounits(
+          jax_core.ClosedJaxpr(jaxpr, closed.consts), weight_only, False)
+      assert not out_unknown[0], "the input gradient reads no weight-only residual"
+      self._splits[key] = _Split(tree, weight_only, out_unknown, known, unknown,
+                                 [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in stash])
+    return self._splits[key]
+
+  def stash_shapes(self, params, residuals, dy, mb: Batch):
+    """Shapes of what B hands W (held from B to W, one entry per held output gradient)."""
+    return self._split(params, residuals, dy, mb).stash
+
+  def backward_input(self, params, residuals, dy, mb: Batch):
+    """Zero-bubble B: (input gradient, the weight gradients B computes (zeros where W
+    does), the stash for W)."""
+    split = self._split(params, residuals, dy, mb)
+    flat = jax.tree.leaves((params, residuals, dy, mb))
+    outs = jax_core.jaxpr_as_fun(split.known)(
+        *[x for x, w in zip(flat, split.weight_only) if not w])
+    n_known = split.out_unknown.count(False)
+    known, stash = iter(outs[:n_known]), list(outs[n_known:])
+    values = [None if u else next(known) for u in split.out_unknown]
+    return values[0], split.dparams(params, values[1:]), stash
+
+  def backward_weight(self, params, residuals, dy, stash, mb: Batch):
+    """Zero-bubble W: the weight gradients B left, from B's stash and the residuals only
+    they read (zeros where B computed them). `dy` only names the split (W never reads it)."""
+    split = self._split(params, residuals, dy, mb)
+    flat = jax.tree.leaves((params, residuals, dy, mb))
+    outs = iter(jax_core.jaxpr_as_fun(split.unknown)(
+        *stash, *[x for x, w in zip(flat, split.weight_only) if w]))
+    values = [next(outs) if u else None for u in split.out_unknown]
+    return split.dparams(params, values[1:])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Split:
+  """A chunk backward unzipped into B (`known`) and W (`unknown`) jaxprs (see _Chunk._split)."""
+  tree: Any
+  weight_only: list[bool]  # per flat (params, residuals, dy, mb) input: read by W alone
+  out_unknown: list[bool]  # per output (dx, *dparams leaves): computed by W
+  known: Any
+  unknown: Any
+  stash: list[jax.ShapeDtypeStruct]
+
+  def dparams(self, params, leaves):
+    """The params-shaped gradient from its leaves, zeros where None."""
+    like = jax.tree.leaves(params)
+    return jax.tree.unflatten(jax.tree.structure(params), [
+        jnp.zeros(p.shape, p.dtype) if x is None else x for p, x in zip(like, leaves)])
 
 
 def _losses(logits, mb: Batch):
@@ -504,6 +569,10 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
   assert all(int(g) // p == v for v, row in enumerate(np.asarray(schedule.chunk_of))
              for g in row), schedule.chunk_of
   split = schedule.split_backward
+  if split and train and uniform_ticks:
+    raise ValueError(f"pipeline.schedule={schedule.name} splits each chunk's backward by "
+                     f"tracing it on its own, which a context axis's collectives inside the "
+                     f"chunk do not allow; use 1f1b or interleaved_1f1b with context > 1")
 
   def per_stage(params, mbs, offsets, weights):
     stage = jax.lax.axis_index(AXIS)
@@ -542,6 +611,9 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
           arrive_b=zero_act, send_b=zero_act, dx0=zero_act,
           layer_grads=jax.tree.map(jnp.zeros_like, layers),
           vocab_grads=jax.tree.map(jnp.zeros_like, vocab_params))
+      if split:  # what B hands W, beside the output gradient it holds until W
+        stash_shapes = chunk.stash_shapes(_take(layers, 0), res_shapes, act, microbatch(0, 0))
+        carry["stash"] = [buffer(schedule.grad_slots, s) for s in stash_shapes]
 
     if "act_recv_back" in extra:
       carry["arrive_f_back"] = zero_act
@@ -583,6 +655,8 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
       if train:
         operands += (_take(c["residuals"], mine["res_slot"]),
                      _take(c["grad_inbox"], mine["grad_in"]))
+      if train and split:
+        operands += (_take(c["stash"], mine["grad_in"]),)
 
       def forward(chunk_params, x, mb, *_):
         if train:
@@ -590,15 +664,16 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
           return {"y": y, "res": res}
         return {"y": chunk.apply(chunk_params, x, mb)}
 
-      def backward(chunk_params, x, mb, res, dy):
+      def backward(chunk_params, x, mb, res, dy, *_):
         dparams, dx = chunk.backward(chunk_params, res, dy, mb)
         return {"dparams": dparams, "dx": dx}
 
-      def backward_input(chunk_params, x, mb, res, dy):
-        return {"dx": chunk.backward_input(chunk_params, res, dy, mb)}
+      def backward_input(chunk_params, x, mb, res, dy, _):
+        dx, dparams, stash = chunk.backward_input(chunk_params, res, dy, mb)
+        return {"dx": dx, "dparams": dparams, "stash": stash}
 
-      def backward_weight(chunk_params, x, mb, res, dy):
-        return {"dparams": chunk.backward_weight(chunk_params, res, dy, mb)}
+      def backward_weight(chunk_params, x, mb, res, dy, stash):
+        return {"dparams": chunk.backward_weight(chunk_params, res, dy, stash, mb)}
 
       # One branch per kind the schedule runs, indexed by kind (a split schedule never runs
       # a whole BACKWARD: that branch idles).
@@ -609,7 +684,8 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
       # executor's tracing time): a forward gives an activation and its residuals, a
       # backward the chunk's gradients and one.
       results = _zeros_of({"y": act, **({"res": res_shapes, "dparams": chunk_params, "dx": act}
-                                        if train else {})})
+                                        if train else {}),
+                           **({"stash": stash_shapes} if train and split else {})})
       fill = lambda action: lambda *ops: {**results, **action(*ops)}
       if uniform_ticks:  # every stage runs every action; the schedule's one is kept
         outcomes = [fill(a)(*operands) for a in actions]
@@ -629,6 +705,9 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
         c["send_b"] = jnp.where(is_b, out["dx"], c["send_b"])
         c["dx0"] = jnp.where(is_b & (g == 0), out["dx"], c["dx0"])
         c["layer_grads"] = _add_at(c["layer_grads"], jnp.maximum(virtual, 0), out["dparams"])
+      if train and split:
+        c["stash"] = _put(c["stash"], _trash(jnp.where(kind == BACKWARD_INPUT, mine["grad_in"], -1),
+                                             schedule.grad_slots), out["stash"])
 
       head_mb = rows["head_microbatch"]
 
