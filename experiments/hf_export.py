@@ -7,19 +7,14 @@ The latest (or --step) checkpoint's parameters (replica 0's for a replica run), 
 --quantize round-to-nearest quantized and dequantized (what the quantized model computes
 with float activations), and the run's tokenizer (byte, its cached BPE, or its hf one):
 safetensors + config.json + tokenizer.json that `transformers.AutoModelForCausalLM`
-loads unchanged (jaxsys/checkpoint/hf.py).
+loads unchanged (jaxsys/checkpoint/hf_runs.py, hf.py).
 """
-import os
 import sys
 
 from absl import app, flags
 
 from jaxsys import metrics as metrics_lib
-from jaxsys.checkpoint import hf
-from jaxsys.checkpoint.reader import checkpoints_dir, read_params
-from jaxsys.data import tokenizer as tokenizer_lib
-from jaxsys.quant import ptq
-from jaxsys.quant import rules as rules_lib
+from jaxsys.checkpoint import hf_runs
 from jaxsys.train import config_check
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Workdir of a training run (experiments.train).")
@@ -35,26 +30,6 @@ _SHARD_MB = flags.DEFINE_integer("max_shard_mb", 0, "Split the weights into file
 flags.mark_flags_as_required(["workdir", "out"])
 
 
-def export(workdir: str, out: str, *, step: int | None = None, quantize: str = "none",
-           group_size: int = 128, dtype: str | None = None, max_shard_bytes: int | None = None
-           ) -> list[str]:
-  """Writes `workdir`'s checkpoint (see the module docstring) into `out`; the files written."""
-  saved = read_params(checkpoints_dir(workdir), step)
-  if saved is None:
-    raise ValueError(f"--workdir={workdir}: no checkpoint; pass the --workdir of a training run")
-  run = config_check.parse(saved.meta["config"])
-  data = run.data
-  tok = tokenizer_lib.make_tokenizer(
-      data.tokenizer, **({} if data.tokenizer != "bpe" else dict(
-          vocab_size=data.vocab_size, cache_path=os.path.join(workdir, "tokenizer.json"))))
-  params = saved.one()
-  if quantize != "none":
-    params = ptq.quantize_params(run.model, params,
-                                 rules_lib.default_rules(quantize, group_size=group_size))
-  return hf.save(out, run.model, params, tok, dtype=dtype, max_shard_bytes=max_shard_bytes,
-                 max_position_embeddings=data.seq_len)
-
-
 def main(argv):
   del argv
   metrics_lib.quiet_library_logs()
@@ -64,7 +39,7 @@ def main(argv):
       error = flag.value is not None and rule.error(f"--{flag.name}", flag.value)
       if error:
         raise ValueError(error)
-    files = export(_WORKDIR.value, _OUT.value, step=_STEP.value, quantize=_QUANTIZE.value,
+    files = hf_runs.export_run(_WORKDIR.value, _OUT.value, step=_STEP.value, quantize=_QUANTIZE.value,
                    group_size=_GROUP.value, dtype=_DTYPE.value,
                    max_shard_bytes=_SHARD_MB.value * 2**20 or None)
   except ValueError as e:

@@ -16,13 +16,12 @@ import json
 import os
 import sys
 
-import jax
 from absl import app, flags
 from ml_collections import config_flags
 
 from jaxsys import configs
 from jaxsys import metrics as metrics_lib
-from jaxsys.checkpoint import hf
+from jaxsys.checkpoint import hf_runs
 from jaxsys.cli import args
 from jaxsys.quant import evaluate
 from jaxsys.train import config_check
@@ -45,19 +44,6 @@ _FLAG_RULES = ((_STEP, config_check.integer(0)), (_CALIB, config_check.integer(1
                (_GROUP, config_check.integer(1)), (_ALPHA, config_check.number(0, 1)))
 
 
-def load_hf_run(config, spec: str) -> evaluate.Run:
-  """The `evaluate.Run` of a Hugging Face checkpoint: `config` (a training config) with
-  init_from=`spec` ('hf:<dir>', so the model and tokenizer are the checkpoint's), step 0."""
-  if hf.parse_spec(spec) is None:
-    raise ValueError(f"--init_from={spec!r} is invalid; it must be 'hf:<dir>' (a Hugging Face "
-                     "Llama checkpoint directory)")
-  config = config.copy_and_resolve_references()
-  config.init_from = spec
-  run = config_check.check_config(config)
-  _, params = hf.load(hf.parse_spec(spec), run.model)
-  return evaluate.Run(run, jax.device_get(params), 0)
-
-
 def main(argv):
   del argv
   metrics_lib.quiet_library_logs()
@@ -70,7 +56,7 @@ def main(argv):
     if _INIT_FROM.value is None:
       run = evaluate.load_run(_WORKDIR.value, _STEP.value)
     else:
-      run = load_hf_run(_CONFIG.value, _INIT_FROM.value)
+      run = hf_runs.ptq_run(_CONFIG.value, _INIT_FROM.value)
       os.makedirs(_WORKDIR.value, exist_ok=True)
   except ValueError as e:
     sys.exit(f"error: {e}")

@@ -242,9 +242,9 @@ def test_init_from_hf_takes_model_and_tokenizer(checkpoints, make_config, tmp_pa
 
 
 def test_quant_eval_loads_hf(checkpoints, make_config):
-  from experiments import quant_eval  # pylint: disable=import-outside-toplevel
+  from jaxsys.checkpoint import hf_runs  # pylint: disable=import-outside-toplevel
   directory, _ = checkpoints["tied"]
-  run = quant_eval.load_hf_run(make_config(), f"hf:{directory}")
+  run = hf_runs.ptq_run(make_config(), f"hf:{directory}")
   assert run.config.model == hf.model_config(directory, run.config.model)
   assert run.config.data.tokenizer == f"hf:{directory}"
   chex.assert_trees_all_equal(run.params, jax.device_get(hf.load(directory)[1]))
@@ -254,7 +254,7 @@ def test_quant_eval_loads_hf(checkpoints, make_config):
 def test_run_starts_from_hf_and_exports(checkpoints, make_config, tmp_path):
   """init_from=hf:<dir> on a sharded mesh: one step at learning rate 0 (the warmup's first)
   saves the checkpoint's parameters, and the run trains on its tokenizer; the run exported
-  (experiments/hf_export.py) loads in transformers with that tokenizer."""
+  (hf_runs.export_run, experiments/hf_export.py's) loads in transformers with that tokenizer."""
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
   from jaxsys.checkpoint.manager import Checkpointer  # pylint: disable=import-outside-toplevel
   from jaxsys.train import loop  # pylint: disable=import-outside-toplevel
@@ -274,9 +274,9 @@ def test_run_starts_from_hf_and_exports(checkpoints, make_config, tmp_path):
     rows = [json.loads(line) for line in f]
   assert any(np.isfinite(r.get("val_bpb", np.nan)) for r in rows), rows
 
-  from experiments import hf_export  # pylint: disable=import-outside-toplevel
+  from jaxsys.checkpoint import hf_runs  # pylint: disable=import-outside-toplevel
   out = str(tmp_path / "export")
-  hf_export.export(workdir, out)
+  hf_runs.export_run(workdir, out)
   model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
   cfg = hf.model_config(directory)
   _assert_close(_torch_logits(model, TOKENS),
