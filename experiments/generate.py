@@ -9,8 +9,8 @@ the run's tokenizer (byte, or the BPE the run saved as <workdir>/tokenizer.json)
 optionally quantizes the layer matmuls with round-to-nearest (--quant; the embedding and
 LM head stay float), and decodes every --prompt as one batch with the KV cache
 (jaxsys/models/generate.py). Prints each prompt and its continuation, then the decoding
-rate. --timing decodes a second time and reports that run's tokens/s (the first one
-compiles); --no_cache decodes greedily by re-running the model on the whole prefix at
+rate. --timing decodes --repeat more times and reports their median tokens/s (the first
+run compiles); --no_cache decodes greedily by re-running the model on the whole prefix at
 every step (the baseline). --mesh splits the batch over `data` and the heads over
 `tensor`. Bad input exits 1 with one "error:" line.
 """
@@ -19,6 +19,7 @@ import sys
 import time
 
 import jax
+import numpy as np
 from absl import app, flags
 
 from jaxsys import mesh as mesh_lib
@@ -46,11 +47,14 @@ _QUANT = flags.DEFINE_string("quant", "none", f"none or one of {', '.join(SCHEME
 _GROUP = flags.DEFINE_integer("group_size", 128, "w4a16 group size (rows of K per scale).")
 _IMPL = flags.DEFINE_string("qmatmul_impl", "auto", f"Quantized matmul: {', '.join(IMPLS)}.")
 _MESH = flags.DEFINE_string("mesh", "", "e.g. data=2,tensor=2 (default: one device).")
-_TIMING = flags.DEFINE_bool("timing", False, "Decode twice; report the second run's rate.")
+_TIMING = flags.DEFINE_bool("timing", False, "Decode again after the first (compiling) run; "
+                            "report the median rate of --repeat such runs.")
+_REPEAT = flags.DEFINE_integer("repeat", 3, "Timed runs with --timing.")
 _NO_CACHE = flags.DEFINE_bool("no_cache", False, "Greedy, re-running the whole prefix each step.")
 flags.mark_flags_as_required(["workdir", "prompt"])
 _FLAG_RULES = ((_STEP, config_check.integer(0)), (_NEW, config_check.integer(1)),
-               (_MAX_LEN, config_check.integer(1)), (_GROUP, config_check.integer(1)))
+               (_MAX_LEN, config_check.integer(1)), (_GROUP, config_check.integer(1)),
+               (_REPEAT, config_check.integer(1)))
 
 
 def _check_flags():
@@ -116,15 +120,19 @@ def main(argv):
   except ValueError as e:
     sys.exit(f"error: {e}")
   if _TIMING.value:
-    t0 = time.perf_counter()
-    out = jax.block_until_ready(decode())
-    seconds = time.perf_counter() - t0
+    times = []
+    for _ in range(_REPEAT.value):
+      t0 = time.perf_counter()
+      out = jax.block_until_ready(decode())
+      times.append(time.perf_counter() - t0)
+    seconds = float(np.median(times))
   tokens, counts = jax.device_get((out.tokens, out.lengths))
   for i, (prompt, row, n) in enumerate(zip(_PROMPT.value, tokens, counts)):
     print(f"--- sample {i}: {n} new tokens ---")
     print(prompt + tokenizer.decode(row[:n]))
   new = int(counts.sum())
-  what = "including compilation" if not _TIMING.value else "second run, compiled"
+  what = ("including compilation" if not _TIMING.value
+          else f"median of {_REPEAT.value} compiled runs")
   print(f"--- {run.config.model.n_layers}-layer model at step {run.step}, "
         f"{'float' if _QUANT.value == 'none' else _QUANT.value}, "
         f"{'no cache' if _NO_CACHE.value else 'KV cache'}, batch {len(tokens)}: {new} tokens in "
