@@ -1,5 +1,6 @@
 """jaxsys.checkpoint.hf against transformers' own LlamaForCausalLM (CPU torch): import,
 export, round trip, sharded import, refusals; the checkpoint's tokenizer; init_from=hf:<dir>."""
+import copy
 import json
 import os
 import shutil
@@ -111,6 +112,26 @@ def test_export_loads_in_transformers(tmp_path, tie):
   tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
   text = "héllo\n\tx"
   assert tok(text)["input_ids"] == list(tokenizer_lib.ByteTokenizer().encode(text))
+
+
+def test_bf16_files_in_and_out(checkpoints, tmp_path):
+  """bfloat16 safetensors (how real checkpoints ship) read exactly into f32 params, and
+  written in bfloat16 for transformers."""
+  _, model = checkpoints["tied"]
+  copy.deepcopy(model).to(torch.bfloat16).save_pretrained(str(tmp_path / "bf16"))
+  cfg, params = hf.load(str(tmp_path / "bf16"))
+  # transformers in f32 on the bf16 weights (its RoPE frequencies made in f32 on load)
+  f32 = dict(dtype=torch.float32)
+  ref_model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "bf16"), **f32)
+  want = model.model.embed_tokens.weight.detach().to(torch.bfloat16).float().numpy()
+  np.testing.assert_array_equal(np.asarray(params["embedding"]), want)
+  ref = _torch_logits(ref_model.eval(), TOKENS)
+  _assert_close(transformer.apply(cfg, params, TOKENS), ref)
+  hf.save(str(tmp_path / "out"), cfg, params, dtype="bfloat16")
+  header = hf._Tensors._header(str(tmp_path / "out" / "model.safetensors"))  # pylint: disable=protected-access
+  assert {t["dtype"] for t in header.values()} == {"BF16"}
+  back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), **f32)
+  _assert_close(_torch_logits(back.eval(), TOKENS), ref)
 
 
 def test_round_trip(checkpoints, tmp_path):
