@@ -569,10 +569,6 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
   assert all(int(g) // p == v for v, row in enumerate(np.asarray(schedule.chunk_of))
              for g in row), schedule.chunk_of
   split = schedule.split_backward
-  if split and train and uniform_ticks:
-    raise ValueError(f"pipeline.schedule={schedule.name} splits each chunk's backward by "
-                     f"tracing it on its own, which a context axis's collectives inside the "
-                     f"chunk do not allow; use 1f1b or interleaved_1f1b with context > 1")
 
   def per_stage(params, mbs, offsets, weights):
     stage = jax.lax.axis_index(AXIS)

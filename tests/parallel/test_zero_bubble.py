@@ -124,3 +124,12 @@ def test_config_check(make_config, overrides, error):
   with pytest.raises(ValueError) as err:
     config_check.check_config(config)
   assert error in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_context_axis():
+  """With the sequence split over `context` (ring attention's collectives inside each
+  chunk; the executor's uniform ticks run every branch), B and W stay exact."""
+  cfg, params, batch, ref_loss, ref_grads = _reference(False)
+  loss, grads = _run(cfg, params, batch, "stage=2,context=2,data=2", "zb_h1", 2)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  assert_close(grads, ref_grads)
