@@ -39,9 +39,9 @@ def main(argv):
       error = flag.value is not None and rule.error(f"--{flag.name}", flag.value)
       if error:
         raise ValueError(error)
-    files = hf_runs.export_run(_WORKDIR.value, _OUT.value, step=_STEP.value, quantize=_QUANTIZE.value,
-                   group_size=_GROUP.value, dtype=_DTYPE.value,
-                   max_shard_bytes=_SHARD_MB.value * 2**20 or None)
+    files = hf_runs.export_run(_WORKDIR.value, _OUT.value, step=_STEP.value,
+                               quantize=_QUANTIZE.value, group_size=_GROUP.value,
+                               dtype=_DTYPE.value, max_shard_bytes=_SHARD_MB.value * 2**20 or None)
   except ValueError as e:
     sys.exit(f"error: {e}")
   print("\n".join(files))

@@ -128,7 +128,8 @@ def test_bf16_files_in_and_out(checkpoints, tmp_path):
   ref = _torch_logits(ref_model.eval(), TOKENS)
   _assert_close(transformer.apply(cfg, params, TOKENS), ref)
   hf.save(str(tmp_path / "out"), cfg, params, dtype="bfloat16")
-  header = hf._Tensors._header(str(tmp_path / "out" / "model.safetensors"))  # pylint: disable=protected-access
+  # pylint: disable-next=protected-access
+  header = hf._Tensors._header(str(tmp_path / "out" / "model.safetensors"))
   assert {t["dtype"] for t in header.values()} == {"BF16"}
   back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), **f32)
   _assert_close(_torch_logits(back.eval(), TOKENS), ref)
@@ -305,3 +306,8 @@ def test_run_starts_from_hf_and_exports(checkpoints, make_config, tmp_path):
   text = "def f(x):\n  return wörld\n"
   assert (transformers.AutoTokenizer.from_pretrained(out)(text)["input_ids"]
           == list(tokenizer_lib.make_tokenizer(f"hf:{directory}").encode(text)))
+  hf_runs.export_run(workdir, out + "_w4", quantize="w4a16", group_size=32)  # --quantize
+  _, deq = hf.load(out + "_w4")
+  assert not np.allclose(deq["layers"]["w_up"], state["params"]["layers"]["w_up"])
+  model = transformers.AutoModelForCausalLM.from_pretrained(out + "_w4").eval()
+  _assert_close(_torch_logits(model, TOKENS), np.asarray(transformer.apply(cfg, deq, TOKENS)))
