@@ -3,6 +3,12 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
+
+from jaxsys.data import ByteTokenizer
+from jaxsys.models import generate
+from jaxsys.quant import evaluate
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PROMPTS = ("--prompt=def main(", "--prompt=import os", "--prompt=class ", "--prompt=#")
 
@@ -29,8 +35,13 @@ def test_generate_from_a_trained_run(small_corpus, tmp_path):
   cached = _run("experiments.generate", f"--workdir={tmp_path}", *PROMPTS, "--max_new_tokens=12",
                 "--mesh=data=4,tensor=2")
   assert cached.returncode == 0, cached.stderr[-3000:]
-  assert "--- sample 0: 12 new tokens ---\ndef main(" in cached.stdout
-  assert "--- sample 1: 12 new tokens ---\nimport os" in cached.stdout
+  # The library's greedy continuation of the same checkpoint, prompt by prompt.
+  run = evaluate.load_run(str(tmp_path))
+  for i, prompt in enumerate(p.split("=", 1)[1] for p in PROMPTS):
+    ids, n = generate.pad_prompts([list(prompt.encode())])
+    out = generate.generate(run.config.model, run.params, ids, n, max_new_tokens=12)
+    text = prompt + ByteTokenizer().decode(np.asarray(out.tokens[0]))
+    assert f"--- sample {i}: 12 new tokens ---\n{text}\n" in cached.stdout
   assert "KV cache, batch 4: 48 tokens in" in cached.stdout
   recomputed = _run("experiments.generate", f"--workdir={tmp_path}", *PROMPTS,
                     "--max_new_tokens=12", "--no_cache")
