@@ -25,8 +25,9 @@ It prints a markdown table per part (--parts) and writes every number to --out:
    by p. Each device gets one row per microbatch (a microbatch is 8/p rows split over
    data). MaxText's GPipe computes through the bubble; its ratio would be (m + p - 1) / m.
 2. Memory at p=4 (stage=4, data=2), fixed microbatch size: compiled temp bytes per device of
-   loss + gradients for gpipe / 1f1b / interleaved, and the residual buffer the executor
-   keeps for the backward (schedule.res_slots x one slot's residual bytes).
+   loss + gradients per schedule, the residual buffer the executor keeps for the backward
+   (schedule.res_slots x one slot's residual bytes), and for the zero-bubble schedules the
+   output gradients and stashes held from B to W.
 3. Vocabulary layers at p=4 (stage=4, data=2): per-device parameter + AdamW bytes of the
    stage-view train state on each stage's devices (abstract: jax.eval_shape, each leaf's
    slice there from its sharding, nothing allocated) with vocabulary parallelism (VP) and
@@ -78,7 +79,8 @@ VOCAB_KINDS = ("embedding", "unembedding", "final_norm")
 
 _STAGES = flags.DEFINE_list("stages", ["2", "4", "8"], "Stages p (mesh stage=p, data=8/p).")
 _MICROBATCHES = flags.DEFINE_list("microbatches", ["4", "8", "16", "32"], "Microbatches m.")
-_SCHEDULES = flags.DEFINE_list("schedules", list(SCHEDULES), "Schedules of tables 1 and 2.")
+_SCHEDULES = flags.DEFINE_list("schedules", ["gpipe", "1f1b", "interleaved_1f1b"],
+                               "Schedules of tables 1 and 2 (any of SCHEDULES).")
 _SKIP = flags.DEFINE_list("skip", [], "p:m pairs to leave out of the schedule grid, e.g. 8:32.")
 _D_MODEL = flags.DEFINE_integer("d_model", 64, "Schedule/memory model width.")
 _N_LAYERS = flags.DEFINE_integer("n_layers", 16, "Schedule/memory model layers (a multiple of 2p).")

@@ -271,6 +271,10 @@ class TimedTest(parameterized.TestCase):
       ("p8_m32_even", 8, 32, 1.0, 2.0, 1.0, 1.0, True),
       ("p4_m8_executor", 4, 8, 1.0, 2.0, 1.0625, 0.9375, True),
       ("p8_m32_executor", 8, 32, 1.0, 2.0, 1.0625, 0.9375, True),
+      # bench_pipeline's all-op FLOP ratios (d 64, 16 layers, seq 32): B/F 1.954 split 1.095
+      # + 0.864.
+      ("p4_m8_bench", 4, 8, 1.0, 1.954, 1.095, 0.864, True),
+      ("p8_m32_bench", 8, 32, 1.0, 1.954, 1.095, 0.864, True),
       ("p4_m8_w_redoes_the_chain", 4, 8, 1.0, 2.0, 1.0625, 2.0, False),
   )
   def test_zb_h1_below_1f1b(self, p, m, forward, backward, backward_input, backward_weight,
