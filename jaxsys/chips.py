@@ -12,6 +12,7 @@ PJRT plugin, given XLA's description of the GPU instead of a GPU.
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import math
 import os
 import re
@@ -71,8 +72,8 @@ _SHAPES_2D = {4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16",
 _SHAPES_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8",
               256: "4x8x8", 512: "8x8x8", 1024: "8x8x16", 2048: "8x16x16", 4096: "16x16x16"}
 INSTALL = "pip install 'jax[tpu]' (brings libtpu; or pip install -e '.[tpu]')"
-INSTALL_GPU = ("pip install 'jax[cuda12-local]' (the CUDA plugin without CUDA's libraries; or "
-               "pip install -e '.[gpu-compile]')")
+INSTALL_GPU = ("pip install jax-cuda12-pjrt==<your jax version> (the CUDA PJRT plugin, no CUDA "
+               "libraries; pip install -e '.[gpu-compile]' for jax 0.10.2)")
 _GPUS_PER_HOST = 8
 
 
@@ -165,12 +166,17 @@ def slice_devices(name: str) -> Slice:
 
 def _gpu_slice(name: str, chip: Chip, shape: str) -> Slice:
   """The GPUs of `shape` (slices x hosts x GPUs a host) from the CUDA plugin, no GPU needed."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
   try:
     import jax_plugins.xla_cuda12  # noqa: F401 pylint: disable=import-outside-toplevel,unused-import
-  except ImportError:
+    plugin = importlib.metadata.version("jax-cuda12-pjrt")
+  except (ImportError, importlib.metadata.PackageNotFoundError):
     raise RuntimeError(f"compiling for {chip.name} needs jax's CUDA plugin, which is not "
                        f"installed: {INSTALL_GPU}") from None
-  from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
+  if plugin != jax.__version__:
+    raise RuntimeError(f"jax-cuda12-pjrt {plugin} is not the installed jax's ({jax.__version__}): "
+                       f"pip install jax-cuda12-pjrt=={jax.__version__}")
   try:
     topology = topologies.get_topology_desc(chip.name, platform="cuda", topology=shape,
                                             target_config=chip.target_config)
