@@ -56,9 +56,10 @@ class GenerateTest(parameterized.TestCase):
       dict(kv_heads=2, padding="right"),  # GQA
       dict(kv_heads=2, padding="left"),
       dict(kv_heads=1, padding="right"),  # MQA
+      dict(kv_heads=2, padding="right", attention="pallas"),  # the kernel, interpreted on CPU
   )
-  def test_greedy_equals_full_recompute(self, kv_heads, padding):
-    cfg = _cfg(n_kv_heads=kv_heads)
+  def test_greedy_equals_full_recompute(self, kv_heads, padding, attention="auto"):
+    cfg = _cfg(n_kv_heads=kv_heads, attention_impl=attention)
     params = _params(cfg)
     rows, prompts, lengths = _prompts(padding)
     out = gen.generate(cfg, params, prompts, lengths, max_new_tokens=NEW, padding=padding,
