@@ -35,6 +35,7 @@ from jaxsys import mesh as mesh_lib
 from jaxsys.kernels import attention as attention_lib
 from jaxsys.kernels import sharded
 from jaxsys.kernels.backends import IMPLS
+from jaxsys.kernels.qweight import QWeight
 from jaxsys.models import transformer
 from jaxsys.quant import rules as quant_rules
 
@@ -276,39 +277,22 @@ def _recompute(cfg, n, qmatmul_impl):
 def shard_params(cfg: transformer.TransformerConfig, params: dict[str, Any], mesh: Mesh):
   """params placed on `mesh` by their logical axes; a QWeight's [K, N] codes and scales split
   N as the weight's output dims are split (K stays whole)."""
-  axes = transformer.param_axes(cfg)
 
   def place(path, w, logical):
-    if not transformer._is_qweight(w):
+    if not isinstance(w, QWeight):
       return jax.device_put(w, NamedSharding(
           mesh, mesh_lib.logical_to_partition_spec(logical, mesh, shape=w.shape)))
-    lead = 1 if path[0] == "layers" else 0
-    n_in = quant_rules.LAYER_WEIGHTS.get(path[-1], 1)
-    out_axes = [a for a in logical[lead + n_in:] if a not in (None, "head_dim")]
+    name = path[-1].key
+    lead = 1 if path[0].key == "layers" else 0
+    out_axes = [a for a in logical[lead + quant_rules.LAYER_WEIGHTS.get(name, 1):]
+                if a not in (None, "head_dim")]
     spec = mesh_lib.logical_to_partition_spec(
         (*logical[:lead], None, out_axes[0] if out_axes else None), mesh)
     return jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, spec)), w)
 
-  flat_axes = dict(_flat(axes))
-  return _unflat({path: place(path, w, flat_axes[path]) for path, w in _flat(params)})
-
-
-def _flat(tree, prefix=()):
-  for name, value in tree.items():
-    if isinstance(value, dict):
-      yield from _flat(value, prefix + (name,))
-    else:
-      yield prefix + (name,), value
-
-
-def _unflat(items: dict) -> dict:
-  out: dict = {}
-  for path, value in items.items():
-    node = out
-    for name in path[:-1]:
-      node = node.setdefault(name, {})
-    node[path[-1]] = value
-  return out
+  # The parameter tree sets the structure: each leaf (a QWeight whole) meets its axes tuple.
+  return jax.tree_util.tree_map_with_path(place, params, transformer.param_axes(cfg),
+                                          is_leaf=lambda x: isinstance(x, QWeight))
 
 
 @functools.lru_cache(maxsize=32)

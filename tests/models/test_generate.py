@@ -135,21 +135,22 @@ class GenerateTest(parameterized.TestCase):
     more_likely = np.where(probs > chosen, probs, 0).sum(-1)
     self.assertTrue(np.all(more_likely < 0.5))
 
-  @parameterized.parameters(None, "w4a16")
-  def test_sharded_equals_unsharded(self, scheme):
-    params = _params(CFG)
+  @parameterized.parameters(dict(scheme=None, impl="xla"), dict(scheme="w4a16", impl="pallas"))
+  def test_sharded_equals_unsharded(self, scheme, impl):
+    cfg = _cfg(attention_impl=impl)  # pallas: both kernels, under shard_map over the mesh
+    params = _params(cfg)
     if scheme:
-      params = ptq.quantize_params(CFG, params, rules.default_rules(scheme, group_size=16))
+      params = ptq.quantize_params(cfg, params, rules.default_rules(scheme, group_size=16))
     rows, prompts, lengths = _prompts()
     mesh = mesh_lib.make_mesh("data=2,tensor=2", jax.devices()[:4])
-    placed = gen.shard_params(CFG, params, mesh)
+    placed = gen.shard_params(cfg, params, mesh)
     wq = placed["layers"]["wq"]
     self.assertEqual((wq.data if scheme else wq).sharding.spec,
                      P(None, None, "tensor") if scheme else P(None, None, "tensor", None))
-    kw = dict(max_new_tokens=NEW, return_logits=True,
+    kw = dict(max_new_tokens=NEW, return_logits=True, qmatmul_impl=impl,
               sampling=gen.Sampling(temperature=1.0, top_k=20))
-    want = gen.generate(CFG, params, prompts, lengths, jax.random.key(5), **kw)
-    got = gen.generate(CFG, placed, prompts, lengths, jax.random.key(5), mesh=mesh, **kw)
+    want = gen.generate(cfg, params, prompts, lengths, jax.random.key(5), **kw)
+    got = gen.generate(cfg, placed, prompts, lengths, jax.random.key(5), mesh=mesh, **kw)
     self.assertEqual(got.tokens.sharding.spec[0], "data")
     np.testing.assert_array_equal(got.tokens, want.tokens)
     np.testing.assert_allclose(got.logits, want.logits, atol=1e-5, rtol=1e-5)
