@@ -14,8 +14,9 @@ It prints a markdown table per part (--parts) and writes every number to --out:
    its TIMED bubbles (`schedules.timed`: idle time / stages x makespan, run asynchronously
    and in the executor's lock step, with backward / forward, and the zero-bubble input- and
    weight-gradient passes' / forward, = the chunk programs' FLOP ratios below; not wall
-   time), and layer FLOPs executed per device over useful layer FLOPs. The executed tick counts (`pipeline_loss_and_grads(..., with_counts=True)`)
-   only re-count the table, so they serve the FLOPs and a check, not a bubble. XLA's
+   time), and layer FLOPs executed per device over useful layer FLOPs. The executed tick
+   counts (`pipeline_loss_and_grads(..., with_counts=True)`) only re-count the table,
+   so they serve the FLOPs and a check, not a bubble. XLA's
    `cost_analysis` counts a while loop's body ONCE (whatever the trip count) and a
    conditional as its costliest branch, so the whole pipelined program's number says
    nothing about executed work (it is recorded as `xla_whole_program_flops`). Instead the
@@ -99,6 +100,7 @@ _V_STAGES = flags.DEFINE_integer("vocab_stages", 4, "Vocabulary table: stages p 
 _PARTS = flags.DEFINE_list("parts", ["schedules", "memory", "vocab"],
                            "Which tables to make: schedules, memory, vocab, cpu.")
 _CPU_REPEATS = flags.DEFINE_integer("cpu_repeats", 5, "Step CPU table: timed steps (median).")
+_CPU_EXTRA = flags.DEFINE_list("cpu_extra", [], "Step CPU table: more schedules (zb_h1, zbv).")
 _OUT = flags.DEFINE_string("out", "/tmp/bench_pipeline.json", "JSON file with every number.")
 _CHART = flags.DEFINE_string("chart", "", "If set, a PNG of the p=4, m=8 schedules' tick charts.")
 
@@ -440,9 +442,10 @@ def vocab_rows(vocabs, *, d_model, n_layers, d_ff, heads, stages, tokens) -> lis
 
 
 def cpu_rows(*, d_model: int = 256, n_layers: int = 8, vocab_size: int = 8192, seq: int = 128,
-             rows: int = 16, stages: int = 4, microbatches: int = 8, repeats: int = 5
-             ) -> list[dict]:
-  """Table 4: process CPU seconds of a pipelined step over the unpipelined one's."""
+             rows: int = 16, stages: int = 4, microbatches: int = 8, repeats: int = 5,
+             extra: tuple[str, ...] = ()) -> list[dict]:
+  """Table 4: process CPU seconds of a pipelined step over the unpipelined one's (`extra`:
+  more schedules after the four, e.g. zb_h1, zbv)."""
   cfg = dataclasses.replace(small_model(d_model=d_model, n_layers=n_layers,
                                         vocab_size=vocab_size, n_kv_heads=4), d_ff=4 * d_model)
   params = transformer.init_params(cfg, jax.random.key(0))
@@ -463,7 +466,8 @@ def cpu_rows(*, d_model: int = 256, n_layers: int = 8, vocab_size: int = 8192, s
   out = [dict(schedule=f"unpipelined, data={jax.device_count()}", seconds=base, ratio=1.0)]
   mesh = make_mesh(stages)
   for name, v, vp in (("gpipe", 1, False), ("1f1b", 1, False), ("1f1b", 1, True),
-                      ("interleaved_1f1b", 2, False)):
+                      ("interleaved_1f1b", 2, False),
+                      *((n, VIRTUAL.get(n, 1), False) for n in extra)):
     layout = pipeline.Layout(stages=stages, virtual=v, vocab_size=vocab_size, vocab_parallel=vp)
     schedule = pipeline.make_schedule(name, stages=stages, microbatches=microbatches,
                                       virtual_stages=v)
@@ -662,7 +666,7 @@ def main(argv):
       mem_seq=_MEM_SEQ.value, mem_rows=_MEM_ROWS.value, vocabs=ints(_VOCABS.value),
       vocab_kw=dict(d_model=_V_D_MODEL.value, n_layers=_V_LAYERS.value, d_ff=_V_D_FF.value,
                     heads=_V_HEADS.value, stages=_V_STAGES.value, tokens=_V_SEQ.value),
-      cpu_kw=dict(repeats=_CPU_REPEATS.value),
+      cpu_kw=dict(repeats=_CPU_REPEATS.value, extra=tuple(_CPU_EXTRA.value)),
       out_path=_OUT.value, chart_path=_CHART.value or None)
   print(tables(result))
   log(f"wrote {_OUT.value} ({result['seconds']:.0f}s)")

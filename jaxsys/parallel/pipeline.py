@@ -14,12 +14,17 @@ and writes. `pipeline_loss_and_grads` walks its ticks in one `lax.scan` inside a
 A forward keeps its chunk's `jax.vjp` residuals in a slot of a buffer of
 `schedule.res_slots` entries (1F1B: `stages`, GPipe: `microbatches`): only residuals that
 depend on the microbatch (`dependence.py`); the weight-only ones (the weights, reshaped
-weights) the backward recomputes from the live weights. The head (final norm, output layer,
-cross-entropy) and the input embedding run in phases all stages join, on the ticks the
-schedule says, so vocabulary parallelism (`vocab.py`: both split over `stage`, or over
-`stage` x `tensor` where the layout has a tensor size) runs inside the schedule rather than
-after it. Without it the first and last stage own the (replicated) vocabulary layers and
-the other stages skip those phases. Evaluation
+weights) the backward recomputes from the live weights. Zero-bubble schedules (ZB-H1,
+ZBV) split the backward into an input-gradient pass B and a weight-gradient pass W: the
+chunk's backward jaxpr unzipped by partial evaluation (`_Chunk._split`), B handing W the
+cotangents it needs in a stash slot; a schedule whose chunks do not sit where the layout
+keeps them (ZBV's V) gets them by one ppermute per virtual row a step.
+
+The head (final norm, output layer, cross-entropy) and the input embedding run in phases
+all stages join, on the ticks the schedule says, so vocabulary parallelism (`vocab.py`:
+both split over `stage`, or over `stage` x `tensor` where the layout has a tensor size)
+runs inside the schedule rather than after it. Without it the first and last stage own
+the (replicated) vocabulary layers and the other stages skip those phases. Evaluation
 (`pipeline_loss`) runs the schedule's forwards only.
 
 Loss and gradients are those of the summed token loss; the caller divides once by the
@@ -265,7 +270,7 @@ class _Chunk:
       known, unknown, out_unknown, stash = pe.partial_eval_jaxpr_nounits(
           jax_core.ClosedJaxpr(jaxpr, closed.consts), weight_only, False)
       assert not out_unknown[0], "the input gradient reads no weight-only residual"
-      self._splits[key] = _Split(tree, weight_only, out_unknown, known, unknown,
+      self._splits[key] = _Split(weight_only, out_unknown, known, unknown,
                                  [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in stash])
     return self._splits[key]
 
@@ -299,7 +304,6 @@ class _Chunk:
 @dataclasses.dataclass(frozen=True)
 class _Split:
   """A chunk backward unzipped into B (`known`) and W (`unknown`) jaxprs (see _Chunk._split)."""
-  tree: Any
   weight_only: list[bool]  # per flat (params, residuals, dy, mb) input: read by W alone
   out_unknown: list[bool]  # per output (dx, *dparams leaves): computed by W
   known: Any
@@ -328,10 +332,11 @@ class _VocabLayers:
   """Input embedding and head (final norm, output layer, summed cross-entropy) per microbatch.
 
   Replicated: stage 0 embeds, the head's stage (the last chunk's: the last stage, or
-  stage 0 in a V) runs the head; others skip (per-device branch). Vocabulary-parallel: every stage runs its vocab shard and one collective joins
-  them. Over stage x tensor, `tensor` (automatic in the executor) is taken by hand around
-  the vocab functions, so each device runs its own 1 / (stages x tensor) of the vocabulary
-  and their collectives span both axes; the broadcasts of hidden states stay over `stage`.
+  stage 0 in a V) runs the head; others skip (per-device branch). Vocabulary-parallel:
+  every stage runs its vocab shard and one collective joins them. Over stage x tensor,
+  `tensor` (automatic in the executor) is taken by hand around the vocab functions, so
+  each device runs its own 1 / (stages x tensor) of the vocabulary and their collectives
+  span both axes; the broadcasts of hidden states stay over `stage`.
   """
 
   def __init__(self, cfg, layout: Layout, algorithm: int, mesh, head_stage: int):

@@ -20,8 +20,9 @@ gradient stays until its weight gradient too). This module is pure numpy so it i
 anywhere, fast; the executor only reads the tables.
 
 Ticks assume every action costs the same; `timed(schedule, Costs(...))` gives the time
-they take when they do not (forward, backward, and its input and weight halves), run asynchronously (each stage starts an op as soon as
-its inputs arrive) or in lock step (the executor: a tick lasts its slowest action).
+they take when they do not (forward, backward, and its input and weight halves), run
+asynchronously (each stage starts an op as soon as its inputs arrive) or in lock step
+(the executor: a tick lasts its slowest action).
 
 Example:
   sched = make_schedule("1f1b", stages=4, microbatches=8)
