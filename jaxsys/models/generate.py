@@ -83,7 +83,8 @@ def pad_prompts(prompts: Sequence[Sequence[int]], padding: str = "right", pad_id
   _check_choice("padding", padding, PADDINGS)
   lengths = np.array([len(p) for p in prompts], np.int32)
   if not len(prompts) or lengths.min() < 1:
-    raise ValueError(f"generate: every prompt needs at least one token; got lengths {lengths.tolist()}")
+    raise ValueError("generate: every prompt needs at least one token; got lengths "
+                     f"{lengths.tolist()}")
   out = np.full((len(prompts), lengths.max()), pad_id, np.int32)
   for row, (p, n) in enumerate(zip(prompts, lengths)):
     if padding == "right":

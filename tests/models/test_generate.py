@@ -16,6 +16,10 @@ from jaxsys.quant import ptq, rules
 
 CFG = transformer.TransformerConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                                     d_ff=64)
+MIXED_RULES = (rules.Rule("layers/(wq|wk|wv)", "w8a8_int8"),  # every format in one model
+               rules.Rule("layers/(wo|w_gate)", "w8a8_fp8"),
+               rules.Rule("layers/(w_up|w_down)", "w4a16", group_size=16),
+               rules.Rule("unembedding", "w8a8_int8"))
 LENGTHS = (5, 9, 1, 7)  # one batch, prompts of different lengths
 NEW = 6
 
@@ -88,11 +92,16 @@ class GenerateTest(parameterized.TestCase):
       np.testing.assert_array_equal(out.tokens[b, stop:], eos)  # after EOS: EOS again
     self.assertLessEqual(int(out.lengths[0]), 3)
 
-  @parameterized.product(scheme=qm.SCHEMES, impl=("xla", "pallas"))
+  @parameterized.parameters(*[dict(scheme=s, impl="xla") for s in (*qm.SCHEMES, "mixed")],
+                            dict(scheme="mixed", impl="pallas"))
   def test_quantized_matches_its_own_full_recompute(self, scheme, impl):
-    # The LM head too: the quantized unembedding runs through qmatmul as well.
-    q = ptq.quantize_params(CFG, _params(CFG), rules.default_rules(scheme, group_size=16,
-                                                                   head=True))
+    # The LM head too: the quantized unembedding runs through qmatmul as well. "mixed" has
+    # all three formats in one model (one compile for the slow interpret-mode kernels).
+    rule_set = MIXED_RULES if scheme == "mixed" else rules.default_rules(scheme, group_size=16,
+                                                                          head=True)
+    q = ptq.quantize_params(CFG, _params(CFG), rule_set)
+    self.assertEqual({w.scheme for w in q["layers"].values() if isinstance(w, qm.QWeight)},
+                     set(qm.SCHEMES) if scheme == "mixed" else {scheme})
     rows, prompts, lengths = _prompts()
     out = gen.generate(CFG, q, prompts, lengths, max_new_tokens=3, qmatmul_impl=impl,
                        return_logits=True)
@@ -170,7 +179,8 @@ class GenerateTest(parameterized.TestCase):
       (dict(eos_id=64), "eos_id=64 must be an int in [0, 63]"),
       (dict(lengths=[5, 10, 1, 7]), "lengths must be in [1, T=9] (the prompts' width)"),
       (dict(lengths=[5, 9, 1]), "lengths must be an int array [B=4]"),
-      (dict(prompts=np.full((4, 9), 64)), "prompt tokens must be in [0, 64) (the model's vocab_size)"),
+      (dict(prompts=np.full((4, 9), 64)),
+       "prompt tokens must be in [0, 64) (the model's vocab_size)"),
   )
   def test_bad_input_is_one_line(self, kwargs, message):
     _, prompts, lengths = _prompts()
