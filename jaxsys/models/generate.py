@@ -239,11 +239,13 @@ def generate(cfg: transformer.TransformerConfig, params: dict[str, Any], prompts
     if sampling.temperature:
       raise ValueError("generate: sampling with temperature > 0 needs a key (jax.random.key(seed))")
     key = jax.random.key(0)
+  if mesh is not None:  # a batch or head count the mesh does not divide: one line, up front
+    cache_shape = (cfg.n_layers, prompts.shape[0], max_len, cfg.n_kv_heads, cfg.hd)
+    mesh_lib.logical_to_partition_spec(CACHE_AXES, mesh, shape=cache_shape)
+    spec = mesh_lib.logical_to_partition_spec(("batch", None), mesh, shape=prompts.shape)
+    prompts = jax.device_put(prompts, NamedSharding(mesh, spec))
+    lengths = jax.device_put(lengths, NamedSharding(mesh, PartitionSpec(spec[0])))
   fn = _compiled(cfg, max_new_tokens, max_len, sampling, eos_id, qmatmul_impl, return_logits, mesh)
-  if mesh is not None:
-    batch = NamedSharding(mesh, mesh_lib.logical_to_partition_spec(("batch",), mesh))
-    prompts = jax.device_put(prompts, NamedSharding(mesh, PartitionSpec(*batch.spec, None)))
-    lengths = jax.device_put(lengths, batch)
   return fn(params, prompts, lengths, key)
 
 
