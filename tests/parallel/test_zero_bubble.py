@@ -133,3 +133,28 @@ def test_context_axis():
   loss, grads = _run(cfg, params, batch, "stage=2,context=2,data=2", "zb_h1", 2)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
   assert_close(grads, ref_grads)
+
+
+def test_training_run_with_zbv(make_config, tmp_path):
+  """A run configured with pipeline.schedule=zbv (the V over stage=2, VP, eval) trains as
+  the unpipelined run does: same losses, validation loss and canonical parameters."""
+  import os
+
+  import chex
+  from jaxsys import metrics as metrics_lib
+  from jaxsys.train import loop
+  from tests.train.test_pipelined import _saved_params
+  kw = dict(log_every=1, eval_every=3, eval_steps=1, checkpoint_every=100, total_steps=3,
+            optimizer__schedule_steps=3, model__n_layers=4)
+  straight, v = str(tmp_path / "straight"), str(tmp_path / "v")
+  a = loop.train_and_evaluate(make_config(mesh="data=-1", **kw), straight)
+  b = loop.train_and_evaluate(make_config(
+      mesh="stage=2,data=-1", pipeline__schedule="zbv", pipeline__virtual_stages=2,
+      pipeline__microbatches=2, pipeline__vocab_parallel=True, **kw), v)
+  losses = lambda w: [r["loss"] for r in metrics_lib.read_metrics(w) if "loss" in r]
+  assert len(losses(v)) == 3
+  np.testing.assert_allclose(losses(v), losses(straight), rtol=1e-5)
+  np.testing.assert_allclose(b["val_loss"], a["val_loss"], rtol=1e-5)
+  chex.assert_trees_all_close(_saved_params(v, 3)["params"], _saved_params(straight, 3)["params"],
+                              atol=1e-5)
+  assert os.path.isdir(os.path.join(v, "checkpoints"))
