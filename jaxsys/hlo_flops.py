@@ -100,9 +100,8 @@ def _conv_flops(out_dims, lhs_dims, rhs_dims, attributes: str, labels: str) -> f
   return 2.0 * batch_and_features * features * taps
 
 
-def dot_flops(hlo_text: str, *, matmuls: bool = True, kernels: bool = True) -> float:
-  """FLOPs of the ENTRY computation of `hlo_text` (a compiled program's `as_text()`): its
-  matmuls (dots, convolutions) and its TPU kernels, or either alone."""
+def _parse(hlo_text: str) -> tuple[dict[str, list[str]], str, dict[str, tuple[int, ...]]]:
+  """The computations of `hlo_text` (name -> lines), the ENTRY's name and every value's dims."""
   bodies: dict[str, list[str]] = {}
   entry, name = None, None
   for line in hlo_text.splitlines():
@@ -119,7 +118,11 @@ def dot_flops(hlo_text: str, *, matmuls: bool = True, kernels: bool = True) -> f
     raise ValueError("dot_flops: no ENTRY computation in the HLO text")
   shapes = {m[1]: _dims(m[3]) for lines in bodies.values() for m in map(_INSTRUCTION.match, lines)
             if m}
+  return bodies, entry, shapes
 
+
+def _costs(bodies, shapes, matmuls: bool = True, kernels: bool = True):
+  """A computation's FLOPs, its loops' bodies times their trip counts (once if unknown)."""
   @functools.cache
   def cost(computation: str) -> float:
     total = 0.0
@@ -146,5 +149,22 @@ def dot_flops(hlo_text: str, *, matmuls: bool = True, kernels: bool = True) -> f
       for called in _CALLS.findall(line):
         total += trips * cost(called)
     return total
+  return cost
 
-  return cost(entry)
+
+def dot_flops(hlo_text: str, *, matmuls: bool = True, kernels: bool = True) -> float:
+  """FLOPs of the ENTRY computation of `hlo_text` (a compiled program's `as_text()`): its
+  matmuls (dots, convolutions) and its TPU kernels, or either alone."""
+  bodies, entry, shapes = _parse(hlo_text)
+  return _costs(bodies, shapes, matmuls, kernels)(entry)
+
+
+def loops_of_unknown_length(hlo_text: str) -> int:
+  """While loops that run FLOPs but whose trip count the HLO does not fix (e.g. a
+  blockwise attention's loop over the key blocks a causal query block needs, bounds that
+  are values): `dot_flops` counts each body once, so it is then a lower bound."""
+  bodies, _, shapes = _parse(hlo_text)
+  cost = _costs(bodies, shapes)
+  return sum(1 for lines in bodies.values() for line in lines
+             if " while(" in line and trip_count(line, bodies) is None
+             and cost(re.search(r"body=%([\w.\-]+)", line)[1]) > 0)

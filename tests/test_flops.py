@@ -67,3 +67,27 @@ def test_hlo_dot_flops_count_every_loop_trip_and_the_dearest_branch():
   assert hlo_flops.dot_flops(branched_hlo) == 3 * one
   with pytest.raises(ValueError, match="no ENTRY"):
     hlo_flops.dot_flops("HloModule m")
+
+
+def test_loops_of_unknown_length_are_named():
+  """A loop whose bound is a value (a causal block range) is counted once and said to be:
+  the count is then a lower bound; a loop of fixed length is not."""
+  import jax
+  import jax.numpy as jnp
+
+  from jaxsys import hlo_flops
+
+  x, w = jnp.ones((16, 32)), jnp.ones((32, 32))
+  one = 2 * 16 * 32 * 32
+
+  def looped(x, w, n):
+    return jax.lax.fori_loop(0, n, lambda i, h: jnp.tanh(h @ w), x)
+
+  fixed = jax.jit(looped, static_argnums=2).lower(x, w, 5).compile().as_text()
+  assert hlo_flops.loops_of_unknown_length(fixed) == 0
+  dynamic = jax.jit(looped).lower(x, w, 5).compile().as_text()
+  assert hlo_flops.dot_flops(dynamic) == one  # the body once: all the HLO can say
+  assert hlo_flops.loops_of_unknown_length(dynamic) == 1
+  without_flops = jax.jit(lambda x, n: jax.lax.fori_loop(0, n, lambda i, h: jnp.tanh(h), x)
+                          ).lower(x, 5).compile().as_text()
+  assert hlo_flops.loops_of_unknown_length(without_flops) == 0

@@ -43,6 +43,8 @@ class Program:
   flops: float  # the HLO's dots and Pallas kernels, loops counted in full
   kernel_flops: float  # of which the Pallas TPU kernels' (their own cost estimates)
   kernel_calls: int  # Pallas kernels in the program: Mosaic (TPU) or Triton (GPU) calls
+  unknown_loops: int  # loops with FLOPs whose trip count is a value: counted once, so
+  # `flops` is then a lower bound
   xla_flops: float  # cost_analysis (a loop body counted once); 0 where XLA gives none (GPU)
   bytes_accessed: float  # cost_analysis
   collective_bytes: dict[str, int]  # sent per device, by kind, loops counted in full
@@ -98,6 +100,7 @@ def measure(name: str, compiled, slice_: chips.Slice) -> Program:
                  memory.alias_size_in_bytes, memory.temp_size_in_bytes,
                  memory.generated_code_size_in_bytes, hlo_flops.dot_flops(hlo),
                  hlo_flops.dot_flops(hlo, matmuls=False), len(_KERNEL_CALLS.findall(hlo)),
+                 hlo_flops.loops_of_unknown_length(hlo),
                  float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0)),
                  {k: v for k, v in sent.items() if v})
 
@@ -162,11 +165,18 @@ def model_flops_per_step(run: RunConfig, attention: bool = True) -> float:
   return per_token * run.data.batch_size * seq
 
 
+def step_bound(run: RunConfig, train: Program) -> float:
+  """A lower bound on the train step's time: its roofline, and never less than the model's
+  own FLOPs at the slice's peak (what the compiled count misses in loops of unknown length)."""
+  return max(train.seconds,
+             model_flops_per_step(run) / (train.slice.chips * train.slice.chip.bf16_flops))
+
+
 def mfu_ceiling(run: RunConfig, train: Program) -> float:
-  """The MFU the train step's roofline bound allows: model FLOPs over the slice's peak for
-  that long."""
+  """The MFU the train step's lower bound on time allows: model FLOPs over the slice's peak
+  for that long."""
   chip = train.slice.chip
-  return model_flops_per_step(run) / (train.slice.chips * chip.bf16_flops * train.seconds)
+  return model_flops_per_step(run) / (train.slice.chips * chip.bf16_flops * step_bound(run, train))
 
 
 # What makes a step need less HBM per chip, in the order it usually costs least.
@@ -189,12 +199,14 @@ def summary(run: RunConfig, setup: Setup, programs: list[Program | Overflow]) ->
     out["programs"][p.name] = {
         "fits": p.fits, "peak_bytes": p.peak_bytes, "hbm_bytes": p.hbm_bytes,
         "temp_bytes": p.temp_bytes, "flops": p.flops, "kernel_flops": p.kernel_flops,
-        "collective_bytes": p.collective_bytes, "seconds": p.seconds,
+        "unknown_loops": p.unknown_loops, "collective_bytes": p.collective_bytes,
+        "seconds": p.seconds,
         "bound_seconds": p.bound_seconds()}
   train = programs[0]
   if isinstance(train, Program) and train.name == "train step":
     out["model_flops"] = model_flops_per_step(run)
     out["flops_over_model"] = train.flops * len(s.devices) / out["model_flops"]
+    out["step_seconds"] = step_bound(run, train)
     out["mfu_ceiling"] = mfu_ceiling(run, train)
   return out
 
@@ -234,7 +246,9 @@ def report(run: RunConfig, setup: Setup, programs: list[Program]) -> str:
               f"{_gib(p.alias_bytes)}), temporaries {_gib(p.temp_bytes)}, code "
               f"{_gib(p.code_bytes)}",
               f"  FLOPs {p.flops:.4g} (matmuls and Pallas kernels, loops in full; of "
-              f"which kernels {p.kernel_flops:.4g}, {p.kernel_calls} kernel calls); "
+              f"which kernels {p.kernel_flops:.4g}, {p.kernel_calls} kernel calls"
+              + (f"; {p.unknown_loops} loops of unknown length counted once: a lower bound"
+                 if p.unknown_loops else "") + "); "
               + (f"XLA cost analysis {p.xla_flops:.4g} FLOPs, {p.bytes_accessed:.4g} bytes "
                  "accessed" if p.xla_flops else "no XLA cost analysis for this target: the HBM "
                  "bound is left out, Triton kernels' FLOPs are not counted"),
