@@ -1,34 +1,24 @@
-r"""Will it fit: a table of real model sizes compiled for TPU slices, made by one command.
+r"""Will it fit: a table of real model sizes compiled for TPU slices and GPUs, one command.
 
   python -m experiments.will_it_fit --out=/tmp/fit              # the docs' table
   python -m experiments.will_it_fit --search --config=llama3:size=8b --topology=v5p-128 \
-      --out=/tmp/search                                         # rank the layouts
+      --override=model.remat=full --out=/tmp/search             # rank the layouts
 
-Each row is one `experiments.compile` run in its own process (a compiler that aborts ends
-that process, not the table; a row that takes over `--timeout` seconds is reported as such)
-with `--json`, so the table holds exactly what the compile command reports: per-chip memory
-of the train step against HBM, compiled FLOPs over 6N + causal attention, the roofline
-bound and its MFU ceiling, and MaxText's published MFU where it publishes one for the same
-model and chip. `--search` enumerates the meshes of fsdp x tensor x stage (1F1B with
-vocabulary parallelism) a slice allows, compiles each and ranks those that fit by their
-roofline bound. Writes `<out>.md` and `<out>.json`.
+The rows and how each is compiled: `jaxsys/train/will_it_fit.py`. `--search` compiles every
+fsdp x tensor x stage mesh (1F1B with vocabulary parallelism) the model can take on the
+slice and ranks those that fit by their step's lower bound. Writes `<out>.md` and
+`<out>.json`.
 """
-from __future__ import annotations
-
 import dataclasses
 import json
-import math
-import os
-import subprocess
-import sys
-import tempfile
-import time
 
 from absl import app, flags
 
+from jaxsys.train import will_it_fit as fit
+
 _OUT = flags.DEFINE_string("out", "/tmp/jaxsys_will_it_fit", "Writes <out>.md and <out>.json.")
 _TIMEOUT = flags.DEFINE_integer("timeout", 900, "Seconds one row may compile.")
-_ONLY = flags.DEFINE_string("only", None, "Rows whose label contains this text.")
+_ONLY = flags.DEFINE_string("only", None, "Rows whose label or slice contains this text.")
 _SEARCH = flags.DEFINE_bool("search", False, "Rank the layouts of --config on --topology "
                             "instead of the docs' table.")
 _CONFIG = flags.DEFINE_string("config", "llama3:size=8b", "With --search: the config.")
@@ -36,152 +26,21 @@ _TOPOLOGY = flags.DEFINE_string("topology", "v5p-128", "With --search: the slice
 _EXTRA = flags.DEFINE_multi_string("override", [], "With --search: a --config.* override "
                                    "every layout gets (e.g. model.remat=full).")
 
-# MaxText's published MFU (maxtext.readthedocs.io, reference/models/tiering, v0.2.x: Trillium
-# Gold tier, 256 chips, bf16, sequence 8,192): measured on the chips, so set beside our
-# ceilings it says how far below a bound a tuned run lands, not which framework is faster.
-MAXTEXT_MFU = {("8b", "v6e-256"): 0.4546, ("70b", "v6e-256"): 0.5033}
-
-
-@dataclasses.dataclass(frozen=True)
-class Row:
-  label: str
-  size: str
-  topology: str
-  overrides: tuple[str, ...]
-
-  def args(self) -> list[str]:
-    return [f"--config=llama3:size={self.size}", f"--topology={self.topology}",
-            *(f"--config.{o}" for o in self.overrides)]
-
-
-PIPELINE = ("pipeline.schedule=1f1b", "pipeline.vocab_parallel=true", "pipeline.microbatches=8")
-ROWS = (
-    Row("8B, FSDP", "8b", "v5p-128", ("mesh=fsdp=64", "model.remat=full")),
-    Row("8B, FSDP, remat off, 2 accumulation steps", "8b", "v5p-128",
-        ("mesh=fsdp=64", "model.remat=none", "optimizer.grad_accum_steps=2")),
-    Row("8B, 1F1B pipeline + VP, gathered once", "8b", "v5p-128",
-        ("mesh=stage=4,fsdp=16", "model.remat=full", *PIPELINE, "pipeline.gather_once=true")),
-    Row("8B, ring attention at 128k tokens", "8b", "v5p-128",
-        ("mesh=fsdp=4,context=16", "model.remat=full", "data.seq_len=131072",
-         "data.batch_size=8", "data.max_len=131072")),
-    Row("8B, DiLoCo replicas", "8b", "v5p-128",
-        ("mesh=replica=2,fsdp=32", "model.remat=full", "optimizer.outer=diloco")),
-    Row("8B, FSDP", "8b", "v6e-256", ("mesh=fsdp=256", "model.remat=full",
-                                      "data.batch_size=256")),
-    Row("70B, FSDP", "70b", "v5p-256", ("mesh=fsdp=128", "model.remat=full")),
-    Row("70B, FSDP", "70b", "v6e-256", ("mesh=fsdp=256", "model.remat=full",
-                                        "data.batch_size=256")),
-    Row("1B, FSDP", "1b", "v5e-16", ("mesh=fsdp=16", "model.remat=full")),
-    Row("1B, FSDP", "1b", "v5e-64", ("mesh=fsdp=64", "model.remat=full")),
-)
-
-
-def compile_row(row: Row, timeout: int) -> dict:
-  """The compile command's JSON for `row`, or {"failed": why} in one line."""
-  with tempfile.TemporaryDirectory() as tmp:
-    out = os.path.join(tmp, "report.json")
-    start = time.perf_counter()
-    try:
-      done = subprocess.run([sys.executable, "-m", "experiments.compile", *row.args(),
-                             f"--json={out}"], capture_output=True, text=True, timeout=timeout,
-                            check=False)
-    except subprocess.TimeoutExpired:
-      return {"failed": f"not compiled within {timeout} s"}
-    if done.returncode == 0 and os.path.exists(out):
-      with open(out, encoding="utf-8") as f:
-        return json.load(f)
-    return {"failed": _why(done.stderr + done.stdout, done.returncode),
-            "seconds": time.perf_counter() - start}
-
-
-def _why(log: str, code: int) -> str:
-  """One line for a compile that failed: its `error:` line, the compiler's failed check, or
-  the exit code."""
-  lines = [l.strip() for l in log.splitlines() if l.strip()]
-  for marker in ("error:", "Check failed", "RESOURCE_EXHAUSTED"):
-    found = [l for l in lines if marker in l]
-    if found:
-      return found[0][:300]
-  return f"exit code {code}: {lines[-1][:200] if lines else 'no output'}"
-
-
-def _gib(n: float) -> str:
-  return f"{n / 2 ** 30:.2f}"
-
-
-def cells(row: Row, report: dict) -> list[str]:
-  """The table's cells of one compiled row."""
-  layout = ", ".join(row.overrides).replace("mesh=", "")
-  if "failed" in report:
-    return [row.label, row.topology, f"`{layout}`", f"failed: {report['failed']}", "-", "-", "-",
-            "-", "-"]
-  train = next(iter(report["programs"].values()))
-  if "peak_bytes" in train:
-    fits = "fits" if train["fits"] else "DOES NOT FIT"
-    memory = f"{_gib(train['peak_bytes'])} of {_gib(train['hbm_bytes'])} GiB ({fits})"
-  else:
-    memory = (f"needs {_gib(train['needed_bytes'])} GiB of temporaries, "
-              f"{_gib(train['needed_bytes'] - train['hbm_bytes'])} over")
-  ok = train.get("fits") and "mfu_ceiling" in report
-  maxtext = MAXTEXT_MFU.get((row.size, row.topology))
-  at_least = ">= " if train.get("unknown_loops") else ""  # loops counted once
-  return [row.label, row.topology, f"`{layout}`", memory,
-          f"{at_least}{report['flops_over_model']:.3f}" if ok else "-",
-          f"{report['step_seconds']:.3g} s" if ok else "-",
-          f"{report['mfu_ceiling']:.1%}" if ok else "-",
-          f"{maxtext:.1%}" if maxtext else "-", f"{report.get('compile_seconds', 0):.0f} s"]
-
-
-HEADER = ["model", "slice", "layout", "train step memory per chip", "compiled FLOPs / model",
-          "roofline step", "MFU ceiling", "MaxText MFU (measured)", "compile"]
-
-
-def markdown(rows: list[Row], reports: list[dict]) -> str:
-  lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
-  lines += ["| " + " | ".join(cells(r, rep)) + " |" for r, rep in zip(rows, reports)]
-  return "\n".join(lines)
-
-
-def search_rows(size: str, topology: str, extra: tuple[str, ...]) -> list[Row]:
-  """fsdp x tensor x stage meshes of the slice's devices (tensor up to the KV heads, stages
-  dividing the layers), each a row."""
-  from configs import llama3  # pylint: disable=import-outside-toplevel
-  from jaxsys import chips  # pylint: disable=import-outside-toplevel
-  _, layers, _, kv, *_ = llama3.SIZES[size]
-  chip, shape = chips.parse(topology)
-  devices = math.prod(int(n) for n in shape.split("x"))  # one jax device per chip
-  rows = []
-  for tensor in (1, 2, 4, 8):
-    for stage in (1, 2, 4, 8):
-      if devices % (tensor * stage) or kv % tensor or layers % stage:
-        continue
-      fsdp = devices // (tensor * stage)
-      mesh = ",".join(f"{a}={n}" for a, n in (("stage", stage), ("fsdp", fsdp),
-                                             ("tensor", tensor)) if n > 1)
-      pipe = (*PIPELINE, "pipeline.gather_once=true") if stage > 1 else ()
-      rows.append(Row(f"{size.upper()}, {mesh}", size, topology, (f"mesh={mesh}", *extra,
-                                                                   *pipe)))
-  del chip
-  return rows
-
 
 def main(argv):
   del argv
   if _SEARCH.value:
     size = _CONFIG.value.partition("size=")[2] or "8b"
-    rows = search_rows(size, _TOPOLOGY.value, tuple(_EXTRA.value))
+    rows = fit.search_rows(size, _TOPOLOGY.value, tuple(_EXTRA.value))
   else:
-    rows = [r for r in ROWS if not _ONLY.value or _ONLY.value in f"{r.label} {r.topology}"]
+    rows = [r for r in fit.ROWS if not _ONLY.value or _ONLY.value in f"{r.label} {r.topology}"]
   reports = []
   for row in rows:
-    reports.append(compile_row(row, _TIMEOUT.value))
-    print(" | ".join(cells(row, reports[-1])), flush=True)
-  if _SEARCH.value:  # those that fit, fastest bound first, then the rest
-    def key(pair):
-      train = next(iter(pair[1].get("programs", {}).values()), {})
-      return (not train.get("fits", False), train.get("seconds", math.inf))
-    rows, reports = map(list, zip(*sorted(zip(rows, reports), key=key)))
-  table = markdown(rows, reports)
+    reports.append(fit.compile_row(row, _TIMEOUT.value))
+    print(" | ".join(fit.cells(row, reports[-1])), flush=True)
+  if _SEARCH.value:
+    rows, reports = fit.ranked(rows, reports)
+  table = fit.markdown(rows, reports)
   with open(_OUT.value + ".md", "w", encoding="utf-8") as f:
     f.write(table + "\n")
   with open(_OUT.value + ".json", "w", encoding="utf-8") as f:
