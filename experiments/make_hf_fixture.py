@@ -1,0 +1,154 @@
+r"""The Hugging Face test fixture: tiny random Llamas that transformers itself builds, saves
+and runs, so the suite checks jaxsys against transformers' numbers without torch.
+
+  pip install -e '.[hf]'   # transformers + torch (CPU)
+  python -m experiments.make_hf_fixture --out=tests/data/hf_fixture
+
+Writes, under --out:
+  untied/   LlamaForCausalLM, float32 safetensors in shards (+ index), config.json,
+            generation_config.json, tokenizer.json, tokenizer_config.json
+  tied/     the same with tie_word_embeddings, head_dim 16 != hidden / heads, more
+            embedding rows than the tokenizer has ids, and bfloat16 safetensors
+  expected.json  versions; per prompt: its text, the ids transformers' tokenizer gives
+            (AutoTokenizer on the directory), and per model the greedy continuation of
+            `model.generate(do_sample=False)` (ids and text) and the smallest gap between
+            the best and second-best logit over its steps
+  expected.npz   per model and prompt, `<model>/<prompt index>`: transformers' float32
+            logits [prompt + continuation tokens, vocab] of the whole greedy sequence
+
+Every expected number comes from the model transformers re-reads from the saved directory
+(`from_pretrained(..., dtype=float32)`), so the files are the ones the numbers belong to.
+Weights are random at unit-scale activations with RMSNorm scales in [0.5, 1.5]: HF's 0.02
+init with unit norms would hide a swapped or mis-laid tensor. Qwen2 is left out: its q/k/v
+biases are not in jaxsys.models.transformer (hf.load refuses it).
+"""
+import json
+import os
+import sysconfig
+
+import numpy as np
+from absl import app, flags
+
+_OUT = flags.DEFINE_string("out", "tests/data/hf_fixture", "Directory the fixture is written to.")
+_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 8, "Greedy tokens generated per prompt.")
+
+# name: LlamaConfig fields; "dtype" and "shard" say how save_pretrained writes it.
+MODELS = {
+    "untied": dict(vocab_size=280, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, rope_theta=10_000.0,
+                   rms_norm_eps=1e-5, tie_word_embeddings=False, dtype="float32",
+                   shard="48KB", seed=0),
+    "tied": dict(vocab_size=296, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 rope_theta=500_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                 dtype="bfloat16", shard=None, seed=1),
+}
+TOKENIZER_VOCAB = 280  # 256 bytes, <s>, </s> and 22 merges
+PROMPTS = ["def fib(n):", "import os", "x", "héllo wörld"]
+
+
+def make_tokenizer():
+  """A byte-level BPE trained on a little stdlib text; its post-processor adds the <s> BOS."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # pylint: disable=import-outside-toplevel
+  root = sysconfig.get_paths()["stdlib"]
+  texts = []
+  for name in ("textwrap.py", "string.py", "this.py"):
+    with open(os.path.join(root, name), encoding="utf-8") as f:
+      texts.append(f.read())
+  tok = Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB, special_tokens=["<s>", "</s>"],
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                show_progress=False)
+  tok.train_from_iterator(texts, trainer=trainer)
+  tok.post_processor = processors.TemplateProcessing(
+      single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+  return tok
+
+
+def _randomize(model, seed: int):
+  import torch  # pylint: disable=import-outside-toplevel
+  gen = torch.Generator().manual_seed(seed)
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if name.endswith("norm.weight"):
+        p.copy_(0.5 + torch.rand(p.shape, generator=gen))
+      else:
+        p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+  return model
+
+
+def make_model(directory: str, spec: dict, tokenizer) -> None:
+  """save_pretrained of a random LlamaForCausalLM and its tokenizer into `directory`."""
+  import torch  # pylint: disable=import-outside-toplevel
+  import transformers  # pylint: disable=import-outside-toplevel
+  spec = dict(spec)
+  dtype, shard, seed = spec.pop("dtype"), spec.pop("shard"), spec.pop("seed")
+  bos, eos = tokenizer.token_to_id("<s>"), tokenizer.token_to_id("</s>")
+  config = transformers.LlamaConfig(**spec, bos_token_id=bos, eos_token_id=eos,
+                                    max_position_embeddings=256)
+  torch.manual_seed(seed)
+  model = _randomize(transformers.LlamaForCausalLM(config), seed).to(getattr(torch, dtype))
+  model.save_pretrained(directory, **({"max_shard_size": shard} if shard else {}))
+  fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>",
+                                              eos_token="</s>")
+  fast.save_pretrained(directory)
+
+
+def run_model(directory: str, ids: list[list[int]], max_new_tokens: int):
+  """transformers' greedy continuation of each prompt, the smallest top-1/top-2 logit gap
+  over its steps, and the float32 logits of the whole sequence (prompt + continuation)."""
+  import torch  # pylint: disable=import-outside-toplevel
+  import transformers  # pylint: disable=import-outside-toplevel
+  model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+  eos = model.config.eos_token_id
+  rows, logits = [], []
+  for prompt in ids:
+    x = torch.tensor([prompt])
+    with torch.no_grad():
+      out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                           max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos,
+                           output_logits=True, return_dict_in_generate=True)
+      new = out.sequences[0, len(prompt):].tolist()
+      top2 = torch.stack(out.logits)[:, 0].float().topk(2, dim=-1).values
+      full = model(out.sequences).logits[0].float().numpy()
+    rows.append({"ids": new, "gap": float((top2[:, 0] - top2[:, 1]).min())})
+    logits.append(full)
+  return rows, logits
+
+
+def main(argv):
+  del argv
+  import tokenizers  # pylint: disable=import-outside-toplevel
+  import torch  # pylint: disable=import-outside-toplevel
+  import transformers  # pylint: disable=import-outside-toplevel
+  out = _OUT.value
+  tokenizer = make_tokenizer()
+  expected = {"transformers": transformers.__version__, "torch": torch.__version__,
+              "tokenizers": tokenizers.__version__, "max_new_tokens": _NEW_TOKENS.value,
+              "prompts": [], "models": {}}
+  arrays = {}
+  for name, spec in MODELS.items():
+    directory = os.path.join(out, name)
+    make_model(directory, spec, tokenizer)
+  auto = transformers.AutoTokenizer.from_pretrained(os.path.join(out, "untied"))
+  ids = [auto(text)["input_ids"] for text in PROMPTS]
+  expected["prompts"] = [{"text": t, "ids": i} for t, i in zip(PROMPTS, ids)]
+  for name in MODELS:
+    rows, logits = run_model(os.path.join(out, name), ids, _NEW_TOKENS.value)
+    for row in rows:
+      row["text"] = auto.decode(row["ids"])
+    expected["models"][name] = rows
+    arrays.update({f"{name}/{i}": x for i, x in enumerate(logits)})
+    print(f"{name}: continuations {[r['ids'] for r in rows]}, smallest top-1/top-2 gap "
+          f"{min(r['gap'] for r in rows):.3f}")
+  with open(os.path.join(out, "expected.json"), "w") as f:
+    json.dump(expected, f, indent=1, ensure_ascii=False)
+  np.savez_compressed(os.path.join(out, "expected.npz"), **arrays)
+  total = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(out) for f in fs)
+  print(f"wrote {out}: {total / 1024:.0f} KB")
+
+
+if __name__ == "__main__":
+  app.run(main)
