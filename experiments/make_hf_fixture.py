@@ -49,7 +49,8 @@ PROMPTS = ["def fib(n):", "import os", "x", "héllo wörld"]
 
 def make_tokenizer():
   """A byte-level BPE trained on a little stdlib text; its post-processor adds the <s> BOS."""
-  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # pylint: disable=import-outside-toplevel
+  # pylint: disable-next=import-outside-toplevel
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
   root = sysconfig.get_paths()["stdlib"]
   texts = []
   for name in ("textwrap.py", "string.py", "this.py"):
