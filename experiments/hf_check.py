@@ -6,7 +6,7 @@ For each model (random weights of unit-scale activations, norm scales in [0.5, 1
 save_pretrained (sharded), import (jaxsys/checkpoint/hf.py) and compare the logits
 with transformers' forward in float32, and in bfloat16 (params and compute); export the
 imported model and compare the logits transformers computes from it; re-import the export
-and compare the parameters. Needs torch and transformers (the `dev` extra).
+and compare the parameters. Needs torch and transformers (the `hf` extra: pip install -e '.[hf]').
 """
 import dataclasses
 import os

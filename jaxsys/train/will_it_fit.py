@@ -119,7 +119,7 @@ def cells(row: Row, report: dict) -> list[str]:
 
 
 HEADER = ["model", "slice", "layout", "train step memory per chip", "compiled FLOPs / model",
-          "roofline step", "MFU ceiling", "MaxText MFU (measured)", "compile"]
+          "step >= (roofline)", "MFU ceiling", "MaxText MFU (measured)", "compile"]
 
 
 def markdown(rows: list[Row], reports: list[dict]) -> str:
