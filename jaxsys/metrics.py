@@ -8,6 +8,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any, NamedTuple
 
@@ -171,9 +172,43 @@ def _late_write_callback(unraisable) -> bool:
           and tb is not None and tb.tb_frame.f_code.co_name == "_check_closed")
 
 
+# How jax's CUDA plugin (the gpu-compile extra) says, as it registers, that this host has no
+# CUDA: its driver stub's note, or (when JAX_PLATFORMS does not rule CUDA out) its version
+# check's traceback. Then everything written is about that.
+_NO_CUDA = ("cudart_stub.cc:31] Could not find cuda drivers", "in _check_cuda_versions")
+
+
+def _register_plugins_quietly() -> None:
+  """Registers jax's PJRT plugins now (jax does it at the first backend use) with stderr set
+  aside, and passes on what they wrote unless it is the CUDA plugin finding no CUDA driver
+  (a GPU compile target needs none), so a binary's first line is its own. Backends are not
+  started (`jax.distributed` may still follow); without this private hook of jax, nothing
+  happens."""
+  from jax._src import xla_bridge  # pylint: disable=import-outside-toplevel
+  register = getattr(xla_bridge, "_discover_and_register_pjrt_plugins", None)
+  if register is None:
+    return
+  sys.stderr.flush()
+  with tempfile.TemporaryFile() as aside:
+    saved = os.dup(2)
+    os.dup2(aside.fileno(), 2)
+    try:
+      register()
+    finally:
+      sys.stderr.flush()
+      os.dup2(saved, 2)
+      os.close(saved)
+    aside.seek(0)
+    written = aside.read().decode(errors="replace")
+  if written and not any(note in written for note in _NO_CUDA):
+    sys.stderr.write(written)
+
+
 def quiet_library_logs() -> None:
-  """For experiment binaries: keep library INFO lines out of the absl log, and the
-  tracebacks a failed save would print by the hundred out of stderr (idempotent)."""
+  """For experiment binaries: keep library INFO lines out of the absl log, the CUDA plugin's
+  notes on a GPU-less host out of stderr, and the tracebacks a failed save would print by
+  the hundred out of stderr (idempotent)."""
+  _register_plugins_quietly()
   handler = logging.get_absl_handler()
   if not any(isinstance(f, _QuietLibraries) for f in handler.filters):
     handler.addFilter(_QuietLibraries())
