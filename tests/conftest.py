@@ -72,6 +72,7 @@ SLOW = (
     "tests/train/test_replicas.py::test_resume_is_exact_with_outer_state",
     "tests/train/test_step.py::TrainStepTest::test_context_parallel_equals_data_parallel",
     "tests/train/test_step.py::TrainStepTest::test_sharded_equals_single_device",
+    "tests/train/test_aot.py::test_the_gpu_kernels_are_chosen_for_the_gpus",
     "tests/parallel/test_zero_bubble.py::test_training_run_with_zbv",
     "tests/parallel/test_zero_bubble.py::test_split_backward_does_the_work_once",
     "tests/parallel/test_zero_bubble.py::test_context_axis",
