@@ -18,11 +18,6 @@ def _run(module, *flags):
                         text=True, timeout=300)
 
 
-def _samples(stdout: str) -> list[str]:
-  """The printed samples (each '--- sample i' header and its text), without the rate line."""
-  return [line for line in stdout.splitlines() if not line.startswith("--- 2-layer")]
-
-
 def test_generate_from_a_trained_run(small_corpus, tmp_path):
   train = _run("experiments.train", "--config=configs/tiny_lm.py:size=test",
                f"--config.data.source={small_corpus}", "--config.data.num_threads=0",
@@ -30,8 +25,7 @@ def test_generate_from_a_trained_run(small_corpus, tmp_path):
                "--config.checkpoint_every=0")
   assert train.returncode == 0, train.stderr[-3000:]
 
-  # Greedy with the KV cache on a data=4,tensor=2 mesh prints what re-running the whole
-  # prefix every step prints.
+  # Greedy with the KV cache on a data=4,tensor=2 mesh prints the library's continuation.
   cached = _run("experiments.generate", f"--workdir={tmp_path}", *PROMPTS, "--max_new_tokens=12",
                 "--mesh=data=4,tensor=2")
   assert cached.returncode == 0, cached.stderr[-3000:]
@@ -43,10 +37,8 @@ def test_generate_from_a_trained_run(small_corpus, tmp_path):
     text = prompt + ByteTokenizer().decode(np.asarray(out.tokens[0]))
     assert f"--- sample {i}: 12 new tokens ---\n{text}\n" in cached.stdout
   assert "KV cache, batch 4: 48 tokens in" in cached.stdout
-  recomputed = _run("experiments.generate", f"--workdir={tmp_path}", *PROMPTS,
-                    "--max_new_tokens=12", "--no_cache")
-  assert recomputed.returncode == 0, recomputed.stderr[-3000:]
-  assert _samples(recomputed.stdout) == _samples(cached.stdout)
+  # (--no_cache prints the same: generate.greedy_without_cache equals the cached decoder in
+  # tests/models/test_generate.py; a process fewer here.)
 
   quantized = _run("experiments.generate", f"--workdir={tmp_path}", *PROMPTS,
                    "--max_new_tokens=12", "--quant=w4a16", "--group_size=32", "--temperature=0.8",
