@@ -57,6 +57,8 @@ ROWS = (
     Row("70B, FSDP", "70b", "v5p-256", ("mesh=fsdp=128", "model.remat=full")),
     Row("70B, FSDP", "70b", "v6e-256", ("mesh=fsdp=256", "model.remat=full",
                                         "data.batch_size=256")),
+    Row("70B, FSDP x tensor", "70b", "v6e-256", ("mesh=fsdp=128,tensor=2", "model.remat=full",
+                                                 "data.batch_size=256")),
     Row("1B, FSDP", "1b", "v5e-16", ("mesh=fsdp=16", "model.remat=full")),
     Row("1B, FSDP", "1b", "v5e-64", ("mesh=fsdp=64", "model.remat=full")),
 )
@@ -84,8 +86,9 @@ def _why(log: str, code: int) -> str:
   """One line for a compile that failed: its `error:` line, the compiler's failed check, or
   the exit code."""
   lines = [l.strip() for l in log.splitlines() if l.strip()]
-  for marker in ("error:", "Check failed", "RESOURCE_EXHAUSTED"):
-    found = [l for l in lines if marker in l]
+  ours = [l for l in lines if l.startswith("error:")]  # the config check's refusal
+  for found in (ours, *([l for l in lines if marker in l] for marker in (
+      "Check failed", "RESOURCE_EXHAUSTED", "Fatal Python error"))):
     if found:
       return found[0][:300]
   return f"exit code {code}: {lines[-1][:200] if lines else 'no output'}"
@@ -142,7 +145,9 @@ def search_rows(size: str, topology: str, extra: tuple[str, ...]) -> list[Row]:
       fsdp = devices // (tensor * stage)
       mesh = ",".join(f"{a}={n}" for a, n in (("stage", stage), ("fsdp", fsdp),
                                              ("tensor", tensor)) if n > 1)
-      pipe = (*PIPELINE, "pipeline.gather_once=true") if stage > 1 else ()
+      pipe = PIPELINE if stage > 1 else ()
+      if stage > 1 and fsdp > 1:  # gathered once a step: per-tick gathers abort libtpu
+        pipe += ("pipeline.gather_once=true",)
       rows.append(Row(f"{size.upper()}, {mesh}", size, topology, (f"mesh={mesh}", *extra,
                                                                    *pipe)))
   return rows

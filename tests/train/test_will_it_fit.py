@@ -16,6 +16,7 @@ def test_search_tries_every_mesh_the_model_can_take(size, topology):
     assert sizes.get("fsdp", 1) * sizes.get("tensor", 1) * sizes.get("stage", 1) == devices
     assert kv % sizes.get("tensor", 1) == 0 and layers % sizes.get("stage", 1) == 0
     assert ("pipeline.schedule=1f1b" in row.overrides) == ("stage" in sizes)
+    assert ("pipeline.gather_once=true" in row.overrides) == ("stage" in sizes and "fsdp" in sizes)
     assert "model.remat=full" in row.overrides
     meshes.add((sizes.get("tensor", 1), sizes.get("stage", 1)))
   expected = {(t, s) for t in (1, 2, 4, 8) for s in (1, 2, 4, 8)
@@ -30,6 +31,8 @@ def test_a_failed_row_says_why_in_one_line():
   assert will_it_fit._why("error: mesh data=16 needs 16 devices\n", 1) == (
       "error: mesh data=16 needs 16 devices")
   assert will_it_fit._why("", -9) == "exit code -9: no output"
+  aborted = "F1127 x.cc:1] Check failed: a == b\nFatal Python error: Aborted\n"
+  assert will_it_fit._why(aborted, -6) == "F1127 x.cc:1] Check failed: a == b"
   row = will_it_fit.Row("8B, FSDP", "8b", "v5p-128", ("mesh=fsdp=64",))
   cells = will_it_fit.cells(row, {"failed": "not compiled within 900 s"})
   assert cells[3] == "failed: not compiled within 900 s" and len(cells) == len(will_it_fit.HEADER)
