@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from absl import app, flags
 
-from jaxsys.checkpoint import hf
+from jaxsys.checkpoint import hf, hf_runs
 from jaxsys.models import transformer
 
 _OUT = flags.DEFINE_string("out", "/tmp/hf_check", "Directory for the checkpoints written.")
@@ -29,18 +29,6 @@ MODELS = {
 }
 
 
-def _randomize(model, seed: int):
-  import torch  # pylint: disable=import-outside-toplevel
-  gen = torch.Generator().manual_seed(seed)
-  with torch.no_grad():
-    for name, p in model.named_parameters():
-      if name.endswith("norm.weight"):
-        p.copy_(0.5 + torch.rand(p.shape, generator=gen))
-      else:
-        p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
-  return model.eval()
-
-
 def check(name: str, spec, out: str, tokens: np.ndarray) -> dict:
   """One model's row: max |diff| of the logits (and relative to max |logit|)."""
   import torch  # pylint: disable=import-outside-toplevel
@@ -50,7 +38,7 @@ def check(name: str, spec, out: str, tokens: np.ndarray) -> dict:
       vocab_size=vocab, hidden_size=d, intermediate_size=ff, num_hidden_layers=layers,
       num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim or d // heads,
       rope_theta=500_000.0, rms_norm_eps=1e-5, tie_word_embeddings=tied)
-  model = _randomize(transformers.LlamaForCausalLM(config), seed=0)
+  model = hf_runs.randomize_torch_llama(transformers.LlamaForCausalLM(config), seed=0).eval()
   src = os.path.join(out, re.sub(r"\W+", "_", name).strip("_"), "src")
   model.save_pretrained(src, max_shard_size="2MB")
   with torch.no_grad():

@@ -29,6 +29,8 @@ import sysconfig
 import numpy as np
 from absl import app, flags
 
+from jaxsys.checkpoint import hf_runs
+
 _OUT = flags.DEFINE_string("out", "tests/data/hf_fixture", "Directory the fixture is written to.")
 _NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 8, "Greedy tokens generated per prompt.")
 
@@ -68,18 +70,6 @@ def make_tokenizer():
   return tok
 
 
-def _randomize(model, seed: int):
-  import torch  # pylint: disable=import-outside-toplevel
-  gen = torch.Generator().manual_seed(seed)
-  with torch.no_grad():
-    for name, p in model.named_parameters():
-      if name.endswith("norm.weight"):
-        p.copy_(0.5 + torch.rand(p.shape, generator=gen))
-      else:
-        p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
-  return model
-
-
 def make_model(directory: str, spec: dict, tokenizer) -> None:
   """save_pretrained of a random LlamaForCausalLM and its tokenizer into `directory`."""
   import torch  # pylint: disable=import-outside-toplevel
@@ -90,7 +80,8 @@ def make_model(directory: str, spec: dict, tokenizer) -> None:
   config = transformers.LlamaConfig(**spec, bos_token_id=bos, eos_token_id=eos,
                                     max_position_embeddings=256)
   torch.manual_seed(seed)
-  model = _randomize(transformers.LlamaForCausalLM(config), seed).to(getattr(torch, dtype))
+  model = hf_runs.randomize_torch_llama(transformers.LlamaForCausalLM(config), seed)
+  model = model.to(getattr(torch, dtype))
   model.save_pretrained(directory, **({"max_shard_size": shard} if shard else {}))
   fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>",
                                               eos_token="</s>")

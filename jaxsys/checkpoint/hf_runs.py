@@ -54,3 +54,18 @@ def ptq_run(config, spec: str) -> evaluate.Run:
   run = config_check.check_config(config)
   _, params = hf.load(hf.parse_spec(spec), run.model)
   return evaluate.Run(run, jax.device_get(params), 0)
+
+
+def randomize_torch_llama(model, seed: int):
+  """A transformers Llama with random weights of unit-scale activations and norm scales
+  drawn from [0.5, 1.5], so a swapped or mis-laid tensor shows in the logits (HF's 0.02 init
+  and unit norms would hide it). Needs torch (the `hf` extra)."""
+  import torch  # pylint: disable=import-outside-toplevel
+  gen = torch.Generator().manual_seed(seed)
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if name.endswith("norm.weight"):
+        p.copy_(0.5 + torch.rand(p.shape, generator=gen))
+      else:
+        p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+  return model

@@ -14,7 +14,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from jaxsys import mesh as mesh_lib
-from jaxsys.checkpoint import hf
+from jaxsys.checkpoint import hf, hf_runs
 from jaxsys.data import tokenizer as tokenizer_lib
 from jaxsys.models import transformer
 
@@ -37,19 +37,6 @@ MODELS = {
     "untied": dict(tie_word_embeddings=False, vocab_size=256, shard="20KB"),
     "tied": dict(tie_word_embeddings=True, vocab_size=320, head_dim=8, shard=None),
 }
-
-
-def _randomize(model, seed):
-  """Weights of unit-scale activations and norm scales away from 1, so a swapped or
-  mis-laid tensor shows in the logits (HF's 0.02 init and unit norms would hide it)."""
-  gen = torch.Generator().manual_seed(seed)
-  with torch.no_grad():
-    for name, p in model.named_parameters():
-      if name.endswith("norm.weight"):
-        p.copy_(0.5 + torch.rand(p.shape, generator=gen))
-      else:
-        p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
-  return model
 
 
 def _torch_logits(model, tokens):
@@ -90,7 +77,7 @@ def checkpoints(tmp_path_factory):
         hidden_size=64, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, rope_theta=50_000.0, rms_norm_eps=1e-5,
         **kw)
-    model = _randomize(transformers.LlamaForCausalLM(config), seed=i).eval()
+    model = hf_runs.randomize_torch_llama(transformers.LlamaForCausalLM(config), seed=i).eval()
     directory = str(tmp_path_factory.mktemp(kind))
     model.save_pretrained(directory, **({"max_shard_size": shard} if shard else {}))
     _tokenizer_json(os.path.join(directory, "tokenizer.json"))
