@@ -137,6 +137,22 @@ needs_cuda_plugin = pytest.mark.skipif(
     reason="jax's CUDA plugin is not installed: pip install -e '.[dev,gpu-compile]'")
 
 
+def flash_value_and_grads(attention, *, causal: bool, packed: bool):
+  """(q, k, v, ids) -> the summed output and its q/k/v gradients through a Pallas flash
+  kernel compiled for real (`attention(q, k, v, causal=, interpret=False, ...)`): forward and
+  both backward kernels, for the tests that compile kernels for TPU and GPU chips."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
+  def value_and_grads(q, k, v, ids):
+    def loss(q, k, v):
+      segments = dict(q_segment_ids=ids, kv_segment_ids=ids) if packed else {}
+      out = attention(q, k, v, causal=causal, interpret=False, **segments)
+      return jnp.sum(out.astype(jnp.float32))
+    return jax.value_and_grad(loss, (0, 1, 2))(q, k, v)
+  return value_and_grads
+
+
 @pytest.fixture(scope="session")
 def small_corpus(tmp_path_factory) -> str:
   """A directory of ~200 real stdlib source files (a few hundred KB): fast loaders in tests.

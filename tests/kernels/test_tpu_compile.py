@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from conftest import needs_libtpu
+from conftest import flash_value_and_grads, needs_libtpu
 from jaxsys import chips
 from jaxsys.kernels import qweight
 from jaxsys.kernels.attention_pallas_tpu import pallas_tpu_attention
@@ -38,13 +38,7 @@ def test_flash_attention_compiles(topology, head_dim, seq_len, causal, packed):
   kv = _spec((1, seq_len, 2, head_dim), jnp.bfloat16, on)
   ids = _spec((1, seq_len), jnp.int32, on)
 
-  def value_and_grads(q, k, v, ids):
-    def loss(q, k, v):
-      segments = dict(q_segment_ids=ids, kv_segment_ids=ids) if packed else {}
-      out = pallas_tpu_attention(q, k, v, causal=causal, interpret=False, **segments)
-      return jnp.sum(out.astype(jnp.float32))
-    return jax.value_and_grad(loss, (0, 1, 2))(q, k, v)
-
+  value_and_grads = flash_value_and_grads(pallas_tpu_attention, causal=causal, packed=packed)
   compiled = jax.jit(value_and_grads).lower(q, kv, kv, ids).compile()
   assert compiled.as_text().count('custom_call_target="tpu_custom_call"') == 3
 
