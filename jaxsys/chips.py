@@ -159,8 +159,7 @@ def slice_devices(name: str) -> Slice:
   try:
     topology = topologies.get_topology_desc(platform="tpu", topology_name=f"{chip.name}:{shape}")
   except Exception as e:  # pylint: disable=broad-except  (libtpu raises XlaRuntimeError)
-    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    raise ValueError(f"topology={name!r}: libtpu refuses the shape {shape} ({first})") from None
+    raise ValueError(f"topology={name!r}: libtpu refuses the shape {shape} ({_first_line(e)})") from None
   return Slice(chip, shape, tuple(topology.devices))
 
 
@@ -181,7 +180,12 @@ def _gpu_slice(name: str, chip: Chip, shape: str) -> Slice:
     topology = topologies.get_topology_desc(chip.name, platform="cuda", topology=shape,
                                             target_config=chip.target_config)
   except Exception as e:  # pylint: disable=broad-except
-    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    raise ValueError(f"topology={name!r}: the CUDA plugin refuses the shape {shape} ({first})"
+    raise ValueError(f"topology={name!r}: the CUDA plugin refuses the shape {shape} ({_first_line(e)})"
                      ) from None
   return Slice(chip, shape, tuple(topology.devices))
+
+
+def _first_line(error: Exception) -> str:
+  """A plugin's refusal in one line (its message's first, or the error's type)."""
+  text = str(error).strip()
+  return text.splitlines()[0] if text else type(error).__name__
