@@ -54,8 +54,16 @@ bandwidth term; latency left out), added after the program that issues it:
                 `context` to lay its rows out zigzag (4 bytes a token each);
   lock-step HDP one over the pool per micro-step (jaxsys's `HDPStep`), or at the end
                 ("ideal").
+A sharded model (CostModel.tensor, .fsdp): the N devices above are then slots, each a
+tensor group; a device computes 1/tensor of its slot's attention and matmuls, sends
+1/tensor of its K/V and dK/dV, and all-reduces activations over its group in every program
+(`tensor_bytes`, added, on tensor_link_bytes_per_s); gradient all-reduces carry a device's
+tensor shard (`shard_params`: norms whole). With fsdp (ZeRO) a step first gathers the
+parameters over fsdp (`gather_bytes`); PerRankHDPStep then all-reduces the gradients over
+the pool whole, as without fsdp (compiled: no reduce-scatter), and updates the shards.
 tests/train/test_hdp_sim_bytes.py ties these byte counts to the executors' compiled
-programs. Link figures: `link_bytes_per_s` is one direction of one device's link, for hops
+programs (data-only and data=2,fsdp=2,tensor=2; lock-step HDP's sharded programs are not
+tied). Link figures: `link_bytes_per_s` is one direction of one device's link, for hops
 and all-reduces alike; experiments/bench_hdp.py states the two it simulates.
 
 Example:
@@ -88,6 +96,16 @@ KEY_BYTES_PER_TOKEN = 8
 ACCUMULATOR_BYTES = 4
 # Gradients are all-reduced in f32.
 GRAD_BYTES_PER_PARAM = 4
+# Parameters are kept, and gathered over fsdp, in f32.
+PARAM_BYTES = 4
+# A tensor group's all-reduces of [tokens, d] activations, as XLA compiles the model's
+# Megatron split: per layer two forward (attention and MLP outputs) and five backward (the
+# input gradients of q, k, v, and of the MLP's two input matmuls, each all-reduced apart);
+# beside the layers, the embedding lookup (vocabulary split) and the logits' input gradient.
+TENSOR_ALLREDUCES_PER_LAYER = 7
+TENSOR_ALLREDUCES_OUTSIDE = 2
+# The vocabulary-split loss all-reduces three f32 values a token (max, sum, target logit).
+LOSS_BYTES_PER_TOKEN = 12
 # jaxsys's static step lays its rows out over `context` in the program: an all-gather of
 # each batch field, 4 bytes a token.
 LAYOUT_FIELDS = len(packing.FIELDS)
@@ -120,6 +138,13 @@ class CostModel:
     False: an idealised ring whose backward is twice its forward.
   params: parameters whose f32 gradients the executors all-reduce; 0 leaves the
     all-reduces out.
+  tensor: devices of a slot's tensor group (heads, K/V heads, MLP and vocabulary split
+    over them; norms whole on each): each computes 1/tensor of the slot's matmuls and
+    attention, sends 1/tensor of its K/V, all-reduces activations over the group (not
+    overlapped, on tensor_link_bytes_per_s; default link_bytes_per_s) and holds
+    `shard_params` parameters. Every other figure is per device of a slot.
+  fsdp: slots the parameters are sharded over (ZeRO): gathered once a step
+    (`gather_bytes`), before the step's first program.
   """
   sec_per_attention_flop: float
   sec_per_linear_flop: float
@@ -132,35 +157,59 @@ class CostModel:
   pad_compute: bool = True
   compiled: bool = False
   params: int = 0
+  tensor: int = 1
+  fsdp: int = 1
+  tensor_link_bytes_per_s: float | None = None
 
   def __post_init__(self):
-    for name in ("sec_per_attention_flop", "sec_per_linear_flop", "link_bytes_per_s"):
+    if self.tensor_link_bytes_per_s is None:
+      object.__setattr__(self, "tensor_link_bytes_per_s", self.link_bytes_per_s)
+    for name in ("sec_per_attention_flop", "sec_per_linear_flop", "link_bytes_per_s",
+                 "tensor_link_bytes_per_s"):
       value = getattr(self, name)
       if not value > 0:
         raise ValueError(f"CostModel.{name}={value!r}: must be > 0")
-    for name in ("d_model", "n_layers", "kv_dim", "bytes_per_element"):
+    for name in ("d_model", "n_layers", "kv_dim", "bytes_per_element", "tensor", "fsdp"):
       value = getattr(self, name)
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"CostModel.{name}={value!r}: must be an int >= 1")
     if not isinstance(self.params, int) or self.params < 0:
       raise ValueError(f"CostModel.params={self.params!r}: must be an int >= 0")
+    if self.kv_dim % self.tensor:
+      raise ValueError(f"CostModel.tensor={self.tensor}: must divide kv_dim={self.kv_dim} "
+                       f"(K/V heads split over the tensor group)")
 
   def attention(self, length):
-    """Forward seconds of one layer's causal attention over a whole sequence."""
+    """Forward seconds of one layer's causal attention over a whole sequence, on one
+    device of a tensor group (its 1/tensor of the heads)."""
     length = np.asarray(length, np.float64)
     return (self.sec_per_attention_flop * hdp.ATTENTION_FLOPS_PER_PAIR * self.d_model
-            * length * length)
+            * length * length) / self.tensor
 
   def linear(self, tokens):
-    """Forward seconds of one layer's matmuls (q, k, v, o and the MLP) over `tokens` tokens."""
+    """Forward seconds of one layer's matmuls (q, k, v, o and the MLP) over `tokens` tokens
+    on one device of a tensor group, and a third of a layer's share of the group's
+    all-reduces (every caller counts `linear` three times a layer: forward, backward)."""
     # hdp's 24 d^2 counts k and v as d x d; GQA's are d x kv_dim.
     flops = (hdp.LINEAR_FLOPS_PER_TOKEN * self.d_model ** 2
              - 4 * self.d_model * (self.d_model - self.kv_dim))
-    return self.sec_per_linear_flop * flops * np.asarray(tokens, np.float64)
+    matmuls = self.sec_per_linear_flop * flops * np.asarray(tokens, np.float64) / self.tensor
+    return matmuls + self.tensor_allreduce(tokens) / (3 * self.n_layers)
+
+  def tensor_bytes(self, tokens) -> float:
+    """Bytes each device of a tensor group sends in a program's activation all-reduces
+    (see TENSOR_ALLREDUCES_PER_LAYER) over `tokens` tokens."""
+    width = ((TENSOR_ALLREDUCES_PER_LAYER * self.n_layers + TENSOR_ALLREDUCES_OUTSIDE)
+             * self.d_model * self.bytes_per_element + LOSS_BYTES_PER_TOKEN)
+    return 2.0 * (self.tensor - 1) / self.tensor * width * np.asarray(tokens, np.float64)
+
+  def tensor_allreduce(self, tokens):
+    """Seconds of a program's tensor all-reduces over `tokens` tokens (0 without tensor)."""
+    return self.tensor_bytes(tokens) / self.tensor_link_bytes_per_s
 
   def kv_bytes(self, tokens) -> float:
-    """Bytes of one hop's K and V blocks of `tokens` tokens."""
-    return 2.0 * tokens * self.kv_dim * self.bytes_per_element
+    """Bytes of one hop's K and V blocks of `tokens` tokens (a device's K/V heads)."""
+    return 2.0 * tokens * (self.kv_dim // self.tensor) * self.bytes_per_element
 
   def key_bytes(self, tokens) -> float:
     """Bytes of one hop's segment ids and positions (compiled only)."""
@@ -169,7 +218,7 @@ class CostModel:
   def dkv_bytes(self, tokens) -> float:
     """Bytes of one backward hop's dK and dV (f32 accumulators, compiled)."""
     width = ACCUMULATOR_BYTES if self.compiled else self.bytes_per_element
-    return 2.0 * tokens * self.kv_dim * width
+    return 2.0 * tokens * (self.kv_dim // self.tensor) * width
 
   def hop(self, tokens) -> float:
     """Seconds to pass one device's K/V block (with its keys) to the next ring member."""
@@ -194,9 +243,33 @@ class CostModel:
             "keys": self.n_layers * (forward + backward) * self.key_bytes(tokens),
             "dkv": self.n_layers * dkv * self.dkv_bytes(tokens)}
 
+  def shard_params(self) -> int:
+    """Parameters one device of a tensor group holds (gathered over fsdp): all but the
+    norms split over the group, the norms ((2 n_layers + 1) d: two a layer, one final) whole."""
+    if self.tensor == 1:
+      return self.params
+    norms = (2 * self.n_layers + 1) * self.d_model
+    return (self.params - norms) // self.tensor + norms
+
   def grad_bytes(self) -> int:
-    """Bytes one gradient all-reduce carries: f32 gradients, loss sum and token count."""
-    return GRAD_BYTES_PER_PARAM * (self.params + 2) if self.params else 0
+    """Bytes one gradient all-reduce carries: a device's f32 gradients, loss sum and token
+    count."""
+    return GRAD_BYTES_PER_PARAM * (self.shard_params() + 2) if self.params else 0
+
+  def gather_bytes(self) -> float:
+    """Bytes each device sends to gather its parameters over fsdp: its 1/fsdp share of
+    them to each of the fsdp - 1 others."""
+    return (self.fsdp - 1) / self.fsdp * PARAM_BYTES * self.shard_params()
+
+  def gather(self) -> float:
+    """Seconds of the parameters' gather over fsdp (0 without fsdp)."""
+    return self.gather_bytes() / self.link_bytes_per_s
+
+  def pool_sync(self, slots: int) -> float:
+    """Seconds a step spends on the pool's own collectives: one gradient all-reduce over
+    the `slots` slots (PerRankHDPStep's, with fsdp too: all-reduced whole, then each slot
+    keeps its shard) and the parameters' gather over fsdp."""
+    return self.allreduce(slots) + self.gather()
 
   def allreduce_bytes(self, devices: int) -> float:
     """Bytes each of `devices` sends in a ring all-reduce of the gradients."""
@@ -395,8 +468,9 @@ class Result:
   padding: 1 - real tokens / token slots run.
   device_time [steps, devices]: seconds of each micro-step (per-rank: [1, devices], each
     device's finish before the final all-reduces).
-  sent: bytes by kind ("kv", "keys", "dkv", "all-reduce", "all-gather"), each the most
-    any device sends.
+  sent: bytes by kind ("kv", "keys", "dkv", "all-reduce": gradients, "all-gather": the
+    static layout's and the parameters' over fsdp, "tensor": a tensor group's activation
+    all-reduces), each the most any device sends.
   """
   name: str
   time: float
@@ -408,7 +482,7 @@ class Result:
 
 
 EXECUTORS = ("ideal", "step_ring", "run")
-SENT_KINDS = ("kv", "keys", "dkv", "all-reduce", "all-gather")
+SENT_KINDS = ("kv", "keys", "dkv", "all-reduce", "all-gather", "tensor")
 
 
 def _most_sent(per_device: dict[str, np.ndarray]) -> dict[str, float]:
@@ -425,8 +499,9 @@ def group_time(model: CostModel, group_lengths, ring: int, tokens_per_device: in
 
 
 def _programs(step, *, num_devices: int, tokens_per_device: int, model: CostModel,
-              executor: str) -> list[dict]:
-  """Per device, CostModel.device's arguments for one micro-step of device_times."""
+              executor: str) -> list[tuple[dict, int]]:
+  """Per device, CostModel.device's arguments for one micro-step of device_times, and the
+  tokens its matmuls run."""
   ring = np.ones(num_devices, np.int64)
   ring_attention = np.zeros(num_devices)
   ring_tokens = np.zeros(num_devices, np.int64)
@@ -452,11 +527,10 @@ def _programs(step, *, num_devices: int, tokens_per_device: int, model: CostMode
     else:
       hop_tokens = tokens_per_device if model.pad_compute else tokens
       program = view if executor == "step_ring" else int(ring[d])
-    out.append(dict(attention=ring_attention[d],
-                    linear=float(model.linear(tokens_per_device if model.pad_compute
-                                              else tokens)),
-                    ring=int(ring[d]), hop_tokens=hop_tokens, program_ring=program,
-                    local_attention=local_attention[d]))
+    matmul_tokens = tokens_per_device if model.pad_compute else tokens
+    out.append((dict(attention=ring_attention[d], linear=float(model.linear(matmul_tokens)),
+                     ring=int(ring[d]), hop_tokens=hop_tokens, program_ring=program,
+                     local_attention=local_attention[d]), matmul_tokens))
   return out
 
 
@@ -481,7 +555,7 @@ def device_times(groups: list[list[tuple[Sequence[int], tuple[int, ...]]]], *,
             executor=executor)
   out = np.zeros((len(groups), num_devices))
   for m, step in enumerate(groups):
-    out[m] = [model.device(**args) for args in _programs(step, **kw)]
+    out[m] = [model.device(**args) for args, _ in _programs(step, **kw)]
   return out
 
 
@@ -490,11 +564,12 @@ def _device_sent(groups, *, num_devices: int, tokens_per_device: int, model: Cos
   """{kind: [devices] bytes} the ring hops of device_times' micro-steps send."""
   kw = dict(num_devices=num_devices, tokens_per_device=tokens_per_device, model=model,
             executor=executor)
-  out = {kind: np.zeros(num_devices) for kind in ("kv", "keys", "dkv")}
+  out = {kind: np.zeros(num_devices) for kind in ("kv", "keys", "dkv", "tensor")}
   for step in groups:
-    for d, args in enumerate(_programs(step, **kw)):
+    for d, (args, tokens) in enumerate(_programs(step, **kw)):
       for kind, sent in model.sent(args["hop_tokens"], args["program_ring"]).items():
         out[kind][d] += sent
+      out["tensor"][d] += model.tensor_bytes(tokens)
   return out
 
 
@@ -534,9 +609,10 @@ def simulate_hdp(lengths, *, num_devices: int, tokens_per_device: int,
   reductions = len(steps) if executor == "step_ring" else 1
   sent = _device_sent(groups, **kw)
   sent["all-reduce"] = np.full(num_devices, reductions * model.allreduce_bytes(num_devices))
+  sent["all-gather"] = np.full(num_devices, model.gather_bytes())
   name = "hdp" if executor == "ideal" else f"hdp_{executor}"
-  return _lockstep_result(name, times, sent, int(lengths.sum()), num_devices,
-                          tokens_per_device, reductions * model.allreduce(num_devices))
+  return _lockstep_result(name, times, sent, int(lengths.sum()), num_devices, tokens_per_device,
+                          reductions * model.allreduce(num_devices) + model.gather())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -578,7 +654,8 @@ def _ring_job(devices: tuple[int, ...], cell: int, entries, lengths, start: floa
   member = device_times(group, num_devices=c, tokens_per_device=cell, model=model,
                         executor="run")[0]
   reduce = allreduce != "once"
-  sent = {**model.sent(cell, c), "all-reduce": model.allreduce_bytes(c) if reduce else 0.0}
+  sent = {**model.sent(cell, c), "all-reduce": model.allreduce_bytes(c) if reduce else 0.0,
+          "tensor": model.tensor_bytes(cell)}
   busy = member + (model.allreduce(c) if reduce else 0.0)
   return Job(tuple(devices), start, start + float(busy.max()), busy, entries, sent)
 
@@ -615,7 +692,7 @@ def schedule_jobs(sched: hdp_schedule.Schedule, lengths, *, tokens_per_device: i
       start = finish[d]
       finish[d] += secs
       jobs.append(Job((d,), float(start), float(finish[d]), np.array([secs]),
-                      [(i, (0,)) for i in batch], {}))
+                      [(i, (0,)) for i in batch], {"tensor": model.tensor_bytes(tokens)}))
   return jobs
 
 
@@ -683,9 +760,10 @@ def simulate_per_rank(lengths, *, num_devices: int, tokens_per_device: int,
     for kind, nbytes in job.sent.items():
       sent[kind][list(job.devices)] += nbytes
   sent["all-reduce"] += model.allreduce_bytes(num_devices)
+  sent["all-gather"] += model.gather_bytes()
   slots = sched.slots(lengths, tokens_per_device)
   name = "hdp_per_rank" if allreduce == "executor" else f"hdp_per_rank_{allreduce}"
-  return Result(name, float(finish.max(initial=0.0)) + model.allreduce(num_devices),
+  return Result(name, float(finish.max(initial=0.0)) + model.pool_sync(num_devices),
                 int(sched.micro_batches().max(initial=0)),
                 float(finish.max() / finish.mean()) if finish.mean() else 1.0,
                 _padding(int(lengths.sum()), slots), finish[None], _most_sent(sent))
@@ -751,7 +829,8 @@ def _static_row(model: CostModel, row_lengths, ring: int, tokens_per_device: int
   gather = layout_gather_bytes(model, share, ring)
   seconds = group_time(model, row_lengths, ring, tokens_per_device)
   return seconds + gather / model.link_bytes_per_s, {**model.sent(share, ring),
-                                                       "all-gather": gather}
+                                                       "all-gather": gather,
+                                                       "tensor": model.tensor_bytes(share)}
 
 
 def _deal(row_times: np.ndarray, groups: int, schedule: str) -> list[list[int]]:
@@ -796,7 +875,8 @@ def simulate_static(lengths, *, num_devices: int, tokens_per_device: int, model:
       for kind, nbytes in one.items():
         sent[kind][members] += nbytes
   sent["all-reduce"] += model.allreduce_bytes(num_devices)
-  reduce = model.allreduce(num_devices)
+  sent["all-gather"] += model.gather_bytes()
+  reduce = model.pool_sync(num_devices)
   real = int(lengths.sum())
   if schedule == "lockstep":
     return _lockstep_result(f"static_{order}", times, sent, real, num_devices,
@@ -831,7 +911,7 @@ def lower_bound(lengths, *, num_devices: int, tokens_per_device: int,
   attention, linear = model.attention(lengths), model.linear(lengths)
   total = float(np.sum(3.0 * model.n_layers * (attention + linear)))
   total += sum(_exposed_hops(model, int(n), tokens_per_device) for n in lengths)
-  return total / num_devices + model.allreduce(num_devices)
+  return total / num_devices + model.pool_sync(num_devices)
 
 
 def lockstep_bound(lengths, *, num_devices: int, tokens_per_device: int,
@@ -854,7 +934,7 @@ def lockstep_bound(lengths, *, num_devices: int, tokens_per_device: int,
                         tokens_per_device=tokens_per_device) if lengths.size else 0
   idle = group_time(model, [], 1, tokens_per_device) if model.pad_compute else 0.0
   return (float(terms.sum() + max(0, steps - terms.size) * idle)
-          + model.allreduce(num_devices))
+          + model.pool_sync(num_devices))
 
 
 def simulate(lengths, *, num_devices: int, tokens_per_device: int, model: CostModel,
