@@ -1,6 +1,7 @@
 r"""Hybrid Data Parallelism (HDP) against static context-parallel meshes.
 
   python -m experiments.bench_hdp --part=sim --chart=docs/hdp_sim.png
+  python -m experiments.bench_hdp --part=sim --tensor=2 --fsdp=-1 --devices=64,128,256,512,1024
   python -m experiments.bench_hdp --part=real
 
 --part=real: one training step per global batch of whole stdlib documents on 8
@@ -32,6 +33,11 @@ the rings' own all-reduces in its estimate ("blind", in --out's JSON only), and 
 executors that do not exist yet (hdp_sim.ALLREDUCES): one all-reduce over the pool at
 the end besides the rings' own, and a single all-reduce per step. It prints a markdown
 table (median [min, max] over seeds) and draws the chart.
+With --tensor=t (and --fsdp=f) the model is sharded: the N devices are N/t slots, each a
+tensor group of t (its activation all-reduces on --tensor_link_gbps links), the
+parameters sharded over f slots (-1: all of them; ZeRO across HDP ranks) and gathered once
+a step; HDP plans the slots, each holding --tokens_per_device tokens, and a batch holds
+N/t * tokens_per_device * batch_steps * fill tokens. The static meshes get the same slots.
 """
 from __future__ import annotations
 
@@ -58,7 +64,7 @@ def _define_flags() -> None:
   beside other benchmarks (absl refuses a flag name defined twice in one process)."""
   global _PART, _DEVICES, _SEEDS, _TPD, _BATCH_STEPS, _FILL, _MAX_LEN, _LINK, _ACCEL_TFLOPS, \
          _ACCEL_LINK, _CHART, _OUT, _REAL_SIZE, _REAL_TPD, _REAL_MAX_LEN, _REAL_BATCH_STEPS, \
-         _REAL_BATCHES
+         _REAL_BATCHES, _TENSOR, _FSDP, _TENSOR_LINK
   _PART = flags.DEFINE_enum("part", "sim", PARTS, "Which benchmark to run.")
   _DEVICES = flags.DEFINE_list("devices", ["8", "16", "32", "64", "128", "256", "512", "1024"],
                                "Device counts N (powers of two).")
@@ -72,6 +78,11 @@ def _define_flags() -> None:
   _LINK = flags.DEFINE_float("link_gbps", 100.0, "cpu setting: link GB/s per direction.")
   _ACCEL_TFLOPS = flags.DEFINE_float("accel_tflops", 400.0, "accel setting: matmul TFLOP/s.")
   _ACCEL_LINK = flags.DEFINE_float("accel_link_gbps", 25.0, "accel setting: link GB/s.")
+  _TENSOR = flags.DEFINE_integer("tensor", 1, "sim: devices per slot's tensor group.")
+  _FSDP = flags.DEFINE_integer("fsdp", 1, "sim: slots the parameters are sharded over (ZeRO); "
+                               "-1: all slots.")
+  _TENSOR_LINK = flags.DEFINE_float("tensor_link_gbps", 100.0, "sim: a tensor group's link "
+                                    "GB/s per direction (NVLink-class, inside a node).")
   _CHART = flags.DEFINE_string("chart", "", "Write the speed-up chart here (PNG).")
   _OUT = flags.DEFINE_string("out", "", "Write every number here (JSON).")
   _REAL_SIZE = flags.DEFINE_string("real_size", "tiny", "real: configs/tiny_lm.py model size.")
@@ -148,27 +159,42 @@ def _ratios(t: dict) -> dict:
   return out
 
 
+def sharded(model: hdp_sim.CostModel, *, tensor: int, fsdp: int, slots: int,
+            tensor_link_gbps: float) -> hdp_sim.CostModel:
+  """`model` on slots that are tensor groups of `tensor`, sharded over `fsdp` slots (-1:
+  all `slots`); unchanged when both are 1."""
+  if tensor == 1 and fsdp == 1:
+    return model
+  return dataclasses.replace(model, tensor=tensor, fsdp=slots if fsdp == -1 else fsdp,
+                             tensor_link_bytes_per_s=tensor_link_gbps * 1e9)
+
+
 def run_sim(models: dict, *, devices, seeds: int, tokens_per_device: int, batch_steps: int,
             max_len: int, distributions=DISTRIBUTIONS, fill: float = 0.95,
-            attentions=None) -> list[dict]:
+            attentions=None, tensor: int = 1, fsdp: int = 1,
+            tensor_link_gbps: float = 100.0) -> list[dict]:
   """One row per (distribution, N, setting, attention, seed): each strategy's seconds and
   HDP's speed-ups over the static meshes (see `_ratios`). attentions: {name: kv_dim},
-  default ATTENTIONS."""
+  default ATTENTIONS. tensor, fsdp: the N devices as N / tensor slots (see `sharded`)."""
   rows = []
   for dist in distributions:
     pool = length_pool(dist, max_len)
     for n in devices:
+      slots = n // tensor
       for seed in range(seeds):
-        lengths = hdp_sim.sample_batch(pool, int(fill * n * tokens_per_device * batch_steps),
-                                       seed)
+        lengths = hdp_sim.sample_batch(
+            pool, int(fill * slots * tokens_per_device * batch_steps), seed)
         for setting, model in models.items():
           for attention, kv_dim in (attentions or ATTENTIONS).items():
-            times = simulate_batch(lengths, num_devices=n, tokens_per_device=tokens_per_device,
-                                   model=with_attention(model, kv_dim), max_len=max_len,
-                                   seed=seed)
+            split = sharded(with_attention(model, kv_dim), tensor=tensor, fsdp=fsdp,
+                            slots=slots, tensor_link_gbps=tensor_link_gbps)
+            times = simulate_batch(lengths, num_devices=slots,
+                                   tokens_per_device=tokens_per_device, model=split,
+                                   max_len=max_len, seed=seed)
             rows.append(dict(distribution=dist, devices=n, setting=setting,
                              attention=attention, seed=seed, sequences=int(lengths.size),
-                             tokens=int(lengths.sum()), **times, **_ratios(times)))
+                             tokens=int(lengths.sum()), tensor=split.tensor, fsdp=split.fsdp,
+                             **times, **_ratios(times)))
   return rows
 
 
@@ -376,7 +402,8 @@ def describe(models: dict) -> str:
 
 def sim_part(argv_devices, *, seeds, tokens_per_device, batch_steps, max_len, link_gbps,
              accel_tflops, accel_link_gbps, chart, out, distributions=DISTRIBUTIONS,
-             fit_kwargs=None, fill: float = 0.95) -> dict:
+             fit_kwargs=None, fill: float = 0.95, tensor: int = 1, fsdp: int = 1,
+             tensor_link_gbps: float = 100.0) -> dict:
   """The --part=sim benchmark: fit, simulate, print the table, draw, save."""
   start = time.perf_counter()
   fit = hdp_sim.fit_cost_model(**(fit_kwargs or {}))
@@ -386,9 +413,13 @@ def sim_part(argv_devices, *, seeds, tokens_per_device, batch_steps, max_len, li
   models = settings(fit, link_gbps=link_gbps, accel_tflops=accel_tflops,
                     accel_link_gbps=accel_link_gbps)
   print(describe(models))
+  if tensor > 1 or fsdp != 1:
+    print(f"sharded: N / {tensor} slots, each a tensor group of {tensor} ({tensor_link_gbps:g} "
+          f"GB/s links), parameters sharded over {'all' if fsdp == -1 else fsdp} slots")
   rows = run_sim(models, devices=argv_devices, seeds=seeds,
                  tokens_per_device=tokens_per_device, batch_steps=batch_steps,
-                 max_len=max_len, distributions=distributions, fill=fill)
+                 max_len=max_len, distributions=distributions, fill=fill, tensor=tensor,
+                 fsdp=fsdp, tensor_link_gbps=tensor_link_gbps)
   print(sim_table(rows))
   print(f"total {time.perf_counter() - start:.1f} s")
   if chart:
@@ -410,6 +441,9 @@ def main(argv):
     n = int(v)
     if n < 1 or n & (n - 1):
       raise app.UsageError(f"--devices: {v} is not a power of two")
+    if n % _TENSOR.value or (_FSDP.value > 0 and (n // _TENSOR.value) % _FSDP.value):
+      raise app.UsageError(f"--devices: {n} does not split into slots of --tensor="
+                           f"{_TENSOR.value} sharded over --fsdp={_FSDP.value}")
     devices.append(n)
   if _PART.value == "real":
     rows = hdp_real.real_part(size=_REAL_SIZE.value, tokens_per_device=_REAL_TPD.value,
@@ -424,7 +458,8 @@ def main(argv):
              batch_steps=_BATCH_STEPS.value, max_len=_MAX_LEN.value,
              link_gbps=_LINK.value, accel_tflops=_ACCEL_TFLOPS.value,
              accel_link_gbps=_ACCEL_LINK.value, chart=_CHART.value, out=_OUT.value,
-             fill=_FILL.value)
+             fill=_FILL.value, tensor=_TENSOR.value, fsdp=_FSDP.value,
+             tensor_link_gbps=_TENSOR_LINK.value)
 
 
 if __name__ == "__main__":

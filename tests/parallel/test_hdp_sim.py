@@ -208,6 +208,30 @@ def test_allreduce_bytes():
   assert gqa.linear(1) / mha.linear(1) == pytest.approx(21 / 24)  # k, v are d x kv_dim
 
 
+def test_sharded_terms_by_hand():
+  """tensor=2: half the compute and K/V a device, its activation all-reduces added to the
+  matmuls; fsdp=2: the parameters' gather before the step."""
+  model = dataclasses.replace(COMPILED, params=13, tensor_link_bytes_per_s=4.0)
+  split = dataclasses.replace(model, tensor=2, fsdp=2)
+  assert split.attention(4) == pytest.approx(model.attention(4) / 2)
+  assert split.kv_bytes(3) == model.kv_bytes(3) / 2 and split.key_bytes(3) == model.key_bytes(3)
+  assert split.dkv_bytes(3) == model.dkv_bytes(3) / 2
+  # Per token, over 2 devices: 2 (1/2) ((7 + 2) d = 9 bytes of activations + 12 of loss).
+  assert split.tensor_bytes(2) == pytest.approx(2 * 21.0)
+  # A third of the 42 bytes / 4 B/s a layer, beside half the matmuls.
+  assert split.linear(2) == pytest.approx(model.linear(2) / 2 + 42 / 4 / 3)
+  assert model.tensor_bytes(2) == 0.0
+  # Norms (2 n_layers + 1) d = 3 whole, the other 10 parameters split.
+  assert split.shard_params() == 8 and split.grad_bytes() == 4 * 10
+  assert split.gather_bytes() == pytest.approx(0.5 * 4 * 8)
+  assert split.pool_sync(4) == pytest.approx(split.allreduce(4) + 16 / 16.0)
+  lengths, kw = [5, 1, 2], dict(num_devices=2, tokens_per_device=4)
+  zero = hdp_sim.simulate_per_rank(lengths, model=split, **kw)
+  tensor = hdp_sim.simulate_per_rank(lengths, model=dataclasses.replace(split, fsdp=1), **kw)
+  assert zero.time - tensor.time == pytest.approx(split.gather())
+  assert zero.sent["all-gather"] == split.gather_bytes() and zero.sent["tensor"] > 0
+
+
 @pytest.mark.parametrize("pad_compute", [True, False])
 def test_time_is_compute_plus_bytes_over_the_link(pad_compute):
   """With nothing overlapped, a strategy's time is its compute plus every byte its
