@@ -162,12 +162,10 @@ class CostModel:
   tensor_link_bytes_per_s: float | None = None
 
   def __post_init__(self):
-    if self.tensor_link_bytes_per_s is None:
-      object.__setattr__(self, "tensor_link_bytes_per_s", self.link_bytes_per_s)
     for name in ("sec_per_attention_flop", "sec_per_linear_flop", "link_bytes_per_s",
                  "tensor_link_bytes_per_s"):
       value = getattr(self, name)
-      if not value > 0:
+      if value is not None and not value > 0:
         raise ValueError(f"CostModel.{name}={value!r}: must be > 0")
     for name in ("d_model", "n_layers", "kv_dim", "bytes_per_element", "tensor", "fsdp"):
       value = getattr(self, name)
@@ -205,7 +203,7 @@ class CostModel:
 
   def tensor_allreduce(self, tokens):
     """Seconds of a program's tensor all-reduces over `tokens` tokens (0 without tensor)."""
-    return self.tensor_bytes(tokens) / self.tensor_link_bytes_per_s
+    return self.tensor_bytes(tokens) / (self.tensor_link_bytes_per_s or self.link_bytes_per_s)
 
   def kv_bytes(self, tokens) -> float:
     """Bytes of one hop's K and V blocks of `tokens` tokens (a device's K/V heads)."""
