@@ -235,8 +235,10 @@ _HEADER = re.compile(r"^(ENTRY )?%?([\w.\-]+) \(.*\{$")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}|true_computation=%?([\w.\-]+), "
                        r"false_computation=%?([\w.\-]+)")
 _CALLS = re.compile(r"\b(?:calls|to_apply|body|condition)=%?([\w.\-]+)")
+# The mesh form may name its devices before the grouped axes:
+# mesh['a'=2,'b'=4], device_ids=(...) {'a'}.
 _GROUPS = re.compile(r"replica_groups=(?:\{\{([0-9,]*)\}|\[[0-9]+,([0-9]+)\]<=|"
-                     r"mesh\[([^\]]*)\] \{([^}]*)\})")
+                     r"mesh\[([^\]]*)\](?:, device_ids=\((?:[^()]|\([^()]*\))*\))? \{([^}]*)\})")
 _COMMENT = re.compile(r"/\*.*?\*/")  # e.g. /*index=5*/ inside long tuple shapes
 
 

@@ -397,6 +397,16 @@ class BytesTest(parameterized.TestCase):
     hlo = _shard_sync(outer).lower(p, jax.vmap(outer.init)(p)).compile().as_text()
     self.assertEqual(outer_lib.collective_bytes_from_hlo(hlo, R), outer.bytes_per_sync(params, R))
 
+  @parameterized.parameters(
+      ("replica_groups={{0,2,4,6},{1,3,5,7}}", 4), ("replica_groups=[4,2]<=[8]", 2),
+      ("replica_groups=mesh['a'=2,'b'=4] {'b'}", 4),
+      ("replica_groups=mesh['a'=2,'b'=4], device_ids=(0,2,1,3,4,6,5,7) {'a'}", 2),
+      ("replica_groups=mesh['a'=2,'b'=2,'c'=2], device_ids=([2,2,2]T(1,0,2)) {'a','c'}", 4))
+  def test_group_sizes_in_each_of_xla_s_spellings(self, groups, want):
+    hlo = ("ENTRY %main (x: f32[8]) -> f32[8] {\n"
+           f"  ROOT %ar = f32[8]{{0}} all-reduce(f32[8]{{0}} %x), {groups}, to_apply=%add\n}}")
+    self.assertEqual(outer_lib.collective_bytes_from_hlo(hlo, 8), 2 * (want - 1) * 32 // want)
+
   @parameterized.parameters(("replica=4,data=2", 4), ("replica=2 x data=-1", 2), ("data=-1", 8),
                             ("data=2,fsdp=2,tensor=2", 4), ("replica=1,data=2,tensor=4", 2))
   def test_num_workers_reads_any_mesh_spec(self, spec, want):

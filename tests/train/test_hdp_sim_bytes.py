@@ -47,10 +47,6 @@ STATIC_ROW, STATIC_ACCUM = 256, 2
 SHARDED = "data=2,fsdp=2,tensor=2"
 # An s32[...] collective-permute: the ring's segment ids and positions.
 _KEYS = re.compile(r"= s32\[[^\]]*\]\S* collective-permute\(")
-# XLA's mesh-form replica groups may name their devices between the mesh and the grouped
-# axes (mesh['a'=2,'b'=4], device_ids=(...) {'a'}); outer's counting reads the form
-# without them, so they are dropped (else such a group counts as all the devices).
-_DEVICE_IDS = re.compile(r", device_ids=\((?:[^()]|\([^()]*\))*\)")
 
 
 # A collective-permute that keeps some of its data in place (a {d,d} pair): a batch
@@ -61,7 +57,7 @@ _IN_PLACE = re.compile(r"source_target_pairs=\{.*\{(\d+),\1\}")
 def _sent(compiled, devices: int) -> dict[str, int]:
   """Bytes each device sends, by kind; "collective-permute" split into the f32 blocks
   (K, V, dK, dV), "keys" (s32) and "layout" (permutes that lay a batch out)."""
-  hlo = _DEVICE_IDS.sub("", compiled.as_text())
+  hlo = compiled.as_text()
   sent = {kind: outer.collective_bytes_from_hlo(hlo, devices, trips=True, kind=kind)
           for kind in aot.COLLECTIVES}
   permutes = lambda lines: outer.collective_bytes_from_hlo("\n".join(lines), devices,
