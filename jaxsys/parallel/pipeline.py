@@ -5,11 +5,14 @@ The layout is a view of the model's stacked layers: `[layers, ...]` reshaped to
 holds layers g*chunk .. (g+1)*chunk - 1 and lives on stage g % stages (`to_stages`,
 `from_stages`; no data moves for `virtual=1`). A schedule (`schedules.py`) is data: for
 every tick and stage, forward, backward or idle, with the buffer slots each action reads
-and writes. `pipeline_loss_and_grads` walks its ticks in one `lax.scan` inside a
-`jax.shard_map` over `stage` (data/fsdp/tensor stay automatic within each stage):
+and writes; the executor runs it as `schedule.executed`, the table's ticks or the same
+order fused into ticks of a backward-type action and a forward (`schedules.Ticks`).
+`pipeline_loss_and_grads` walks the ticks in one `lax.scan` inside a `jax.shard_map` over
+`stage` (data/fsdp/tensor stay automatic within each stage):
 
-  arrivals -> embed phase -> compute (forward | backward | idle) -> head phase
-           -> embed-gradient phase -> ppermute activations to stage+1, gradients to stage-1
+  arrivals -> embed phase -> compute (one switch over the tick's action combinations:
+  idle, forward, backward, or backward then forward) -> head phase -> embed-gradient phase
+  -> ppermute activations to stage+1, gradients to stage-1
 
 A forward keeps its chunk's `jax.vjp` residuals in a slot of a buffer of
 `schedule.res_slots` entries (1F1B: `stages`, GPipe: `microbatches`): only residuals that
@@ -56,6 +59,8 @@ from jaxsys.models import transformer
 from jaxsys.parallel import dependence, routing, schedules, vocab
 from jaxsys.parallel.schedules import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, IDLE,
                                        KINDS, Schedule, make_schedule)
+
+_SENDS_GRAD = (BACKWARD, BACKWARD_INPUT)  # the backward kinds that send an input gradient
 
 __all__ = ["make_schedule", "Schedule", "Layout", "to_stages", "from_stages",
            "pipeline_loss_and_grads", "pipeline_loss", "replica_loss_and_grads",
@@ -171,18 +176,21 @@ def _put(tree, i, value):
   return jax.tree.map(lambda x, v: jax.lax.dynamic_update_index_in_dim(x, v, i, 0), tree, value)
 
 
-def _add_at(tree, i, value):
-  return _put(tree, i, jax.tree.map(jnp.add, _take(tree, i), value))
-
-
 def _zeros_of(shapes):
   return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
-def _when(pred, fn, *operands):
-  """fn(*operands) where pred, else zeros shaped as its results: a conditional that carries
-  only its operands and results (one carrying the loop's buffers copies them)."""
-  return jax.lax.cond(pred, fn, lambda *_: _zeros_of(jax.eval_shape(fn, *operands)), *operands)
+def _backwards(kinds) -> bool:
+  """Whether a lane running `kinds` runs any backward-type action."""
+  return any(k != FORWARD for k in kinds)
+
+
+def _accumulate(pred, fn, x, acc):
+  """fn(x, acc) -> (results, acc + what fn adds) where pred, else (zeros, acc): the sum is
+  made inside the conditional, so a tick that adds nothing adds no zeros (issue 28: the
+  vocabulary layers' zero gradients added every tick were 64 MiB a tick at d 256)."""
+  skip = lambda x, acc: (_zeros_of(jax.eval_shape(fn, x, acc)[0]), acc)
+  return jax.lax.cond(pred, fn, skip, x, acc)
 
 
 def _trash(slot, size: int):
@@ -444,22 +452,25 @@ class _VocabLayers:
 def pipeline_loss_and_grads(cfg: transformer.TransformerConfig, schedule: Schedule,
                             layout: Layout, params, batch: Batch, *, mesh,
                             vocab_algorithm: int = 2, attention_fn: Callable | None = None,
-                            with_counts: bool = False, gather_once: bool = False):
+                            with_counts: bool = False, gather_once: bool = False,
+                            fused: bool | None = None):
   """(summed token loss, gradients of it in the pipeline view) of `batch` run by `schedule`.
 
   `params` are in the `to_stages` view; `batch` is [B, T] arrays with B divisible by
   schedule.microbatches. Divide loss and gradients by the token count for the mean.
-  `with_counts` adds a third output, the ticks each stage actually spent in each branch,
-  [stages, schedules.KINDS] for (idle, forward, backward, backward input, backward weight):
-  the executed bubble, counted by the program.
+  `with_counts` adds a third output, [stages, schedules.KINDS]: the ticks each stage ran
+  nothing (idle) and the actions of each kind it ran (forward, backward, backward input,
+  backward weight), counted by the program.
   `gather_once`: with an `fsdp` axis, each stage's weights are all-gathered once before the
   ticks and its gradients reduce-scattered once after them (MaxText's
   `pipeline_fsdp_ag_once`), instead of a gather and a reduction in every tick; the cost is
   the stage's whole weights and gradients held on every device of the stage.
+  `fused`: run the schedule's fused ticks (True), its table's one-action ticks (False), or
+  `schedule.executed`, the shorter in lock step (None).
   """
   loss, grads, counts = _execute(cfg, schedule, layout, params, batch, mesh=mesh, train=True,
                                  vocab_algorithm=vocab_algorithm, attention_fn=attention_fn,
-                                 gather_once=gather_once)
+                                 gather_once=gather_once, fused=fused)
   return (loss[0], grads, counts) if with_counts else (loss[0], grads)
 
 
@@ -507,8 +518,9 @@ def _replica_microbatches(batch: Batch, replicas: int, n: int) -> Batch:
 
 def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, mesh, train: bool,
              vocab_algorithm: int, attention_fn, replicas: int = 1, shifts=None, weights=None,
-             gather_once: bool = False):
-  """Runs `schedule`'s ticks; without `train` only forwards and the head's loss.
+             gather_once: bool = False, fused: bool | None = None):
+  """Runs `schedule`'s ticks (`fused` as in pipeline_loss_and_grads); without `train` only
+  forwards and the head's loss.
 
   Loss sums come back as a vector over the replicas whose rows they are ([1] for one
   pipeline). `replicas` > 1: params carry a leading [R] dim, the `replica` axis is manual.
@@ -541,19 +553,26 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
   offsets = (routing.offsets(jnp.asarray(shifts, jnp.int32), R) if routed
              else jnp.zeros((schedule.microbatches, layout.chunks), jnp.int32))
   weights = jnp.ones((R,), jnp.float32) if weights is None else jnp.asarray(weights, jnp.float32)
+  ticks = schedule.executed if fused is None else (schedule.fused if fused else schedule.unfused)
   # Arrivals other than the usual ring direction (a V's way back up, its turn on a stage):
   # their permutes exist only where the schedule sends that way.
   extra = tuple(k for k in ("act_recv_back", "act_recv_self", "grad_recv_back", "grad_recv_self")
-                if np.any(getattr(schedule, k) >= 0) and (train or k.startswith("act")))
+                if np.any(getattr(ticks, k) >= 0) and (train or k.startswith("act")))
   if routed and extra:
     raise ValueError(f"pipeline.schedule={schedule.name} sends between stages other than "
                      f"s -> s + 1 (a V); routed replicas take loop schedules only (gpipe, "
                      f"1f1b, interleaved_1f1b, zb_h1)")
-  tables = {k: jnp.asarray(getattr(schedule, k)) for k in (
-      "kind", "microbatch", "virtual", "res_slot", "act_recv", "act_in", "grad_recv", "grad_in",
-      *extra)}
-  tick_tables = {k: jnp.asarray(getattr(schedule, k)) for k in (
-      "embed_microbatch", "embed_grad_microbatch", "head_microbatch", "head_slot")}
+  tables = {k: jnp.asarray(getattr(ticks, k)) for k in (
+      *schedules.LANE_FIELDS, "act_recv", "grad_recv", *extra)}
+  tick_tables = {k: jnp.asarray(getattr(ticks, k)) for k in schedules.TICK_FIELDS}
+  # The kinds each lane runs (a lane that never runs anything is left out), and the
+  # combinations of one kind a lane (fused: a backward-type action and a forward) that
+  # stages run in a tick: one switch branch each.
+  lanes = [(lane, ticks.lane_kinds(lane)) for lane in range(ticks.lanes) if ticks.lane_kinds(lane)]
+  kind = ticks.kind[:, [lane for lane, _ in lanes], :].transpose(0, 2, 1)  # [ticks, stages, lanes]
+  combos, branch = np.unique(kind.reshape(-1, len(lanes)), axis=0, return_inverse=True)
+  combos = [tuple(int(k) for k in combo) for combo in combos]
+  tables["branch"] = jnp.asarray(branch.reshape(kind.shape[:2]).astype(np.int32))
   chunk = _Chunk(cfg, attention_fn)
   head_stage = schedule.head_stage
   vl = _VocabLayers(cfg, layout, vocab_algorithm, mesh, head_stage)
@@ -595,44 +614,153 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
     def microbatch(mb_index, g):
       # Routed: every replica holds all R replicas' rows; fixed: only its own.
       return _take(_take(mbs, origin(mb_index, g) if routed else 0), mb_index)
+
+    def shift(sent, mb_index, g, step):
+      """Replicas a message moves to reach chunk g + step of its microbatch (0: none sent)."""
+      at = lambda chunk: offsets[mb_index, jnp.clip(chunk, 0, G - 1)]
+      return jnp.where(sent != IDLE, at(g + step) - at(g), 0)
     act = jax.ShapeDtypeStruct((Bm, T, cfg.d_model), jnp.dtype(cfg.dtype))
 
     def buffer(n, like):
       return jnp.zeros((n + 1, *like.shape), like.dtype)  # +1: the trash slot
 
     zero_act = jnp.zeros(act.shape, act.dtype)
-    carry = dict(act_inbox=buffer(schedule.act_slots, act), arrive_f=zero_act, send_f=zero_act,
+    carry = dict(act_inbox=buffer(ticks.act_slots, act), arrive_f=zero_act, send_f=zero_act,
                  x0=zero_act, head_in=zero_act, loss=jnp.zeros((R,), jnp.float32),
                  counts=jnp.zeros((KINDS,), jnp.int32))
     if train:
       res_shapes = chunk.residual_shapes(_take(layers, 0), act, microbatch(0, 0))
       carry.update(
-          grad_inbox=buffer(schedule.grad_slots, act),
-          residuals=[buffer(schedule.res_slots, r) for r in res_shapes],
+          grad_inbox=buffer(ticks.grad_slots, act),
+          residuals=[buffer(ticks.res_slots, r) for r in res_shapes],
           arrive_b=zero_act, send_b=zero_act, dx0=zero_act,
           layer_grads=jax.tree.map(jnp.zeros_like, layers),
           vocab_grads=jax.tree.map(jnp.zeros_like, vocab_params))
       if split:  # what B hands W, beside the output gradient it holds until W
         stash_shapes = chunk.stash_shapes(_take(layers, 0), res_shapes, act, microbatch(0, 0))
-        carry["stash"] = [buffer(schedule.grad_slots, s) for s in stash_shapes]
+        carry["stash"] = [buffer(ticks.grad_slots, s) for s in stash_shapes]
 
     if "act_recv_back" in extra:
       carry["arrive_f_back"] = zero_act
     if "grad_recv_back" in extra:
       carry["arrive_b_back"] = zero_act
 
+    def read(c, kinds, mine):
+      """A lane's operands: its chunk, microbatch and buffer slots, read out here (a
+      conditional that passes the loop's buffers through copies all of them every tick;
+      issue 28: 109-190 MiB a tick at d 256)."""
+      virtual = jnp.maximum(mine["virtual"], 0)
+      g = chunk_of[virtual, stage]
+      ops = {"params": _take(layers, virtual),
+             "mb": microbatch(jnp.maximum(mine["microbatch"], 0), g)}
+      if FORWARD in kinds:
+        ops["x"] = jnp.where(g == 0, c["x0"], _take(c["act_inbox"], mine["act_in"]))
+      if _backwards(kinds):  # the chunk's gradient sum: a backward adds to it, idle passes it
+        ops.update(res=_take(c["residuals"], mine["res_slot"]),
+                   dy=_take(c["grad_inbox"], mine["grad_in"]),
+                   acc=_take(c["layer_grads"], virtual))
+      if BACKWARD_WEIGHT in kinds:
+        ops["stash"] = _take(c["stash"], mine["grad_in"])
+      return ops
+
+    def forward(o):
+      if train:
+        y, res = chunk.forward(o["params"], o["x"], o["mb"])
+        return {"y": y, "res": res}
+      return {"y": chunk.apply(o["params"], o["x"], o["mb"])}
+
+    add = lambda o, dparams: jax.tree.map(jnp.add, o["acc"], dparams)
+
+    def backward(o):
+      dparams, dx = chunk.backward(o["params"], o["res"], o["dy"], o["mb"])
+      return {"acc": add(o, dparams), "dx": dx}
+
+    def backward_input(o):
+      dx, dparams, stash = chunk.backward_input(o["params"], o["res"], o["dy"], o["mb"])
+      return {"dx": dx, "acc": add(o, dparams), "stash": stash}
+
+    def backward_weight(o):
+      return {"acc": add(o, chunk.backward_weight(o["params"], o["res"], o["dy"], o["stash"],
+                                                  o["mb"]))}
+
+    actions = {FORWARD: forward, BACKWARD: backward, BACKWARD_INPUT: backward_input,
+               BACKWARD_WEIGHT: backward_weight}
+
+    def idle(kinds, o):
+      """A lane's results when it idles, shaped without tracing the actions again (their
+      vjps dominate the executor's tracing time)."""
+      shapes = {}
+      if FORWARD in kinds:
+        shapes.update(y=act, **({"res": res_shapes} if train else {}))
+      if any(k in kinds for k in _SENDS_GRAD):
+        shapes["dx"] = act
+      if BACKWARD_INPUT in kinds:
+        shapes["stash"] = stash_shapes
+      return {**_zeros_of(shapes), **({"acc": o["acc"]} if _backwards(kinds) else {})}
+
+    def run(combo):
+      """The branch that runs one action per lane (`combo`, IDLE: none), lanes in order."""
+      return lambda ops: [{**idle(kinds, o), **(actions[k](o) if k != IDLE else {})}
+                          for (_, kinds), k, o in zip(lanes, combo, ops)]
+
+    def write(c, kinds, mine, out, at):
+      """A lane's results into the loop's buffers and sends; `at` keeps (sent kind,
+      microbatch, chunk) of the lane whose forward or input gradient goes out."""
+      kind, virtual = mine["kind"], jnp.maximum(mine["virtual"], 0)
+      g, mb_index = chunk_of[virtual, stage], jnp.maximum(mine["microbatch"], 0)
+      c["counts"] = c["counts"].at[kind].add((kind != IDLE).astype(jnp.int32))
+      if FORWARD in kinds:
+        is_f = kind == FORWARD
+        at["forward"] = (jnp.where(is_f, FORWARD, IDLE), mb_index, g)
+        c["send_f"] = jnp.where(is_f, out["y"], c["send_f"])
+        c["head_in"] = jnp.where(is_f & (g == G - 1), out["y"], c["head_in"])
+        if train:
+          c["residuals"] = _put(c["residuals"], _trash(jnp.where(is_f, mine["res_slot"], -1),
+                                                       ticks.res_slots), out["res"])
+      if any(k in kinds for k in _SENDS_GRAD):
+        is_b = (kind == BACKWARD) | (kind == BACKWARD_INPUT)
+        at["backward"] = (jnp.where(is_b, BACKWARD, IDLE), mb_index, g)
+        c["send_b"] = jnp.where(is_b, out["dx"], c["send_b"])
+        c["dx0"] = jnp.where(is_b & (g == 0), out["dx"], c["dx0"])
+      if _backwards(kinds):
+        c["layer_grads"] = _put(c["layer_grads"], virtual, out["acc"])
+      if BACKWARD_INPUT in kinds:
+        c["stash"] = _put(c["stash"], _trash(jnp.where(kind == BACKWARD_INPUT, mine["grad_in"],
+                                                       -1), ticks.grad_slots), out["stash"])
+      return c
+
+    def compute(c, mine, branch):
+      """Every lane's action: reads, one switch over the action combinations the ticks
+      hold, writes. With a switch a lane, XLA copied every residual buffer twice a tick
+      (one lane's reads and the next one's writes unordered); here all reads come first."""
+      lane_mine = [{k: mine[k][lane] for k in schedules.LANE_FIELDS} for lane, _ in lanes]
+      ops = [read(c, kinds, m) for (_, kinds), m in zip(lanes, lane_mine)]
+      if uniform_ticks:  # every stage runs every action; the schedule's one is kept
+        out = []
+        for (_, kinds), m, o in zip(lanes, lane_mine, ops):
+          outcomes = [{**idle(kinds, o), **actions[k](o)} for k in kinds]
+          out.append(jax.tree.map(lambda none, *new, kind=m["kind"]: functools.reduce(
+              lambda acc, kn: jnp.where(kind == kn[0], kn[1], acc), zip(kinds, new), none),
+              idle(kinds, o), *outcomes))
+      else:
+        out = jax.lax.switch(branch, [run(combo) for combo in combos], ops)
+      at = {}
+      for (_, kinds), m, o in zip(lanes, lane_mine, out):
+        c = write(c, kinds, m, o, at)
+      return c, at
+
     def tick(c, rows):
-      mine = {k: rows[k][stage] for k in tables}
+      mine = {k: rows[k][..., stage] for k in tables}  # a lane table gives [lanes]
       c = dict(c)
       # Arrivals: from the ring neighbour, the other neighbour, and this stage's own last
       # send (a V's turn: send_f / send_b still hold what the previous tick sent).
       for buf, slots, arrivals in (
-          ("act_inbox", schedule.act_slots, (("act_recv", "arrive_f"),
-                                             ("act_recv_back", "arrive_f_back"),
-                                             ("act_recv_self", "send_f"))),
-          ("grad_inbox", schedule.grad_slots, (("grad_recv", "arrive_b"),
-                                               ("grad_recv_back", "arrive_b_back"),
-                                               ("grad_recv_self", "send_b")))):
+          ("act_inbox", ticks.act_slots, (("act_recv", "arrive_f"),
+                                          ("act_recv_back", "arrive_f_back"),
+                                          ("act_recv_self", "send_f"))),
+          ("grad_inbox", ticks.grad_slots, (("grad_recv", "arrive_b"),
+                                            ("grad_recv_back", "arrive_b_back"),
+                                            ("grad_recv_self", "send_b")))):
         if buf not in c:
           continue
         for table, value in arrivals:
@@ -643,100 +771,32 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
           emb_mb >= 0,
           lambda: vl.embed(vocab_params, microbatch(emb_mb, 0)["inputs"], stage),
           lambda: c["x0"])
-
-      mb_index, virtual, kind = mine["microbatch"], mine["virtual"], mine["kind"]
-      g = chunk_of[jnp.maximum(virtual, 0), stage]
-      mb = microbatch(jnp.maximum(mb_index, 0), g)
-      chunk_params = _take(layers, jnp.maximum(virtual, 0))
-      # The branches take and give only their own operands and results: the slot reads and
-      # writes of the loop's buffers happen out here. A conditional that passes the buffers
-      # through copies all of them every tick (issue 28: 109-190 MiB a tick at d 256).
-      x = jnp.where(g == 0, c["x0"], _take(c["act_inbox"], mine["act_in"]))
-      operands = (chunk_params, x, mb)
-      if train:
-        operands += (_take(c["residuals"], mine["res_slot"]),
-                     _take(c["grad_inbox"], mine["grad_in"]))
-      if train and split:
-        operands += (_take(c["stash"], mine["grad_in"]),)
-
-      def forward(chunk_params, x, mb, *_):
-        if train:
-          y, res = chunk.forward(chunk_params, x, mb)
-          return {"y": y, "res": res}
-        return {"y": chunk.apply(chunk_params, x, mb)}
-
-      def backward(chunk_params, x, mb, res, dy, *_):
-        dparams, dx = chunk.backward(chunk_params, res, dy, mb)
-        return {"dparams": dparams, "dx": dx}
-
-      def backward_input(chunk_params, x, mb, res, dy, _):
-        dx, dparams, stash = chunk.backward_input(chunk_params, res, dy, mb)
-        return {"dx": dx, "dparams": dparams, "stash": stash}
-
-      def backward_weight(chunk_params, x, mb, res, dy, stash):
-        return {"dparams": chunk.backward_weight(chunk_params, res, dy, stash, mb)}
-
-      # One branch per kind the schedule runs, indexed by kind (a split schedule never runs
-      # a whole BACKWARD: that branch idles).
-      idle = lambda *_: {}
-      actions = ([forward] + ([backward] if train and not split else []) +
-                 ([idle, backward_input, backward_weight] if train and split else []))
-      # The actions' results, shaped without tracing them again (their vjps dominate the
-      # executor's tracing time): a forward gives an activation and its residuals, a
-      # backward the chunk's gradients and one.
-      results = _zeros_of({"y": act, **({"res": res_shapes, "dparams": chunk_params, "dx": act}
-                                        if train else {}),
-                           **({"stash": stash_shapes} if train and split else {})})
-      fill = lambda action: lambda *ops: {**results, **action(*ops)}
-      if uniform_ticks:  # every stage runs every action; the schedule's one is kept
-        outcomes = [fill(a)(*operands) for a in actions]
-        out = jax.tree.map(lambda idle, *new: functools.reduce(
-            lambda acc, kn: jnp.where(kind == kn[0], kn[1], acc),
-            zip(range(FORWARD, KINDS), new), idle), results, *outcomes)
-      else:
-        out = jax.lax.switch(kind, [lambda *_: results] + [fill(a) for a in actions], *operands)
-      is_f = kind == FORWARD
-      is_b = (kind == BACKWARD) | (kind == BACKWARD_INPUT)  # sends an input gradient
-      c["counts"] = c["counts"].at[kind].add(1)
-      c["send_f"] = jnp.where(is_f, out["y"], c["send_f"])
-      c["head_in"] = jnp.where(is_f & (g == G - 1), out["y"], c["head_in"])
-      if train:
-        c["residuals"] = _put(c["residuals"], _trash(jnp.where(is_f, mine["res_slot"], -1),
-                                                     schedule.res_slots), out["res"])
-        c["send_b"] = jnp.where(is_b, out["dx"], c["send_b"])
-        c["dx0"] = jnp.where(is_b & (g == 0), out["dx"], c["dx0"])
-        c["layer_grads"] = _add_at(c["layer_grads"], jnp.maximum(virtual, 0), out["dparams"])
-      if train and split:
-        c["stash"] = _put(c["stash"], _trash(jnp.where(kind == BACKWARD_INPUT, mine["grad_in"], -1),
-                                             schedule.grad_slots), out["stash"])
-
+      c, at = compute(c, mine, mine["branch"])
+      c["counts"] = c["counts"].at[IDLE].add(jnp.all(mine["kind"] == IDLE).astype(jnp.int32))
       head_mb = rows["head_microbatch"]
 
-      def head(head_in):
+      def head(head_in, acc):
         mb, source = microbatch(head_mb, G - 1), origin(head_mb, G - 1)
         if not train:
           return {"loss": jnp.zeros((R,), jnp.float32).at[source].add(
-              vl.loss(vocab_params, head_in, mb, stage))}
+              vl.loss(vocab_params, head_in, mb, stage))}, acc
         value, dy, dhp = vl.head(vocab_params, head_in, mb, stage)
         if scaled:  # the gradient of weights[source] * this microbatch's loss
           w = weights[source]
           dy, dhp = (dy * w).astype(dy.dtype), jax.tree.map(lambda d: d * w, dhp)
-        return {"loss": jnp.zeros((R,), jnp.float32).at[source].add(value), "dy": dy,
-                "dhp": dhp}
-      out = _when(head_mb >= 0, head, c["head_in"])
+        return ({"loss": jnp.zeros((R,), jnp.float32).at[source].add(value), "dy": dy},
+                {k: v + dhp[k] if k in dhp else v for k, v in acc.items()})
+      out, vocab_grads = _accumulate(head_mb >= 0, head, c["head_in"], c.get("vocab_grads", {}))
       c["loss"] = c["loss"] + out["loss"]
       if train:
+        c["vocab_grads"] = vocab_grads
         c["grad_inbox"] = _put(c["grad_inbox"], _trash(
             jnp.where((stage == head_stage) & (head_mb >= 0), rows["head_slot"], -1),
-            schedule.grad_slots), out["dy"])
-        c["vocab_grads"] = {k: v + out["dhp"][k] if k in out["dhp"] else v
-                            for k, v in c["vocab_grads"].items()}
+            ticks.grad_slots), out["dy"])
 
-      mb_at = jnp.maximum(mb_index, 0)
       send_f = c["send_f"]
       if routed:  # on to the replica that runs the microbatch's next chunk
-        k = offsets[mb_at, jnp.clip(g + 1, 0, G - 1)] - offsets[mb_at, jnp.clip(g, 0, G - 1)]
-        send_f = routing.shift(send_f, jnp.where(mine["kind"] == FORWARD, k, 0), R)
+        send_f = routing.shift(send_f, shift(*at["forward"], +1), R)
       c["arrive_f"] = jax.lax.ppermute(send_f, AXIS, [(i, (i + 1) % p) for i in range(p)])
       if "arrive_f_back" in c:
         c["arrive_f_back"] = jax.lax.ppermute(send_f, AXIS, [(i, (i - 1) % p) for i in range(p)])
@@ -744,13 +804,13 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
         return c, None
 
       emb_grad_mb = rows["embed_grad_microbatch"]
-      d = _when(emb_grad_mb >= 0, lambda dx0: vl.embed_grad(
-          vocab_params, dx0, microbatch(emb_grad_mb, 0)["inputs"], stage), c["dx0"])
-      c["vocab_grads"] = dict(c["vocab_grads"], embedding=c["vocab_grads"]["embedding"] + d)
+      _, embedding = _accumulate(emb_grad_mb >= 0, lambda dx0, acc: ({}, acc + vl.embed_grad(
+          vocab_params, dx0, microbatch(emb_grad_mb, 0)["inputs"], stage)), c["dx0"],
+                                 c["vocab_grads"]["embedding"])
+      c["vocab_grads"] = dict(c["vocab_grads"], embedding=embedding)
       send_b = c["send_b"]
       if routed:  # back to the replica that ran the microbatch's previous chunk
-        k = offsets[mb_at, jnp.clip(g - 1, 0, G - 1)] - offsets[mb_at, jnp.clip(g, 0, G - 1)]
-        send_b = routing.shift(send_b, jnp.where(mine["kind"] == BACKWARD, k, 0), R)
+        send_b = routing.shift(send_b, shift(*at["backward"], -1), R)
       c["arrive_b"] = jax.lax.ppermute(send_b, AXIS, [(i, (i - 1) % p) for i in range(p)])
       if "arrive_b_back" in c:
         c["arrive_b_back"] = jax.lax.ppermute(send_b, AXIS, [(i, (i + 1) % p) for i in range(p)])

@@ -124,6 +124,7 @@ def test_remat_and_bf16_compute():
 
 @pytest.mark.parametrize("name,virtual", [("gpipe", 1), ("interleaved_1f1b", 2)])
 def test_executed_ticks_match_the_schedule(name, virtual):
+  """The executor runs the fused ticks' actions (here the shorter lock step)."""
   cfg, params, batch, _, _ = _reference(False)
   mesh = mesh_lib.make_mesh("stage=2,data=4")
   layout = pipeline.Layout(stages=2, virtual=virtual, vocab_size=cfg.vocab_size,
@@ -132,10 +133,45 @@ def test_executed_ticks_match_the_schedule(name, virtual):
   _, _, counts = jax.jit(lambda p, b: pipeline.pipeline_loss_and_grads(
       cfg, schedule, layout, p, b, mesh=mesh, with_counts=True))(
           pipeline.to_stages(layout, params), batch)
-  expected = np.stack([np.bincount(schedule.kind[:, s], minlength=pipeline.KINDS)
-                       for s in range(2)])
-  np.testing.assert_array_equal(counts, expected)
-  assert counts[:, 0].sum() / counts.sum() == pytest.approx(schedule.bubble_fraction)
+  assert schedule.executed is schedule.fused
+  np.testing.assert_array_equal(counts, schedule.fused.counts())
+  # Every chunk forward and backward once; fewer idle ticks than the table's.
+  assert counts[:, pipeline.FORWARD].tolist() == counts[:, pipeline.BACKWARD].tolist() == [
+      4 * virtual] * 2
+  assert counts[:, pipeline.IDLE].sum() < np.sum(schedule.kind == pipeline.IDLE)
+
+
+# (mesh, schedule, virtual, VP): each run in the tick shape it does NOT run by default (the
+# exactness tests run the default), on 2 stages; with `context`, every stage runs every
+# action of a lane and keeps its own (uniform ticks).
+@pytest.mark.parametrize("mesh_spec,name,virtual,vocab_parallel", [
+    ("stage=2,data=4", "gpipe", 1, True), ("stage=2,data=4", "1f1b", 1, False),
+    ("stage=2,data=4", "1f1b", 1, True), ("stage=2,data=4", "interleaved_1f1b", 2, True),
+    ("stage=2,data=4", "zb_h1", 1, False), ("stage=2,data=4", "zbv", 2, True),
+    ("stage=2,context=2,data=2", "zb_h1", 1, False)])
+def test_both_tick_shapes_exact(mesh_spec, name, virtual, vocab_parallel):
+  """Fused and table ticks give the unpipelined loss and gradients; the compiled loop runs
+  the shape's number of ticks, and the executor counts the shape's actions."""
+  cfg, params, batch, ref_loss, ref_grads = _reference(False)
+  mesh = mesh_lib.make_mesh(mesh_spec)
+  layout = pipeline.Layout(stages=2, virtual=virtual, vocab_size=cfg.vocab_size,
+                           vocab_parallel=vocab_parallel)
+  schedule = pipeline.make_schedule(name, stages=2, microbatches=4, virtual_stages=virtual)
+  fused = schedule.executed is not schedule.fused
+  ticks = schedule.fused if fused else schedule.unfused
+  assert ticks.ticks != schedule.executed.ticks
+  staged = pipeline.to_stages(layout, params)
+  compiled = jax.jit(lambda p, b: pipeline.pipeline_loss_and_grads(
+      cfg, schedule, layout, p, b, mesh=mesh, with_counts=True, fused=fused)).lower(
+          staged, batch).compile()
+  comps, _ = outer._computations(compiled.as_text())
+  trips = [hlo_flops.trip_count(line, comps) for lines in comps.values() for line in lines
+           if " while(" in line]
+  assert ticks.ticks in trips and schedule.executed.ticks not in trips, trips
+  loss, grads, counts = compiled(staged, batch)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  assert_close(pipeline.from_stages(layout, grads), ref_grads)
+  np.testing.assert_array_equal(counts, ticks.counts())
 
 
 def _temp_bytes(name, microbatches):
@@ -189,13 +225,14 @@ def _copied_per_tick(hlo: str, ticks: int) -> int:
   return copied(body)
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
-def test_a_tick_copies_no_buffer(name):
+@pytest.mark.parametrize("name,fused", [("gpipe", None), ("1f1b", None), ("1f1b", True)])
+def test_a_tick_copies_no_buffer(name, fused):
   """The tick's branches carry their operands and results only: a tick copies less than
   one microbatch's residuals, activation and a chunk's gradients twice over, however many
   residual slots the schedule keeps (GPipe 8, 1F1B 4 at m=8): 0.50 MB here, under the 1.30
   MB bound. Branches that carried the loop's buffers copied them all every tick: 5.2 MB
-  (1F1B) and 9.1 MB (GPipe)."""
+  (1F1B) and 9.1 MB (GPipe). Fused ticks (a backward's reads, a forward's writes) too:
+  with a switch per lane, XLA copied every residual buffer twice a tick."""
   cfg = dataclasses_replace(CFG, d_model=64, d_ff=128)
   mesh = mesh_lib.make_mesh("stage=4,data=2")
   layout = pipeline.Layout(stages=4, virtual=1, vocab_size=cfg.vocab_size, vocab_parallel=False)
@@ -205,8 +242,9 @@ def test_a_tick_copies_no_buffer(name):
   batch = {k: jax.ShapeDtypeStruct((16, 64), jnp.float32 if k == "loss_mask" else jnp.int32)
            for k in packing.FIELDS}
   fn = jax.jit(lambda p, b: pipeline.pipeline_loss_and_grads(cfg, schedule, layout, p, b,
-                                                             mesh=mesh))
-  copied = _copied_per_tick(fn.lower(params, batch).compile().as_text(), len(schedule.kind))
+                                                             mesh=mesh, fused=fused))
+  ticks = schedule.fused if fused else schedule.executed
+  copied = _copied_per_tick(fn.lower(params, batch).compile().as_text(), ticks.ticks)
   # One device's microbatch: 1 row of 64 tokens; a chunk: one layer.
   mb = {k: jax.ShapeDtypeStruct((1, 64), v.dtype) for k, v in batch.items()}
   x = jax.ShapeDtypeStruct((1, 64, cfg.d_model), jnp.float32)

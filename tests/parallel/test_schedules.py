@@ -285,20 +285,23 @@ class ErrorTest(parameterized.TestCase):
 class TimedTest(parameterized.TestCase):
 
   # Backward = 2 x forward, no comm, in units of one stage's forward (an interleaved chunk
-  # is half a stage's layers). Lock step: 1F1B's ticks mix 1- and 2-unit actions across
-  # stages and each waits for the slowest; asynchronous 1F1B matches GPipe.
+  # is half a stage's layers). The table's lock step: 1F1B's ticks mix 1- and 2-unit
+  # actions across stages and each waits for the slowest; asynchronous 1F1B matches GPipe.
+  # Fused, interleaved 1F1B's ticks hold a forward and a backward on every stage: its lock
+  # step is its asynchronous makespan; 1F1B keeps too few microbatches in flight for that.
   @parameterized.named_parameters(
-      ("p4_m8_gpipe", "gpipe", 4, 8, 1, 33.0, 33.0),
-      ("p4_m8_1f1b", "1f1b", 4, 8, 1, 40.0, 33.0),
-      ("p4_m8_interleaved", "interleaved_1f1b", 4, 8, 2, 34.0, 28.5),
-      ("p8_m32_gpipe", "gpipe", 8, 32, 1, 117.0, 117.0),
-      ("p8_m32_1f1b", "1f1b", 8, 32, 1, 148.0, 117.0),
-      ("p8_m32_interleaved", "interleaved_1f1b", 8, 32, 2, 134.0, 106.5),
+      ("p4_m8_gpipe", "gpipe", 4, 8, 1, 33.0, 33.0, 33.0, 33.0),
+      ("p4_m8_1f1b", "1f1b", 4, 8, 1, 40.0, 33.0, 40.0, 46.0),
+      ("p4_m8_interleaved", "interleaved_1f1b", 4, 8, 2, 28.5, 28.5, 34.0, 28.5),
+      ("p8_m32_gpipe", "gpipe", 8, 32, 1, 117.0, 117.0, 117.0, 117.0),
+      ("p8_m32_1f1b", "1f1b", 8, 32, 1, 148.0, 117.0, 148.0, 192.0),
+      ("p8_m32_interleaved", "interleaved_1f1b", 8, 32, 2, 106.5, 106.5, 134.0, 106.5),
   )
-  def test_backward_twice_forward(self, name, p, m, v, lockstep, asynchronous):
+  def test_backward_twice_forward(self, name, p, m, v, lockstep, asynchronous, unfused, fused):
     t = timed(make_schedule(name, stages=p, microbatches=m, virtual_stages=v),
               Costs(forward=1, backward=2))
     self.assertEqual((t.lockstep, t.asynchronous), (lockstep, asynchronous))
+    self.assertEqual((t.lockstep_unfused, t.lockstep_fused), (unfused, fused))
     self.assertEqual(t.busy, (3.0 * m,) * p)
     self.assertAlmostEqual(t.lockstep_bubble, 1 - 3 * m / lockstep, places=12)
     self.assertAlmostEqual(t.asynchronous_bubble, 1 - 3 * m / asynchronous, places=12)
@@ -312,6 +315,33 @@ class TimedTest(parameterized.TestCase):
     self.assertAlmostEqual(t.asynchronous * v, sched.ticks, places=9)
     self.assertAlmostEqual(t.lockstep_bubble, sched.bubble_fraction, places=12)
     self.assertAlmostEqual(t.asynchronous_bubble, sched.bubble_fraction, places=12)
+
+  def test_executed_is_the_shorter_lock_step(self):
+    """The executor runs whichever of fused and table ticks is shorter at B = 2F; fusing
+    never lengthens GPipe or interleaved 1F1B, and the executed lock step never starts
+    anything earlier than the asynchronous run."""
+    costs = Costs(forward=1, backward=2)
+    for name, p, m, v in _CASES:
+      sched = make_schedule(name, stages=p, microbatches=m, virtual_stages=v)
+      t = timed(sched, costs)
+      with self.subTest(name=name, p=p, m=m, v=v):
+        self.assertAlmostEqual(t.lockstep, min(t.lockstep_fused, t.lockstep_unfused), places=9)
+        self.assertLessEqual(sched.executed.ticks, sched.ticks)
+        self.assertLessEqual(t.asynchronous, min(t.lockstep_fused, t.lockstep_unfused) + 1e-9)
+        if name == "gpipe" or v > 1:
+          self.assertLessEqual(t.lockstep_fused, t.lockstep_unfused + 1e-9)
+          self.assertIs(sched.executed, sched.fused)
+
+  def test_fused_interleaved_lock_step_is_asynchronous(self):
+    """Megatron's warmup keeps 2(p - s - 1) + (v - 1) p chunks ahead, enough for fused ticks
+    that each run a forward and a backward on every stage: the lock step loses nothing."""
+    for p, m, ratio in itertools.product((2, 4, 8), (8, 16, 32), (1.5, 2.0, 2.2)):
+      costs = Costs(forward=1, backward=ratio)
+      t = timed(make_schedule("interleaved_1f1b", stages=p, microbatches=m, virtual_stages=2),
+                costs)
+      with self.subTest(p=p, m=m, ratio=ratio):
+        self.assertAlmostEqual(t.lockstep, t.asynchronous, places=9)
+        self.assertAlmostEqual(t.lockstep_bubble, t.asynchronous_bubble, places=9)
 
   def test_asynchronous_1f1b_no_worse_than_gpipe(self):
     for p, m in itertools.product((2, 3, 4, 8), (8, 9, 16, 32)):

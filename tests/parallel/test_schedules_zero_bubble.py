@@ -28,24 +28,27 @@ def _dst(sched, src: int, via: str) -> int:
   return src if via.endswith("self") else (src + step[via]) % sched.stages
 
 
-def replay(sched: sched_lib.Schedule) -> None:
-  """Walks the ticks as the executor does, moving symbolic values through every buffer.
+def replay(sched: sched_lib.Schedule, ticks: sched_lib.Ticks | None = None) -> None:
+  """Walks the ticks (default: the table's, one lane) as the executor does, moving symbolic
+  values through every buffer.
 
   ("act", mb, g): chunk g's output; ("grad", mb, g): the gradient with respect to it;
   ("res", mb, g): chunk g's residuals. A message sent at tick t (a forward's output to the
   next chunk's stage, an input gradient to the previous chunk's) is written at t + 1 by
   the recv table of its route (from s - 1, from s + 1, from itself); a BACKWARD_INPUT reads
   its residuals and output gradient and leaves them, its BACKWARD_WEIGHT reads the same
-  slots and frees them. Writing a full slot, reading a wrong value, a message through the
-  wrong route, or anything left behind fails.
+  slots and frees them. A stage runs its lanes in order: a residual slot one frees is free
+  for a later lane, inbox slots only after the tick. Writing a full slot, reading a wrong
+  value, a message through the wrong route, or anything left behind fails.
   """
+  ticks = sched.unfused if ticks is None else ticks
   p, G = sched.stages, sched.chunks
   stage_of = sched.stage_of
-  training = bool(np.any(sched.kind >= BACKWARD))
+  training = bool(np.any(ticks.kind >= BACKWARD))
   busy = object()
-  bufs = {"res": [[None] * sched.res_slots for _ in range(p)],
-          "act": [[None] * sched.act_slots for _ in range(p)],
-          "grad": [[None] * sched.grad_slots for _ in range(p)]}
+  bufs = {"res": [[None] * ticks.res_slots for _ in range(p)],
+          "act": [[None] * ticks.act_slots for _ in range(p)],
+          "grad": [[None] * ticks.grad_slots for _ in range(p)]}
 
   def write(name, s, slot, value, what):
     buf = bufs[name]
@@ -57,18 +60,20 @@ def replay(sched: sched_lib.Schedule) -> None:
     buf = bufs[name]
     assert 0 <= slot < len(buf[s]), f"{what}: slot {slot} outside [0, {len(buf[s])})"
     assert buf[s][slot] == value, f"{what}: slot {slot} on stage {s} holds {buf[s][slot]}"
-    if free:  # a slot read this tick is not writable until the tick ends
+    if free and name == "res":  # read before any later lane runs
+      buf[s][slot] = None
+    elif free:  # an inbox slot read this tick is not writable until the tick ends
       buf[s][slot] = busy
       reading.append((buf, s, slot))
 
   sent = {"act": [], "grad": []}  # (src, dst, value) sent last tick
-  for t in range(sched.ticks):
+  for t in range(ticks.ticks):
     what = f"tick {t}"
     for name, tables in _RECV.items():
       landed = set()
       for via in tables:
         for s in range(p):
-          slot = int(getattr(sched, via)[t, s])
+          slot = int(getattr(ticks, via)[t, s])
           if slot < 0:
             continue
           srcs = [src for src, dst, _ in sent[name] if dst == s and _dst(sched, src, via) == s]
@@ -79,47 +84,48 @@ def replay(sched: sched_lib.Schedule) -> None:
       assert landed == {(dst, v) for _, dst, v in sent[name]}, f"{what}: {name} lost"
     sent, reading = {"act": [], "grad": []}, []
     embed = embed_grad = head = -1
-    for s in range(p):
-      k, mb, vi = (int(x[t, s]) for x in (sched.kind, sched.microbatch, sched.virtual))
-      here = f"{what} stage {s}"
+    for s, lane in itertools.product(range(p), range(ticks.lanes)):
+      k, mb, vi, res_slot, act_in, grad_in = (int(getattr(ticks, f)[t, lane, s])
+                                              for f in sched_lib.LANE_FIELDS)
+      here = f"{what} stage {s} lane {lane}"
       if k == IDLE:
-        assert (mb, vi, sched.res_slot[t, s], sched.act_in[t, s], sched.grad_in[t, s]) == (
-            -1, -1, -1, -1, -1), here
+        assert (mb, vi, res_slot, act_in, grad_in) == (-1, -1, -1, -1, -1), here
         continue
       g = int(sched.chunk_of[vi, s])
       assert stage_of[g] == s, here
       if k == FORWARD:
-        assert sched.grad_in[t, s] == -1, here
+        assert grad_in == -1, here
         if g == 0:
-          assert sched.act_in[t, s] == -1, here
+          assert act_in == -1 and embed == -1, here
           embed = mb
         else:
-          read("act", s, int(sched.act_in[t, s]), ("act", mb, g - 1), f"{here} act_in", reading)
+          read("act", s, act_in, ("act", mb, g - 1), f"{here} act_in", reading)
         if training:
-          write("res", s, int(sched.res_slot[t, s]), ("res", mb, g), f"{here} res_slot")
+          write("res", s, res_slot, ("res", mb, g), f"{here} res_slot")
         if g < G - 1:
           sent["act"].append((s, int(stage_of[g + 1]), ("act", mb, g)))
         else:
+          assert head == -1, here
           head = mb
         continue
-      assert sched.act_in[t, s] == -1, here
+      assert act_in == -1, here
       free = k != BACKWARD_INPUT  # the weight gradient reads them again
-      read("res", s, int(sched.res_slot[t, s]), ("res", mb, g), f"{here} res_slot", reading, free)
-      read("grad", s, int(sched.grad_in[t, s]), ("grad", mb, g), f"{here} grad_in", reading,
-           free)
+      read("res", s, res_slot, ("res", mb, g), f"{here} res_slot", reading, free)
+      read("grad", s, grad_in, ("grad", mb, g), f"{here} grad_in", reading, free)
       if k in (BACKWARD, BACKWARD_INPUT):
         if g > 0:
           sent["grad"].append((s, int(stage_of[g - 1]), ("grad", mb, g - 1)))
         else:
+          assert embed_grad == -1, here
           embed_grad = mb
-    assert sched.embed_microbatch[t] == embed, what
-    assert sched.embed_grad_microbatch[t] == embed_grad, what
-    assert sched.head_microbatch[t] == head, what
+    assert ticks.embed_microbatch[t] == embed, what
+    assert ticks.embed_grad_microbatch[t] == embed_grad, what
+    assert ticks.head_microbatch[t] == head, what
     if head >= 0 and training:
-      write("grad", sched.head_stage, int(sched.head_slot[t]), ("grad", head, G - 1),
+      write("grad", sched.head_stage, int(ticks.head_slot[t]), ("grad", head, G - 1),
             f"{what} head")
     else:
-      assert sched.head_slot[t] == -1, what
+      assert ticks.head_slot[t] == -1, what
     for buf, s, slot in reading:
       buf[s][slot] = None
   assert not sent["act"] and not sent["grad"], "messages sent on the last tick"
@@ -211,6 +217,57 @@ class StructureTest(parameterized.TestCase):
     self.assertEqual(lines[1].split("|")[1].split(), ["F0", "F1", ".", "B0", "W0", "B1", "W1"])
     self.assertIn("W0b", make_schedule("zbv", stages=2, microbatches=2,
                                        virtual_stages=2).chart())
+
+
+class FusedTest(parameterized.TestCase):
+  """The fused ticks: the same program orders in two lanes a tick, backward-type then forward."""
+
+  @parameterized.named_parameters(*_NAMED)
+  def test_replay(self, name, p, m, v):
+    sched = make_schedule(name, stages=p, microbatches=m, virtual_stages=v)
+    replay(sched, sched.fused)
+    fwd = sched.forward_only()
+    replay(fwd, fwd.fused)
+
+  @parameterized.named_parameters(*_NAMED)
+  def test_lanes_order_and_inputs(self, name, p, m, v):
+    sched = make_schedule(name, stages=p, microbatches=m, virtual_stages=v)
+    fused = sched.fused
+    self.assertEqual(fused.kind.shape, (fused.ticks, 2, p))
+    self.assertTrue(np.all(np.isin(fused.kind[:, 1], (IDLE, FORWARD))))
+    self.assertFalse(np.any(fused.kind[:, 0] == FORWARD))
+    self.assertLessEqual(fused.ticks, sched.ticks)
+    when = {}  # op -> fused tick
+    for s in range(p):
+      order = []
+      for t, lane in itertools.product(range(fused.ticks), range(2)):
+        k = int(fused.kind[t, lane, s])
+        if k != IDLE:
+          op = (k, int(fused.microbatch[t, lane, s]),
+                int(sched.chunk_of[fused.virtual[t, lane, s], s]))
+          order.append(op)
+          when[op] = t
+      # A stage's program order, a tick's backward-type action and forward in that order
+      # only where they do not depend on each other.
+      self.assertEqual(sorted(order), sorted(sched.programs[s]))
+      self.assertEqual([op for op in sched.programs[s] if op[0] == FORWARD],
+                       [op for op in order if op[0] == FORWARD])
+      self.assertEqual([op for op in sched.programs[s] if op[0] != FORWARD],
+                       [op for op in order if op[0] != FORWARD])
+    for op, t in when.items():  # every input from an earlier tick
+      for need in sched_lib._needs(op, sched.chunks):
+        self.assertLess(when[need], t, (op, need))
+
+  @parameterized.named_parameters(*_NAMED)
+  def test_table_is_the_unfused_lane(self, name, p, m, v):
+    sched = make_schedule(name, stages=p, microbatches=m, virtual_stages=v)
+    for field in sched_lib.LANE_FIELDS:
+      np.testing.assert_array_equal(getattr(sched, field), getattr(sched.unfused, field)[:, 0])
+    for field in sched_lib.ARRIVAL_FIELDS + sched_lib.TICK_FIELDS:
+      np.testing.assert_array_equal(getattr(sched, field), getattr(sched.unfused, field))
+    counts = sched.unfused.counts()
+    for s in range(p):
+      np.testing.assert_array_equal(counts[s], np.bincount(sched.kind[:, s], minlength=5))
 
 
 class MemoryTest(parameterized.TestCase):
