@@ -33,7 +33,7 @@ from jaxsys.config import RunConfig
 from jaxsys.kernels import sharded
 from jaxsys.models import transformer
 from jaxsys.data.packing import FIELDS
-from jaxsys.parallel import hdp, hdp_layout, hdp_schedule, pipeline
+from jaxsys.parallel import hdp, hdp_layout, hdp_schedule, pipeline, relocate
 from jaxsys.train import grads
 from jaxsys.train import step as step_lib
 from jaxsys.train.state import REPLICA_AXIS as REPLICA, TrainState
@@ -341,9 +341,10 @@ class PerRankHDPStep(_HDPBase):
   collective inside, so a device that is done does not wait), from zero sums kept per
   device. The rings are dispatched first, so a device starts its local work when its
   own rings are done; finally one all-reduce sums the per-device and per-run sums.
-  Programs compile per run of devices used (runs inside aligned blocks: N(N+1)/2 at
-  most, far fewer in practice) and cell size (`hdp_schedule.CELL_STEPS` at most), and
-  per local size (`hdp_schedule.LOCAL_SIZES`) and power of two of local micro-batches.
+  A ring program compiles once per ring size and cell size (`hdp_schedule.CELL_STEPS` at
+  most) and is loaded onto each other run of slots of that size (`relocate.Programs`);
+  local programs compile per local size (`hdp_schedule.LOCAL_SIZES`) and power of two of
+  local micro-batches.
   """
 
   def __init__(self, *args, widen: bool = False, **kwargs):
@@ -357,6 +358,8 @@ class PerRankHDPStep(_HDPBase):
     # simulated devices share the cores anyway, so rings run one at a time there.
     self._one_ring_at_a_time = self.mesh.devices.flat[0].platform == "cpu"
     self._rings: dict[tuple[int, ...], tuple] = {}
+    # A ring's programs over any run of its size: compiled for the first, loaded onto others.
+    self._ring_programs, self._ring_zeros = relocate.Programs(), relocate.Programs()
     self._locals: dict[int, Callable] = {}
     # Per-slot sums [S, ...]: a row per slot, each row split as the gathered parameters.
     stacked = NamedSharding(self.mesh, self.pool.stacked(P()))
@@ -395,8 +398,9 @@ class PerRankHDPStep(_HDPBase):
     return self.ring_program(tuple(range(c)))[:2]
 
   def ring_program(self, block: tuple[int, ...]):
-    """(jitted micro-step, batch sharding, zero sums, parameter shardings) of a run of
-    slots (`block`: their indices in the pool)."""
+    """(jitted micro-step, batch sharding, jitted zero sums, parameter shardings) of a run
+    of slots (`block`: their indices in the pool), over its view (the batch sharding's
+    mesh); `_run_sums` runs them as programs compiled once per ring size and cell."""
     if block not in self._rings:
       view = self.pool.view(len(block), block)
       params_sh = _on_mesh(self.gathered_sh, view)
@@ -455,9 +459,10 @@ class PerRankHDPStep(_HDPBase):
     m, sums, reductions = self.microbatches, {}, 0.0
     for (block, cell), cells in runs.items():
       fn, batch_sh, zeros, params_sh = self.ring_program(block)
+      view = batch_sh.mesh
       if block not in sums:
         on_run = _on(params, params_sh)
-        sums[block] = (on_run, zeros(on_run))
+        sums[block] = (on_run, self._ring_zeros(zeros, view, on_run))
       on_run, acc = sums[block]
       _, empty = hdp_layout.pack_step([], [], num_devices=len(block), tokens_per_device=cell,
                                       view=len(block))
@@ -465,7 +470,7 @@ class PerRankHDPStep(_HDPBase):
         group = cells[start:start + m]
         fields = {f: np.concatenate([g[f] for g in group + [empty] * (m - len(group))])
                   for f in FIELDS}
-        acc = fn(on_run, _put(fields, batch_sh), acc)
+        acc = self._ring_programs(fn, view, on_run, _put(fields, batch_sh), acc)
         reductions += (len(block) - 1) / max(1, self.num_devices - 1)
         if self._one_ring_at_a_time:
           jax.block_until_ready(acc)
@@ -561,9 +566,10 @@ def local_batches(sched: hdp_schedule.Schedule, lengths, tokens_per_device: int
 
 
 def programs(sched: hdp_schedule.Schedule, lengths, tokens_per_device: int) -> dict[str, set]:
-  """The programs `PerRankHDPStep` compiles for a schedule of `lengths` (no devices needed):
-  "ring": (block of slots, cell) each, "local": (micro-batch axis, slots) each, and "ring
-  shape": (ring size, cell), what a ring program's HLO depends on."""
+  """The programs `PerRankHDPStep` runs for a schedule of `lengths` (no devices needed):
+  "ring shape": (ring size, cell), each a ring program compiled once; "ring": (block of
+  slots, cell), where they run (each beyond its shape's first a relocation, or a compile
+  where relocating fails); "local": (micro-batch axis, slots), each compiled."""
   return {"ring": {(r.devices, r.cell) for r in sched.rings},
           "ring shape": {(len(r.devices), r.cell) for r in sched.rings},
           "local": {(_axis(local), size)

@@ -43,11 +43,11 @@ def single_device_batch(docs) -> dict[str, np.ndarray]:
 HDP_OPT = dataclasses.replace(OPT, eps=1.0, warmup_steps=0, grad_clip=1e9)
 
 
-def init(mesh):
+def init(mesh, model=MODEL):
   optimizer = make_optimizer(HDP_OPT, total_steps=10)
-  abstract = state_lib.abstract_train_state(MODEL, optimizer, seed=0)
-  state_sh = state_lib.state_shardings(abstract, MODEL, optimizer, mesh)
-  state = jax.jit(lambda: state_lib.init_train_state(MODEL, optimizer, 0), out_shardings=state_sh)()
+  abstract = state_lib.abstract_train_state(model, optimizer, seed=0)
+  state_sh = state_lib.state_shardings(abstract, model, optimizer, mesh)
+  state = jax.jit(lambda: state_lib.init_train_state(model, optimizer, 0), out_shardings=state_sh)()
   return optimizer, state_sh, state
 
 
@@ -87,13 +87,38 @@ class HDPStepTest(parameterized.TestCase):
                                 atol=2e-5)
     if schedule == "lockstep":
       self.assertLessEqual(len(run._programs), 4)  # one program per ring size: log2(8) + 1
-    else:  # a program per ring block used and cell, and per local loop
+    else:  # a ring program compiled per ring size and cell, loaded onto the other blocks
       expected = hdp_step.programs(run.plan(lengths), lengths, TOKENS_PER_DEVICE)
       self.assertEqual(set(run._rings), {block for block, _ in expected["ring"]})
-      self.assertEqual(sum(run._rings[block][0]._cache_size() for block in run._rings),
-                       len(expected["ring"]))
+      rings = run._ring_programs
+      self.assertEqual((rings.compiles, rings.relocations),
+                       (len(expected["ring shape"]),
+                        len(expected["ring"]) - len(expected["ring shape"])))
+      self.assertEqual(sum(run._rings[block][0]._cache_size() for block in run._rings), 0)
       self.assertEqual(sum(fn._cache_size() for fn in run._locals.values()),
                        len(expected["local"]))
+
+  def test_a_ring_program_compiles_once_per_shape_and_equals_its_block_compiled(self):
+    """One document's ring of 2 on every block of 2 slots: one compiled ring program,
+    loaded onto the other blocks, each block's sums those of the program compiled for it."""
+    mesh = mesh_lib.make_mesh("data=8")
+    model = dataclasses.replace(MODEL, n_layers=1)  # quicker to compile
+    optimizer, state_sh, state = init(mesh, model)
+    run = hdp_step.PerRankHDPStep(model, optimizer, mesh, state_sh, TOKENS_PER_DEVICE)
+    _, fields = hdp_layout.pack_step([(0, (0, 1))], documents(0)[4:5], num_devices=2,
+                                     tokens_per_device=TOKENS_PER_DEVICE, view=2)
+    blocks = [(0, 1), (2, 3), (4, 5), (6, 7)]
+    params = run._gather(state.params)
+    sums, _ = run._run_sums(params, {(block, TOKENS_PER_DEVICE): [fields] for block in blocks})
+    self.assertEqual((run._ring_programs.compiles, run._ring_programs.relocations), (1, 3))
+    fn, batch_sh, zeros, params_sh = run.ring_program(blocks[-1])
+    on_block = hdp_step._on(params, params_sh)
+    want = fn(on_block, hdp_step._put(fields, batch_sh), zeros(on_block))
+    got = sums[blocks[-1]]
+    self.assertEqual({s.device for s in jax.tree.leaves(got)[-1].addressable_shards},
+                     set(batch_sh.mesh.devices.flat))
+    chex.assert_trees_all_equal(jax.device_get(got), jax.device_get(want))
+    chex.assert_trees_all_equal(jax.device_get(sums[blocks[0]]), jax.device_get(want))
 
   def test_fit_keeps_a_run_that_plans_into_k_steps_in_a_few_plans(self):
     """The documents from the first up to one that would not fit (in k micro-steps, or in
