@@ -17,10 +17,16 @@ Prints a markdown table: plans and CPU seconds per step (median over --steps; th
 runs on one thread, so on an idle core that is its wall time), and the share of the
 step's token capacity the kept documents fill.
 
-Then, at each of --program_devices, the programs `PerRankHDPStep` would compile for
---batches steps of training's fit (`hdp_step.programs`: ring programs per block of slots
-and cell, and the ring shapes they come in; local programs), and the padding of their
-buckets (cells in steps of tpd / 8, local micro-batches of tpd / 2^k slots).
+Then, at each of --program_devices, the programs `PerRankHDPStep` would run for
+--batches steps of training's fit (`hdp_step.programs`), and the padding of their buckets
+(cells in steps of tpd / 8, local micro-batches of tpd / 2^k slots): a ring program
+compiles once per ring shape (ring size, cell) and is relocated onto every other block
+of slots and cell it runs on (`relocate.Programs`); local programs compile each.
+
+With --relocation_ring=c (on 4c devices: XLA_FLAGS=--xla_force_host_platform_device_count=8
+for c=2), what a relocation costs against a compile: the tiny model's ring program of c
+slots and --relocation_tpd tokens a cell, compiled for 3 blocks of slots, serialized once
+and relocated from the first onto 3 others (median seconds).
 """
 from __future__ import annotations
 
@@ -28,11 +34,18 @@ import json
 import statistics
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from jaxsys.parallel import hdp, hdp_schedule, hdp_sim
-from jaxsys.train import hdp_step
+from jaxsys import mesh as mesh_lib
+from jaxsys.configs import tiny_lm
+from jaxsys.data.packing import FIELDS
+from jaxsys.optim.inner import make_optimizer
+from jaxsys.parallel import hdp, hdp_schedule, hdp_sim, relocate
+from jaxsys.train import config_check, hdp_step
+from jaxsys.train import state as state_lib
 
 
 def _define_flags() -> None:
@@ -49,6 +62,10 @@ def _define_flags() -> None:
   _PROGRAM_DEVICES = flags.DEFINE_list("program_devices", ["8", "64", "1024"],
                                        "Pool sizes whose compiled programs are counted.")
   _BATCHES = flags.DEFINE_integer("batches", 100, "Steps whose programs are counted.")
+  global _RELOCATION_RING, _RELOCATION_TPD
+  _RELOCATION_RING = flags.DEFINE_integer("relocation_ring", 0,
+                                          "Ring size whose relocation is timed (0: none).")
+  _RELOCATION_TPD = flags.DEFINE_integer("relocation_tpd", 1024, "Its tokens per cell.")
 
 
 def one_plan_per_document(lengths, *, budget: int, plan, micro_batches):
@@ -157,12 +174,53 @@ def count_programs(*, devices: int, tokens_per_device: int, micro_steps: int, ba
 
 
 def programs_table(rows) -> str:
-  lines = ["| lengths | devices | steps | ring programs (block, cell) | ring shapes (size, cell) "
-           "| local programs | ring slots empty | local slots empty |", "|---" * 8 + "|"]
-  lines += [f"| {r['distribution']} | {r['devices']} | {r['batches']} | {r['ring programs']} | "
-            f"{r['ring shape programs']} | {r['local programs']} | {r['ring padding']:.1%} | "
-            f"{r['local padding']:.1%} |" for r in rows]
+  lines = ["| lengths | devices | steps | compiled ring programs (size, cell) | ring blocks "
+           "(block, cell) | relocations | local programs | ring slots empty | local slots "
+           "empty |", "|---" * 9 + "|"]
+  lines += [f"| {r['distribution']} | {r['devices']} | {r['batches']} | "
+            f"{r['ring shape programs']} | {r['ring programs']} | "
+            f"{r['ring programs'] - r['ring shape programs']} | {r['local programs']} | "
+            f"{r['ring padding']:.1%} | {r['local padding']:.1%} |" for r in rows]
   return "\n".join(lines)
+
+
+def relocation_seconds(*, ring: int, tokens_per_device: int, repeats: int = 3) -> dict:
+  """Median seconds to compile the tiny model's ring program of `ring` slots for a block
+  (`repeats` blocks), to serialize the first block's once, and to relocate it onto another
+  (`repeats` others), on (repeats + 1) * ring devices; `fresh`: no compile came from jax's
+  persistent cache."""
+  run = config_check.parse(tiny_lm.get_config("size=tiny"))
+  n = (repeats + 1) * ring
+  mesh = mesh_lib.make_mesh(f"data={n}", jax.devices()[:n])
+  optimizer = make_optimizer(run.optimizer, run.total_steps)
+  abstract = state_lib.abstract_train_state(run.model, optimizer, 0)
+  state_sh = state_lib.state_shardings(abstract, run.model, optimizer, mesh)
+  executor = hdp_step.PerRankHDPStep(run.model, optimizer, mesh, state_sh, tokens_per_device)
+  acc = jax.eval_shape(lambda p: (jnp.zeros(()), jnp.zeros(()), p), abstract.params)
+  batch = {f: jax.ShapeDtypeStruct((1, ring * tokens_per_device),
+                                   jnp.float32 if f == "loss_mask" else jnp.int32)
+           for f in FIELDS}
+  args = (acc[2], batch, acc)
+  rings = [executor.ring_program(tuple(range(b * ring, (b + 1) * ring)))
+           for b in range(repeats + 1)]  # (jitted, batch sharding over its view, ...)
+  compiled, compiles, fresh = [], [], True
+  for fn, *_ in rings[:repeats]:
+    start = time.perf_counter()
+    one, new = relocate.compile_fresh(fn, args)
+    compiles.append(time.perf_counter() - start)
+    compiled.append(one)
+    fresh &= new
+  start = time.perf_counter()
+  source = relocate.Source(compiled[0], rings[0][1].mesh, args)  # serialized once a shape
+  serialize = time.perf_counter() - start
+  relocations = []
+  for _, batch_sh, *_ in rings[1:]:
+    start = time.perf_counter()
+    source.onto(batch_sh.mesh)
+    relocations.append(time.perf_counter() - start)
+  return dict(ring=ring, tokens_per_device=tokens_per_device, fresh=fresh,
+              compile_s=statistics.median(compiles), serialize_s=serialize,
+              relocate_s=statistics.median(relocations))
 
 
 def table(rows) -> str:
@@ -184,9 +242,14 @@ def main(argv):
                            distribution=distribution)
             for distribution in ("stdlib", "long_tail") for n in _PROGRAM_DEVICES.value]
   print(programs_table(counts))
+  relocation = None
+  if _RELOCATION_RING.value:
+    relocation = relocation_seconds(ring=_RELOCATION_RING.value,
+                                    tokens_per_device=_RELOCATION_TPD.value)
+    print(relocation)
   if _OUT.value:
     with open(_OUT.value, "w") as f:
-      json.dump({"planning": rows, "programs": counts}, f, indent=1)
+      json.dump({"planning": rows, "programs": counts, "relocation": relocation}, f, indent=1)
 
 
 if __name__ == "__main__":
