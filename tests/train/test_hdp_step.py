@@ -90,10 +90,14 @@ class HDPStepTest(parameterized.TestCase):
     else:  # a ring program compiled per ring size and cell, loaded onto the other blocks
       expected = hdp_step.programs(run.plan(lengths), lengths, TOKENS_PER_DEVICE)
       self.assertEqual(set(run._rings), {block for block, _ in expected["ring"]})
+      # A program that jax's persistent cache served (another test of this run compiled
+      # it) runs where it was compiled for only, so the count allows for those.
       rings = run._ring_programs
-      self.assertEqual((rings.compiles, rings.relocations),
-                       (len(expected["ring shape"]),
-                        len(expected["ring"]) - len(expected["ring shape"])))
+      self.assertEqual(rings.compiles + rings.cache_loads + rings.relocations,
+                       len(expected["ring"]))
+      self.assertLessEqual(rings.compiles, len(expected["ring shape"]))
+      self.assertGreaterEqual(rings.relocations, len(expected["ring"])
+                              - len(expected["ring shape"]) - rings.cache_loads)
       self.assertEqual(sum(run._rings[block][0]._cache_size() for block in run._rings), 0)
       self.assertEqual(sum(fn._cache_size() for fn in run._locals.values()),
                        len(expected["local"]))
