@@ -11,6 +11,7 @@ PJRT plugin, given XLA's description of the GPU instead of a GPU.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.metadata
 import math
@@ -148,19 +149,36 @@ def slice_devices(name: str) -> Slice:
   except ImportError:
     raise RuntimeError(f"compiling for TPU needs libtpu, which is not installed: {INSTALL}"
                        ) from None
-  # A host that is not a TPU VM: no metadata server to ask, and this host's own (made-up)
-  # accelerator and worker, so libtpu starts without warnings; only a description is
-  # loaded, so several processes (test workers) may load libtpu at once.
-  for key, value in (("TPU_SKIP_MDS_QUERY", "1"), ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1"),
-                     ("TPU_ACCELERATOR_TYPE", "v5litepod-8"), ("TPU_WORKER_HOSTNAMES", "localhost"),
-                     ("TPU_WORKER_ID", "0")):
-    os.environ.setdefault(key, value)
   from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
   try:
-    topology = topologies.get_topology_desc(platform="tpu", topology_name=f"{chip.name}:{shape}")
+    with _tpu_host_environment():
+      topology = topologies.get_topology_desc(platform="tpu",
+                                              topology_name=f"{chip.name}:{shape}")
   except Exception as e:  # pylint: disable=broad-except  (libtpu raises XlaRuntimeError)
     raise ValueError(f"topology={name!r}: libtpu refuses the shape {shape} ({_first_line(e)})") from None
   return Slice(chip, shape, tuple(topology.devices))
+
+
+# A host that is not a TPU VM: no metadata server to ask, and this host's own (made-up)
+# accelerator and worker, so libtpu starts without warnings; only a description is
+# loaded, so several processes (test workers) may load libtpu at once.
+_TPU_HOST = (("TPU_SKIP_MDS_QUERY", "1"), ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1"),
+             ("TPU_ACCELERATOR_TYPE", "v5litepod-8"), ("TPU_WORKER_HOSTNAMES", "localhost"),
+             ("TPU_WORKER_ID", "0"))
+
+
+@contextlib.contextmanager
+def _tpu_host_environment():
+  """`_TPU_HOST`'s variables (where unset) while libtpu loads, removed after: a process this
+  one starts later must not inherit TPU_WORKER_HOSTNAMES and take itself for a worker of a
+  multi-host TPU run (the trainer joins one when that variable is set)."""
+  added = [key for key, _ in _TPU_HOST if key not in os.environ]
+  os.environ.update({key: value for key, value in _TPU_HOST if key in added})
+  try:
+    yield
+  finally:
+    for key in added:
+      os.environ.pop(key, None)
 
 
 def _gpu_slice(name: str, chip: Chip, shape: str) -> Slice:

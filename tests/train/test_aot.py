@@ -41,6 +41,16 @@ def _compile(topology: str, **overrides):
 
 
 @needs_libtpu
+def test_a_loaded_slice_leaves_no_tpu_worker_in_the_environment(monkeypatch):
+  """A process started after a TPU compile (the trainer, from a notebook or a test) must not
+  inherit TPU_WORKER_HOSTNAMES, or it joins a multi-host TPU run that does not exist."""
+  for key, _ in chips._TPU_HOST:  # pylint: disable=protected-access
+    monkeypatch.delenv(key, raising=False)
+  assert len(chips.slice_devices("v5e:2x2").devices) == 4
+  assert not any(key in os.environ for key, _ in chips._TPU_HOST)  # pylint: disable=protected-access
+
+
+@needs_libtpu
 def test_the_tpu_kernels_are_chosen_for_the_slice():
   """On a v5e slice the step's attention is the Mosaic kernel (a TPU custom call), though
   jax's own backend here is the CPU; the report's memory and FLOPs are the chip's."""
