@@ -107,7 +107,7 @@ def test_compiled_flops_are_the_model_s():
     slice_ = chips.slice_devices("v5e:2x2")
     run = config_check.check_config(load_test_config(
         "stdlib", mesh="fsdp=4", model__d_model=256, model__n_heads=4, model__n_kv_heads=2,
-        model__d_ff=768, model__n_layers=10, model__attention_impl="xla", model__remat=remat,
+        model__d_ff=768, model__n_layers=2, model__attention_impl="xla", model__remat=remat,
         data__seq_len=256, data__batch_size=8), devices=slice_.devices)
     setup = make_setup(run, mesh_lib.make_mesh(run.mesh, slice_.devices))
     lowered = setup.train_fn.lower(aot._abstract(setup.abstract, setup.state_sh),
