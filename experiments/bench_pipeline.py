@@ -12,11 +12,12 @@ It prints a markdown table per part (--parts) and writes every number to --out:
    stage=p, data=8/p, for every p in --stages and m in --microbatches: the schedule's
    bubble in ticks (idle stage-ticks / all stage-ticks of its table, every action one tick),
    its TIMED bubbles (`schedules.timed`: idle time / stages x makespan, run asynchronously
-   and in the executor's lock step, with backward / forward, and the zero-bubble input- and
-   weight-gradient passes' / forward, = the chunk programs' FLOP ratios below; not wall
-   time), and layer FLOPs executed per device over useful layer FLOPs. The executed tick
-   counts (`pipeline_loss_and_grads(..., with_counts=True)`) only re-count the table,
-   so they serve the FLOPs and a check, not a bubble. XLA's
+   and in the executor's lock step, in the ticks it runs (`schedule.executed`: fused or
+   the table's; both lock steps are in the JSON), with backward / forward, and the
+   zero-bubble input- and weight-gradient passes' / forward, = the chunk programs' FLOP
+   ratios below; not wall time), and layer FLOPs executed per device over useful layer
+   FLOPs. The executed action counts (`pipeline_loss_and_grads(..., with_counts=True)`)
+   only re-count the ticks, so they serve the FLOPs and a check, not a bubble. XLA's
    `cost_analysis` counts a while loop's body ONCE (whatever the trip count) and a
    conditional as its costliest branch, so the whole pipelined program's number says
    nothing about executed work (it is recorded as `xla_whole_program_flops`). Instead the
@@ -40,8 +41,10 @@ It prints a markdown table per part (--parts) and writes every number to --out:
 4. Step CPU work (part `cpu`, timed): process CPU seconds of one jitted loss-and-gradients
    step (median of --cpu_repeats after a warm-up) of gpipe, 1f1b, 1f1b with VP and
    interleaved v=2 at stage=4, data=2, m=8 (d 256, 8 layers, vocabulary 8,192, 16 rows of
-   128 tokens), over the unpipelined step's on data=8, in the same process. The simulated
-   devices share the cores, so this is all devices' work, not a step's time on chips.
+   128 tokens), over the unpipelined step's on data=8, in the same process, each in the
+   ticks the executor runs (--cpu_both_shapes: also in the other shape, fused or the
+   table's). The simulated devices share the cores, so this is all devices' work, not a
+   step's time on chips.
 """
 from __future__ import annotations
 
@@ -101,6 +104,8 @@ _PARTS = flags.DEFINE_list("parts", ["schedules", "memory", "vocab"],
                            "Which tables to make: schedules, memory, vocab, cpu.")
 _CPU_REPEATS = flags.DEFINE_integer("cpu_repeats", 5, "Step CPU table: timed steps (median).")
 _CPU_EXTRA = flags.DEFINE_list("cpu_extra", [], "Step CPU table: more schedules (zb_h1, zbv).")
+_CPU_BOTH = flags.DEFINE_bool("cpu_both_shapes", False,
+                              "Step CPU table: each schedule in fused and table ticks.")
 _OUT = flags.DEFINE_string("out", "/tmp/bench_pipeline.json", "JSON file with every number.")
 _CHART = flags.DEFINE_string("chart", "", "If set, a PNG of the p=4, m=8 schedules' tick charts.")
 
@@ -245,7 +250,8 @@ def schedule_rows(cfg, stages_list, microbatches_list, *, seq: int, skip=(),
                 + counts[:, pipeline.BACKWARD_WEIGHT] * cf["backward_weight"])
     executed = counts[:, 1] * cf["forward"] + backward
     useful_fwd, useful = (x / p for x in useful_cache[m])
-    theory_idle = np.sum(schedule.kind == pipeline.IDLE, axis=0)
+    # Idle ticks of the ticks the executor runs (fused or the table's, schedule.executed).
+    theory_idle = schedule.executed.counts()[:, pipeline.IDLE]
     # Backward (and its B and W halves) over forward from the chunk programs' FLOPs (a
     # FLOP ratio, not timed).
     ratio = cf["backward"] / cf["forward"]
@@ -260,7 +266,11 @@ def schedule_rows(cfg, stages_list, microbatches_list, *, seq: int, skip=(),
         bubble_theory=schedule.bubble_fraction,
         backward_forward_flop_ratio=ratio,
         input_forward_flop_ratio=split[0], weight_forward_flop_ratio=split[1],
+        executed="fused" if schedule.executed is schedule.fused else "table",
+        executed_ticks=schedule.executed.ticks, fused_ticks=schedule.fused.ticks,
         makespan_async=timing.asynchronous, makespan_lockstep=timing.lockstep,
+        makespan_lockstep_fused=timing.lockstep_fused,
+        makespan_lockstep_unfused=timing.lockstep_unfused,
         bubble_async=timing.asynchronous_bubble, bubble_lockstep=timing.lockstep_bubble,
         makespan_async_even=even.asynchronous, bubble_async_even=even.asynchronous_bubble,
         idle_ticks_per_stage_measured=counts[:, 0].tolist(),
@@ -443,9 +453,11 @@ def vocab_rows(vocabs, *, d_model, n_layers, d_ff, heads, stages, tokens) -> lis
 
 def cpu_rows(*, d_model: int = 256, n_layers: int = 8, vocab_size: int = 8192, seq: int = 128,
              rows: int = 16, stages: int = 4, microbatches: int = 8, repeats: int = 5,
-             extra: tuple[str, ...] = ()) -> list[dict]:
+             extra: tuple[str, ...] = (), both_shapes: bool = False) -> list[dict]:
   """Table 4: process CPU seconds of a pipelined step over the unpipelined one's (`extra`:
-  more schedules after the four, e.g. zb_h1, zbv)."""
+  more schedules after the four, e.g. zb_h1, zbv), in the ticks the executor runs
+  (`schedule.executed`) and with `both_shapes` also in the other shape (fused or the
+  table's ticks)."""
   cfg = dataclasses.replace(small_model(d_model=d_model, n_layers=n_layers,
                                         vocab_size=vocab_size, n_kv_heads=4), d_ff=4 * d_model)
   params = transformer.init_params(cfg, jax.random.key(0))
@@ -471,11 +483,18 @@ def cpu_rows(*, d_model: int = 256, n_layers: int = 8, vocab_size: int = 8192, s
     layout = pipeline.Layout(stages=stages, virtual=v, vocab_size=vocab_size, vocab_parallel=vp)
     schedule = pipeline.make_schedule(name, stages=stages, microbatches=microbatches,
                                       virtual_stages=v)
-    fn = _pipelined_fn(cfg, schedule, layout, mesh, with_counts=False)
-    seconds = cpu_seconds(fn, pipeline.to_stages(layout, params), batch)
-    out.append(dict(schedule=name + (" + VP" if vp else ""), seconds=seconds,
-                    ratio=seconds / base))
-    log(f"cpu {out[-1]['schedule']}: {seconds:.3f} s, {seconds / base:.2f}x")
+    default = schedule.executed is schedule.fused
+    for fused in (default, not default)[:1 + both_shapes]:
+      fn = jax.jit(lambda p, b: pipeline.pipeline_loss_and_grads(
+          cfg, schedule, layout, p, b, mesh=mesh, fused=fused))
+      seconds = cpu_seconds(fn, pipeline.to_stages(layout, params), batch)
+      ticks = schedule.fused if fused else schedule.unfused
+      out.append(dict(schedule=name + (" + VP" if vp else "") + ("" if fused == default else
+                                                                 " (other shape)"),
+                      shape="fused" if fused else "table", ticks=ticks.ticks, seconds=seconds,
+                      ratio=seconds / base))
+      log(f"cpu {out[-1]['schedule']}, {out[-1]['shape']} ticks: {seconds:.3f} s, "
+          f"{seconds / base:.2f}x")
   return out
 
 
@@ -649,8 +668,9 @@ def tables(result) -> str:
   if "vocab" in result:
     parts.append(vocab_table(result["vocab"]))
   if "cpu" in result:
-    parts.append("| step | CPU s | x unpipelined |\n|---|---:|---:|\n" + "\n".join(
-        f"| {r['schedule']} | {r['seconds']:.3f} | {r['ratio']:.2f} |" for r in result["cpu"]))
+    parts.append("| step | ticks | CPU s | x unpipelined |\n|---|---|---:|---:|\n" + "\n".join(
+        f"| {r['schedule']} | {r.get('shape', '-')} {r.get('ticks', '')} | {r['seconds']:.3f} | "
+        f"{r['ratio']:.2f} |" for r in result["cpu"]))
   return "\n\n".join(parts)
 
 
@@ -666,7 +686,8 @@ def main(argv):
       mem_seq=_MEM_SEQ.value, mem_rows=_MEM_ROWS.value, vocabs=ints(_VOCABS.value),
       vocab_kw=dict(d_model=_V_D_MODEL.value, n_layers=_V_LAYERS.value, d_ff=_V_D_FF.value,
                     heads=_V_HEADS.value, stages=_V_STAGES.value, tokens=_V_SEQ.value),
-      cpu_kw=dict(repeats=_CPU_REPEATS.value, extra=tuple(_CPU_EXTRA.value)),
+      cpu_kw=dict(repeats=_CPU_REPEATS.value, extra=tuple(_CPU_EXTRA.value),
+                  both_shapes=_CPU_BOTH.value),
       out_path=_OUT.value, chart_path=_CHART.value or None)
   print(tables(result))
   log(f"wrote {_OUT.value} ({result['seconds']:.0f}s)")
