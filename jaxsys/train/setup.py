@@ -272,11 +272,11 @@ def transfer_bytes(model_cfg, schedule: pipeline.Schedule, mesh: Mesh, batch_siz
 def pipeline_bytes(model_cfg, schedule: pipeline.Schedule, mesh: Mesh, batch_size: int,
                    seq_len: int, accum_steps: int = 1, routed: bool = False,
                    vocab_parallel: bool = False) -> int:
-  """Bytes one device sends per step moving microbatches: `transfer_bytes` every tick of
-  each accumulation step's schedule."""
+  """Bytes one device sends per step moving microbatches: `transfer_bytes` every tick the
+  executor runs (`schedule.executed`, fused or the table's) of each accumulation step."""
   tick, once = transfer_bytes(model_cfg, schedule, mesh, batch_size // accum_steps, seq_len,
                               routed, vocab_parallel)
-  return accum_steps * (schedule.ticks * tick + once)
+  return accum_steps * (schedule.executed.ticks * tick + once)
 
 
 def make_setup(run: RunConfig, mesh: Mesh, loader=None) -> Setup:
