@@ -258,9 +258,13 @@ class Schedule:
                   self.chunk_of)
 
   def summary(self) -> str:
+    """One line: the table's shape and bubble, and the ticks the executor runs (`executed`:
+    the table's, or fewer fused ones)."""
+    shape = "fused" if self.executed is self.fused else "table"
     return (f"schedule={self.name} stages={self.stages} microbatches={self.microbatches} "
             f"virtual={self.virtual_stages} ticks={self.ticks} "
-            f"bubble={self.bubble_fraction:.3f} max_in_flight={self.max_in_flight}")
+            f"bubble={self.bubble_fraction:.3f} max_in_flight={self.max_in_flight} "
+            f"runs={self.executed.ticks} {shape} ticks")
 
   def chart(self) -> str:
     """One row per stage, one cell per tick: F<mb> forward, b<mb> backward, B<mb> its input

@@ -240,7 +240,9 @@ class StructureTest(parameterized.TestCase):
     sched = make_schedule("interleaved_1f1b", stages=2, microbatches=2, virtual_stages=2)
     self.assertEqual(sched.summary(), "schedule=interleaved_1f1b stages=2 microbatches=2 "
                      f"virtual=2 ticks={sched.ticks} bubble={1 / 5:.3f} "
-                     f"max_in_flight={sched.max_in_flight}")
+                     f"max_in_flight={sched.max_in_flight} runs=9 fused ticks")
+    self.assertTrue(make_schedule("1f1b", stages=4, microbatches=8).summary().endswith(
+        "runs=22 table ticks"))  # fused 1F1B ends later in lock step
     lines = sched.chart().splitlines()
     self.assertEqual(lines[0], sched.summary())
     self.assertLen(lines, 3)
