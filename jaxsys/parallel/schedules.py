@@ -27,7 +27,9 @@ mixing F- and B-long actions across stages (the table's lock step pays B + B). B
 message then moves one stage per F + B, so a stage needs 2(stages - s) - 1 microbatches in
 flight for that steady state: interleaved 1F1B's program (Megatron's warmup) has them, and
 its fused lock step equals its asynchronous makespan; plain 1F1B and ZB-H1 keep
-stages - s, and fused they idle more than in the table. `Schedule.unfused` is the table as
+stages - s, and fused they idle more than in the table. `eager_1f1b` is 1F1B with that
+warmup (2(stages - s - 1) forwards): fused, its lock step takes GPipe's time, holding
+min(m, 2 stages - 1) microbatches of residuals on stage 0 where 1F1B holds stages. `Schedule.unfused` is the table as
 one-lane ticks; `Schedule.executed` is the one of the two the executor runs, the shorter
 in lock step at EXECUTOR_COSTS (backward = 2 forwards).
 
@@ -58,7 +60,7 @@ import numpy as np
 
 IDLE, FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT = 0, 1, 2, 3, 4
 KINDS = 5
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv")
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "eager_1f1b", "interleaved_1f1b", "zb_h1", "zbv")
 # The backward kinds that send an input gradient on, and those that end a chunk's hold on
 # its residuals and output gradient.
 _SENDS_GRAD = (BACKWARD, BACKWARD_INPUT)
@@ -298,8 +300,8 @@ def make_schedule(name: str, *, stages: int, microbatches: int,
   chunk_of = _loop_placement(p, v)
   if name == "gpipe":
     programs = [_gpipe_program(s, p, m) for s in range(p)]
-  elif name == "1f1b":
-    programs = [_interleaved_program(s, p, m, 1) for s in range(p)]
+  elif name in ("1f1b", "eager_1f1b"):
+    programs = [_interleaved_program(s, p, m, 1, eager=name == "eager_1f1b") for s in range(p)]
   elif name == "interleaved_1f1b":
     programs = [_interleaved_program(s, p, m, v) for s in range(p)]
   elif name == "zb_h1":
@@ -375,8 +377,9 @@ def _gpipe_program(s: int, p: int, m: int) -> list[_Op]:
   return [(FORWARD, mb, s) for mb in range(m)] + [(BACKWARD, mb, s) for mb in range(m)]
 
 
-def _interleaved_program(s: int, p: int, m: int, v: int) -> list[_Op]:
-  """Megatron's (interleaved) 1F1B order for stage s; v=1 is plain non-interleaved 1F1B.
+def _interleaved_program(s: int, p: int, m: int, v: int, eager: bool = False) -> list[_Op]:
+  """Megatron's (interleaved) 1F1B order for stage s; v=1 is plain non-interleaved 1F1B,
+  or with `eager` 1F1B with the interleaved warmup's 2(p - s - 1) forwards.
 
   The k-th forward walks microbatches in groups of p: k -> microbatch (k // (p*v)) * p + k % p,
   virtual (k % (p*v)) // p; the k-th backward the same with the virtual index reversed.
@@ -396,7 +399,7 @@ def _interleaved_program(s: int, p: int, m: int, v: int) -> list[_Op]:
       virt = v - 1 - virt
     return (kind, group * p + within % p, virt * p + s)
 
-  warmup = p - s - 1 if v == 1 else (p - s - 1) * 2 + (v - 1) * p
+  warmup = p - s - 1 if v == 1 and not eager else (p - s - 1) * 2 + (v - 1) * p
   warmup = min(warmup, total)
   prog = [op(FORWARD, k) for k in range(warmup)]
   for i in range(total - warmup):

@@ -246,8 +246,8 @@ RELATIONS: tuple[Relation, ...] = (
              "be 1 without an outer optimizer (optimizer.outer=diloco, streaming_diloco, noloco or co2); "
              "for data parallelism use a data axis"),
     Relation(("mesh axis stage", "pipeline.schedule"), lambda p, sched: p == 1 or sched != "none",
-             "be 1 without a pipeline (pipeline.schedule=gpipe, 1f1b, interleaved_1f1b, zb_h1 or "
-             "zbv)"),
+             "be 1 without a pipeline (pipeline.schedule=gpipe, 1f1b, eager_1f1b, interleaved_1f1b, "
+             "zb_h1 or zbv)"),
     Relation(("pipeline.vocab_parallel", "mesh axis stage", "pipeline.schedule"),
              lambda vp, p, sched: not vp or (p > 1 and sched != "none"),
              "be False without a pipeline over a stage axis larger than 1"),

@@ -65,6 +65,7 @@ CASES = [
     ("stage=2,data=4", "interleaved_1f1b", 4, 2),
     ("stage=4,data=2", "gpipe", 8, 1),
     ("stage=4,tensor=2", "interleaved_1f1b", 8, 1),
+    ("stage=2,data=4", "eager_1f1b", 4, 1),
 ]
 
 

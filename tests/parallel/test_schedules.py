@@ -256,7 +256,7 @@ class ErrorTest(parameterized.TestCase):
 
   @parameterized.named_parameters(
       ("unknown", "foo", 4, 8, 1,
-       "pipeline.schedule='foo' is unknown; valid: gpipe, 1f1b, interleaved_1f1b"),
+       "pipeline.schedule='foo' is unknown; valid: gpipe, 1f1b, eager_1f1b, interleaved_1f1b"),
       ("stages_zero", "gpipe", 0, 8, 1, "mesh axis stage has size 0"),
       ("stages_float", "gpipe", 2.0, 8, 1, "mesh axis stage has size 2.0"),
       ("microbatches_zero", "gpipe", 2, 0, 1, "pipeline.microbatches=0 is invalid"),
@@ -354,6 +354,21 @@ class TimedTest(parameterized.TestCase):
         self.assertLessEqual(one.asynchronous, gpipe.asynchronous + 1e-9)
         for t in (gpipe, one):  # a lock-step tick never starts anything earlier
           self.assertLessEqual(t.asynchronous, t.lockstep + 1e-9)
+
+  def test_eager_1f1b_takes_gpipe_s_time_in_lock_step_with_bounded_memory(self):
+    """1F1B's lock step costs it up to 26% over GPipe at B = 2F; with the interleaved
+    warmup it runs fused ticks in exactly GPipe's time, holding min(m, 2p - 1) microbatches
+    of residuals (1F1B: p, GPipe: m)."""
+    for p, m, ratio in itertools.product((2, 4, 8), (8, 16, 32), (1.5, 2.0, 3.0)):
+      costs = Costs(forward=1, backward=ratio)
+      eager = make_schedule("eager_1f1b", stages=p, microbatches=m)
+      with self.subTest(p=p, m=m, ratio=ratio):
+        gpipe = timed(make_schedule("gpipe", stages=p, microbatches=m), costs).lockstep
+        self.assertAlmostEqual(timed(eager, costs).lockstep, gpipe, places=9)
+        self.assertLess(gpipe, timed(make_schedule("1f1b", stages=p, microbatches=m),
+                                     costs).lockstep)
+        self.assertIs(eager.executed, eager.fused)
+        self.assertEqual(eager.res_slots, min(m, 2 * p - 1))
 
   def test_comm_costs_1f1b_more_than_gpipe(self):
     # GPipe pays the 2(p-1) sends of one round trip once; 1F1B's steady state waits on a

@@ -123,7 +123,7 @@ class FieldsTest(parameterized.TestCase):
       ("layout", dict(parallel__context_layout="striped"),
        "parallel.context_layout='striped' is unknown; valid: contiguous, zigzag"),
       ("schedule", dict(pipeline__schedule="zb-h1"), "pipeline.schedule='zb-h1' is unknown; valid: "
-       "none, gpipe, 1f1b, interleaved_1f1b"),
+       "none, gpipe, 1f1b, eager_1f1b, interleaved_1f1b"),
       ("microbatches", dict(pipeline__microbatches=0), "pipeline.microbatches=0 is invalid"),
       ("vocab_algorithm", dict(pipeline__vocab_algorithm=3), "pipeline.vocab_algorithm=3 is "
        "invalid; it must be 1 or 2"),
