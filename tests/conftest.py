@@ -89,6 +89,13 @@ SLOW = (
     "tests/parallel/test_pipeline.py::test_matches_unpipelined[stage=4,data=2-1f1b-4-1-False]",
     "tests/parallel/test_pipeline.py::test_matches_unpipelined[stage=2,data=4-gpipe-4-1-True]",
     "tests/parallel/test_pipeline.py::test_matches_unpipelined[stage=2,data=4-interleaved_1f1b-4-2-True]",
+    # The tick shapes' own tests (3-6 s each; the default shapes run in the fast tier's
+    # exactness tests above).
+    "tests/parallel/test_pipeline.py::test_both_tick_shapes_exact",
+    "tests/parallel/test_pipeline.py::test_executed_ticks_match_the_schedule",
+    "tests/parallel/test_zero_bubble.py::test_executed_ticks_match_the_schedule",
+    "tests/parallel/test_pipeline.py::test_matches_unpipelined[stage=2,data=4-eager_1f1b-4-1-True]",
+    "tests/parallel/test_pipeline.py::test_matches_unpipelined[stage=2,tensor=2,data=2-1f1b-4-1-False]",
 )
 
 
