@@ -262,11 +262,12 @@ class Schedule:
   def summary(self) -> str:
     """One line: the table's shape and bubble, and the ticks the executor runs (`executed`:
     the table's, or fewer fused ones)."""
-    shape = "fused" if self.executed is self.fused else "table"
+    executed = self.executed  # times both shapes: once
+    shape = "fused" if executed is self.fused else "table"
     return (f"schedule={self.name} stages={self.stages} microbatches={self.microbatches} "
             f"virtual={self.virtual_stages} ticks={self.ticks} "
             f"bubble={self.bubble_fraction:.3f} max_in_flight={self.max_in_flight} "
-            f"runs={self.executed.ticks} {shape} ticks")
+            f"runs={executed.ticks} {shape} ticks")
 
   def chart(self) -> str:
     """One row per stage, one cell per tick: F<mb> forward, b<mb> backward, B<mb> its input
