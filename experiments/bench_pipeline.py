@@ -28,7 +28,7 @@ It prints a markdown table per part (--parts) and writes every number to --out:
    data). MaxText's GPipe computes through the bubble; its ratio would be (m + p - 1) / m.
 2. Memory at p=4 (stage=4, data=2), fixed microbatch size: compiled temp bytes per device of
    loss + gradients per schedule, the residual buffer the executor keeps for the backward
-   (schedule.res_slots x one slot's residual bytes), and for the zero-bubble schedules the
+   (schedule.unfused.res_slots x one slot's residual bytes), and for the zero-bubble schedules the
    output gradients and stashes held from B to W.
 3. Vocabulary layers at p=4 (stage=4, data=2): per-device parameter + AdamW bytes of the
    stage-view train state on each stage's devices (abstract: jax.eval_shape, each leaf's
@@ -288,8 +288,8 @@ def schedule_rows(cfg, stages_list, microbatches_list, *, seq: int, skip=(),
         backward_flops_ratio=float(backward.max() / (useful - useful_fwd)),
         maxtext_gpipe_ratio=(m + p - 1) / m,
         xla_whole_program_flops=flops(compiled),
-        max_in_flight=schedule.max_in_flight, res_slots=schedule.res_slots,
-        peak_activations=schedule.peak_activations, grad_slots=schedule.grad_slots,
+        max_in_flight=schedule.max_in_flight, res_slots=schedule.unfused.res_slots,
+        peak_activations=schedule.peak_activations, grad_slots=schedule.unfused.grad_slots,
         seconds=time.perf_counter() - t0)
     rows_out.append(row)
     log(f"schedules {i + 1}/{len(configs)}: {name} p={p} m={m} bubble "
@@ -319,19 +319,20 @@ def memory_rows(cfg, stages: int, microbatches_list, *, seq: int, rows: int,
       mem = compiled.memory_analysis()
       cf = chunk_flops(cfg, cfg.n_layers // (stages * v), rows, seq)
       slot = cf["residual_bytes"]
+      table = schedule.unfused
       out.append(dict(schedule=name, stages=stages, microbatches=m, virtual=v,
                       rows_per_device_per_microbatch=rows, seq=seq,
                       temp_bytes=int(mem.temp_size_in_bytes),
                       argument_bytes=int(mem.argument_size_in_bytes),
                       output_bytes=int(mem.output_size_in_bytes),
-                      res_slots=schedule.res_slots, residual_slot_bytes=slot,
-                      residual_bytes=schedule.res_slots * slot,
+                      res_slots=table.res_slots, residual_slot_bytes=slot,
+                      residual_bytes=table.res_slots * slot,
                       peak_activations=schedule.peak_activations,
                       # Output gradients held (zero-bubble: from B until W).
-                      grad_slots=schedule.grad_slots,
-                      grad_bytes=schedule.grad_slots * cf["activation_bytes"],
+                      grad_slots=table.grad_slots,
+                      grad_bytes=table.grad_slots * cf["activation_bytes"],
                       # What B hands W (zero-bubble), one per held output gradient.
-                      stash_bytes=(schedule.grad_slots * cf["stash_bytes"]
+                      stash_bytes=(table.grad_slots * cf["stash_bytes"]
                                    if schedule.split_backward else 0),
                       seconds=time.perf_counter() - t0))
       log(f"memory {name} p={stages} m={m}: temp {out[-1]['temp_bytes'] / 2**20:.2f} MiB, "
@@ -586,12 +587,13 @@ def draw_schedules(schedules_list, path: str | None = None, axes=None):
   cmap = plt.get_cmap("tab10" if max(s.microbatches for s in schedules_list) <= 10 else "tab20")
   tmax = max(s.ticks / s.virtual_stages for s in schedules_list)
   for ax, s in zip(axes, schedules_list):
+    table = s.unfused
     for t in range(s.ticks):
       for st in range(s.stages):
-        k = int(s.kind[t, st])
+        k = int(table.kind[t, 0, st])
         if k == pipeline.IDLE:
           continue
-        mb, v = int(s.microbatch[t, st]), int(s.virtual[t, st])
+        mb, v = int(table.microbatch[t, 0, st]), int(table.virtual[t, 0, st])
         color = cmap(mb % cmap.N)
         fwd = k == pipeline.FORWARD
         w = 1 / s.virtual_stages

@@ -15,7 +15,7 @@ order fused into ticks of a backward-type action and a forward (`schedules.Ticks
   -> ppermute activations to stage+1, gradients to stage-1
 
 A forward keeps its chunk's `jax.vjp` residuals in a slot of a buffer of
-`schedule.res_slots` entries (1F1B: `stages`, GPipe: `microbatches`): only residuals that
+`Ticks.res_slots` entries (1F1B: `stages`, GPipe: `microbatches`): only residuals that
 depend on the microbatch (`dependence.py`); the weight-only ones (the weights, reshaped
 weights) the backward recomputes from the live weights. Zero-bubble schedules (ZB-H1,
 ZBV) split the backward into an input-gradient pass B and a weight-gradient pass W: the

@@ -70,8 +70,7 @@ _FREES = (BACKWARD, BACKWARD_WEIGHT)
 _Op = tuple[int, int, int]
 
 
-# Per-lane tables of Ticks (and of Schedule, its one lane), per-stage arrival tables, and
-# per-tick vectors.
+# Ticks' per-lane tables, per-stage arrival tables, and per-tick vectors.
 LANE_FIELDS = ("kind", "microbatch", "virtual", "res_slot", "act_in", "grad_in")
 ARRIVAL_FIELDS = ("act_recv", "act_recv_back", "act_recv_self", "grad_recv", "grad_recv_back",
                   "grad_recv_self")
@@ -81,10 +80,25 @@ TICK_FIELDS = ("head_slot", "head_microbatch", "embed_microbatch", "embed_grad_m
 @dataclasses.dataclass(frozen=True, eq=False)
 class Ticks:
   """What an executor runs: each tick, each stage runs its lanes in order (at most one
-  action each), then every message goes out. The fields mean what Schedule's of the same
-  names mean, per lane: LANE_FIELDS [ticks, lanes, stages], ARRIVAL_FIELDS [ticks, stages],
-  TICK_FIELDS [ticks]. A residual slot a lane frees (BACKWARD, BACKWARD_WEIGHT) is free for
-  a later lane of the same tick, which runs after the read; inbox slots only after the tick.
+  action each), then every message goes out. int32 tables, -1 where unused: LANE_FIELDS
+  [ticks, lanes, stages], ARRIVAL_FIELDS [ticks, stages], TICK_FIELDS [ticks].
+
+  kind, microbatch, virtual: the action of each lane of each stage at each tick.
+  res_slot: residual-buffer slot a FORWARD writes and its BACKWARD reads (then frees); a
+    BACKWARD_INPUT reads it and its BACKWARD_WEIGHT reads it again, then frees it. A slot
+    a lane frees is free for a later lane of the same tick, which runs after the read.
+  act_recv / act_in: activation-inbox slot written by the arrival from stage s - 1 at the
+    start of the tick / read by a FORWARD of chunk > 0 (freed after the tick).
+    act_recv_back, act_recv_self: slots written by the arrivals from stage s + 1 and from
+    the stage itself (the V's turn); -1 where nothing comes that way.
+  grad_recv / grad_in: the same for the gradient inbox (grad_recv from stage s + 1,
+    grad_recv_back from s - 1, grad_recv_self from s); the backward kinds read their output
+    gradient from grad_in, a BACKWARD_INPUT leaving it for its BACKWARD_WEIGHT.
+  head_slot[t]: the slot on the head stage that the loss head writes at the end of tick t
+    (-1: no head that tick).
+  head_microbatch, embed_microbatch, embed_grad_microbatch [ticks]: microbatch of the
+    FORWARD of chunk G-1 / FORWARD of chunk 0 / BACKWARD of chunk 0 at each tick, -1 none.
+  res_slots, act_slots, grad_slots: buffer sizes per stage.
   """
   kind: np.ndarray
   microbatch: np.ndarray
@@ -129,59 +143,27 @@ class Ticks:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Schedule:
-  """A pipeline schedule: int32 tables [ticks, stages] (-1 where unused) and per-tick vectors.
+  """A pipeline schedule: its table, the same program order in fused ticks, and where
+  chunks run.
 
-  kind, microbatch, virtual: the action of each stage at each tick.
+  unfused: the table, one-lane Ticks: one action a stage a tick (`unfused.kind[:, 0]` is
+    [ticks, stages]). fused: the same program order in two-lane ticks (module docstring).
+    `executed` is the one of the two the executor runs.
   chunk_of [virtual_stages, stages]: the global chunk each (virtual, stage) runs.
-  res_slot: residual-buffer slot a FORWARD writes and its BACKWARD reads (then frees); a
-    BACKWARD_INPUT reads it and its BACKWARD_WEIGHT reads it again, then frees it.
-  act_recv / act_in: activation-inbox slot written by the arrival from stage s - 1 at the
-    start of the tick / read by a FORWARD of chunk > 0 (freed after the tick).
-    act_recv_back, act_recv_self: slots written by the arrivals from stage s + 1 and from
-    the stage itself (the V's turn); -1 where nothing comes that way.
-  grad_recv / grad_in: the same for the gradient inbox (grad_recv from stage s + 1,
-    grad_recv_back from s - 1, grad_recv_self from s); the backward kinds read their output
-    gradient from grad_in, a BACKWARD_INPUT leaving it for its BACKWARD_WEIGHT.
-    head_slot[t]: the slot on `head_stage` that the loss head writes at the end of tick t
-    (-1: no head that tick).
-  head_microbatch, embed_microbatch, embed_grad_microbatch [ticks]: microbatch of the
-    FORWARD of chunk G-1 / FORWARD of chunk 0 / BACKWARD of chunk 0 at each tick, -1 none.
-  res_slots, act_slots, grad_slots: buffer sizes per stage.
-  unfused: the table as one-lane Ticks (its fields are these tables); fused: the same
-    program order in two-lane ticks, what the executor runs (module docstring).
   """
   name: str
   stages: int
   microbatches: int
   virtual_stages: int
-  kind: np.ndarray
-  microbatch: np.ndarray
-  virtual: np.ndarray
-  res_slot: np.ndarray
-  act_recv: np.ndarray
-  act_in: np.ndarray
-  grad_recv: np.ndarray
-  grad_in: np.ndarray
-  head_slot: np.ndarray
-  head_microbatch: np.ndarray
-  embed_microbatch: np.ndarray
-  embed_grad_microbatch: np.ndarray
-  res_slots: int
-  act_slots: int
-  grad_slots: int
-  chunk_of: np.ndarray = dataclasses.field(default=None, repr=False)
-  act_recv_back: np.ndarray = dataclasses.field(default=None, repr=False)
-  act_recv_self: np.ndarray = dataclasses.field(default=None, repr=False)
-  grad_recv_back: np.ndarray = dataclasses.field(default=None, repr=False)
-  grad_recv_self: np.ndarray = dataclasses.field(default=None, repr=False)
-  unfused: Ticks = dataclasses.field(default=None, repr=False)
-  fused: Ticks = dataclasses.field(default=None, repr=False)
+  chunk_of: np.ndarray = dataclasses.field(repr=False)
+  unfused: Ticks = dataclasses.field(repr=False)
+  fused: Ticks = dataclasses.field(repr=False)
   # Per-stage program order, kept so forward_only() can re-simulate the same order.
   programs: tuple[tuple[_Op, ...], ...] = dataclasses.field(repr=False, default=())
 
   @property
   def ticks(self) -> int:
-    return int(self.kind.shape[0])
+    return self.unfused.ticks
 
   @property
   def executed(self) -> Ticks:
@@ -202,8 +184,9 @@ class Schedule:
   def chunk(self) -> np.ndarray:
     """Global chunk index of each action [ticks, stages], -1 when idle."""
     stage = np.arange(self.stages, dtype=np.int32)[None, :]
-    return np.where(self.kind == IDLE, -1,
-                    self.chunk_of[np.maximum(self.virtual, 0), stage]).astype(np.int32)
+    virtual = np.maximum(self.unfused.virtual[:, 0], 0)
+    return np.where(self.unfused.kind[:, 0] == IDLE, -1,
+                    self.chunk_of[virtual, stage]).astype(np.int32)
 
   @property
   def stage_of(self) -> np.ndarray:
@@ -218,12 +201,13 @@ class Schedule:
   @property
   def split_backward(self) -> bool:
     """Whether the backward runs as input- and weight-gradient passes (zero-bubble)."""
-    return bool(np.any(self.kind == BACKWARD_WEIGHT))
+    return bool(np.any(self.unfused.kind == BACKWARD_WEIGHT))
 
   @property
   def bubble_fraction(self) -> float:
     """Idle stage-ticks over all stage-ticks."""
-    return float(np.sum(self.kind == IDLE)) / float(self.kind.size)
+    kind = self.unfused.kind
+    return float(np.sum(kind == IDLE)) / float(kind.size)
 
   @property
   def useful_fraction(self) -> float:
@@ -231,8 +215,8 @@ class Schedule:
 
   def _held(self) -> np.ndarray:
     """Chunks each stage holds residuals of after each tick [ticks, stages]."""
-    freed = np.isin(self.kind, _FREES)
-    return np.cumsum(self.kind == FORWARD, axis=0) - np.cumsum(freed, axis=0)
+    kind = self.unfused.kind[:, 0]
+    return np.cumsum(kind == FORWARD, axis=0) - np.cumsum(np.isin(kind, _FREES), axis=0)
 
   @property
   def max_in_flight(self) -> int:
@@ -241,7 +225,7 @@ class Schedule:
 
     0 for a forward-only schedule, which keeps nothing for a backward.
     """
-    if not np.any(np.isin(self.kind, _FREES)):
+    if not np.any(np.isin(self.unfused.kind, _FREES)):
       return 0
     return int(self._held().max())
 
@@ -249,7 +233,7 @@ class Schedule:
   def peak_activations(self) -> float:
     """The most residuals one stage holds, in microbatches of a whole stage's layers: a
     chunk is 1/virtual_stages of them (1F1B and ZB-H1: stages; GPipe: microbatches)."""
-    if not np.any(np.isin(self.kind, _FREES)):
+    if not np.any(np.isin(self.unfused.kind, _FREES)):
       return 0.0
     return float(self._held().max()) / self.virtual_stages
 
@@ -283,7 +267,8 @@ class Schedule:
         tag = chr(ord("a") + v) if self.virtual_stages <= 26 else f":{v}"
       return "?FbBW"[k] + f"{mb}{tag}"
 
-    cells = [[cell(int(self.kind[t, s]), int(self.microbatch[t, s]), int(self.virtual[t, s]))
+    table = self.unfused
+    cells = [[cell(*(int(x[t, 0, s]) for x in (table.kind, table.microbatch, table.virtual)))
               for t in range(self.ticks)] for s in range(self.stages)]
     width = max(len(c) for row in cells for c in row) if self.ticks else 1
     label = len(str(self.stages - 1))
@@ -564,13 +549,9 @@ def _build(name: str, p: int, m: int, v: int, programs: list[list[_Op]],
   has_backward = any(op[0] != FORWARD for prog in programs for op in prog)
   unfused, fused = (_assign(_simulate(programs, p, chunk_of.size, lanes), chunk_of, has_backward)
                     for lanes in (1, 2))
-  table = {k: getattr(unfused, k)[:, 0] for k in LANE_FIELDS}
-  table.update({k: getattr(unfused, k) for k in ARRIVAL_FIELDS + TICK_FIELDS})
-  return Schedule(
-      name=name, stages=p, microbatches=m, virtual_stages=v, **table,
-      res_slots=unfused.res_slots, act_slots=unfused.act_slots, grad_slots=unfused.grad_slots,
-      chunk_of=chunk_of, unfused=unfused, fused=fused,
-      programs=tuple(tuple(prog) for prog in programs))
+  return Schedule(name=name, stages=p, microbatches=m, virtual_stages=v, chunk_of=chunk_of,
+                  unfused=unfused, fused=fused,
+                  programs=tuple(tuple(prog) for prog in programs))
 
 
 def _assign(rows: list[list[list[_Op | None]]], chunk_of: np.ndarray,
@@ -743,7 +724,9 @@ def timed(schedule: Schedule, costs: Costs) -> Timing:
   """The schedule's time under `costs`, asynchronous and in lock step (see Timing)."""
   p, v = schedule.stages, schedule.virtual_stages
   cost = costs.of_kind() / v
-  action = cost[schedule.kind]  # [ticks, stages]
+  kind, microbatch = schedule.unfused.kind[:, 0], schedule.unfused.microbatch[:, 0]
+  chunk = schedule.chunk
+  action = cost[kind]  # [ticks, stages]
   stage_of = schedule.stage_of
   # Asynchronous: the table's per-stage order is the program order, and everything an op
   # needs ran at an earlier tick, so walking the ticks visits producers first.
@@ -751,10 +734,10 @@ def timed(schedule: Schedule, costs: Costs) -> Timing:
   free = [0.0] * p
   for t in range(schedule.ticks):
     for s in range(p):
-      k = int(schedule.kind[t, s])
+      k = int(kind[t, s])
       if k == IDLE:
         continue
-      mb, g = int(schedule.microbatch[t, s]), int(schedule.chunk_of[schedule.virtual[t, s], s])
+      mb, g = int(microbatch[t, s]), int(chunk[t, s])
       start = free[s]
       for n in _needs((k, mb, g), schedule.chunks):
         sent = stage_of[n[2]] != s  # only a message to another stage pays comm

@@ -139,7 +139,7 @@ def test_executed_ticks_match_the_schedule(name, virtual):
   # Every chunk forward and backward once; fewer idle ticks than the table's.
   assert counts[:, pipeline.FORWARD].tolist() == counts[:, pipeline.BACKWARD].tolist() == [
       4 * virtual] * 2
-  assert counts[:, pipeline.IDLE].sum() < np.sum(schedule.kind == pipeline.IDLE)
+  assert counts[:, pipeline.IDLE].sum() < np.sum(schedule.unfused.kind == pipeline.IDLE)
 
 
 # (mesh, schedule, virtual, VP): each run in the tick shape it does NOT run by default (the
@@ -382,7 +382,7 @@ def test_vocab_parallel_output_layer_flops_over_stage_and_tensor():
                                                              mesh=mesh))
   hlo = fn.lower(params, batch).compile().as_text()
   per_device = hlo_flops.dot_flops(_vocab_dots_only(hlo, {v, v // 4, v // 8}))
-  unsplit = len(schedule.kind) * 3 * 2 * (rows // 4 * seq) * cfg.d_model * v
+  unsplit = schedule.ticks * 3 * 2 * (rows // 4 * seq) * cfg.d_model * v
   assert per_device / unsplit == pytest.approx(1 / 8), per_device / unsplit
 
 

@@ -36,11 +36,14 @@ def _replay(sched: sched_lib.Schedule) -> None:
   this tick), reading the wrong value, or leaving anything behind fails.
   """
   p, v, G = sched.stages, sched.virtual_stages, sched.chunks
-  training = bool(np.any(sched.kind == BACKWARD))
+  table = sched.unfused
+  kind, microbatch, virtual, res_slot, act_in, grad_in = (
+      getattr(table, f)[:, 0] for f in sched_lib.LANE_FIELDS)  # [ticks, stages]
+  training = bool(np.any(kind == BACKWARD))
   busy = object()  # a slot read this tick: not writable until the tick ends
-  res = [[None] * sched.res_slots for _ in range(p)]
-  act = [[None] * sched.act_slots for _ in range(p)]
-  grad = [[None] * sched.grad_slots for _ in range(p)]
+  res = [[None] * table.res_slots for _ in range(p)]
+  act = [[None] * table.act_slots for _ in range(p)]
+  grad = [[None] * table.grad_slots for _ in range(p)]
 
   def write(buf, s, slot, value, what):
     assert 0 <= slot < len(buf[s]), f"{what}: slot {slot} outside [0, {len(buf[s])})"
@@ -57,8 +60,8 @@ def _replay(sched: sched_lib.Schedule) -> None:
   for t in range(sched.ticks):
     what = f"tick {t}"
     # Arrivals: exactly the stages something was sent to, nothing else.
-    for name, sent, recv, buf in (("act", sent_act, sched.act_recv, act),
-                                  ("grad", sent_grad, sched.grad_recv, grad)):
+    for name, sent, recv, buf in (("act", sent_act, table.act_recv, act),
+                                  ("grad", sent_grad, table.grad_recv, grad)):
       got = {s for s in range(p) if recv[t, s] >= 0}
       assert got == set(sent), f"{what}: {name} arrives at {sorted(got)}, sent {sorted(sent)}"
       for s, value in sent.items():
@@ -66,44 +69,44 @@ def _replay(sched: sched_lib.Schedule) -> None:
     sent_act, sent_grad, reading = {}, {}, []
     embed = embed_grad = head = -1
     for s in range(p):
-      k, mb, vi = (int(x[t, s]) for x in (sched.kind, sched.microbatch, sched.virtual))
+      k, mb, vi = (int(x[t, s]) for x in (kind, microbatch, virtual))
       here = f"{what} stage {s}"
       if k == IDLE:
-        assert (mb, vi, sched.res_slot[t, s], sched.act_in[t, s], sched.grad_in[t, s]) == (
+        assert (mb, vi, res_slot[t, s], act_in[t, s], grad_in[t, s]) == (
             -1, -1, -1, -1, -1), here
         continue
       assert 0 <= mb < sched.microbatches and 0 <= vi < v, here
       g = vi * p + s
       if k == FORWARD:
-        assert sched.grad_in[t, s] == -1, here
+        assert grad_in[t, s] == -1, here
         if g == 0:
-          assert sched.act_in[t, s] == -1, here
+          assert act_in[t, s] == -1, here
           embed = mb
         else:
-          read(act, s, int(sched.act_in[t, s]), ("act", mb, g - 1), f"{here} act_in", reading)
+          read(act, s, int(act_in[t, s]), ("act", mb, g - 1), f"{here} act_in", reading)
         if training:
-          write(res, s, int(sched.res_slot[t, s]), ("res", mb, g), f"{here} res_slot")
+          write(res, s, int(res_slot[t, s]), ("res", mb, g), f"{here} res_slot")
         else:
-          assert sched.res_slot[t, s] == -1, here
+          assert res_slot[t, s] == -1, here
         if g < G - 1:
           sent_act[(s + 1) % p] = ("act", mb, g)
         else:
           head = mb
       else:
-        assert k == BACKWARD and training and sched.act_in[t, s] == -1, here
-        read(res, s, int(sched.res_slot[t, s]), ("res", mb, g), f"{here} res_slot", reading)
-        read(grad, s, int(sched.grad_in[t, s]), ("grad", mb, g), f"{here} grad_in", reading)
+        assert k == BACKWARD and training and act_in[t, s] == -1, here
+        read(res, s, int(res_slot[t, s]), ("res", mb, g), f"{here} res_slot", reading)
+        read(grad, s, int(grad_in[t, s]), ("grad", mb, g), f"{here} grad_in", reading)
         if g > 0:
           sent_grad[(s - 1) % p] = ("grad", mb, g - 1)
         else:
           embed_grad = mb
-    assert sched.embed_microbatch[t] == embed, what
-    assert sched.embed_grad_microbatch[t] == embed_grad, what
-    assert sched.head_microbatch[t] == head, what
+    assert table.embed_microbatch[t] == embed, what
+    assert table.embed_grad_microbatch[t] == embed_grad, what
+    assert table.head_microbatch[t] == head, what
     if head >= 0 and training:
-      write(grad, (G - 1) % p, int(sched.head_slot[t]), ("grad", head, G - 1), f"{what} head")
+      write(grad, (G - 1) % p, int(table.head_slot[t]), ("grad", head, G - 1), f"{what} head")
     else:
-      assert sched.head_slot[t] == -1, what
+      assert table.head_slot[t] == -1, what
     for buf, s, slot in reading:
       buf[s][slot] = None
   assert not sent_act and not sent_grad, "messages sent on the last tick"
@@ -125,7 +128,7 @@ class RequiredNumbersTest(parameterized.TestCase):
     self.assertAlmostEqual(sched.useful_fraction, 1 - float(bubble), places=12)
     if in_flight is not None:
       self.assertEqual(sched.max_in_flight, in_flight)
-    self.assertEqual(sched.res_slots, sched.max_in_flight)
+    self.assertEqual(sched.unfused.res_slots, sched.max_in_flight)
 
   def test_interleaved_formula_grid(self):
     for p, v in itertools.product((2, 4, 8), (1, 2, 4)):
@@ -143,7 +146,7 @@ class RequiredNumbersTest(parameterized.TestCase):
           self.assertEqual(sched.ticks, 2 * (m + p - 1))
           self.assertAlmostEqual(sched.bubble_fraction, (p - 1) / (m + p - 1), places=12)
           self.assertEqual(sched.max_in_flight, m if name == "gpipe" else p)
-          self.assertEqual(sched.res_slots, sched.max_in_flight)
+          self.assertEqual(sched.unfused.res_slots, sched.max_in_flight)
 
   def test_interleaved_v1_is_1f1b(self):
     for p, m in [(1, 3), (2, 4), (4, 8), (8, 16)]:
@@ -151,16 +154,17 @@ class RequiredNumbersTest(parameterized.TestCase):
       b = make_schedule("1f1b", stages=p, microbatches=m)
       for field in ("kind", "microbatch", "virtual", "res_slot", "act_recv", "act_in",
                     "grad_recv", "grad_in", "head_slot", "head_microbatch"):
-        np.testing.assert_array_equal(getattr(a, field), getattr(b, field), err_msg=field)
+        np.testing.assert_array_equal(getattr(a.unfused, field), getattr(b.unfused, field),
+                                      err_msg=field)
 
   def test_one_stage(self):
     for name in ("gpipe", "1f1b", "interleaved_1f1b"):
       sched = make_schedule(name, stages=1, microbatches=3)
       self.assertEqual((sched.ticks, sched.bubble_fraction), (6, 0.0))
-      self.assertEqual(sched.act_slots, 1)
-    one = make_schedule("1f1b", stages=1, microbatches=3)
-    np.testing.assert_array_equal(one.kind[:, 0], [FORWARD, BACKWARD] * 3)
-    np.testing.assert_array_equal(one.microbatch[:, 0], [0, 0, 1, 1, 2, 2])
+      self.assertEqual(sched.unfused.act_slots, 1)
+    one = make_schedule("1f1b", stages=1, microbatches=3).unfused
+    np.testing.assert_array_equal(one.kind[:, 0, 0], [FORWARD, BACKWARD] * 3)
+    np.testing.assert_array_equal(one.microbatch[:, 0, 0], [0, 0, 1, 1, 2, 2])
 
 
 class StructureTest(parameterized.TestCase):
@@ -170,20 +174,23 @@ class StructureTest(parameterized.TestCase):
     sched = make_schedule(name, stages=p, microbatches=m, virtual_stages=v)
     G = p * v
     self.assertEqual(sched.chunks, G)
-    for arr in (sched.kind, sched.microbatch, sched.virtual, sched.res_slot, sched.act_recv,
-                sched.act_in, sched.grad_recv, sched.grad_in):
+    table = sched.unfused
+    for arr in (table.kind, table.microbatch, table.virtual, table.res_slot, table.act_in,
+                table.grad_in):
+      self.assertEqual((arr.shape, arr.dtype), ((sched.ticks, 1, p), np.int32))
+    for arr in (table.act_recv, table.grad_recv):
       self.assertEqual((arr.shape, arr.dtype), ((sched.ticks, p), np.int32))
-    for arr in (sched.head_slot, sched.head_microbatch, sched.embed_microbatch,
-                sched.embed_grad_microbatch):
+    for arr in (table.head_slot, table.head_microbatch, table.embed_microbatch,
+                table.embed_grad_microbatch):
       self.assertEqual((arr.shape, arr.dtype), ((sched.ticks,), np.int32))
     when = {}  # (kind, mb, g) -> tick
     for t, s in itertools.product(range(sched.ticks), range(p)):
-      k = int(sched.kind[t, s])
+      k = int(table.kind[t, 0, s])
       if k == IDLE:
         continue
       g = int(sched.chunk[t, s])
       self.assertEqual(g % p, s)  # chunk g runs on stage g % p
-      key = (k, int(sched.microbatch[t, s]), g)
+      key = (k, int(table.microbatch[t, 0, s]), g)
       self.assertNotIn(key, when)
       when[key] = t
     expected = {(k, mb, g) for k in (FORWARD, BACKWARD) for mb in range(m) for g in range(G)}
@@ -198,7 +205,7 @@ class StructureTest(parameterized.TestCase):
       else:  # the head runs at the end of the last forward's tick
         self.assertGreaterEqual(b, f + 1)
     # Every stage is busy 2*v*m ticks.
-    np.testing.assert_array_equal(np.sum(sched.kind != IDLE, axis=0), 2 * v * m)
+    np.testing.assert_array_equal(np.sum(table.kind[:, 0] != IDLE, axis=0), 2 * v * m)
 
   @parameterized.named_parameters(*_named(_CASES))
   def test_replay(self, name, p, m, v):
@@ -209,24 +216,28 @@ class StructureTest(parameterized.TestCase):
     full = make_schedule(name, stages=p, microbatches=m, virtual_stages=v)
     fwd = full.forward_only()
     _replay(fwd)
-    self.assertFalse(np.any(fwd.kind == BACKWARD))
-    self.assertEqual(int(np.sum(fwd.kind == FORWARD)), m * p * v)
+    table = fwd.unfused
+    self.assertFalse(np.any(table.kind == BACKWARD))
+    self.assertEqual(int(np.sum(table.kind == FORWARD)), m * p * v)
     self.assertEqual(fwd.ticks, v * m + p - 1)
-    self.assertEqual((fwd.res_slots, fwd.grad_slots, fwd.max_in_flight), (0, 0, 0))
-    for arr in (fwd.res_slot, fwd.grad_recv, fwd.grad_in, fwd.head_slot,
-                fwd.embed_grad_microbatch):
+    self.assertEqual((table.res_slots, table.grad_slots, fwd.max_in_flight), (0, 0, 0))
+    for arr in (table.res_slot, table.grad_recv, table.grad_in, table.head_slot,
+                table.embed_grad_microbatch):
       np.testing.assert_array_equal(arr, -1)
     # The same per-stage order of forwards.
     for s in range(p):
-      order = lambda x: [(int(x.microbatch[t, s]), int(x.virtual[t, s]))
-                         for t in range(x.ticks) if x.kind[t, s] == FORWARD]
-      self.assertEqual(order(fwd), order(full))
+      order = lambda x: [(int(x.microbatch[t, 0, s]), int(x.virtual[t, 0, s]))
+                         for t in range(x.ticks) if x.kind[t, 0, s] == FORWARD]
+      self.assertEqual(order(table), order(full.unfused))
 
   def test_interleaved_megatron_order(self):
     # Stage 0, p=2, m=4, v=2: warmup (2-0-1)*2 + (2-1)*2 = 4 forwards, microbatch groups of 2.
-    sched = make_schedule("interleaved_1f1b", stages=2, microbatches=4, virtual_stages=2)
-    ops = [("F" if sched.kind[t, 0] == FORWARD else "B", int(sched.microbatch[t, 0]),
-            int(sched.virtual[t, 0])) for t in range(sched.ticks) if sched.kind[t, 0] != IDLE]
+    table = make_schedule("interleaved_1f1b", stages=2, microbatches=4,
+                          virtual_stages=2).unfused
+    kind, microbatch, virtual = (x[:, 0, 0] for x in (table.kind, table.microbatch,
+                                                      table.virtual))
+    ops = [("F" if kind[t] == FORWARD else "B", int(microbatch[t]), int(virtual[t]))
+           for t in range(table.ticks) if kind[t] != IDLE]
     self.assertEqual(ops[:6], [("F", 0, 0), ("F", 1, 0), ("F", 0, 1), ("F", 1, 1),
                                ("F", 2, 0), ("B", 0, 1)])
     self.assertEqual(ops[-2:], [("B", 2, 0), ("B", 3, 0)])
@@ -234,7 +245,7 @@ class StructureTest(parameterized.TestCase):
   def test_tables_read_only(self):
     sched = make_schedule("1f1b", stages=2, microbatches=2)
     with self.assertRaises(ValueError):
-      sched.kind[0, 0] = 2
+      sched.unfused.kind[0, 0, 0] = 2
 
   def test_chart_and_summary(self):
     sched = make_schedule("interleaved_1f1b", stages=2, microbatches=2, virtual_stages=2)
@@ -368,7 +379,7 @@ class TimedTest(parameterized.TestCase):
         self.assertLess(gpipe, timed(make_schedule("1f1b", stages=p, microbatches=m),
                                      costs).lockstep)
         self.assertIs(eager.executed, eager.fused)
-        self.assertEqual(eager.res_slots, min(m, 2 * p - 1))
+        self.assertEqual(eager.unfused.res_slots, min(m, 2 * p - 1))
 
   def test_comm_costs_1f1b_more_than_gpipe(self):
     # GPipe pays the 2(p-1) sends of one round trip once; 1F1B's steady state waits on a

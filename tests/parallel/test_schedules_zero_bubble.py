@@ -137,10 +137,11 @@ def replay(sched: sched_lib.Schedule, ticks: sched_lib.Ticks | None = None) -> N
 def _when(sched):
   """(kind, microbatch, chunk) -> tick, each op once."""
   when = {}
+  table = sched.unfused
   for t, s in itertools.product(range(sched.ticks), range(sched.stages)):
-    k = int(sched.kind[t, s])
+    k = int(table.kind[t, 0, s])
     if k != IDLE:
-      key = (k, int(sched.microbatch[t, s]), int(sched.chunk[t, s]))
+      key = (k, int(table.microbatch[t, 0, s]), int(sched.chunk[t, s]))
       assert key not in when, key
       when[key] = t
   return when
@@ -160,11 +161,11 @@ class StructureTest(parameterized.TestCase):
     np.testing.assert_array_equal(fwd.chunk_of, full.chunk_of)
     if name != "zbv":  # a loop's forwards alone: no bubble but the fill
       self.assertEqual(fwd.ticks, v * m + p - 1)
-    self.assertFalse(np.any(fwd.kind >= BACKWARD))
+    self.assertFalse(np.any(fwd.unfused.kind >= BACKWARD))
     for s in range(p):
-      order = lambda x: [(int(x.microbatch[t, s]), int(x.virtual[t, s]))
-                         for t in range(x.ticks) if x.kind[t, s] == FORWARD]
-      self.assertEqual(order(fwd), order(full))
+      order = lambda x: [(int(x.microbatch[t, 0, s]), int(x.virtual[t, 0, s]))
+                         for t in range(x.ticks) if x.kind[t, 0, s] == FORWARD]
+      self.assertEqual(order(fwd.unfused), order(full.unfused))
 
   @parameterized.named_parameters(*[c for c in _NAMED if c[1] in ("zb_h1", "zbv")])
   def test_f_before_b_before_w_and_across_stages(self, name, p, m, v):
@@ -185,7 +186,7 @@ class StructureTest(parameterized.TestCase):
       else:  # the head runs at the end of the last forward's tick
         self.assertGreater(b, f)
     # Every stage runs 3 ops per microbatch and chunk.
-    np.testing.assert_array_equal(np.sum(sched.kind != IDLE, axis=0), 3 * v * m)
+    np.testing.assert_array_equal(np.sum(sched.unfused.kind[:, 0] != IDLE, axis=0), 3 * v * m)
 
   def test_v_placement(self):
     sched = make_schedule("zbv", stages=4, microbatches=8, virtual_stages=2)
@@ -193,21 +194,21 @@ class StructureTest(parameterized.TestCase):
     np.testing.assert_array_equal(sched.stage_of, [0, 1, 2, 3, 3, 2, 1, 0])
     self.assertEqual(sched.head_stage, 0)
     # The V's turn stays on stage 3; its way back up arrives from s + 1.
-    self.assertTrue(np.any(sched.act_recv_self[:, 3] >= 0))
-    self.assertTrue(np.all(sched.act_recv_self[:, :3] < 0))
-    self.assertTrue(np.any(sched.act_recv_back >= 0))
+    self.assertTrue(np.any(sched.unfused.act_recv_self[:, 3] >= 0))
+    self.assertTrue(np.all(sched.unfused.act_recv_self[:, :3] < 0))
+    self.assertTrue(np.any(sched.unfused.act_recv_back >= 0))
     for loop in ("1f1b", "zb_h1"):
       other = make_schedule(loop, stages=4, microbatches=8)
       self.assertEqual(other.head_stage, 3)
       for k in ("act_recv_back", "act_recv_self", "grad_recv_back", "grad_recv_self"):
-        self.assertTrue(np.all(getattr(other, k) < 0), (loop, k))
+        self.assertTrue(np.all(getattr(other.unfused, k) < 0), (loop, k))
 
   def test_zb_h1_defers_each_stages_weight_gradients(self):
     # Stage s runs its first W after s + 1 input gradients (arXiv 2401.10241, ZB-H1).
     p, m = 4, 8
     sched = make_schedule("zb_h1", stages=p, microbatches=m)
     for s in range(p):
-      ops = [int(k) for k in sched.kind[:, s] if k != IDLE]
+      ops = [int(k) for k in sched.unfused.kind[:, 0, s] if k != IDLE]
       first_w = ops.index(BACKWARD_WEIGHT)
       self.assertEqual(ops[:first_w].count(BACKWARD_INPUT), s + 1)
       self.assertEqual(ops[:first_w].count(FORWARD), min(p, m))
@@ -261,13 +262,16 @@ class FusedTest(parameterized.TestCase):
   @parameterized.named_parameters(*_NAMED)
   def test_table_is_the_unfused_lane(self, name, p, m, v):
     sched = make_schedule(name, stages=p, microbatches=m, virtual_stages=v)
+    table = sched.unfused  # the table: one action a stage a tick
     for field in sched_lib.LANE_FIELDS:
-      np.testing.assert_array_equal(getattr(sched, field), getattr(sched.unfused, field)[:, 0])
-    for field in sched_lib.ARRIVAL_FIELDS + sched_lib.TICK_FIELDS:
-      np.testing.assert_array_equal(getattr(sched, field), getattr(sched.unfused, field))
-    counts = sched.unfused.counts()
+      self.assertEqual(getattr(table, field).shape, (sched.ticks, 1, p), field)
+    for field in sched_lib.ARRIVAL_FIELDS:
+      self.assertEqual(getattr(table, field).shape, (sched.ticks, p), field)
+    for field in sched_lib.TICK_FIELDS:
+      self.assertEqual(getattr(table, field).shape, (sched.ticks,), field)
+    counts = table.counts()
     for s in range(p):
-      np.testing.assert_array_equal(counts[s], np.bincount(sched.kind[:, s], minlength=5))
+      np.testing.assert_array_equal(counts[s], np.bincount(table.kind[:, 0, s], minlength=5))
 
 
 class MemoryTest(parameterized.TestCase):
@@ -285,7 +289,7 @@ class MemoryTest(parameterized.TestCase):
         self.assertEqual(one.peak_activations, p)
         self.assertEqual(zb.peak_activations, one.peak_activations)
         self.assertEqual(zb.max_in_flight, one.max_in_flight)
-        self.assertEqual(zb.res_slots, zb.max_in_flight)
+        self.assertEqual(zb.unfused.res_slots, zb.max_in_flight)
         self.assertEqual(zbv.peak_activations, one.peak_activations)
         self.assertEqual(zbv.max_in_flight, 2 * p)  # chunks of half a stage
     self.assertEqual(make_schedule("gpipe", stages=4, microbatches=8).peak_activations, 8)
@@ -294,8 +298,8 @@ class MemoryTest(parameterized.TestCase):
     # What the split costs beyond 1F1B: stage s keeps s + 1 output gradients for its Ws.
     p = 4
     zb = make_schedule("zb_h1", stages=p, microbatches=8)
-    self.assertEqual(zb.grad_slots, p)
-    self.assertEqual(make_schedule("1f1b", stages=p, microbatches=8).grad_slots, 1)
+    self.assertEqual(zb.unfused.grad_slots, p)
+    self.assertEqual(make_schedule("1f1b", stages=p, microbatches=8).unfused.grad_slots, 1)
 
 
 class TimedTest(parameterized.TestCase):
