@@ -208,16 +208,14 @@ def test_bytes_match_the_compiled_program():
   assert extra == tick_r - tick_f + once_r
 
 
-def test_four_replicas_with_odd_shifts_follow_the_route():
-  """R=4 replicas of 2-stage 1F1B pipelines (no data axis, no VP): microbatches shifted by
-  1, 2 or 3 replicas between chunks give jax.grad's losses and gradients through their route."""
-  R, M, G = 4, 4, 2
+def _four_replicas(name, microbatches, shifts):
+  """R=4 replicas of 2-stage `name` pipelines (no data axis, no VP) routed by `shifts`:
+  their (loss, gradients) and the reference's through the same routes."""
+  R, G = 4, 2
   mesh = mesh_lib.make_mesh("replica=4,stage=2")
   layout = pipeline.Layout(stages=2, virtual=1, vocab_size=CFG.vocab_size, vocab_parallel=False)
-  schedule = pipeline.make_schedule("1f1b", stages=2, microbatches=M)
-  params_R, batch = _replica_params(R), _batch(R * M)
-  shifts = routing.draw_shifts(0, 3, R, M, G)
-  assert {1, 3} & set(np.asarray(shifts).ravel().tolist())  # an odd shift among them
+  schedule = pipeline.make_schedule(name, stages=2, microbatches=microbatches)
+  params_R, batch = _replica_params(R), _batch(R * microbatches)
   weights = jnp.asarray([1.0, 0.5, 0.25, 2.0])
 
   def run(params_R, batch, shifts, weights):
@@ -225,7 +223,26 @@ def test_four_replicas_with_odd_shifts_follow_the_route():
         CFG, schedule, layout, jax.vmap(functools.partial(pipeline.to_stages, layout))(params_R),
         batch, mesh=mesh, shifts=shifts, weights=weights)
     return loss, jax.vmap(functools.partial(pipeline.from_stages, layout))(grads)
-  loss, grads = jax.jit(run)(params_R, batch, shifts, weights)
-  loss_ref, grads_ref = _routed_reference(params_R, batch, shifts, weights, M, G)
+  return (jax.jit(run)(params_R, batch, shifts, weights),
+          _routed_reference(params_R, batch, shifts, weights, microbatches, G))
+
+
+def test_four_replicas_with_odd_shifts_follow_the_route():
+  """R=4 replicas of 2-stage 1F1B pipelines: microbatches shifted by 1, 2 or 3 replicas
+  between chunks give jax.grad's losses and gradients through their route."""
+  shifts = routing.draw_shifts(0, 3, 4, 4, 2)
+  assert {1, 3} & set(np.asarray(shifts).ravel().tolist())  # an odd shift among them
+  (loss, grads), (loss_ref, grads_ref) = _four_replicas("1f1b", 4, shifts)
+  np.testing.assert_allclose(loss, loss_ref, rtol=1e-5)
+  _assert_close(grads, grads_ref)
+
+
+def test_four_replicas_zero_bubble_follow_the_route():
+  """Routed ZB-H1 at R=4: its input-gradient passes (BACKWARD_INPUT) send gradients back
+  along each microbatch's route, shifted by 3 and 1 (where +k and -k differ), and the
+  gradients equal jax.grad's through the route."""
+  schedule = pipeline.make_schedule("zb_h1", stages=2, microbatches=2)
+  assert pipeline.BACKWARD_INPUT in schedule.executed.lane_kinds(0)
+  (loss, grads), (loss_ref, grads_ref) = _four_replicas("zb_h1", 2, jnp.asarray([[3], [1]]))
   np.testing.assert_allclose(loss, loss_ref, rtol=1e-5)
   _assert_close(grads, grads_ref)
