@@ -7,8 +7,9 @@ r"""Pipeline and vocabulary parallelism on simulated devices: bubbles, FLOPs, me
 (The script sets 8 simulated CPU devices itself when XLA_FLAGS does not name a count.)
 It prints a markdown table per part (--parts) and writes every number to --out:
 
-1. Schedules (gpipe, 1f1b, interleaved_1f1b with 2 virtual stages, and the zero-bubble
-   zb_h1 and zbv, the V with 2 chunks a stage) on meshes
+1. Schedules (every one of `schedules.SCHEDULES`: gpipe, 1f1b, eager_1f1b,
+   interleaved_1f1b with 2 virtual stages, and the zero-bubble zb_h1 and zbv, the V with 2
+   chunks a stage; --schedules picks them) on meshes
    stage=p, data=8/p, for every p in --stages and m in --microbatches: the schedule's
    bubble in ticks (idle stage-ticks / all stage-ticks of its table, every action one tick),
    its TIMED bubbles (`schedules.timed`: idle time / stages x makespan, run asynchronously
@@ -76,9 +77,11 @@ from jaxsys.parallel import pipeline, schedules, vocab
 from jaxsys.train import state as state_lib
 from jaxsys.train import step as step_lib
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv")
-# Virtual stages each schedule runs with here.
+SCHEDULES = schedules.SCHEDULES
+# Virtual stages each schedule runs with here, and its name in the tables.
 VIRTUAL = {"interleaved_1f1b": 2, "zbv": 2}
+LABELS = {"gpipe": "GPipe", "1f1b": "1F1B", "eager_1f1b": "eager 1F1B",
+          "interleaved_1f1b": "interleaved v=2", "zb_h1": "ZB-H1", "zbv": "ZBV"}
 VOCAB_KINDS = ("embedding", "unembedding", "final_norm")
 
 _STAGES = flags.DEFINE_list("stages", ["2", "4", "8"], "Stages p (mesh stage=p, data=8/p).")
@@ -103,7 +106,8 @@ _V_STAGES = flags.DEFINE_integer("vocab_stages", 4, "Vocabulary table: stages p 
 _PARTS = flags.DEFINE_list("parts", ["schedules", "memory", "vocab"],
                            "Which tables to make: schedules, memory, vocab, cpu.")
 _CPU_REPEATS = flags.DEFINE_integer("cpu_repeats", 5, "Step CPU table: timed steps (median).")
-_CPU_EXTRA = flags.DEFINE_list("cpu_extra", [], "Step CPU table: more schedules (zb_h1, zbv).")
+_CPU_EXTRA = flags.DEFINE_list("cpu_extra", [], "Step CPU table: more schedules (eager_1f1b, "
+                                "zb_h1, zbv).")
 _CPU_BOTH = flags.DEFINE_bool("cpu_both_shapes", False,
                               "Step CPU table: each schedule in fused and table ticks.")
 _OUT = flags.DEFINE_string("out", "/tmp/bench_pipeline.json", "JSON file with every number.")
@@ -456,7 +460,7 @@ def cpu_rows(*, d_model: int = 256, n_layers: int = 8, vocab_size: int = 8192, s
              rows: int = 16, stages: int = 4, microbatches: int = 8, repeats: int = 5,
              extra: tuple[str, ...] = (), both_shapes: bool = False) -> list[dict]:
   """Table 4: process CPU seconds of a pipelined step over the unpipelined one's (`extra`:
-  more schedules after the four, e.g. zb_h1, zbv), in the ticks the executor runs
+  more schedules after the four, e.g. eager_1f1b, zb_h1, zbv), in the ticks the executor runs
   (`schedule.executed`) and with `both_shapes` also in the other shape (fused or the
   table's ticks)."""
   cfg = dataclasses.replace(small_model(d_model=d_model, n_layers=n_layers,
@@ -511,10 +515,10 @@ def _mib(b: float) -> str:
 def schedule_table(rows) -> str:
   """One row per (p, m): each schedule's bubble, ticks / timed async / timed lock step (at
   the chunks' backward / forward FLOP ratio); FLOPs ratios; in flight."""
-  lines = ["| p | m | B/F FLOPs | bubble GPipe | bubble 1F1B | bubble interleaved v=2 | bubble "
-           "ZB-H1 | bubble ZBV | executed / useful layer FLOPs (fwd, bwd) | MaxText GPipe "
-           "(m+p-1)/m | max in flight G / 1 / i / H1 / V |",
-           "|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---|"]
+  lines = ["| p | m | B/F FLOPs | " + "".join(f"bubble {LABELS[n]} | " for n in SCHEDULES)
+           + "executed / useful layer FLOPs (fwd, bwd) | MaxText GPipe (m+p-1)/m | max in "
+           "flight " + " / ".join(LABELS[n] for n in SCHEDULES) + " |",
+           "|---:|---:|---:|" + "---:|" * len(SCHEDULES) + "---|---:|---|"]
   keys = sorted({(r["stages"], r["microbatches"]) for r in rows})
   for p, m in keys:
     by = {r["schedule"]: r for r in rows if (r["stages"], r["microbatches"]) == (p, m)}
@@ -524,8 +528,8 @@ def schedule_table(rows) -> str:
                       by.values()}) == 1 else f"{min(r[k] for r in by.values()):.3f}-"
                       f"{max(r[k] for r in by.values()):.3f}")
     inflight = " / ".join(str(by[n]["max_in_flight"]) if n in by else "-" for n in SCHEDULES)
-    lines.append(f"| {p} | {m} | {span('backward_forward_flop_ratio')} | {cell('gpipe')} | "
-                 f"{cell('1f1b')} | {cell('interleaved_1f1b')} | {cell('zb_h1')} | {cell('zbv')} | "
+    lines.append(f"| {p} | {m} | {span('backward_forward_flop_ratio')} | "
+                 + "".join(f"{cell(n)} | " for n in SCHEDULES) +
                  f"{span('flops_ratio')} ({span('forward_flops_ratio')}, "
                  f"{span('backward_flops_ratio')}) | {(m + p - 1) / m:.3f} | {inflight} |")
   return "\n".join(lines)

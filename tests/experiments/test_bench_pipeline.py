@@ -51,3 +51,16 @@ def test_tiny_run(tmp_path):
   assert v["vocab_layer_bytes_vp"] < v["vocab_layer_bytes_replicated"]
   text = bench_pipeline.tables(result)
   assert text.count("\n|---") == 4
+
+
+def test_covers_every_schedule():
+  """The grid, the chart and the schedule table take every schedule the library has."""
+  assert bench_pipeline.SCHEDULES == schedules.SCHEDULES
+  assert [n for n, *_ in bench_pipeline.grid([2], [2])] == list(schedules.SCHEDULES)
+  row = dict(stages=2, microbatches=2, bubble_theory=0.25, bubble_async=0.2,
+             bubble_lockstep=0.3, backward_forward_flop_ratio=2.0, flops_ratio=1.0,
+             forward_flops_ratio=1.0, backward_flops_ratio=1.0, max_in_flight=2)
+  header, _, line = bench_pipeline.schedule_table(
+      [dict(row, schedule=n) for n in schedules.SCHEDULES]).splitlines()
+  assert header.count("| bubble ") == line.count("0.2500 / 0.2000 / 0.3000") == len(
+      schedules.SCHEDULES)
