@@ -29,9 +29,10 @@ flight for that steady state: interleaved 1F1B's program (Megatron's warmup) has
 its fused lock step equals its asynchronous makespan; plain 1F1B and ZB-H1 keep
 stages - s, and fused they idle more than in the table. `eager_1f1b` is 1F1B with that
 warmup (2(stages - s - 1) forwards): fused, its lock step takes GPipe's time, holding
-min(m, 2 stages - 1) microbatches of residuals on stage 0 where 1F1B holds stages. `Schedule.unfused` is the table as
-one-lane ticks; `Schedule.executed` is the one of the two the executor runs, the shorter
-in lock step at EXECUTOR_COSTS (backward = 2 forwards).
+min(m, 2 stages - 1) microbatches of residuals on stage 0 where 1F1B holds stages.
+`Schedule.unfused` is the table as one-lane ticks; `Schedule.executed` is the one of the
+two the executor runs, the shorter in lock step at EXECUTOR_COSTS (backward = 2 forwards),
+and the one `Schedule.chart` draws.
 
 Ticks assume every action costs the same; `timed(schedule, Costs(...))` gives the time
 they take when they do not (forward, backward, and its input and weight halves), run
@@ -42,7 +43,7 @@ as long as its slowest action).
 Example:
   sched = make_schedule("1f1b", stages=4, microbatches=8)
   sched.ticks, sched.bubble_fraction, sched.max_in_flight   # 22, 3/11, 4
-  print(sched.chart())
+  print(sched.chart())   # the summary, then the ticks the executor runs
   t = timed(sched, Costs(forward=1, backward=2))
   t.asynchronous, t.lockstep_unfused, t.lockstep_fused   # 33.0, 40.0, 46.0 (runs: 40.0)
   t = timed(make_schedule("interleaved_1f1b", stages=4, microbatches=8, virtual_stages=2),
@@ -254,23 +255,27 @@ class Schedule:
             f"runs={executed.ticks} {shape} ticks")
 
   def chart(self) -> str:
-    """One row per stage, one cell per tick: F<mb> forward, b<mb> backward, B<mb> its input
-    gradient, W<mb> its weight gradient, '.' idle.
+    """The summary, then one row per stage, one cell per tick the executor runs (`executed`):
+    F<mb> forward, b<mb> backward, B<mb> its input gradient, W<mb> its weight gradient, '.'
+    idle; a fused tick's cell holds its lanes' actions in order (b3F5: backward of 3, then
+    forward of 5).
 
     With virtual stages a letter names the virtual index (F3a = microbatch 3, virtual 0).
     """
-    def cell(k: int, mb: int, v: int) -> str:
+    def action(k: int, mb: int, v: int) -> str:
       if k == IDLE:
-        return "."
+        return ""
       tag = ""
       if self.virtual_stages > 1:
         tag = chr(ord("a") + v) if self.virtual_stages <= 26 else f":{v}"
       return "?FbBW"[k] + f"{mb}{tag}"
 
-    table = self.unfused
-    cells = [[cell(*(int(x[t, 0, s]) for x in (table.kind, table.microbatch, table.virtual)))
-              for t in range(self.ticks)] for s in range(self.stages)]
-    width = max(len(c) for row in cells for c in row) if self.ticks else 1
+    ticks = self.executed
+    cells = [["".join(action(*(int(x[t, lane, s]) for x in (ticks.kind, ticks.microbatch,
+                                                            ticks.virtual)))
+                      for lane in range(ticks.lanes)) or "."
+              for t in range(ticks.ticks)] for s in range(self.stages)]
+    width = max(len(c) for row in cells for c in row) if ticks.ticks else 1
     label = len(str(self.stages - 1))
     lines = [self.summary()]
     for s, row in enumerate(cells):

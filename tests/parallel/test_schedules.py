@@ -257,10 +257,28 @@ class StructureTest(parameterized.TestCase):
     lines = sched.chart().splitlines()
     self.assertEqual(lines[0], sched.summary())
     self.assertLen(lines, 3)
-    self.assertTrue(lines[1].startswith("stage 0 | F0a F1a F0b F1b"))
-    self.assertEqual(len(lines[2].split("|")[1].split()), sched.ticks)
+    self.assertEqual(lines[1].split("|")[1].split()[:4], ["F0a", "F1a", "F0b", "F1b"])
+    self.assertEqual(len(lines[2].split("|")[1].split()), sched.executed.ticks)  # 9 fused
     self.assertIn("b1a", lines[1])
     self.assertIn("F1", make_schedule("gpipe", stages=2, microbatches=2).chart())
+
+  def test_chart_draws_the_ticks_that_run(self):
+    """Where fused ticks run, the chart draws them (both lanes' actions in a cell, backward
+    first), not the table's ticks; where the table's run, the table."""
+    gpipe = make_schedule("gpipe", stages=2, microbatches=2)
+    self.assertIs(gpipe.executed, gpipe.fused)
+    self.assertEqual(gpipe.chart().splitlines()[1:], ["stage 0 | F0   F1   .    b0   b1",
+                                                      "stage 1 | .    F0   b0F1 b1   ."])
+    one = make_schedule("1f1b", stages=2, microbatches=4)
+    self.assertIs(one.executed, one.fused)
+    rows = [line.split("|")[1].split() for line in one.chart().splitlines()[1:]]
+    self.assertEqual([len(row) for row in rows], [one.fused.ticks] * 2)
+    self.assertLess(one.fused.ticks, one.ticks)
+    self.assertIn("b0F2", rows[0])
+    table = make_schedule("1f1b", stages=4, microbatches=8)
+    self.assertIs(table.executed, table.unfused)
+    self.assertEqual(table.chart().splitlines()[4],
+                     "stage 3 | .  .  .  F0 b0 F1 b1 F2 b2 F3 b3 F4 b4 F5 b5 F6 b6 F7 b7 .  .  .")
 
 
 class ErrorTest(parameterized.TestCase):
