@@ -10,6 +10,7 @@ import sys
 import time
 
 import numpy as np
+import pytest
 
 from jaxsys import xla_flags
 from jaxsys.checkpoint.manager import Checkpointer
@@ -75,14 +76,22 @@ def run_two_processes(flags, workdir):
   return finish(start_two_processes(flags, workdir))
 
 
-def test_two_processes_match_one(small_corpus, tmp_path):
-  flags = _base_flags(small_corpus, "--config.mesh=data=2,fsdp=4")
-  run_single(flags, tmp_path / "single")
-  run_two_processes(flags, tmp_path / "multi")
+@pytest.fixture(scope="module")
+def one_process(small_corpus, tmp_path_factory):
+  """The losses of the 4-step run on data=8 in one process: the reference of the two-process
+  runs below, whatever their mesh (one run for both tests, a process start fewer)."""
+  workdir = tmp_path_factory.mktemp("one_process")
+  run_single(_base_flags(small_corpus, "--config.mesh=data=8"), workdir)
+  return _losses(workdir)
 
-  a, b = _losses(tmp_path / "single"), _losses(tmp_path / "multi")
+
+def test_two_processes_match_one(small_corpus, tmp_path, one_process):
+  run_two_processes(_base_flags(small_corpus, "--config.mesh=data=2,fsdp=4"), tmp_path / "multi")
+
+  a, b = one_process, _losses(tmp_path / "multi")
   assert sorted(a) == sorted(b) == [1, 2, 3, 4]
-  # Same global batches (rows split between processes), so the same losses.
+  # Same global batches (rows split between processes), so the same losses (data=2,fsdp=4
+  # over two processes against data=8 in one: sharding the parameters changes no loss).
   np.testing.assert_allclose([b[s] for s in a], [a[s] for s in a], rtol=1e-5)
   assert Checkpointer(str(tmp_path / "multi" / "checkpoints")).all_steps() == [4]
   # Each process wrote its own pieces of the state (orbax's per-process ocdbt stores):
@@ -93,17 +102,17 @@ def test_two_processes_match_one(small_corpus, tmp_path):
   assert all(0.35 < s / sum(sizes) < 0.65 for s in sizes), sizes
 
 
-def test_pipeline_across_two_processes_matches_one_unpipelined(small_corpus, tmp_path):
+def test_pipeline_across_two_processes_matches_one_unpipelined(small_corpus, tmp_path,
+                                                              one_process):
   """Stage 0 on one process, stage 1 on the other: activations, gradients and the vocabulary
   collectives cross processes; both read the whole batch (it is replicated over stage)."""
-  run_single(_base_flags(small_corpus, "--config.mesh=data=8"), tmp_path / "single")
   outputs = run_two_processes(_base_flags(small_corpus, "--config.mesh=stage=2,data=4",
                                           "--config.pipeline.schedule=1f1b",
                                           "--config.pipeline.microbatches=2",
                                           "--config.pipeline.vocab_parallel=true"),
                               tmp_path / "multi")
   assert all("local batch 16 of 16" in err for _, err in outputs)  # each holds one whole stage
-  a, b = _losses(tmp_path / "single"), _losses(tmp_path / "multi")
+  a, b = one_process, _losses(tmp_path / "multi")
   assert sorted(a) == sorted(b) == [1, 2, 3, 4]
   np.testing.assert_allclose([b[s] for s in a], [a[s] for s in a], rtol=1e-5)
 
