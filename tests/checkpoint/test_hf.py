@@ -3,6 +3,8 @@ torch, the `hf` extra: skipped without it); sharded import, refusals, the checkp
 tokenizer and init_from=hf:<dir> on the committed fixture (tests/data/hf_fixture, no torch).
 test_hf_fixture.py checks the fixture against transformers' recorded numbers."""
 import copy
+import importlib
+import importlib.util
 import json
 import os
 import shutil
@@ -18,13 +20,23 @@ from jaxsys.checkpoint import hf, hf_runs
 from jaxsys.data import tokenizer as tokenizer_lib
 from jaxsys.models import transformer
 
-try:
-  import torch
-  import transformers
-except ImportError:
-  torch = transformers = None
+
+
+class _OnFirstUse:
+  """A module imported when first used: importing torch and transformers costs each xdist
+  worker seconds while it collects, whether or not it runs these tests."""
+
+  def __init__(self, name: str):
+    self._name = name
+
+  def __getattr__(self, attr: str):
+    return getattr(importlib.import_module(self._name), attr)
+
+
+torch, transformers = _OnFirstUse("torch"), _OnFirstUse("transformers")
 needs_transformers = pytest.mark.skipif(
-    transformers is None, reason="transformers and torch are not installed: pip install -e '.[hf]'")
+    not all(importlib.util.find_spec(m) for m in ("torch", "transformers")),
+    reason="transformers and torch are not installed: pip install -e '.[hf]'")
 # Checkpoints transformers saved (experiments/make_hf_fixture.py): untied float32 in shards;
 # tied bfloat16 with head_dim 16 (hidden 32, 4 heads) and 296 rows for its tokenizer's 280 ids.
 FIXTURE = {kind: os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "hf_fixture",
