@@ -29,7 +29,8 @@ It prints a markdown table per part (--parts) and writes every number to --out:
    data). MaxText's GPipe computes through the bubble; its ratio would be (m + p - 1) / m.
 2. Memory at p=4 (stage=4, data=2), fixed microbatch size: compiled temp bytes per device of
    loss + gradients per schedule, the residual buffer the executor keeps for the backward
-   (schedule.unfused.res_slots x one slot's residual bytes), and for the zero-bubble schedules the
+   (res_slots of the ticks it runs, schedule.executed, x one slot's residual bytes), and for
+   the zero-bubble schedules the
    output gradients and stashes held from B to W.
 3. Vocabulary layers at p=4 (stage=4, data=2): per-device parameter + AdamW bytes of the
    stage-view train state on each stage's devices (abstract: jax.eval_shape, each leaf's
@@ -254,8 +255,9 @@ def schedule_rows(cfg, stages_list, microbatches_list, *, seq: int, skip=(),
                 + counts[:, pipeline.BACKWARD_WEIGHT] * cf["backward_weight"])
     executed = counts[:, 1] * cf["forward"] + backward
     useful_fwd, useful = (x / p for x in useful_cache[m])
-    # Idle ticks of the ticks the executor runs (fused or the table's, schedule.executed).
-    theory_idle = schedule.executed.counts()[:, pipeline.IDLE]
+    # The ticks the executor runs (fused or the table's), their idle ticks and buffers.
+    ticks_run = schedule.executed
+    theory_idle = ticks_run.counts()[:, pipeline.IDLE]
     # Backward (and its B and W halves) over forward from the chunk programs' FLOPs (a
     # FLOP ratio, not timed).
     ratio = cf["backward"] / cf["forward"]
@@ -270,8 +272,8 @@ def schedule_rows(cfg, stages_list, microbatches_list, *, seq: int, skip=(),
         bubble_theory=schedule.bubble_fraction,
         backward_forward_flop_ratio=ratio,
         input_forward_flop_ratio=split[0], weight_forward_flop_ratio=split[1],
-        executed="fused" if schedule.executed is schedule.fused else "table",
-        executed_ticks=schedule.executed.ticks, fused_ticks=schedule.fused.ticks,
+        executed="fused" if ticks_run is schedule.fused else "table",
+        executed_ticks=ticks_run.ticks, fused_ticks=schedule.fused.ticks,
         makespan_async=timing.asynchronous, makespan_lockstep=timing.lockstep,
         makespan_lockstep_fused=timing.lockstep_fused,
         makespan_lockstep_unfused=timing.lockstep_unfused,
@@ -292,8 +294,8 @@ def schedule_rows(cfg, stages_list, microbatches_list, *, seq: int, skip=(),
         backward_flops_ratio=float(backward.max() / (useful - useful_fwd)),
         maxtext_gpipe_ratio=(m + p - 1) / m,
         xla_whole_program_flops=flops(compiled),
-        max_in_flight=schedule.max_in_flight, res_slots=schedule.unfused.res_slots,
-        peak_activations=schedule.peak_activations, grad_slots=schedule.unfused.grad_slots,
+        max_in_flight=schedule.max_in_flight, res_slots=ticks_run.res_slots,
+        peak_activations=schedule.peak_activations, grad_slots=ticks_run.grad_slots,
         seconds=time.perf_counter() - t0)
     rows_out.append(row)
     log(f"schedules {i + 1}/{len(configs)}: {name} p={p} m={m} bubble "
@@ -323,7 +325,7 @@ def memory_rows(cfg, stages: int, microbatches_list, *, seq: int, rows: int,
       mem = compiled.memory_analysis()
       cf = chunk_flops(cfg, cfg.n_layers // (stages * v), rows, seq)
       slot = cf["residual_bytes"]
-      table = schedule.unfused
+      table = schedule.executed  # the buffers the executor allocates
       out.append(dict(schedule=name, stages=stages, microbatches=m, virtual=v,
                       rows_per_device_per_microbatch=rows, seq=seq,
                       temp_bytes=int(mem.temp_size_in_bytes),
