@@ -23,10 +23,11 @@ fault_corruption.py: flipped bytes, a manifest emptied, deleted or short of an e
 loader position rewritten, a legacy step) and prints per kind how often the damaged step
 was refused, resumed from an earlier step, loaded with a warning or loaded wrong.
 
-Each run is a child forked from this process once jax, orbax and jaxsys are imported (a
-fresh interpreter spends about 2 s of a 3 s restart importing), on --devices simulated
-CPU devices; jax's persistent compilation cache in the workdir spares restarts the
-compiles. A child leads its own process group, which the kill takes whole.
+Each run is a child forked from this process once jax, orbax, jaxsys and tensorboardX are
+imported (a fresh interpreter spends about 2 s of a 3 s restart importing; tensorboardX,
+which imports torch where it is installed, 2 s more), on --devices simulated CPU
+devices; jax's persistent compilation cache in the workdir spares restarts the compiles.
+A child leads its own process group, which the kill takes whole.
 """
 from __future__ import annotations
 
@@ -357,6 +358,10 @@ def main(argv):
   import jax
   from jaxsys import metrics
   from jaxsys.train import loop  # noqa: F401  (imported once, here, for every child)
+  try:  # what the run's MetricWriter imports (with torch, when installed: ~2 s a child)
+    import tensorboardX  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+  except ImportError:
+    pass
   workdir = os.path.abspath(_WORKDIR.value)
   if os.path.exists(workdir) and os.listdir(workdir):
     sys.exit(f"error: --workdir {workdir} is not empty")
