@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import forked_cli
 from jaxsys import mesh as mesh_lib
 from jaxsys.models import transformer
 from jaxsys.optim import outer as outer_lib
@@ -117,12 +118,26 @@ def _compiled_bytes(name: str) -> int:
   return outer_lib.collective_bytes_from_hlo(compiled.as_text(), outer_lib.num_workers(config.mesh))
 
 
-def test_unknown_run_is_one_line(small_corpus, tmp_path):
-  proc = subprocess.run(_cmd(tmp_path, small_corpus, "--runs=dp,nope"), cwd=ROOT,
-                        capture_output=True, text=True, timeout=120)
-  assert proc.returncode != 0
-  assert "--runs: unknown run(s) ['nope']; valid: dp, diloco_k4_h50" in proc.stderr
-  assert not (tmp_path / "results.md").exists()
+@pytest.fixture(scope="module")
+def bad_command_lines(small_corpus, tmp_path_factory):
+  """{name: (exit status, stderr, workdir)} of the two bad command lines below, run from one
+  start-up of the binary (tests/experiments/forked_cli.py: a child forked for each, ~2 s
+  of CPU less than a process each); each workdir exists, empty, before its run."""
+  root = tmp_path_factory.mktemp("bad_command_lines")
+  lines = {"unknown_run": (small_corpus, "--runs=dp,nope"), "bad_seeds": ("stdlib", "--seeds=0,x")}
+  for name in lines:
+    (root / name).mkdir()
+  runs = forked_cli.run("experiments.compare_outer",
+                        [_cmd(root / name, *args)[3:] for name, args in lines.items()],
+                        root / "forked")
+  return {name: (code, err, root / name) for name, (code, _, err) in zip(lines, runs)}
+
+
+def test_unknown_run_is_one_line(bad_command_lines):
+  returncode, stderr, workdir = bad_command_lines["unknown_run"]
+  assert returncode != 0
+  assert "--runs: unknown run(s) ['nope']; valid: dp, diloco_k4_h50" in stderr
+  assert not (workdir / "results.md").exists()
 
 
 def _row(run, method, bpb, k=4, h=50, compression="none", replica_mean=None, distance=None):
@@ -164,12 +179,11 @@ def test_replica_distance():
   assert compare_outer.replica_distance(synced) == 0.0
 
 
-def test_bad_seeds_is_one_line(tmp_path):
-  proc = subprocess.run(_cmd(tmp_path, "stdlib", "--seeds=0,x"), cwd=ROOT,
-                        capture_output=True, text=True, timeout=120)
-  assert proc.returncode != 0
-  assert "--seeds=0,x: expected comma-separated integers, e.g. --seeds=0,1,2" in proc.stderr
-  assert not list(tmp_path.iterdir())
+def test_bad_seeds_is_one_line(bad_command_lines):
+  returncode, stderr, workdir = bad_command_lines["bad_seeds"]
+  assert returncode != 0
+  assert "--seeds=0,x: expected comma-separated integers, e.g. --seeds=0,1,2" in stderr
+  assert not list(workdir.iterdir())
 
 
 @pytest.mark.parametrize("variant,rows", [

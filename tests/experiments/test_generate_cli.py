@@ -5,6 +5,7 @@ import sys
 
 import numpy as np
 
+import forked_cli
 from jaxsys.data import ByteTokenizer
 from jaxsys.models import generate
 from jaxsys.quant import evaluate
@@ -18,38 +19,42 @@ def _run(module, *flags):
                         text=True, timeout=300)
 
 
-def test_generate_from_a_trained_run(small_corpus, tmp_path):
+def test_generate_from_a_trained_run(small_corpus, tmp_path, tmp_path_factory):
   train = _run("experiments.train", "--config=configs/tiny_lm.py:size=test",
                f"--config.data.source={small_corpus}", "--config.data.num_threads=0",
                f"--workdir={tmp_path}", "--config.total_steps=3", "--config.eval_every=0",
                "--config.checkpoint_every=0")
   assert train.returncode == 0, train.stderr[-3000:]
 
-  # Greedy with the KV cache on a data=4,tensor=2 mesh prints the library's continuation.
-  cached = _run("experiments.generate", f"--workdir={tmp_path}", *PROMPTS, "--max_new_tokens=12",
-                "--mesh=data=4,tensor=2")
-  assert cached.returncode == 0, cached.stderr[-3000:]
+  # Three command lines of the binary, forked from one start-up of it (a child each,
+  # tests/experiments/forked_cli.py: ~2 s of CPU less a command).
+  (code, cached, err), (qcode, quantized, qerr), (bad_code, _, bad_err) = forked_cli.run(
+      "experiments.generate", [
+          # Greedy with the KV cache on a data=4,tensor=2 mesh.
+          [f"--workdir={tmp_path}", *PROMPTS, "--max_new_tokens=12", "--mesh=data=4,tensor=2"],
+          [f"--workdir={tmp_path}", *PROMPTS, "--max_new_tokens=12", "--quant=w4a16",
+           "--group_size=32", "--temperature=0.8", "--top_k=20"],
+          [f"--workdir={tmp_path}", *PROMPTS, "--max_len=8"],
+      ], tmp_path_factory.mktemp("generate"))
+  # The greedy run prints the library's continuation.
+  assert code == 0, err[-3000:]
   # The library's greedy continuation of the same checkpoint, prompt by prompt.
   run = evaluate.load_run(str(tmp_path))
   for i, prompt in enumerate(p.split("=", 1)[1] for p in PROMPTS):
     ids, n = generate.pad_prompts([list(prompt.encode())])
     out = generate.generate(run.config.model, run.params, ids, n, max_new_tokens=12)
     text = prompt + ByteTokenizer().decode(np.asarray(out.tokens[0]))
-    assert f"--- sample {i}: 12 new tokens ---\n{text}\n" in cached.stdout
-  assert "KV cache, batch 4: 48 tokens in" in cached.stdout
+    assert f"--- sample {i}: 12 new tokens ---\n{text}\n" in cached
+  assert "KV cache, batch 4: 48 tokens in" in cached
   # (--no_cache prints the same: generate.greedy_without_cache equals the cached decoder in
   # tests/models/test_generate.py; a process fewer here.)
 
-  quantized = _run("experiments.generate", f"--workdir={tmp_path}", *PROMPTS,
-                   "--max_new_tokens=12", "--quant=w4a16", "--group_size=32", "--temperature=0.8",
-                   "--top_k=20")
-  assert quantized.returncode == 0, quantized.stderr[-3000:]
-  assert ", w4a16, KV cache, batch 4: 48 tokens" in quantized.stdout
+  assert qcode == 0, qerr[-3000:]
+  assert ", w4a16, KV cache, batch 4: 48 tokens" in quantized
 
-  bad = _run("experiments.generate", f"--workdir={tmp_path}", *PROMPTS, "--max_len=8")
-  assert bad.returncode == 1
-  assert sum(line.startswith("error:") for line in bad.stderr.splitlines()) == 1
-  assert bad.stderr.strip().splitlines()[-1] == (
+  assert bad_code == 1
+  assert sum(line.startswith("error:") for line in bad_err.splitlines()) == 1
+  assert bad_err.strip().splitlines()[-1] == (
       "error: generate: the prompt (9 tokens, the longest row's padded width) + "
       "max_new_tokens=64 = 73 does not fit max_len=8 (the KV cache's length); use max_len >= 73, "
       "or a shorter prompt or fewer new tokens")

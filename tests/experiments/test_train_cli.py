@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+import forked_cli
 from jaxsys.checkpoint.manager import Checkpointer
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -87,18 +88,10 @@ def bad_input_runs(small_corpus, tmp_path_factory):
   (tests/experiments/forked_cli.py: a child forked per command line, ~2 s of CPU less
   each): {flags: (exit status, stderr as the user sees it, workdir)}."""
   root = tmp_path_factory.mktemp("bad_input")
-  cases = [{"argv": _cmd(root / f"run{i}", small_corpus, *flags)[3:],
-            "stdout": str(root / f"{i}.out"), "stderr": str(root / f"{i}.err")}
-           for i, (flags, _) in enumerate(BAD_INPUT)]
-  (root / "cases.json").write_text(json.dumps(cases))
-  proc = subprocess.run([sys.executable, str(pathlib.Path(__file__).parent / "forked_cli.py"),
-                         str(root / "cases.json")], cwd=ROOT, capture_output=True, text=True,
-                        timeout=300)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  codes = json.loads(proc.stdout.splitlines()[-1])
-  # What the import printed comes first in a process of its own.
-  return {tuple(flags): (code, proc.stderr + (root / f"{i}.err").read_text(), root / f"run{i}")
-          for i, ((flags, _), code) in enumerate(zip(BAD_INPUT, codes))}
+  runs = forked_cli.run("experiments.train", [_cmd(root / f"run{i}", small_corpus, *flags)[3:]
+                                              for i, (flags, _) in enumerate(BAD_INPUT)], root)
+  return {tuple(flags): (code, err, root / f"run{i}")
+          for i, ((flags, _), (code, _, err)) in enumerate(zip(BAD_INPUT, runs))}
 
 
 @pytest.mark.parametrize("flags, message", BAD_INPUT)
