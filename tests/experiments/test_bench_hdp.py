@@ -70,7 +70,7 @@ def test_draw_schedule_spans_the_schedule():
 def test_real_part_tiny():
   """Five layouts of the same documents train to the same loss; HDP pads least."""
   from experiments import hdp_real
-  rows = hdp_real.real_part(size="test", tokens_per_device=128, max_len=1024, batch_steps=4,
+  rows = hdp_real.real_part(size="test", tokens_per_device=128, max_len=1024, batch_steps=2,
                             batches=1, log=lambda *_: None)
   by = {r["layout"]: r for r in rows}
   assert set(by) == set(hdp_real.LAYOUTS)
@@ -78,5 +78,5 @@ def test_real_part_tiny():
     assert by[name]["loss"] == pytest.approx(by["hdp_per_rank"]["loss"], rel=1e-5)
     assert by[name]["tokens"] == by["hdp_per_rank"]["tokens"]
   assert by["hdp_per_rank"]["waste"] <= by["static_padded"]["waste"]
-  assert by["hdp_per_rank"]["micro_steps"] <= 4
+  assert by["hdp_per_rank"]["micro_steps"] <= 2  # batch_steps
   assert "| hdp_per_rank |" in hdp_real.real_table(rows)
