@@ -28,17 +28,30 @@ def _rows(workdir):
   return [json.loads(l) for l in path.read_text().splitlines()] if path.exists() else []
 
 
-def test_cli_trains_and_reports(small_corpus, tmp_path):
-  proc = subprocess.run(_cmd(tmp_path, small_corpus, "--config.total_steps=4",
-                             "--config.eval_every=4", "--config.log_every=1",
-                             "--config.checkpoint_every=0"),
+# A metrics row a step, a checkpoint every 2 steps, the last 3 kept.
+_EVERY_TWO = ("--config.log_every=1", "--config.checkpoint_every=2", "--config.keep_checkpoints=3")
+
+
+@pytest.fixture(scope="module")
+def four_steps(small_corpus, tmp_path_factory):
+  """(process, workdir) of one 4-step run: a metrics row a step, an eval at step 4,
+  checkpoints at steps 2 and 4. test_a_corrupt_checkpoint_is_refused_or_skipped goes on
+  from a copy (a process start fewer)."""
+  workdir = tmp_path_factory.mktemp("four_steps")
+  proc = subprocess.run(_cmd(workdir, small_corpus, "--config.total_steps=4",
+                             "--config.eval_every=4", *_EVERY_TWO),
                         cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  assert f"metrics:     {tmp_path / 'metrics.jsonl'}" in proc.stdout
-  rows = _rows(tmp_path)
+  return proc, workdir
+
+
+def test_cli_trains_and_reports(four_steps):
+  proc, workdir = four_steps
+  assert f"metrics:     {workdir / 'metrics.jsonl'}" in proc.stdout
+  rows = _rows(workdir)
   assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
   assert [r["step"] for r in rows if "val_bpb" in r] == [4]
-  assert Checkpointer(str(tmp_path / "checkpoints")).all_steps() == [4]
+  assert Checkpointer(str(workdir / "checkpoints")).all_steps() == [2, 4]
   assert "mesh: data=8" in proc.stderr  # logged devices and mesh
 
 
@@ -150,34 +163,33 @@ def test_a_workdir_in_use_is_refused_and_partial_saves_removed(small_corpus, tmp
   assert not (tmp_path / lock.LOCK_NAME).exists()
 
 
-def test_a_corrupt_checkpoint_is_refused_or_skipped(small_corpus, tmp_path):
+def test_a_corrupt_checkpoint_is_refused_or_skipped(four_steps, small_corpus, tmp_path,
+                                                   tmp_path_factory):
   """A flipped bit in the latest step's array data: one line naming the step, the file and
   the step that verifies; with on_corrupt=previous the run resumes from that step."""
-  flags = ["--config.eval_every=0", "--config.log_every=1", "--config.checkpoint_every=2",
-           "--config.keep_checkpoints=3"]
-  proc = subprocess.run(_cmd(tmp_path, small_corpus, "--config.total_steps=4", *flags),
-                        cwd=ROOT, capture_output=True, text=True, timeout=300)
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  flags = ["--config.eval_every=0", *_EVERY_TWO]
+  shutil.copytree(four_steps[1], tmp_path, dirs_exist_ok=True)  # steps 2 and 4 saved
   step_dir = tmp_path / "checkpoints" / "4"
   data = max((p for p in step_dir.rglob("*") if p.is_file() and p.parent.name == "d"),
              key=lambda p: p.stat().st_size)
   raw = bytearray(data.read_bytes())
   raw[len(raw) // 2] ^= 0x10
   data.write_bytes(bytes(raw))
-  proc = subprocess.run(_cmd(tmp_path, small_corpus, "--config.total_steps=6", *flags),
-                        cwd=ROOT, capture_output=True, text=True, timeout=300)
-  assert proc.returncode != 0
-  last = proc.stderr.strip().splitlines()[-1]
+  # Refused, then resumed with on_corrupt=previous: two command lines forked from one
+  # start-up of the binary (tests/experiments/forked_cli.py), the second after the first.
+  (code, _, err), (code_previous, _, err_previous) = forked_cli.run("experiments.train", [
+      _cmd(tmp_path, small_corpus, "--config.total_steps=6", *flags)[3:],
+      _cmd(tmp_path, small_corpus, "--config.total_steps=6",
+           "--config.checkpoint.on_corrupt=previous", *flags)[3:]],
+      tmp_path_factory.mktemp("corrupt"))
+  assert code != 0
+  last = err.strip().splitlines()[-1]
   rel = data.relative_to(step_dir)
   assert last == (f"error: checkpoint step 4 in {tmp_path / 'checkpoints'} is corrupt: {rel}: "
                   "checksum mismatch (the file changed after it was saved); step 2 verifies: "
-                  "set --config.checkpoint.on_corrupt=previous to resume from it"), \
-      proc.stderr[-2000:]
-  proc = subprocess.run(_cmd(tmp_path, small_corpus, "--config.total_steps=6",
-                             "--config.checkpoint.on_corrupt=previous", *flags),
-                        cwd=ROOT, capture_output=True, text=True, timeout=300)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  assert "resuming from step 2, which verifies" in proc.stderr
+                  "set --config.checkpoint.on_corrupt=previous to resume from it"), err[-2000:]
+  assert code_previous == 0, err_previous[-3000:]
+  assert "resuming from step 2, which verifies" in err_previous
   assert Checkpointer(str(tmp_path / "checkpoints")).all_steps() == [2, 4, 6]
   assert (tmp_path / "checkpoints" / "4.corrupt").is_dir()
   assert [r["step"] for r in _rows(tmp_path) if "loss" in r] == [1, 2, 3, 4, 5, 6]
