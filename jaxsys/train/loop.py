@@ -265,8 +265,9 @@ def _log_setup(run: RunConfig, setup: setup_lib.Setup) -> None:
                  run.data.max_len, run.data.seq_len)
   if setup.schedule is not None:
     logging.info("pipeline: %s, routing %s", setup.schedule.summary(), setup.routing)
-    if setup.schedule.ticks <= 48:  # the chart of a longer one is too wide to read
-      logging.info("pipeline ticks (F forward, b backward, . idle):\n%s", setup.schedule.chart())
+    if setup.schedule.executed.ticks <= 48:  # the chart of a longer one is too wide to read
+      logging.info("pipeline ticks run (F forward, b backward, B/W its input/weight halves, "
+                   ". idle):\n%s", setup.schedule.chart())
   if setup.outer is not None:
     logging.info("outer optimizer %s over %d replicas, sync every %d steps, %d bytes sent per "
                  "replica per round (at most %d at once)", setup.outer.name, setup.replicas,
