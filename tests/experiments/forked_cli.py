@@ -3,10 +3,12 @@
   python tests/experiments/forked_cli.py CASES.json
 
 CASES.json: {"module": "experiments.train", "cases": [{"argv": [...], "stdout": path,
-"stderr": path}, ...]}. One process imports what the binary imports (jax, orbax, jaxsys:
-~2 s of CPU a start), then forks a child per command line; each child runs the binary as
-`python -m <module> <argv>` would (its flags parsed there), its stdout and stderr into its
-own files, and exits with the binary's status. Prints the statuses as a JSON list.
+"stderr": path, "file_limit": bytes or null}, ...]}. One process imports what the binary
+imports (jax, orbax, jaxsys: ~2 s of CPU a start), then forks a child per command line,
+one after the other; each child runs the binary as `python -m <module> <argv>` would (its
+flags parsed there), its stdout and stderr through pipes (as a subprocess's) into their
+files, and exits with the binary's status; `file_limit`: its RLIMIT_FSIZE, as on a full
+disk (a write past it fails with EFBIG). Prints the statuses as a JSON list.
 experiments.train runs its main from jaxsys.cli.train (imported here); another binary runs
 as __main__, after this process imported the modules its source imports at the top (not
 the binary's own module, whose flags each child defines). Left out: the train binary's
@@ -18,19 +20,26 @@ import importlib
 import json
 import os
 import pathlib
+import resource
 import runpy
+import shutil
+import signal
 import sys
+import threading
 import traceback
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 
-def _child(module: str, case) -> int:
-  for fd, key in ((1, "stdout"), (2, "stderr")):
-    out = os.open(case[key], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(out, fd)
-    os.close(out)
+def _child(module: str, case, pipes) -> int:
+  for fd, (read, write) in zip((1, 2), pipes):  # pipes, as a subprocess's: no file-size limit
+    os.dup2(write, fd)
+    os.close(write)
+    os.close(read)
+  if case.get("file_limit") is not None:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (case["file_limit"], case["file_limit"]))
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write error, not death by signal
   sys.argv = [str(ROOT.joinpath(*module.split(".")).with_suffix(".py")), *case["argv"]]
   try:
     if module == "experiments.train":
@@ -47,6 +56,11 @@ def _child(module: str, case) -> int:
   except BaseException:  # pylint: disable=broad-except
     traceback.print_exc()
     return 1
+
+
+def _copy(fd: int, path: str) -> None:
+  with os.fdopen(fd, "rb") as pipe, open(path, "wb") as out:
+    shutil.copyfileobj(pipe, out)
 
 
 def _import_what_it_imports(module: str) -> None:
@@ -77,27 +91,38 @@ def main(path: str) -> None:
   for case in spec["cases"]:
     sys.stdout.flush()
     sys.stderr.flush()
+    pipes = [os.pipe(), os.pipe()]
     pid = os.fork()
     if pid == 0:
       code = 1
       try:
-        code = _child(module, case)
+        code = _child(module, case, pipes)
       finally:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)  # pylint: disable=protected-access
+    copies = []
+    for (read, write), key in zip(pipes, ("stdout", "stderr")):
+      os.close(write)
+      copies.append(threading.Thread(target=_copy, args=(read, case[key])))
+      copies[-1].start()
+    for copy in copies:
+      copy.join()
     codes.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
   print(json.dumps(codes))
 
 
-def run(module: str, argvs, directory, timeout: float = 300):
+def run(module: str, argvs, directory, timeout: float = 300, file_limits=None):
   """Runs `python -m module *argv` for each argv in `argvs` from one start-up (above):
-  [(exit status, stdout, stderr as the user sees it)], the files in `directory`."""
+  [(exit status, stdout, stderr as the user sees it)], the files in `directory`;
+  `file_limits`: each one's RLIMIT_FSIZE in bytes (None: no limit)."""
   import subprocess  # pylint: disable=import-outside-toplevel
   directory = pathlib.Path(directory)
   directory.mkdir(parents=True, exist_ok=True)
   cases = [{"argv": [str(a) for a in argv], "stdout": str(directory / f"{i}.out"),
-            "stderr": str(directory / f"{i}.err")} for i, argv in enumerate(argvs)]
+            "stderr": str(directory / f"{i}.err"),
+            "file_limit": file_limits[i] if file_limits else None}
+           for i, argv in enumerate(argvs)]
   (directory / "cases.json").write_text(json.dumps(
       {"module": module, "cases": cases}))
   proc = subprocess.run([sys.executable, __file__, str(directory / "cases.json")], cwd=ROOT,

@@ -16,13 +16,21 @@ import socket
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 
+import forked_cli
 from jaxsys import metrics, storage
 from jaxsys.checkpoint import integrity
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _cmd(workdir, source, *flags):
+  return [sys.executable, "-m", "experiments.train", "--config=configs/tiny_lm.py:size=test",
+          f"--config.data.source={source}", "--config.data.num_threads=0", f"--workdir={workdir}",
+          "--config.eval_every=0", "--config.log_every=1", *flags]
 
 
 def _train(workdir, source, *flags, file_limit=None, timeout=300):
@@ -31,11 +39,8 @@ def _train(workdir, source, *flags, file_limit=None, timeout=300):
   def limit_files():
     resource.setrlimit(resource.RLIMIT_FSIZE, (file_limit, file_limit))
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write error, not death by signal
-  cmd = [sys.executable, "-m", "experiments.train", "--config=configs/tiny_lm.py:size=test",
-         f"--config.data.source={source}", "--config.data.num_threads=0", f"--workdir={workdir}",
-         "--config.eval_every=0", "--config.log_every=1", *flags]
-  return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                        preexec_fn=None if file_limit is None else limit_files)
+  return subprocess.run(_cmd(workdir, source, *flags), cwd=ROOT, capture_output=True, text=True,
+                        timeout=timeout, preexec_fn=None if file_limit is None else limit_files)
 
 
 def _one_error_line(proc) -> str:
@@ -167,24 +172,41 @@ def test_a_save_on_a_full_disk_stops_in_one_line(two_checkpoints, small_corpus, 
       subprocess.run(["umount", "-l", str(workdir)], check=False)
 
 
-def test_a_full_disk_at_start_is_one_line_and_leaves_no_lock(small_corpus, tmp_path):
+@pytest.fixture(scope="module")
+def disk_full_early(small_corpus, tmp_path_factory):
+  """The two runs below that find the disk full before their first step is written, as
+  children forked from one start-up of the binary (tests/experiments/forked_cli.py: ~2 s
+  of CPU less than a process each), each with its own file-size limit: {name: (process
+  with returncode and stderr, workdir)}."""
+  root = tmp_path_factory.mktemp("disk_full_early")
+  lock = json.dumps({"pid": 4194304, "host": socket.gethostname(), "started": time.time()})
+  limits = {"start": 1, "first_row": len(lock) + 8}  # nothing; room for run.lock only
+  for name in limits:
+    (root / name).mkdir()
+  runs = forked_cli.run("experiments.train", [_cmd(root / name, source=small_corpus)[3:] +
+                                              ["--config.total_steps=2"] for name in limits],
+                        root / "forked", file_limits=list(limits.values()))
+  return {name: (types.SimpleNamespace(returncode=code, stderr=err), root / name)
+          for name, (code, _, err) in zip(limits, runs)}
+
+
+def test_a_full_disk_at_start_is_one_line_and_leaves_no_lock(disk_full_early):
   """Nothing can be written: the run.lock write fails in one line and leaves no empty
   lock behind, which would refuse every later run as "in use"."""
-  proc = _train(tmp_path, small_corpus, "--config.total_steps=2", file_limit=1)
-  assert _one_error_line(proc) == (f"error: writing {tmp_path / 'run.lock'} failed: "
+  proc, workdir = disk_full_early["start"]
+  assert _one_error_line(proc) == (f"error: writing {workdir / 'run.lock'} failed: "
                                    "File too large (errno 27)")
-  assert not (tmp_path / "run.lock").exists()
+  assert not (workdir / "run.lock").exists()
 
 
-def test_a_full_disk_at_the_first_metrics_row_is_not_masked_by_close(small_corpus, tmp_path):
+def test_a_full_disk_at_the_first_metrics_row_is_not_masked_by_close(disk_full_early):
   """Room for run.lock, not for a metrics row: the error that stops the run is the row's
   write, not the close of metrics.jsonl after it (which fails too, and is logged)."""
-  lock = json.dumps({"pid": 4194304, "host": socket.gethostname(), "started": time.time()})
-  proc = _train(tmp_path, small_corpus, "--config.total_steps=2", file_limit=len(lock) + 8)
-  assert _one_error_line(proc) == (f"error: writing {tmp_path / 'metrics.jsonl'} failed: "
+  proc, workdir = disk_full_early["first_row"]
+  assert _one_error_line(proc) == (f"error: writing {workdir / 'metrics.jsonl'} failed: "
                                    "File too large (errno 27)")
-  assert f"closing {tmp_path / 'metrics.jsonl'} failed" in proc.stderr
-  assert not (tmp_path / "run.lock").exists()
+  assert f"closing {workdir / 'metrics.jsonl'} failed" in proc.stderr
+  assert not (workdir / "run.lock").exists()
 
 
 def test_metric_writer_close_raises_only_when_nothing_else_is(tmp_path):
