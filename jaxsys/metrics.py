@@ -19,6 +19,21 @@ from absl import logging
 from jaxsys import storage
 
 
+def _summary_writer():
+  """tensorboardX's SummaryWriter, imported without torch: tensorboardX imports torch where
+  it is installed (the `hf` extra) only to accept its tensors, ~2 s of every run's
+  start-up; we log Python floats. Where torch is already imported it stays as it is."""
+  hide = "torch" not in sys.modules
+  if hide:
+    sys.modules["torch"] = None  # `import torch` raises ImportError, which it catches
+  try:
+    from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
+  finally:
+    if hide:
+      del sys.modules["torch"]
+  return SummaryWriter
+
+
 class MetricWriter:
   """Appends one JSON object per line to `<workdir>/metrics.jsonl` and mirrors scalars to TensorBoard.
 
@@ -42,7 +57,7 @@ class MetricWriter:
     self._file = open(self.path, "a", encoding="utf-8")
     if tensorboard:
       try:
-        from tensorboardX import SummaryWriter
+        SummaryWriter = _summary_writer()
       except ImportError:
         logging.warning("tensorboardX is not installed; TensorBoard files are off "
                         "(pip install 'jaxsys[tb]'). metrics.jsonl is still written.")
