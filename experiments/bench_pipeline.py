@@ -325,20 +325,20 @@ def memory_rows(cfg, stages: int, microbatches_list, *, seq: int, rows: int,
       mem = compiled.memory_analysis()
       cf = chunk_flops(cfg, cfg.n_layers // (stages * v), rows, seq)
       slot = cf["residual_bytes"]
-      table = schedule.executed  # the buffers the executor allocates
+      ticks_run = schedule.executed  # the buffers the executor allocates
       out.append(dict(schedule=name, stages=stages, microbatches=m, virtual=v,
                       rows_per_device_per_microbatch=rows, seq=seq,
                       temp_bytes=int(mem.temp_size_in_bytes),
                       argument_bytes=int(mem.argument_size_in_bytes),
                       output_bytes=int(mem.output_size_in_bytes),
-                      res_slots=table.res_slots, residual_slot_bytes=slot,
-                      residual_bytes=table.res_slots * slot,
+                      res_slots=ticks_run.res_slots, residual_slot_bytes=slot,
+                      residual_bytes=ticks_run.res_slots * slot,
                       peak_activations=schedule.peak_activations,
                       # Output gradients held (zero-bubble: from B until W).
-                      grad_slots=table.grad_slots,
-                      grad_bytes=table.grad_slots * cf["activation_bytes"],
+                      grad_slots=ticks_run.grad_slots,
+                      grad_bytes=ticks_run.grad_slots * cf["activation_bytes"],
                       # What B hands W (zero-bubble), one per held output gradient.
-                      stash_bytes=(table.grad_slots * cf["stash_bytes"]
+                      stash_bytes=(ticks_run.grad_slots * cf["stash_bytes"]
                                    if schedule.split_backward else 0),
                       seconds=time.perf_counter() - t0))
       log(f"memory {name} p={stages} m={m}: temp {out[-1]['temp_bytes'] / 2**20:.2f} MiB, "

@@ -24,9 +24,9 @@ loader position rewritten, a legacy step) and prints per kind how often the dama
 was refused, resumed from an earlier step, loaded with a warning or loaded wrong.
 
 Each run is a child forked from this process once jax, orbax, jaxsys and tensorboardX are
-imported (a fresh interpreter spends about 2 s of a 3 s restart importing; tensorboardX,
-which imports torch where it is installed, 2 s more), on --devices simulated CPU
-devices; jax's persistent compilation cache in the workdir spares restarts the compiles.
+imported (a fresh interpreter spends about 2 s of a 3 s restart importing), on --devices
+simulated CPU devices; jax's persistent compilation cache in the workdir spares restarts
+the compiles.
 A child leads its own process group, which the kill takes whole.
 """
 from __future__ import annotations
@@ -358,8 +358,8 @@ def main(argv):
   import jax
   from jaxsys import metrics
   from jaxsys.train import loop  # noqa: F401  (imported once, here, for every child)
-  try:  # what the run's MetricWriter imports (with torch, when installed: ~2 s a child)
-    import tensorboardX  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+  try:  # what the run's MetricWriter imports, as it imports it (without torch)
+    metrics.summary_writer_class()
   except ImportError:
     pass
   workdir = os.path.abspath(_WORKDIR.value)

@@ -19,7 +19,7 @@ from absl import logging
 from jaxsys import storage
 
 
-def _summary_writer():
+def summary_writer_class():
   """tensorboardX's SummaryWriter, imported without torch: tensorboardX imports torch where
   it is installed (the `hf` extra) only to accept its tensors, ~2 s of every run's
   start-up; we log Python floats. Where torch is already imported it stays as it is."""
@@ -57,7 +57,7 @@ class MetricWriter:
     self._file = open(self.path, "a", encoding="utf-8")
     if tensorboard:
       try:
-        SummaryWriter = _summary_writer()
+        SummaryWriter = summary_writer_class()
       except ImportError:
         logging.warning("tensorboardX is not installed; TensorBoard files are off "
                         "(pip install 'jaxsys[tb]'). metrics.jsonl is still written.")

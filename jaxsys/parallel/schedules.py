@@ -54,6 +54,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -166,7 +167,7 @@ class Schedule:
   def ticks(self) -> int:
     return self.unfused.ticks
 
-  @property
+  @functools.cached_property  # timed once: the summary, the chart and the executor read it
   def executed(self) -> Ticks:
     """The ticks the executor runs: the fused ones or the table's, the shorter in lock step
     at EXECUTOR_COSTS (a tie: the fewer ticks). Fusing shortens a step only where the
@@ -247,7 +248,7 @@ class Schedule:
   def summary(self) -> str:
     """One line: the table's shape and bubble, and the ticks the executor runs (`executed`:
     the table's, or fewer fused ones)."""
-    executed = self.executed  # times both shapes: once
+    executed = self.executed
     shape = "fused" if executed is self.fused else "table"
     return (f"schedule={self.name} stages={self.stages} microbatches={self.microbatches} "
             f"virtual={self.virtual_stages} ticks={self.ticks} "
