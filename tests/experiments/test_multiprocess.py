@@ -10,7 +10,6 @@ import sys
 import time
 
 import numpy as np
-import pytest
 
 from jaxsys import xla_flags
 from jaxsys.checkpoint.manager import Checkpointer
@@ -76,45 +75,31 @@ def run_two_processes(flags, workdir):
   return finish(start_two_processes(flags, workdir))
 
 
-@pytest.fixture(scope="module")
-def one_process(small_corpus, tmp_path_factory):
-  """The losses of the 4-step run on data=8 in one process: the reference of the two-process
-  runs below, whatever their mesh (one run for both tests, a process start fewer)."""
-  workdir = tmp_path_factory.mktemp("one_process")
-  run_single(_base_flags(small_corpus, "--config.mesh=data=8"), workdir)
-  return _losses(workdir)
-
-
-def test_two_processes_match_one(small_corpus, tmp_path, one_process):
-  run_two_processes(_base_flags(small_corpus, "--config.mesh=data=2,fsdp=4"), tmp_path / "multi")
-
-  a, b = one_process, _losses(tmp_path / "multi")
-  assert sorted(a) == sorted(b) == [1, 2, 3, 4]
-  # Same global batches (rows split between processes), so the same losses (data=2,fsdp=4
-  # over two processes against data=8 in one: sharding the parameters changes no loss).
-  np.testing.assert_allclose([b[s] for s in a], [a[s] for s in a], rtol=1e-5)
-  assert Checkpointer(str(tmp_path / "multi" / "checkpoints")).all_steps() == [4]
-  # Each process wrote its own pieces of the state (orbax's per-process ocdbt stores):
-  # about half each, never the whole state gathered on one.
-  state = tmp_path / "multi" / "checkpoints" / "4" / "state"
-  sizes = [sum(f.stat().st_size for f in (state / f"ocdbt.process_{i}").rglob("*") if f.is_file())
-           for i in range(2)]
-  assert all(0.35 < s / sum(sizes) < 0.65 for s in sizes), sizes
-
-
-def test_pipeline_across_two_processes_matches_one_unpipelined(small_corpus, tmp_path,
-                                                              one_process):
-  """Stage 0 on one process, stage 1 on the other: activations, gradients and the vocabulary
-  collectives cross processes; both read the whole batch (it is replicated over stage)."""
-  outputs = run_two_processes(_base_flags(small_corpus, "--config.mesh=stage=2,data=4",
+def test_two_processes_match_one(small_corpus, tmp_path):
+  """Stage 0 on one process, stage 1 on the other, each stage's parameters sharded over its
+  process's 4 devices (fsdp): activations, gradients and the vocabulary collectives cross
+  processes, and each process saves its own pieces. (Rows split between processes: the runs
+  below, on data=2,fsdp=4 and on replicas, one a process.)"""
+  outputs = run_two_processes(_base_flags(small_corpus, "--config.mesh=stage=2,fsdp=4",
                                           "--config.pipeline.schedule=1f1b",
                                           "--config.pipeline.microbatches=2",
                                           "--config.pipeline.vocab_parallel=true"),
                               tmp_path / "multi")
   assert all("local batch 16 of 16" in err for _, err in outputs)  # each holds one whole stage
-  a, b = one_process, _losses(tmp_path / "multi")
+  run_single(_base_flags(small_corpus, "--config.mesh=data=8"), tmp_path / "one")
+  a, b = _losses(tmp_path / "one"), _losses(tmp_path / "multi")
   assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+  # Same global batches, so the same losses: pipelining and sharding the parameters change
+  # no loss (stage=2,fsdp=4 over two processes against data=8 in one).
   np.testing.assert_allclose([b[s] for s in a], [a[s] for s in a], rtol=1e-5)
+  assert Checkpointer(str(tmp_path / "multi" / "checkpoints")).all_steps() == [4]
+  # Each process wrote its own pieces of the state (orbax's per-process ocdbt stores):
+  # about half each (a stage's layers and vocabulary shard), never the whole state gathered
+  # on one.
+  state = tmp_path / "multi" / "checkpoints" / "4" / "state"
+  sizes = [sum(f.stat().st_size for f in (state / f"ocdbt.process_{i}").rglob("*") if f.is_file())
+           for i in range(2)]
+  assert all(0.35 < s / sum(sizes) < 0.65 for s in sizes), sizes
 
 
 def test_sigterm_to_one_process_stops_both_at_one_step(small_corpus, tmp_path):
