@@ -1,6 +1,7 @@
 """Metrics: JSON lines + TensorBoard files, a progress display, and the peak FLOP/s MFU divides by."""
 from __future__ import annotations
 
+import functools
 import json
 import logging as pylogging
 import math
@@ -336,6 +337,16 @@ def datasheet_peak() -> Peak | None:
   return Peak(DATASHEET_PEAK_FLOPS[kind] * n, f"datasheet bf16 dense peak of {n} x {kind}")
 
 
+@functools.cache
+def measured_matmul_peak(dtype: str, backend: str, device_kind: str) -> float:
+  """The best of two measured square matmuls in `dtype` on one device of `device_kind`, once a
+  process: on CPU it takes about a second of every core, which each run in a process (a
+  notebook's, a test's) paid again."""
+  del backend, device_kind  # the cache's key: what the measurement is of
+  # Best of two sizes: which one a CPU runs fastest varies (cache sizes, thread split).
+  return max(measure_matmul_flops(dtype, n) for n in (1024, 2048))
+
+
 def peak_flops(dtype: str = "float32") -> Peak:
   """`datasheet_peak()` where there is one; elsewhere (CPU, an unlisted chip) the best of
   two measured square matmuls in `dtype`. Simulated CPU devices share the host's cores,
@@ -343,8 +354,7 @@ def peak_flops(dtype: str = "float32") -> Peak:
   sheet = datasheet_peak()
   if sheet is not None:
     return sheet
-  # Best of two sizes: which one a CPU runs fastest varies (cache sizes, thread split).
-  one = max(measure_matmul_flops(dtype, n) for n in (1024, 2048))
+  one = measured_matmul_peak(dtype, jax.default_backend(), jax.devices()[0].device_kind)
   if jax.default_backend() == "cpu":
     return Peak(one, f"measured {dtype} matmul peak of the host")
   n = jax.device_count()

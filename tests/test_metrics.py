@@ -85,13 +85,17 @@ def test_accelerator_peak_is_the_datasheet_times_devices(kind, per_chip):
 
 def test_cpu_and_unlisted_chips_measure():
   assert metrics.datasheet_peak() is None  # the tests' CPU
+  metrics.measured_matmul_peak.cache_clear()  # a run in this process may have measured
   with _on("gpu", "NVIDIA B9000"), mock.patch.object(metrics, "measure_matmul_flops",
                                                      return_value=2e12) as measure:
     peak = metrics.peak_flops("bfloat16")
   assert peak.flops == 2e12 * jax.device_count() and "'NVIDIA B9000'" in peak.source
   assert {c.args for c in measure.call_args_list} == {("bfloat16", 1024), ("bfloat16", 2048)}
-  with mock.patch.object(metrics, "measure_matmul_flops", return_value=1e11):
+  with mock.patch.object(metrics, "measure_matmul_flops", return_value=1e11) as measure:
     assert metrics.peak_flops() == (1e11, "measured float32 matmul peak of the host")
+    assert metrics.peak_flops() == (1e11, "measured float32 matmul peak of the host")
+  assert measure.call_count == 2  # once a process: two sizes, the second call cached
+  metrics.measured_matmul_peak.cache_clear()
 
 
 def test_a_resumed_writer_moves_replayed_rows_aside(tmp_path):
