@@ -126,8 +126,6 @@ SLOW = (
 LONGEST = (
     "tests/experiments/test_multiprocess.py::test_composed_run_killed_resumes_merged",
     "tests/experiments/test_faults.py::test_sigkill_at_random_points",
-    "tests/experiments/test_multiprocess_outer.py",
-    "tests/experiments/test_multiprocess.py::test_pipeline_across_two_processes",
     "tests/experiments/test_multiprocess.py::test_two_processes_match_one",
     "tests/experiments/test_faults.py::test_damaged_checkpoints",
     "tests/train/test_loop.py::test_resume_is_exact[hdp_in_diloco_replicas]",

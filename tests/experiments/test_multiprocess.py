@@ -23,9 +23,12 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+def _rows(workdir):
+  return [json.loads(l) for l in (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()]
+
+
 def _losses(workdir):
-  rows = [json.loads(l) for l in (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()]
-  return {r["step"]: r["loss"] for r in rows if "loss" in r}
+  return {r["step"]: r["loss"] for r in _rows(workdir) if "loss" in r}
 
 
 def _base_flags(small_corpus, *extra):
@@ -122,19 +125,20 @@ def test_sigterm_to_one_process_stops_both_at_one_step(small_corpus, tmp_path):
 
 
 def test_composed_run_killed_resumes_merged_under_another_composition(small_corpus, tmp_path):
-  """Five axes, 16 devices: DiLoCo over 2 replicas x 2 pipeline stages (1F1B, vocabulary
-  parallelism) x 2 context shards x 2 tensor shards, in two processes, SIGKILLed; resumed by
-  one process as one model on stage=4,context=2,tensor=2 (replicas merged by their mean).
-  Checkpoints follow syncs, when the replicas are equal, so the merged run's first loss
-  equals the composed run's own at that step (a straight one-process run of the same
-  composition)."""
+  """Five axes, 16 devices: DiLoCo (int8-compressed syncs) over 2 replicas x 2 pipeline
+  stages (1F1B, vocabulary parallelism) x 2 context shards x 2 tensor shards, in two
+  processes (a replica each: the sync's all-reduce crosses them), SIGKILLed; resumed by one
+  process as one model on stage=4,context=2,tensor=2 (replicas merged by their mean).
+  Until the kill the two processes' losses, evaluations and bytes are a straight
+  one-process run's of the same composition. Checkpoints follow syncs, when the replicas
+  are equal, so the merged run's first loss equals that run's at the step too."""
   composed = ["--config.mesh=replica=2,stage=2,context=2,tensor=2",
-              "--config.optimizer.outer=diloco",
-              "--config.optimizer.outer_sync_every=2", "--config.pipeline.schedule=1f1b",
+              "--config.optimizer.outer=diloco", "--config.optimizer.outer_sync_every=2",
+              "--config.optimizer.outer_compression=int8", "--config.pipeline.schedule=1f1b",
               "--config.pipeline.microbatches=2", "--config.pipeline.vocab_parallel=true"]
   common = ["--config=configs/tiny_lm.py:size=test", f"--config.data.source={small_corpus}",
             "--config.data.num_threads=0", "--config.model.n_layers=4", "--config.log_every=1",
-            "--config.eval_every=0", "--config.checkpoint_every=2",
+            "--config.eval_every=2", "--config.checkpoint_every=2",
             "--config.optimizer.schedule_steps=8", "--config.optimizer.warmup_steps=2"]
   run_single([*common, *composed, "--config.total_steps=8"], tmp_path / "straight", devices=16)
   merged = tmp_path / "merged"
@@ -159,3 +163,10 @@ def test_composed_run_killed_resumes_merged_under_another_composition(small_corp
   np.testing.assert_allclose(b[resumed + 1], a[resumed + 1], rtol=1e-5)
   np.testing.assert_allclose([b[s] for s in range(1, resumed + 1)],
                              [a[s] for s in range(1, resumed + 1)], rtol=1e-5)
+  # The evaluations and the bytes the syncs moved, up to the resumed step (at least one).
+  evals = lambda w: {r["step"]: (r["val_bpb"], r["comm_bytes"]) for r in _rows(w)
+                     if "val_bpb" in r and r["step"] <= resumed}
+  a, b = evals(tmp_path / "straight"), evals(merged)
+  assert sorted(a) == sorted(b) and len(a) >= 1
+  np.testing.assert_allclose([b[s][0] for s in a], [a[s][0] for s in a], rtol=1e-5)
+  assert [b[s][1] for s in a] == [a[s][1] for s in a]
