@@ -10,9 +10,9 @@ order fused into ticks of a backward-type action and a forward (`schedules.Ticks
 `pipeline_loss_and_grads` walks the ticks in one `lax.scan` inside a `jax.shard_map` over
 `stage` (data/fsdp/tensor stay automatic within each stage):
 
-  arrivals -> embed phase -> compute (one switch over the tick's action combinations:
-  idle, forward, backward, or backward then forward) -> head phase -> embed-gradient phase
-  -> ppermute activations to stage+1, gradients to stage-1
+  arrivals -> (VP: T pass) -> embed phase -> compute (one switch over the tick's action
+  combinations: idle, forward, backward, or backward then forward) -> head phase (VP: S
+  pass) -> embed-gradient phase -> ppermute activations to stage+1, gradients to stage-1
 
 A forward keeps its chunk's `jax.vjp` residuals in a slot of a buffer of
 `Ticks.res_slots` entries (1F1B: `stages`, GPipe: `microbatches`): only residuals that
@@ -26,8 +26,14 @@ keeps them (ZBV's V) gets them by one ppermute per virtual row a step.
 The head (final norm, output layer, cross-entropy) and the input embedding run in phases
 all stages join, on the ticks the schedule says, so vocabulary parallelism (`vocab.py`:
 both split over `stage`, or over `stage` x `tensor` where the layout has a tensor size)
-runs inside the schedule rather than after it. Without it the first and last stage own
-the (replicated) vocabulary layers and the other stages skip those phases. Evaluation
+runs inside the schedule rather than after it. Training with VP, the head is the paper's
+S and T passes on the ticks the schedule gives them (`Ticks.vocab_s_microbatch`,
+`vocab_t_microbatch`): the S pass (broadcast, logits, statistics, their all-reduce) at the
+end of the tick of the last chunk's forward, the T pass (loss, dh and its all-reduce, dw)
+at the start of the next tick, so the statistics' all-reduce is carried in the loop state
+from one tick to the next instead of feeding the same tick's T pass, and the head stage's
+backward still runs on the T pass's tick. Without VP the first and last stage own the
+(replicated) vocabulary layers and the other stages skip those phases. Evaluation
 (`pipeline_loss`) runs the schedule's forwards only.
 
 Loss and gradients are those of the summed token loss; the caller divides once by the
@@ -427,23 +433,63 @@ class _VocabLayers:
                                head_params.get("embedding"), head_params.get("unembedding"))
 
   def head(self, params, y, mb: Batch, stage):
-    """(loss sum, d loss / d y, gradients of the head's parameters) for one microbatch."""
-    cfg = self.cfg
+    """Replicated: (loss sum, d loss / d y, gradients of the head's parameters) for one
+    microbatch, on the head's stage (zeros elsewhere)."""
     head_params = self._head_params(params)
-    if not self.layout.vocab_parallel:
-      def loss(hp, y):
-        return jnp.sum(_losses(self._logits(hp, y), mb))
 
-      def run():
-        value, (dhp, dy) = jax.value_and_grad(loss, argnums=(0, 1))(head_params, y)
-        return value, dy, dhp
-      skip = lambda: jax.tree.map(jnp.zeros_like, (jnp.zeros((), jnp.float32), y, head_params))
-      return jax.lax.cond(stage == self.last, run, skip)
+    def loss(hp, y):
+      return jnp.sum(_losses(self._logits(hp, y), mb))
 
+    def run():
+      value, (dhp, dy) = jax.value_and_grad(loss, argnums=(0, 1))(head_params, y)
+      return value, dy, dhp
+    skip = lambda: jax.tree.map(jnp.zeros_like, (jnp.zeros((), jnp.float32), y, head_params))
+    return jax.lax.cond(stage == self.last, run, skip)
+
+  def _output_weight(self):
+    """The name of the output layer's weight, and the output weight [D, Vs] of its shard
+    (tied: the embedding shard transposed and scaled, `transformer.unembed`)."""
+    if not self.cfg.tie_embeddings:
+      return "unembedding", lambda weight: weight
+    return "embedding", lambda weight: weight.T * weight.shape[1] ** -0.5
+
+  def _pass_kw(self) -> dict[str, Any]:
+    return dict(vocab_size=self.cfg.vocab_size, axis=self.axes, algorithm=self.algorithm,
+                dtype=jnp.dtype(self.cfg.dtype))
+
+  def head_s(self, params, y, mb: Batch):
+    """Vocabulary-parallel S pass of one microbatch on every stage: the head stage's hidden
+    state broadcast and normed, the shard's statistics all-reduced. Returns what its T pass
+    reads (`head_t`), which a later tick runs: the collective's result is carried to it."""
+    name, as_output = self._output_weight()
     y = vocab.broadcast_from(y, self.last, axis=AXIS)
-    h, norm_vjp = jax.vjp(lambda y, s: transformer.rms_norm(y, s, cfg.norm_eps), y,
-                          head_params["final_norm"])
-    name, value, dh, dw = self._output_layer(head_params, h, mb, self.algorithm)
+    h = transformer.rms_norm(y, params["final_norm"], self.cfg.norm_eps)
+
+    def s_pass(h, weight, targets):
+      stats, kept = vocab.output_s_pass(h, as_output(weight), targets, **self._pass_kw())
+      return stats, jax.tree.map(lambda x: x[None], kept)  # one row per tensor shard
+    fn = self._by_hand(s_pass, (P(), self._split(name), P()), (P(), P(TENSOR_AXIS)))
+    stats, kept = fn(h, params[name], mb["targets"])
+    return {"y": y, "stats": stats, "kept": kept}
+
+  def head_t(self, params, carried, mb: Batch, stage):
+    """Vocabulary-parallel T pass of `head_s`'s results: (loss sum, d loss / d y, gradients
+    of the head's parameters), as `head`."""
+    cfg = self.cfg
+    name, as_output = self._output_weight()
+    h, norm_vjp = jax.vjp(lambda y, s: transformer.rms_norm(y, s, cfg.norm_eps), carried["y"],
+                          params["final_norm"])
+
+    def t_pass(h, weight, targets, mask, stats, kept):
+      value, dh, dw = vocab.output_t_pass(h, as_output(weight), targets, mask, stats,
+                                          jax.tree.map(lambda x: x[0], kept), **self._pass_kw())
+      if cfg.tie_embeddings:  # the output weight's gradient as the embedding's
+        dw = (dw.T * weight.shape[1] ** -0.5).astype(weight.dtype)
+      return value, dh, dw
+    split = self._split(name)
+    fn = self._by_hand(t_pass, (P(), split, P(), P(), P(), P(TENSOR_AXIS)), (P(), P(), split))
+    value, dh, dw = fn(h, params[name], mb["targets"], mb["loss_mask"], carried["stats"],
+                       carried["kept"])
     dy, dnorm = norm_vjp(dh.astype(h.dtype))
     # Every stage computed the same norm gradient: keep one copy, the sum over stages adds them.
     return value, dy, {"final_norm": jnp.where(stage == self.last, dnorm, 0.0), name: dw}
@@ -593,6 +639,8 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
   assert all(int(g) // p == v for v, row in enumerate(np.asarray(schedule.chunk_of))
              for g in row), schedule.chunk_of
   split = schedule.split_backward
+  # Training with VP splits the head into S and T passes on consecutive ticks (schedules.py).
+  vocab_passes = train and layout.vocab_parallel
 
   def per_stage(params, mbs, offsets, weights):
     stage = jax.lax.axis_index(AXIS)
@@ -640,6 +688,10 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
         stash_shapes = chunk.stash_shapes(_take(layers, 0), res_shapes, act, microbatch(0, 0))
         carry["stash"] = [buffer(ticks.grad_slots, s) for s in stash_shapes]
 
+    if vocab_passes:  # what the S pass hands the next tick's T pass
+      vocab_s_shapes = jax.eval_shape(
+          lambda y: vl.head_s(vocab_params, y, microbatch(0, G - 1)), act)
+      carry["vocab_s"] = _zeros_of(vocab_s_shapes)
     if "act_recv_back" in extra:
       carry["arrive_f_back"] = zero_act
     if "grad_recv_back" in extra:
@@ -749,6 +801,29 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
         c = write(c, kinds, m, o, at)
       return c, at
 
+    def add_head(c, head_mb, slot, fn, x):
+      """Adds the head's results for microbatch `head_mb` (-1: none): fn(x, mb, stage) is its
+      loss sum or, in training, (loss sum, d loss / d y, head gradients), d y then written
+      to the head stage's gradient-inbox `slot`."""
+      def head(x, acc):
+        mb, source = microbatch(head_mb, G - 1), origin(head_mb, G - 1)
+        if not train:
+          return {"loss": jnp.zeros((R,), jnp.float32).at[source].add(fn(x, mb, stage))}, acc
+        value, dy, dhp = fn(x, mb, stage)
+        if scaled:  # the gradient of weights[source] * this microbatch's loss
+          w = weights[source]
+          dy, dhp = (dy * w).astype(dy.dtype), jax.tree.map(lambda d: d * w, dhp)
+        return ({"loss": jnp.zeros((R,), jnp.float32).at[source].add(value), "dy": dy},
+                {k: v + dhp[k] if k in dhp else v for k, v in acc.items()})
+      out, vocab_grads = _accumulate(head_mb >= 0, head, x, c.get("vocab_grads", {}))
+      c["loss"] = c["loss"] + out["loss"]
+      if train:
+        c["vocab_grads"] = vocab_grads
+        c["grad_inbox"] = _put(c["grad_inbox"], _trash(
+            jnp.where((stage == head_stage) & (head_mb >= 0), slot, -1), ticks.grad_slots),
+                               out["dy"])
+      return c
+
     def tick(c, rows):
       mine = {k: rows[k][..., stage] for k in tables}  # a lane table gives [lanes]
       c = dict(c)
@@ -766,6 +841,9 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
         for table, value in arrivals:
           if table in mine:
             c[buf] = _put(c[buf], _trash(mine[table], slots), c[value])
+      if vocab_passes:  # the T pass of the last tick's S pass, before the lanes read d y
+        c = add_head(c, rows["vocab_t_microbatch"], rows["vocab_t_slot"],
+                     functools.partial(vl.head_t, vocab_params), c["vocab_s"])
       emb_mb = rows["embed_microbatch"]
       c["x0"] = jax.lax.cond(
           emb_mb >= 0,
@@ -773,26 +851,14 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
           lambda: c["x0"])
       c, at = compute(c, mine, mine["branch"])
       c["counts"] = c["counts"].at[IDLE].add(jnp.all(mine["kind"] == IDLE).astype(jnp.int32))
-      head_mb = rows["head_microbatch"]
-
-      def head(head_in, acc):
-        mb, source = microbatch(head_mb, G - 1), origin(head_mb, G - 1)
-        if not train:
-          return {"loss": jnp.zeros((R,), jnp.float32).at[source].add(
-              vl.loss(vocab_params, head_in, mb, stage))}, acc
-        value, dy, dhp = vl.head(vocab_params, head_in, mb, stage)
-        if scaled:  # the gradient of weights[source] * this microbatch's loss
-          w = weights[source]
-          dy, dhp = (dy * w).astype(dy.dtype), jax.tree.map(lambda d: d * w, dhp)
-        return ({"loss": jnp.zeros((R,), jnp.float32).at[source].add(value), "dy": dy},
-                {k: v + dhp[k] if k in dhp else v for k, v in acc.items()})
-      out, vocab_grads = _accumulate(head_mb >= 0, head, c["head_in"], c.get("vocab_grads", {}))
-      c["loss"] = c["loss"] + out["loss"]
-      if train:
-        c["vocab_grads"] = vocab_grads
-        c["grad_inbox"] = _put(c["grad_inbox"], _trash(
-            jnp.where((stage == head_stage) & (head_mb >= 0), rows["head_slot"], -1),
-            ticks.grad_slots), out["dy"])
+      if vocab_passes:  # the S pass: its statistics' all-reduce goes to the next tick
+        s_mb = rows["vocab_s_microbatch"]
+        c["vocab_s"] = jax.lax.cond(
+            s_mb >= 0, lambda y: vl.head_s(vocab_params, y, microbatch(s_mb, G - 1)),
+            lambda y: _zeros_of(vocab_s_shapes), c["head_in"])
+      else:
+        c = add_head(c, rows["head_microbatch"], rows["head_slot"],
+                     functools.partial(vl.head if train else vl.loss, vocab_params), c["head_in"])
 
       send_f = c["send_f"]
       if routed:  # on to the replica that runs the microbatch's next chunk

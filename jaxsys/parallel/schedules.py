@@ -10,7 +10,10 @@ loop: chunk g on stage g % stages), and the V of ZBV (chunk s and 2*stages-1-s o
 down the stages and back up). Activations flow chunk 0 -> G-1, gradients G-1 -> 0; what a
 stage sends at tick t reaches the next chunk's stage (s + 1, s - 1 or s itself) at tick
 t + 1. The loss head runs at the end of the tick of FORWARD(mb, G-1), on that chunk's
-stage, so the backward of (mb, G-1) can run one tick later.
+stage, so the backward of (mb, G-1) can run one tick later. Vocabulary parallelism splits
+that head in two passes on every stage (`vocab.py`): the S pass at the end of the head's
+tick, whose statistics all-reduce the next tick reads, and the T pass at the start of the
+next tick, before the lanes, so the backward of (mb, G-1) still runs on it.
 
 A schedule is a per-stage program order (the op sequence of GPipe, 1F1B, Megatron's
 interleaved 1F1B, ZB-H1 or ZBV) turned into ticks by an as-soon-as-possible simulation,
@@ -76,7 +79,8 @@ _Op = tuple[int, int, int]
 LANE_FIELDS = ("kind", "microbatch", "virtual", "res_slot", "act_in", "grad_in")
 ARRIVAL_FIELDS = ("act_recv", "act_recv_back", "act_recv_self", "grad_recv", "grad_recv_back",
                   "grad_recv_self")
-TICK_FIELDS = ("head_slot", "head_microbatch", "embed_microbatch", "embed_grad_microbatch")
+TICK_FIELDS = ("head_slot", "head_microbatch", "embed_microbatch", "embed_grad_microbatch",
+               "vocab_s_microbatch", "vocab_t_microbatch", "vocab_t_slot")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -100,6 +104,10 @@ class Ticks:
     (-1: no head that tick).
   head_microbatch, embed_microbatch, embed_grad_microbatch [ticks]: microbatch of the
     FORWARD of chunk G-1 / FORWARD of chunk 0 / BACKWARD of chunk 0 at each tick, -1 none.
+  vocab_s_microbatch, vocab_t_microbatch [ticks]: the microbatch whose vocabulary S pass
+    runs at the end of the tick (the head's, with a backward) / whose T pass runs at its
+    start, before the lanes (the next tick); vocab_t_slot: the head stage's gradient-inbox
+    slot the T pass writes (head_slot of the tick before). -1: none.
   res_slots, act_slots, grad_slots: buffer sizes per stage.
   """
   kind: np.ndarray
@@ -118,6 +126,9 @@ class Ticks:
   head_microbatch: np.ndarray
   embed_microbatch: np.ndarray
   embed_grad_microbatch: np.ndarray
+  vocab_s_microbatch: np.ndarray
+  vocab_t_microbatch: np.ndarray
+  vocab_t_slot: np.ndarray
   res_slots: int
   act_slots: int
   grad_slots: int
@@ -255,13 +266,15 @@ class Schedule:
             f"bubble={self.bubble_fraction:.3f} max_in_flight={self.max_in_flight} "
             f"runs={executed.ticks} {shape} ticks")
 
-  def chart(self) -> str:
+  def chart(self, vocab_passes: bool = False) -> str:
     """The summary, then one row per stage, one cell per tick the executor runs (`executed`):
     F<mb> forward, b<mb> backward, B<mb> its input gradient, W<mb> its weight gradient, '.'
     idle; a fused tick's cell holds its lanes' actions in order (b3F5: backward of 3, then
     forward of 5).
 
     With virtual stages a letter names the virtual index (F3a = microbatch 3, virtual 0).
+    `vocab_passes`: two more rows, the vocabulary-parallel S and T passes every stage runs
+    (S<mb> at the end of its tick, T<mb> at the start of its tick).
     """
     def action(k: int, mb: int, v: int) -> str:
       if k == IDLE:
@@ -276,11 +289,16 @@ class Schedule:
                                                             ticks.virtual)))
                       for lane in range(ticks.lanes)) or "."
               for t in range(ticks.ticks)] for s in range(self.stages)]
+    labels = [f"stage {s:>{len(str(self.stages - 1))}}" for s in range(self.stages)]
+    if vocab_passes:
+      for name, mbs in (("S", ticks.vocab_s_microbatch), ("T", ticks.vocab_t_microbatch)):
+        cells.append([f"{name}{mb}" if mb >= 0 else "." for mb in mbs])
+        labels.append(f"vocab {name}")
     width = max(len(c) for row in cells for c in row) if ticks.ticks else 1
-    label = len(str(self.stages - 1))
+    label = max(len(x) for x in labels)
     lines = [self.summary()]
-    for s, row in enumerate(cells):
-      lines.append((f"stage {s:>{label}} | " + " ".join(c.ljust(width) for c in row)).rstrip())
+    for name, row in zip(labels, cells):
+      lines.append((f"{name:<{label}} | " + " ".join(c.ljust(width) for c in row)).rstrip())
     return "\n".join(lines)
 
 
@@ -633,6 +651,9 @@ def _assign(rows: list[list[list[_Op | None]]], chunk_of: np.ndarray,
         vectors["head_microbatch"][t] = op[1]
         if has_backward:
           grad_of[(op[1], last)] = vectors["head_slot"][t] = grad[head_stage].take()
+          # The backward of (mb, G-1) runs at t + 1 at the earliest: its T pass runs first.
+          vectors["vocab_s_microbatch"][t] = vectors["vocab_t_microbatch"][t + 1] = op[1]
+          vectors["vocab_t_slot"][t + 1] = vectors["head_slot"][t]
     for alloc, slot in freed:
       alloc.used.discard(int(slot))
 

@@ -27,6 +27,10 @@ through collectives, because its passes are what a pipeline schedule places:
 - barrier(s): collectives over `axis`;
 - T pass: the weight gradient dw_shard = h^T dY, which needs no communication.
 
+`output_s_pass` is the S pass up to barrier C1 and `output_t_pass` the rest (the softmax
+combined, dh and its collective, dw); `output_layer` runs them back to back, the pipeline
+executor on consecutive ticks, carrying C1's result from one to the next.
+
 Collectives per microbatch (counted in the compiled HLO by tests/parallel/test_vocab.py;
 the paper counts communication BARRIERS, i.e. points where a pass waits on all stages):
 
@@ -143,31 +147,34 @@ def _gather_by_psum(x, axis: Axes):
   return lax.psum(jnp.where(slots.reshape(-1, *([1] * x.ndim)), x[None], 0), axis)
 
 
-def output_layer(h_BTD, w_shard_DVs, targets_BT, mask_BT, *, vocab_size: int,
-                 axis: Axes = "stage", algorithm: int = 2, dtype=jnp.float32):
-  """Output projection + cross-entropy, forward and backward: (loss_sum, dh_BTD, dw_shard_DVs).
-
-  h is the final-normed hidden state (identical on every stage), w_shard this stage's
-  [D, Vs] columns. loss_sum = sum of cross-entropy * mask (float32, identical on every
-  stage), dh = d loss_sum / d h (identical on every stage), dw_shard = d loss_sum /
-  d w_shard (this stage's). algorithm 1 or 2: see the module docstring.
-  """
-  if algorithm not in (1, 2):
-    raise ValueError(f"output_layer: algorithm={algorithm!r}; valid: 1, 2")
+def _shard_inputs(h_BTD, w_shard_DVs, targets_BT, vocab_size: int, axis: Axes, dtype):
+  """h as [M, D], w, and this shard's target one-hot [M, Vs] (zero rows where another owns
+  the target), after checking w's shard width."""
   p = lax.axis_size(axis)
-  b, t, d = h_BTD.shape
-  vs = w_shard_DVs.shape[1]
+  d, vs = w_shard_DVs.shape
   if vs * p != padded_vocab(vocab_size, p):
     raise ValueError(f"output_layer: w_shard_DVs has {vs} columns on {p} shards of axis {axis!r}; "
                      f"vocab_size={vocab_size} needs {padded_vocab(vocab_size, p) // p} "
                      f"(padded_vocab={padded_vocab(vocab_size, p)})")
-  h_MD = h_BTD.reshape(b * t, d).astype(dtype)
-  w = w_shard_DVs.astype(dtype)
-  mask = mask_BT.reshape(-1).astype(jnp.float32)
   local, owns = _local_ids(targets_BT.reshape(-1), vs, axis)
   onehot = jax.nn.one_hot(local, vs, dtype=jnp.float32) * owns[:, None]
+  return h_BTD.reshape(-1, d).astype(dtype), w_shard_DVs.astype(dtype), onehot, local, owns
 
-  # --- S pass: logits and this shard's online-softmax statistics.
+
+def output_s_pass(h_BTD, w_shard_DVs, targets_BT, *, vocab_size: int, axis: Axes = "stage",
+                  algorithm: int = 2, dtype=jnp.float32):
+  """The S pass and barrier C1: (stats [P, M, 3], the values this shard keeps for the T pass).
+
+  stats is every shard's (max, sum, target logit) per token, the result of the one
+  collective; `kept` holds the local softmax numerator e [M, Vs], the local max m [M] and,
+  in Algorithm 2, the partial input gradient a [M, D] and the target rows g [M, D]. The T
+  pass (`output_t_pass`) may run later: a pipeline carries both to another tick.
+  """
+  if algorithm not in (1, 2):
+    raise ValueError(f"output_layer: algorithm={algorithm!r}; valid: 1, 2")
+  h_MD, w, onehot, local, owns = _shard_inputs(h_BTD, w_shard_DVs, targets_BT, vocab_size, axis,
+                                               dtype)
+  vs = w.shape[1]
   y = jnp.dot(h_MD, w, preferred_element_type=jnp.float32)  # [M, Vs]
   col = lax.axis_index(axis) * vs + jnp.arange(vs)
   y = jnp.where(col < vocab_size, y, -jnp.inf)
@@ -175,18 +182,27 @@ def output_layer(h_BTD, w_shard_DVs, targets_BT, mask_BT, *, vocab_size: int,
   # A shard made only of padding has m = -inf; 0 keeps exp(y - m) at 0 instead of nan.
   m_safe = jnp.where(jnp.isfinite(m_local), m_local, 0.0)
   e = jnp.exp(y - m_safe[:, None])  # local softmax numerator, 0 on padding
-  s_local = jnp.sum(e, axis=-1)
   y_target = jnp.sum(jnp.where(onehot > 0, y, 0.0), axis=-1)  # 0 unless this shard owns it
+  kept = {"e": e, "m": m_local}
   if algorithm == 2:
     # The paper's backward-phase optimisation: the input gradient with the LOCAL
     # softmax, rescaled after the barrier, so no matmul waits on the statistics.
-    a_MD = jnp.dot(e.astype(dtype), w.T, preferred_element_type=jnp.float32)
-    g_MD = jnp.where(owns[:, None], jnp.take(w.T, local, axis=0), 0).astype(jnp.float32)
-
-  # --- Barrier C1: every shard's statistics; combined locally (online softmax).
+    kept["a"] = jnp.dot(e.astype(dtype), w.T, preferred_element_type=jnp.float32)
+    kept["g"] = jnp.where(owns[:, None], jnp.take(w.T, local, axis=0), 0).astype(jnp.float32)
+  # Barrier C1: every shard's statistics, combined by each shard in the T pass.
   # m_local, not m_safe: an all-padding shard's -inf must not raise the global max.
-  stats = _gather_by_psum(jnp.stack([m_local, s_local, y_target], axis=-1), axis)  # [P, M, 3]
-  m_all, s_all, yt_all = stats[..., 0], stats[..., 1], stats[..., 2]
+  stats = _gather_by_psum(jnp.stack([m_local, jnp.sum(e, axis=-1), y_target], axis=-1), axis)
+  return stats, kept
+
+
+def output_t_pass(h_BTD, w_shard_DVs, targets_BT, mask_BT, stats, kept, *, vocab_size: int,
+                  axis: Axes = "stage", algorithm: int = 2, dtype=jnp.float32):
+  """The T pass of `output_s_pass`'s results: (loss_sum, dh_BTD, dw_shard_DVs), with
+  Algorithm 1's T-pass matmul before and Algorithm 2's rescale before barrier C2 (dh)."""
+  b, t, d = h_BTD.shape
+  h_MD, w, onehot, _, _ = _shard_inputs(h_BTD, w_shard_DVs, targets_BT, vocab_size, axis, dtype)
+  mask = mask_BT.reshape(-1).astype(jnp.float32)
+  m_all, s_all, yt_all = stats[..., 0], stats[..., 1], stats[..., 2]  # online softmax
   m_glob = jnp.max(m_all, axis=0)
   lse = m_glob + jnp.log(jnp.sum(s_all * jnp.exp(m_all - m_glob), axis=0))  # [M]
   # where: a masked token may carry any target id, even a padding one (logit -inf).
@@ -194,18 +210,33 @@ def output_layer(h_BTD, w_shard_DVs, targets_BT, mask_BT, *, vocab_size: int,
 
   # Local softmax numerator -> global softmax, per token; 0 for an all-padding shard
   # (exp(m_safe - lse) would overflow there when every real logit is far below 0).
-  scale = jnp.exp(m_local - lse)
-  dy = (e * scale[:, None] - onehot) * mask[:, None]  # d loss_sum / d logits, [M, Vs]
+  scale = jnp.exp(kept["m"] - lse)
+  dy = (kept["e"] * scale[:, None] - onehot) * mask[:, None]  # d loss_sum / d logits, [M, Vs]
   if algorithm == 1:
-    # T pass first: the input gradient needs the global softmax; then barrier C2.
+    # The input gradient needs the global softmax; then barrier C2.
     dh_part = jnp.dot(dy.astype(dtype), w.T, preferred_element_type=jnp.float32)
   else:
-    dh_part = (a_MD * scale[:, None] - g_MD) * mask[:, None]
+    dh_part = (kept["a"] * scale[:, None] - kept["g"]) * mask[:, None]
   dh = lax.psum(dh_part, axis)  # the last collective of either algorithm
 
-  # --- T pass: this shard's weight gradient, no communication.
+  # This shard's weight gradient, no communication.
   dw = jnp.dot(h_MD.T, dy.astype(dtype), preferred_element_type=jnp.float32)
   return (loss_sum, dh.reshape(b, t, d).astype(h_BTD.dtype), dw.astype(w_shard_DVs.dtype))
+
+
+def output_layer(h_BTD, w_shard_DVs, targets_BT, mask_BT, *, vocab_size: int,
+                 axis: Axes = "stage", algorithm: int = 2, dtype=jnp.float32):
+  """Output projection + cross-entropy, forward and backward: (loss_sum, dh_BTD, dw_shard_DVs).
+
+  h is the final-normed hidden state (identical on every stage), w_shard this stage's
+  [D, Vs] columns. loss_sum = sum of cross-entropy * mask (float32, identical on every
+  stage), dh = d loss_sum / d h (identical on every stage), dw_shard = d loss_sum /
+  d w_shard (this stage's). algorithm 1 or 2: see the module docstring. The S and T
+  passes back to back; a pipeline runs them on different ticks.
+  """
+  kw = dict(vocab_size=vocab_size, axis=axis, algorithm=algorithm, dtype=dtype)
+  stats, kept = output_s_pass(h_BTD, w_shard_DVs, targets_BT, **kw)
+  return output_t_pass(h_BTD, w_shard_DVs, targets_BT, mask_BT, stats, kept, **kw)
 
 
 def output_layer_tied(h_BTD, embedding_shard_VsD, targets_BT, mask_BT, *, vocab_size: int,
