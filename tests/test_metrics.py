@@ -94,7 +94,9 @@ def test_cpu_and_unlisted_chips_measure():
   with mock.patch.object(metrics, "measure_matmul_flops", return_value=1e11) as measure:
     assert metrics.peak_flops() == (1e11, "measured float32 matmul peak of the host")
     assert metrics.peak_flops() == (1e11, "measured float32 matmul peak of the host")
-  assert measure.call_count == 2  # once a process: two sizes, the second call cached
+  # Once a process (the second call cached), in sizes a CPU reaches its peak at.
+  assert {c.args for c in measure.call_args_list} == {("float32", 512), ("float32", 1024)}
+  assert measure.call_count == 2
   metrics.measured_matmul_peak.cache_clear()
 
 
