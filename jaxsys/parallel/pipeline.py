@@ -32,9 +32,12 @@ S and T passes on the ticks the schedule gives them (`Ticks.vocab_s_microbatch`,
 end of the tick of the last chunk's forward, the T pass (loss, dh and its all-reduce, dw)
 at the start of the next tick, so the statistics' all-reduce is carried in the loop state
 from one tick to the next instead of feeding the same tick's T pass, and the head stage's
-backward still runs on the T pass's tick. Without VP the first and last stage own the
-(replicated) vocabulary layers and the other stages skip those phases. Evaluation
-(`pipeline_loss`) runs the schedule's forwards only.
+backward still runs on the T pass's tick. With the schedule's `vocab_overlap` (1F1B) each
+pass runs beside the lanes of a tick of its own, the S pass the tick after the head's and
+the T pass the one after, both all-reduces' results carried to the next tick: the dh one
+becomes the head stage's gradient arrival there (through the final norm's backward).
+Without VP the first and last stage own the (replicated) vocabulary layers and the other
+stages skip those phases. Evaluation (`pipeline_loss`) runs the schedule's forwards only.
 
 Loss and gradients are those of the summed token loss; the caller divides once by the
 token count, so the step equals the unpipelined one.
@@ -475,10 +478,16 @@ class _VocabLayers:
   def head_t(self, params, carried, mb: Batch, stage):
     """Vocabulary-parallel T pass of `head_s`'s results: (loss sum, d loss / d y, gradients
     of the head's parameters), as `head`."""
+    value, dh, dw = self.head_t_pass(params, carried, mb)
+    dy, dnorm = self.head_dy(params, carried["y"], dh, stage)
+    return value, dy, {**dw, **dnorm}
+
+  def head_t_pass(self, params, carried, mb: Batch):
+    """The T pass up to its last all-reduce: (loss sum, d loss / d h, {output weight's
+    name: its shard's gradient}); `head_dy` turns d loss / d h into d loss / d y."""
     cfg = self.cfg
     name, as_output = self._output_weight()
-    h, norm_vjp = jax.vjp(lambda y, s: transformer.rms_norm(y, s, cfg.norm_eps), carried["y"],
-                          params["final_norm"])
+    h = transformer.rms_norm(carried["y"], params["final_norm"], cfg.norm_eps)
 
     def t_pass(h, weight, targets, mask, stats, kept):
       value, dh, dw = vocab.output_t_pass(h, as_output(weight), targets, mask, stats,
@@ -490,9 +499,15 @@ class _VocabLayers:
     fn = self._by_hand(t_pass, (P(), split, P(), P(), P(), P(TENSOR_AXIS)), (P(), P(), split))
     value, dh, dw = fn(h, params[name], mb["targets"], mb["loss_mask"], carried["stats"],
                        carried["kept"])
+    return value, dh, {name: dw}
+
+  def head_dy(self, params, y, dh, stage):
+    """(d loss / d y, {"final_norm": its gradient}) from the T pass's d loss / d h."""
+    h, norm_vjp = jax.vjp(lambda y, s: transformer.rms_norm(y, s, self.cfg.norm_eps), y,
+                          params["final_norm"])
     dy, dnorm = norm_vjp(dh.astype(h.dtype))
     # Every stage computed the same norm gradient: keep one copy, the sum over stages adds them.
-    return value, dy, {"final_norm": jnp.where(stage == self.last, dnorm, 0.0), name: dw}
+    return dy, {"final_norm": jnp.where(stage == self.last, dnorm, 0.0)}
 
 
 def pipeline_loss_and_grads(cfg: transformer.TransformerConfig, schedule: Schedule,
@@ -639,8 +654,13 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
   assert all(int(g) // p == v for v, row in enumerate(np.asarray(schedule.chunk_of))
              for g in row), schedule.chunk_of
   split = schedule.split_backward
-  # Training with VP splits the head into S and T passes on consecutive ticks (schedules.py).
+  # Training with VP splits the head into S and T passes on consecutive ticks (schedules.py),
+  # or with vocab_overlap on ticks of their own beside the lanes.
   vocab_passes = train and layout.vocab_parallel
+  overlap = train and schedule.vocab_overlap
+  if overlap and not layout.vocab_parallel:
+    raise ValueError("pipeline.vocab_overlap=True is invalid with pipeline.vocab_parallel=False; "
+                     "it places vocabulary parallelism's S and T passes")
 
   def per_stage(params, mbs, offsets, weights):
     stage = jax.lax.axis_index(AXIS)
@@ -692,6 +712,8 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
       vocab_s_shapes = jax.eval_shape(
           lambda y: vl.head_s(vocab_params, y, microbatch(0, G - 1)), act)
       carry["vocab_s"] = _zeros_of(vocab_s_shapes)
+    if overlap:  # what the T pass hands the next tick: d loss / d h, to become its arrival
+      carry["vocab_dh"] = {"dh": zero_act, "y": zero_act, "mb": jnp.zeros((), jnp.int32)}
     if "act_recv_back" in extra:
       carry["arrive_f_back"] = zero_act
     if "grad_recv_back" in extra:
@@ -824,6 +846,43 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
                                out["dy"])
       return c
 
+    def head_dy_arrives(c, slot):
+      """vocab_overlap: the last tick's T pass's d loss / d h, through the final norm's
+      backward, into the head stage's gradient-inbox `slot` (-1: none arrives)."""
+      def arrive(pending, acc):
+        dy, dnorm = vl.head_dy(vocab_params, pending["y"], pending["dh"], stage)
+        if scaled:  # the gradient of weights[source] * this microbatch's loss
+          w = weights[origin(pending["mb"], G - 1)]
+          dy, dnorm = (dy * w).astype(dy.dtype), jax.tree.map(lambda d: d * w, dnorm)
+        return {"dy": dy}, {k: v + dnorm[k] if k in dnorm else v for k, v in acc.items()}
+      out, c["vocab_grads"] = _accumulate(slot >= 0, arrive, c["vocab_dh"], c["vocab_grads"])
+      c["grad_inbox"] = _put(c["grad_inbox"], _trash(
+          jnp.where((stage == head_stage) & (slot >= 0), slot, -1), ticks.grad_slots), out["dy"])
+      return c
+
+    def t_pass_alone(c, t_mb):
+      """vocab_overlap: the T pass of microbatch `t_mb` (-1: none) on the carried S pass:
+      loss and output-weight gradient added, d loss / d h carried to the next tick."""
+      def t_pass(carried, acc):
+        mb = microbatch(t_mb, G - 1)
+        value, dh, dw = vl.head_t_pass(vocab_params, carried, mb)
+        source = origin(t_mb, G - 1)
+        if scaled:
+          dw = jax.tree.map(lambda d: d * weights[source], dw)
+        return ({"loss": jnp.zeros((R,), jnp.float32).at[source].add(value), "dh": dh},
+                {k: v + dw[k] if k in dw else v for k, v in acc.items()})
+      out, c["vocab_grads"] = _accumulate(t_mb >= 0, t_pass, c["vocab_s"], c["vocab_grads"])
+      c["loss"] = c["loss"] + out["loss"]
+      c["vocab_dh"] = {"dh": out["dh"].astype(act.dtype), "y": c["vocab_s"]["y"], "mb": t_mb}
+      return c
+
+    def s_pass(c, s_mb):
+      """The S pass of microbatch `s_mb` (-1: none) on the head's last output: what the next
+      tick's T pass reads."""
+      return jax.lax.cond(
+          s_mb >= 0, lambda y: vl.head_s(vocab_params, y, microbatch(s_mb, G - 1)),
+          lambda y: _zeros_of(vocab_s_shapes), c["head_in"])
+
     def tick(c, rows):
       mine = {k: rows[k][..., stage] for k in tables}  # a lane table gives [lanes]
       c = dict(c)
@@ -841,7 +900,13 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
         for table, value in arrivals:
           if table in mine:
             c[buf] = _put(c[buf], _trash(mine[table], slots), c[value])
-      if vocab_passes:  # the T pass of the last tick's S pass, before the lanes read d y
+      if overlap:  # the passes beside the lanes: nothing this tick computes reads their
+        # all-reduces' results, which reach the next tick (dy the one after the T pass's)
+        c = head_dy_arrives(c, rows["vocab_dy_slot"])
+        vocab_s = s_pass(c, rows["vocab_s_microbatch"])  # before the lanes rewrite head_in
+        c = t_pass_alone(c, rows["vocab_t_microbatch"])
+        c["vocab_s"] = vocab_s
+      elif vocab_passes:  # the T pass of the last tick's S pass, before the lanes read d y
         c = add_head(c, rows["vocab_t_microbatch"], rows["vocab_t_slot"],
                      functools.partial(vl.head_t, vocab_params), c["vocab_s"])
       emb_mb = rows["embed_microbatch"]
@@ -851,12 +916,9 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
           lambda: c["x0"])
       c, at = compute(c, mine, mine["branch"])
       c["counts"] = c["counts"].at[IDLE].add(jnp.all(mine["kind"] == IDLE).astype(jnp.int32))
-      if vocab_passes:  # the S pass: its statistics' all-reduce goes to the next tick
-        s_mb = rows["vocab_s_microbatch"]
-        c["vocab_s"] = jax.lax.cond(
-            s_mb >= 0, lambda y: vl.head_s(vocab_params, y, microbatch(s_mb, G - 1)),
-            lambda y: _zeros_of(vocab_s_shapes), c["head_in"])
-      else:
+      if vocab_passes and not overlap:  # the S pass: its all-reduce goes to the next tick
+        c["vocab_s"] = s_pass(c, rows["vocab_s_microbatch"])
+      elif not vocab_passes:
         c = add_head(c, rows["head_microbatch"], rows["head_slot"],
                      functools.partial(vl.head if train else vl.loss, vocab_params), c["head_in"])
 

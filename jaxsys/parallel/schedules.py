@@ -13,7 +13,12 @@ t + 1. The loss head runs at the end of the tick of FORWARD(mb, G-1), on that ch
 stage, so the backward of (mb, G-1) can run one tick later. Vocabulary parallelism splits
 that head in two passes on every stage (`vocab.py`): the S pass at the end of the head's
 tick, whose statistics all-reduce the next tick reads, and the T pass at the start of the
-next tick, before the lanes, so the backward of (mb, G-1) still runs on it.
+next tick, before the lanes, so the backward of (mb, G-1) still runs on it. With
+`vocab_overlap` (1F1B only) each pass gets a tick of its own beside the lanes' compute, its
+all-reduce's result carried to the next tick: the S pass at tick a + 1 after the head's
+forward at a, the T pass at a + 2, its input gradient arriving at the head stage at a + 3,
+where the backward of (mb, G-1) runs at the earliest; two more warmup forwards a stage keep
+1F1B's tick count, at two more microbatches in flight (VOCAB_OVERLAP_TICKS).
 
 A schedule is a per-stage program order (the op sequence of GPipe, 1F1B, Megatron's
 interleaved 1F1B, ZB-H1 or ZBV) turned into ticks by an as-soon-as-possible simulation,
@@ -80,7 +85,11 @@ LANE_FIELDS = ("kind", "microbatch", "virtual", "res_slot", "act_in", "grad_in")
 ARRIVAL_FIELDS = ("act_recv", "act_recv_back", "act_recv_self", "grad_recv", "grad_recv_back",
                   "grad_recv_self")
 TICK_FIELDS = ("head_slot", "head_microbatch", "embed_microbatch", "embed_grad_microbatch",
-               "vocab_s_microbatch", "vocab_t_microbatch", "vocab_t_slot")
+               "vocab_s_microbatch", "vocab_t_microbatch", "vocab_t_slot", "vocab_dy_slot")
+# With vocab_overlap, the ticks between the head's forward of a microbatch and the earliest
+# backward of its last chunk beyond the usual one (S pass, T pass), and 1F1B's extra warmup.
+VOCAB_OVERLAP_TICKS = 2
+VOCAB_OVERLAP_SCHEDULES = ("1f1b",)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -108,6 +117,10 @@ class Ticks:
     runs at the end of the tick (the head's, with a backward) / whose T pass runs at its
     start, before the lanes (the next tick); vocab_t_slot: the head stage's gradient-inbox
     slot the T pass writes (head_slot of the tick before). -1: none.
+    With `vocab_overlap`: the S pass runs alongside the tick after the head's, the T pass
+    alongside the tick after that, neither writes a slot (head_slot and vocab_t_slot -1);
+    vocab_dy_slot: the head stage's gradient-inbox slot the T pass's input gradient
+    arrives in at the start of the tick after the T pass's (-1 otherwise).
   res_slots, act_slots, grad_slots: buffer sizes per stage.
   """
   kind: np.ndarray
@@ -129,6 +142,7 @@ class Ticks:
   vocab_s_microbatch: np.ndarray
   vocab_t_microbatch: np.ndarray
   vocab_t_slot: np.ndarray
+  vocab_dy_slot: np.ndarray
   res_slots: int
   act_slots: int
   grad_slots: int
@@ -173,6 +187,8 @@ class Schedule:
   fused: Ticks = dataclasses.field(repr=False)
   # Per-stage program order, kept so forward_only() can re-simulate the same order.
   programs: tuple[tuple[_Op, ...], ...] = dataclasses.field(repr=False, default=())
+  # VP's S and T passes on ticks of their own, beside the lanes (module docstring).
+  vocab_overlap: bool = False
 
   @property
   def ticks(self) -> int:
@@ -251,7 +267,8 @@ class Schedule:
     return float(self._held().max()) / self.virtual_stages
 
   def forward_only(self) -> Schedule:
-    """The FORWARD actions alone, in the same per-stage order, re-timed (for evaluation)."""
+    """The FORWARD actions alone, in the same per-stage order, re-timed (for evaluation;
+    no backward, so no vocab_overlap)."""
     programs = [[op for op in prog if op[0] == FORWARD] for prog in self.programs]
     return _build(self.name, self.stages, self.microbatches, self.virtual_stages, programs,
                   self.chunk_of)
@@ -264,7 +281,8 @@ class Schedule:
     return (f"schedule={self.name} stages={self.stages} microbatches={self.microbatches} "
             f"virtual={self.virtual_stages} ticks={self.ticks} "
             f"bubble={self.bubble_fraction:.3f} max_in_flight={self.max_in_flight} "
-            f"runs={executed.ticks} {shape} ticks")
+            f"runs={executed.ticks} {shape} ticks" + (" vocab_overlap" if self.vocab_overlap
+                                                        else ""))
 
   def chart(self, vocab_passes: bool = False) -> str:
     """The summary, then one row per stage, one cell per tick the executor runs (`executed`):
@@ -302,16 +320,22 @@ class Schedule:
     return "\n".join(lines)
 
 
-def make_schedule(name: str, *, stages: int, microbatches: int,
-                  virtual_stages: int = 1) -> Schedule:
-  """The schedule `name` (one of SCHEDULES) for the given sizes (zbv: virtual_stages=2)."""
-  check(name, stages=stages, microbatches=microbatches, virtual_stages=virtual_stages)
+def make_schedule(name: str, *, stages: int, microbatches: int, virtual_stages: int = 1,
+                  vocab_overlap: bool = False) -> Schedule:
+  """The schedule `name` (one of SCHEDULES) for the given sizes (zbv: virtual_stages=2).
+
+  `vocab_overlap` (VOCAB_OVERLAP_SCHEDULES): vocabulary parallelism's S and T passes on
+  ticks of their own, beside the lanes (module docstring)."""
+  check(name, stages=stages, microbatches=microbatches, virtual_stages=virtual_stages,
+        vocab_overlap=vocab_overlap)
   p, m, v = int(stages), int(microbatches), int(virtual_stages)
   chunk_of = _loop_placement(p, v)
   if name == "gpipe":
     programs = [_gpipe_program(s, p, m) for s in range(p)]
   elif name in ("1f1b", "eager_1f1b"):
-    programs = [_interleaved_program(s, p, m, 1, eager=name == "eager_1f1b") for s in range(p)]
+    extra = VOCAB_OVERLAP_TICKS if vocab_overlap else 0
+    programs = [_interleaved_program(s, p, m, 1, eager=name == "eager_1f1b", extra_warmup=extra)
+                for s in range(p)]
   elif name == "interleaved_1f1b":
     programs = [_interleaved_program(s, p, m, v) for s in range(p)]
   elif name == "zb_h1":
@@ -319,7 +343,7 @@ def make_schedule(name: str, *, stages: int, microbatches: int,
   else:
     chunk_of = _v_placement(p)
     programs = [_zbv_program(s, p, m) for s in range(p)]
-  return _build(name, p, m, v, programs, chunk_of)
+  return _build(name, p, m, v, programs, chunk_of, vocab_overlap=vocab_overlap)
 
 
 def min_microbatches(name: str, stages: int) -> int:
@@ -334,10 +358,16 @@ def _is_int(x: Any) -> bool:
   return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
-def check(name: Any, *, stages: Any, microbatches: Any, virtual_stages: Any = 1) -> None:
+def check(name: Any, *, stages: Any, microbatches: Any, virtual_stages: Any = 1,
+          vocab_overlap: Any = False) -> None:
   """Raises ValueError (one line naming the field) unless the schedule can be built."""
   if name not in SCHEDULES:
     raise ValueError(f"pipeline.schedule={name!r} is unknown; valid: {', '.join(SCHEDULES)}")
+  if not isinstance(vocab_overlap, (bool, np.bool_)):
+    raise ValueError(f"pipeline.vocab_overlap={vocab_overlap!r} is invalid; valid: True, False")
+  if vocab_overlap and name not in VOCAB_OVERLAP_SCHEDULES:
+    raise ValueError(f"pipeline.vocab_overlap=True is invalid with pipeline.schedule={name}; "
+                     f"valid: {', '.join(VOCAB_OVERLAP_SCHEDULES)} (or vocab_overlap=False)")
   if not _is_int(stages) or stages < 1:
     raise ValueError(f"mesh axis stage has size {stages!r}; valid: an int >= 1")
   if not _is_int(microbatches) or microbatches < 1:
@@ -387,9 +417,11 @@ def _gpipe_program(s: int, p: int, m: int) -> list[_Op]:
   return [(FORWARD, mb, s) for mb in range(m)] + [(BACKWARD, mb, s) for mb in range(m)]
 
 
-def _interleaved_program(s: int, p: int, m: int, v: int, eager: bool = False) -> list[_Op]:
+def _interleaved_program(s: int, p: int, m: int, v: int, eager: bool = False,
+                         extra_warmup: int = 0) -> list[_Op]:
   """Megatron's (interleaved) 1F1B order for stage s; v=1 is plain non-interleaved 1F1B,
-  or with `eager` 1F1B with the interleaved warmup's 2(p - s - 1) forwards.
+  or with `eager` 1F1B with the interleaved warmup's 2(p - s - 1) forwards. `extra_warmup`
+  forwards more (vocab_overlap: the head's gradient comes that many ticks later).
 
   The k-th forward walks microbatches in groups of p: k -> microbatch (k // (p*v)) * p + k % p,
   virtual (k % (p*v)) // p; the k-th backward the same with the virtual index reversed.
@@ -410,7 +442,7 @@ def _interleaved_program(s: int, p: int, m: int, v: int, eager: bool = False) ->
     return (kind, group * p + within % p, virt * p + s)
 
   warmup = p - s - 1 if v == 1 and not eager else (p - s - 1) * 2 + (v - 1) * p
-  warmup = min(warmup, total)
+  warmup = min(warmup + extra_warmup, total)
   prog = [op(FORWARD, k) for k in range(warmup)]
   for i in range(total - warmup):
     prog += [op(FORWARD, warmup + i), op(BACKWARD, i)]
@@ -518,14 +550,25 @@ def _lane_of(kind: int, lanes: int) -> int:
   return int(lanes == 2 and kind == FORWARD)
 
 
-def _simulate(programs: list[list[_Op]], p: int, num_chunks: int,
-              lanes: int = 1) -> list[list[list[_Op | None]]]:
+def _ready(op: _Op, need: _Op, done: dict[_Op, int], t: int, last: int,
+           head_delay: int) -> bool:
+  """Whether `need`, which `op` reads, has arrived by tick t: it ran at an earlier tick,
+  `head_delay` ticks earlier still where it is the head's forward and `op` the backward of
+  the last chunk (vocab_overlap: the S and T passes run in between)."""
+  delay = head_delay if op[0] != FORWARD and need == (FORWARD, op[1], last) else 0
+  return done.get(need, t) + delay < t
+
+
+def _simulate(programs: list[list[_Op]], p: int, num_chunks: int, lanes: int = 1,
+              head_delay: int = 0) -> list[list[list[_Op | None]]]:
   """ASAP timing: each tick each stage runs the next ops of its program whose inputs
-  arrived by an earlier tick, at most one a lane, else idles. Rows [tick][stage][lane]."""
+  arrived by an earlier tick (`_ready`), at most one a lane, else idles. Rows
+  [tick][stage][lane]."""
   done: dict[_Op, int] = {}  # op -> tick it ran
   pos = [0] * p
   rows: list[list[list[_Op | None]]] = []
   remaining = sum(len(prog) for prog in programs)
+  waited = 0  # ticks in a row nothing ran: up to head_delay, all may wait on a head
   while remaining:
     t = len(rows)
     row: list[list[_Op | None]] = [[None] * lanes for _ in range(p)]
@@ -534,13 +577,14 @@ def _simulate(programs: list[list[_Op]], p: int, num_chunks: int,
         op = programs[s][pos[s]]
         lane = _lane_of(op[0], lanes)
         # Everything finished at a tick < t has arrived by t (the head too: end of its tick).
-        if row[s][lane] is not None or not all(done.get(n, t) < t
+        if row[s][lane] is not None or not all(_ready(op, n, done, t, num_chunks - 1, head_delay)
                                                for n in _needs(op, num_chunks)):
           break
         row[s][lane] = op
         pos[s] += 1
     placed = [op for ops in row for op in ops if op is not None]
-    if not placed:
+    waited = 0 if placed else waited + 1
+    if waited > head_delay:
       raise AssertionError(f"schedule deadlocks at tick {t}; stage positions {pos}")
     for op in placed:
       done[op] = t
@@ -566,20 +610,23 @@ class _Slots:
 
 
 def _build(name: str, p: int, m: int, v: int, programs: list[list[_Op]],
-           chunk_of: np.ndarray) -> Schedule:
+           chunk_of: np.ndarray, vocab_overlap: bool = False) -> Schedule:
   """Times the programs as the table and as fused ticks, and assigns every buffer slot."""
   chunk_of = np.array(chunk_of, np.int32)
   chunk_of.setflags(write=False)
   has_backward = any(op[0] != FORWARD for prog in programs for op in prog)
-  unfused, fused = (_assign(_simulate(programs, p, chunk_of.size, lanes), chunk_of, has_backward)
+  overlap = vocab_overlap and has_backward
+  delay = VOCAB_OVERLAP_TICKS if overlap else 0
+  unfused, fused = (_assign(_simulate(programs, p, chunk_of.size, lanes, delay), chunk_of,
+                            has_backward, overlap)
                     for lanes in (1, 2))
   return Schedule(name=name, stages=p, microbatches=m, virtual_stages=v, chunk_of=chunk_of,
                   unfused=unfused, fused=fused,
-                  programs=tuple(tuple(prog) for prog in programs))
+                  programs=tuple(tuple(prog) for prog in programs), vocab_overlap=overlap)
 
 
 def _assign(rows: list[list[list[_Op | None]]], chunk_of: np.ndarray,
-            has_backward: bool) -> Ticks:
+            has_backward: bool, vocab_overlap: bool = False) -> Ticks:
   """The tables of timed rows [tick][stage][lane], every buffer slot assigned."""
   num_chunks, p = chunk_of.size, chunk_of.shape[1]
   stage_of = _stage_of(chunk_of)
@@ -608,8 +655,12 @@ def _assign(rows: list[list[list[_Op | None]]], chunk_of: np.ndarray,
   grad_of: dict[tuple[int, int], int] = {}  # (mb, g) -> inbox slot holding g's output grad
   last = num_chunks - 1
   head_stage = int(stage_of[last])
+  head_arrivals: dict[int, int] = {}  # vocab_overlap: tick -> microbatch whose dy arrives
 
   for t in range(ticks):
+    if t in head_arrivals:  # the T pass's input gradient, carried from the tick before
+      mb = head_arrivals.pop(t)
+      grad_of[(mb, last)] = vectors["vocab_dy_slot"][t] = grad[head_stage].take()
     # Arrivals at the start of tick t: what tick t-1 sent.
     for op in (op for ops in (rows[t - 1] if t else []) for op in ops if op is not None):
       k, mb, g = op
@@ -649,7 +700,10 @@ def _assign(rows: list[list[list[_Op | None]]], chunk_of: np.ndarray,
     for op in (op for ops in rows[t] for op in ops if op is not None):
       if op[0] == FORWARD and op[2] == last:
         vectors["head_microbatch"][t] = op[1]
-        if has_backward:
+        if vocab_overlap:  # S pass at t + 1, T pass at t + 2, its dy arrives at t + 3
+          vectors["vocab_s_microbatch"][t + 1] = vectors["vocab_t_microbatch"][t + 2] = op[1]
+          head_arrivals[t + 1 + VOCAB_OVERLAP_TICKS] = op[1]
+        elif has_backward:
           grad_of[(op[1], last)] = vectors["head_slot"][t] = grad[head_stage].take()
           # The backward of (mb, G-1) runs at t + 1 at the earliest: its T pass runs first.
           vectors["vocab_s_microbatch"][t] = vectors["vocab_t_microbatch"][t + 1] = op[1]

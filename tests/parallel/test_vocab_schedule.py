@@ -47,8 +47,8 @@ _CALLED = re.compile(r"(?:calls|body|true_computation|false_computation)=%([\w.\
 
 
 def _graph(hlo: str):
-  """{computation: {instruction: (is ROOT, opcode, operands, called computations, type)}},
-  and the entry computation's name."""
+  """{computation: {instruction: (is ROOT, opcode, operands, called computations, type,
+  tuple index or None)}}, and the entry computation's name."""
   comps, entry = outer._computations(hlo)
   graph = {}
   for comp, lines in comps.items():
@@ -57,22 +57,24 @@ def _graph(hlo: str):
     graph[comp] = {name: (bool(root), op, [t for t in re.findall(r"%([\w.\-]+)", rest)
                                            if t in names and t != name],
                           [x.strip().lstrip("%") for a, b in _CALLED.findall(rest)
-                           for x in ([a] if a else b.split(","))], shape)
+                           for x in ([a] if a else b.split(","))], shape,
+                          int(m[1]) if (m := re.search(r"\bindex=(\d+)", rest)) else None)
                    for root, name, shape, op, rest in parsed}
   return graph, entry
 
 
-def _same_tick_uses(hlo: str, stages: int):
-  """The opcodes the S pass's statistics all-reduce (f32[stages, tokens, 3]) feeds within
-  one iteration of the step's loop, into called computations and out of conditionals'
-  branches, and whether it reaches the loop body's ROOT (the carry to the next tick)."""
+def _same_tick_uses(hlo: str, stages: int, shape: str = r"f32\[{stages},\d+,3\]"):
+  """The opcodes an all-reduce of `shape` (a regex; default the S pass's statistics,
+  f32[stages, tokens, 3]) feeds within one iteration of the step's loop, into called
+  computations and out of conditionals' branches, and whether it reaches the loop body's
+  ROOT (the carry to the next tick)."""
   graph, entry = _graph(hlo)
   loop = next(i for i in graph[entry].values() if i[1] == "while")
   body, = loop[3]
   callers = {sub: (c, n) for c, instrs in graph.items() for n, i in instrs.items()
              for sub in i[3] if i[1] != "fusion"}
   stats = [(c, n) for c, instrs in graph.items() for n, i in instrs.items()
-           if i[1] == "all-reduce" and re.match(rf"f32\[{stages},\d+,3\]", i[4])]
+           if i[1] == "all-reduce" and re.match(shape.format(stages=stages), i[4])]
   assert len(stats) == 1, stats
   seen, todo, carried = set(), [stats[0]], False
   while todo:
@@ -85,8 +87,14 @@ def _same_tick_uses(hlo: str, stages: int):
       if c != body and c in callers:
         todo.append(callers[c])
       continue
-    for user, (_, _, operands, called, _) in graph[c].items():
-      if n in operands:
+    for user, (root, op, operands, called, _, _) in graph[c].items():
+      if n in operands and root and op == "tuple" and c != body and c in callers:
+        # Out of a branch as element k of its conditional's result: that element's readers.
+        cc, cn = callers[c]
+        ks = {k for k, o in enumerate(operands) if o == n}
+        todo += [(cc, x) for x, i in graph[cc].items()
+                 if i[1] == "get-tuple-element" and i[2] == [cn] and i[5] in ks]
+      elif n in operands:
         todo.append((c, user))
         todo += [(sub, x) for sub in called for x, i in graph[sub].items() if i[1] == "parameter"]
   ops = {graph[c][n][1] for c, n in seen - {stats[0]}}
@@ -101,17 +109,115 @@ def test_statistics_all_reduce_is_carried_to_the_next_tick(algorithm):
   (through its conditional's results): no compute of its own tick reads it; the T pass
   reads it in the next iteration. (Put the T pass back in the S pass's tick and the same
   iteration computes log-sum-exp, dh and its all-reduce from it.)"""
+  ops, carried = _same_tick_uses(_step_hlo(algorithm, vocab_overlap=False), stages=2)
+  assert carried
+  assert ops <= _CARRY_OPS, sorted(ops)
+
+
+# What a value that only crosses to the next loop iteration passes through.
+_CARRY_OPS = {"conditional", "get-tuple-element", "tuple", "bitcast", "copy"}
+
+
+def _step_hlo(algorithm: int, vocab_overlap: bool) -> str:
+  """The compiled VP step of a 1F1B pipeline at p=2, m=2 (tokens a microbatch a device: 16,
+  d_model 32)."""
   cfg = transformer.TransformerConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=4,
                                       n_kv_heads=2, d_ff=64, attention_impl="xla")
   batch = {k: jnp.asarray(v) for k, v in packing.random_packed_batch(
       8, 16, docs_per_row=2, vocab_size=cfg.vocab_size, seed=0).items()}
   mesh = mesh_lib.make_mesh("stage=2,data=4")
   layout = pipeline.Layout(stages=2, virtual=1, vocab_size=cfg.vocab_size, vocab_parallel=True)
-  schedule = pipeline.make_schedule("1f1b", stages=2, microbatches=2)
+  schedule = pipeline.make_schedule("1f1b", stages=2, microbatches=2, vocab_overlap=vocab_overlap)
   params = pipeline.to_stages(layout, transformer.init_params(cfg, jax.random.key(1)))
-  hlo = jax.jit(lambda p, b: pipeline.pipeline_loss_and_grads(
+  return jax.jit(lambda p, b: pipeline.pipeline_loss_and_grads(
       cfg, schedule, layout, p, b, mesh=mesh, vocab_algorithm=algorithm)).lower(
           params, batch).compile().as_text()
-  ops, carried = _same_tick_uses(hlo, stages=2)
-  assert carried
-  assert ops <= {"conditional", "get-tuple-element", "tuple", "bitcast", "copy"}, sorted(ops)
+
+
+# vocab_overlap: each pass on a tick of its own, beside the lanes.
+
+
+@pytest.mark.parametrize("p,m", [(2, 3), (4, 8), (8, 32)])
+def test_overlapped_passes_in_the_ticks(p, m):
+  """With vocab_overlap, microbatch mb's S pass runs the tick after its head forward, its T
+  pass the tick after that, its dy arrives one tick later still, where the head stage's
+  backward of it runs at the earliest; 1F1B keeps its tick count (two more warmup forwards
+  a stage, two more microbatches in flight)."""
+  plain = schedules.make_schedule("1f1b", stages=p, microbatches=m)
+  sched = schedules.make_schedule("1f1b", stages=p, microbatches=m, vocab_overlap=True)
+  assert sched.ticks == plain.ticks and sched.forward_only().vocab_overlap is False
+  assert sched.max_in_flight == min(m, plain.max_in_flight + schedules.VOCAB_OVERLAP_TICKS)
+  for ticks in (sched.fused, sched.unfused):
+    assert np.all(ticks.head_slot < 0) and np.all(ticks.vocab_t_slot < 0)
+    head = {int(mb): t for t, mb in enumerate(ticks.head_microbatch) if mb >= 0}
+    s_tick = {int(mb): t for t, mb in enumerate(ticks.vocab_s_microbatch) if mb >= 0}
+    t_tick = {int(mb): t for t, mb in enumerate(ticks.vocab_t_microbatch) if mb >= 0}
+    assert sorted(head) == list(range(m))
+    s = sched.head_stage
+    for mb in range(m):
+      assert s_tick[mb] == head[mb] + 1 and t_tick[mb] == head[mb] + 2
+      arrival = head[mb] + 3
+      slot = ticks.vocab_dy_slot[arrival]
+      backward, lane = np.nonzero((ticks.kind[:, :, s] == schedules.BACKWARD)
+                                  & (ticks.microbatch[:, :, s] == mb))
+      assert len(backward) == 1 and backward[0] >= arrival
+      assert slot >= 0 and ticks.grad_in[backward[0], lane[0], s] == slot
+
+
+def test_overlap_is_refused_beyond_1f1b():
+  with pytest.raises(ValueError, match=r"^pipeline.vocab_overlap=True is invalid with "
+                                       r"pipeline.schedule=gpipe; valid: 1f1b"):
+    schedules.make_schedule("gpipe", stages=2, microbatches=2, vocab_overlap=True)
+
+
+CFG = transformer.TransformerConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=4,
+                                    n_kv_heads=2, d_ff=64, attention_impl="xla")
+
+
+def _overlap_step(mesh_spec, algorithm, microbatches, cfg=CFG, vocab_parallel=True):
+  """The jitted (loss, grads) of 1F1B with vocab_overlap on `mesh_spec`, its layout."""
+  mesh = mesh_lib.make_mesh(mesh_spec)
+  stages = dict(mesh.shape)["stage"]
+  layout = pipeline.Layout(stages=stages, virtual=1, vocab_size=cfg.vocab_size,
+                           vocab_parallel=vocab_parallel, tensor=dict(mesh.shape).get("tensor", 1))
+  schedule = pipeline.make_schedule("1f1b", stages=stages, microbatches=microbatches,
+                                    vocab_overlap=True)
+  return jax.jit(lambda p, b: pipeline.pipeline_loss_and_grads(
+      cfg, schedule, layout, p, b, mesh=mesh, vocab_algorithm=algorithm)), layout
+
+
+@pytest.mark.parametrize("mesh_spec,algorithm", [
+    ("stage=2,data=4", 1), ("stage=2,data=4", 2), ("stage=2,tensor=2,data=2", 1),
+    ("stage=2,tensor=2,data=2", 2)])
+def test_overlap_matches_unpipelined(mesh_spec, algorithm):
+  """1F1B with vocab_overlap: loss and gradients of the unpipelined model, Algorithms 1
+  and 2, over stage and stage x tensor."""
+  from tests.parallel.test_pipeline import _reference, assert_close
+  cfg, params, batch, ref_loss, ref_grads = _reference(False, n_layers=2)
+  step, layout = _overlap_step(mesh_spec, algorithm, 4, cfg)
+  loss, grads = step(pipeline.to_stages(layout, params), batch)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  assert_close(pipeline.from_stages(layout, grads), ref_grads)
+
+
+def test_overlap_without_vocab_parallelism_is_refused():
+  step, layout = _overlap_step("stage=2,data=4", 2, 2, vocab_parallel=False)
+  params = pipeline.to_stages(layout, transformer.init_params(CFG, jax.random.key(1)))
+  batch = {k: jnp.asarray(v) for k, v in packing.random_packed_batch(
+      8, 16, docs_per_row=2, vocab_size=CFG.vocab_size, seed=0).items()}
+  with pytest.raises(ValueError, match=r"^pipeline.vocab_overlap=True is invalid with "
+                                       r"pipeline.vocab_parallel=False"):
+    step(params, batch)
+
+
+@pytest.mark.parametrize("algorithm", [1, 2])
+def test_overlapped_all_reduces_are_carried(algorithm):
+  """With vocab_overlap, the S pass's statistics all-reduce and the T pass's dh all-reduce
+  (f32[16 tokens, 32]) each reach only the loop's carried tuple: nothing of their own tick
+  computes from them, so both can overlap that tick's lanes. (Write dy into the gradient
+  inbox on the T pass's tick, and the dh all-reduce feeds the norm's backward there.)"""
+  hlo = _step_hlo(algorithm, vocab_overlap=True)
+  for shape in (r"f32\[{stages},\d+,3\]", r"f32\[16,32\]"):
+    ops, carried = _same_tick_uses(hlo, stages=2, shape=shape)
+    assert carried, shape
+    assert ops <= _CARRY_OPS, (shape, sorted(ops))
