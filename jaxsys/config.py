@@ -89,6 +89,7 @@ class PipelineConfig:
   virtual_stages: int
   vocab_parallel: bool
   vocab_algorithm: int
+  vocab_overlap: bool  # VP's S and T passes on ticks of their own, beside the lanes (1f1b)
   routing: str
   gather_once: bool  # with fsdp: each stage's weights gathered once a step, not every tick
 

@@ -119,7 +119,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # gpipe, 1f1b or interleaved_1f1b, e.g. --config.mesh=stage=4,data=2
   # --config.pipeline.schedule=1f1b --config.pipeline.microbatches=8
   # --config.pipeline.vocab_parallel=true (embedding and output layer split over stage x tensor;
-  # vocab_algorithm 2 syncs once per microbatch, 1 is the paper's naive baseline).
+  # vocab_algorithm 2 syncs once per microbatch, 1 is the paper's naive baseline;
+  # vocab_overlap (1f1b) runs each microbatch's S and T passes beside the next two ticks'
+  # compute, their all-reduces carried across ticks, at two more microbatches in flight).
   # routing (with an outer optimizer over a replica x stage mesh): fixed sends each
   # microbatch to the next stage of its own replica; random to the next stage of a replica
   # drawn per step, microbatch and boundary, seeded by optimizer.outer_seed (NoLoCo, arXiv
@@ -151,5 +153,5 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                                               hdp_widen_rings=False))
   c.pipeline = ml_collections.ConfigDict(dict(
       schedule="none", microbatches=4, virtual_stages=1, vocab_parallel=False, vocab_algorithm=2,
-      routing="fixed", gather_once=False))
+      vocab_overlap=False, routing="fixed", gather_once=False))
   return c

@@ -176,6 +176,7 @@ FIELDS: dict[str, Rule] = {
     "pipeline.vocab_parallel": BOOL,
     "pipeline.vocab_algorithm": Rule(lambda v: _is_int(v) and v in (1, 2),
                                      "1 or 2 (the Vocabulary Parallelism paper's algorithms)"),
+    "pipeline.vocab_overlap": BOOL,
     "pipeline.routing": one_of("fixed", "random"),
     "pipeline.gather_once": BOOL,
 }
@@ -251,6 +252,9 @@ RELATIONS: tuple[Relation, ...] = (
     Relation(("pipeline.vocab_parallel", "mesh axis stage", "pipeline.schedule"),
              lambda vp, p, sched: not vp or (p > 1 and sched != "none"),
              "be False without a pipeline over a stage axis larger than 1"),
+    Relation(("pipeline.vocab_overlap", "pipeline.vocab_parallel"), lambda ov, vp: not ov or vp,
+             "be False without pipeline.vocab_parallel=True (it places vocabulary "
+             "parallelism's S and T passes)"),
     Relation(("pipeline.gather_once", "mesh axis fsdp", "pipeline.schedule"),
              lambda once, f, sched: not once or (f > 1 and sched != "none"),
              "be False without a pipeline over a mesh whose fsdp axis is larger than 1 (it "
@@ -442,7 +446,8 @@ def check_config(config, workdir: Any = None, devices=None) -> config_lib.RunCon
   if run.pipeline.schedule != "none":  # the schedule's own checks (e.g. 1f1b's m >= p)
     pipeline.make_schedule(run.pipeline.schedule, stages=dict(mesh.shape).get("stage", 1),
                            microbatches=run.pipeline.microbatches,
-                           virtual_stages=run.pipeline.virtual_stages)
+                           virtual_stages=run.pipeline.virtual_stages,
+                           vocab_overlap=run.pipeline.vocab_overlap)
   if workdir is not None:
     check_workdir(workdir)
   return run

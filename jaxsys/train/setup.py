@@ -291,7 +291,7 @@ def make_setup(run: RunConfig, mesh: Mesh, loader=None) -> Setup:
   view = layouts.View(layouts.Form(replicas, outer.name if outer else None), layout)
   schedule = None if layout is None else pipeline.make_schedule(
       run.pipeline.schedule, stages=layout.stages, microbatches=run.pipeline.microbatches,
-      virtual_stages=layout.virtual)
+      virtual_stages=layout.virtual, vocab_overlap=run.pipeline.vocab_overlap)
   optimizer = make_optimizer(run.optimizer, run.total_steps)
   param_axes = transformer.param_axes(model_cfg)
 

@@ -218,6 +218,14 @@ class RelationsTest(parameterized.TestCase):
       ("vocab_parallel_without_stage", dict(pipeline__vocab_parallel=True),
        "pipeline.vocab_parallel=True is invalid with mesh axis stage=1, "
        "pipeline.schedule='none'; it must be False without a pipeline"),
+      ("vocab_overlap_without_vp", dict(mesh="stage=2,data=-1", pipeline__schedule="1f1b",
+                                        pipeline__vocab_overlap=True),
+       "pipeline.vocab_overlap=True is invalid with pipeline.vocab_parallel=False; it must be "
+       "False without pipeline.vocab_parallel=True"),
+      ("vocab_overlap_beyond_1f1b", dict(mesh="stage=2,data=-1", pipeline__schedule="gpipe",
+                                         pipeline__vocab_parallel=True,
+                                         pipeline__vocab_overlap=True),
+       "pipeline.vocab_overlap=True is invalid with pipeline.schedule=gpipe; valid: 1f1b"),
       ("gather_once_without_fsdp", dict(mesh="stage=2,data=-1", pipeline__schedule="1f1b",
                                         pipeline__gather_once=True),
        "pipeline.gather_once=True is invalid with mesh axis fsdp=1, pipeline.schedule='1f1b'; "

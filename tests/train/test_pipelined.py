@@ -65,6 +65,18 @@ def test_views_round_trip(make_config):
   chex.assert_trees_all_equal(again, state)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_vocab_overlap_is_the_schedule_s(make_config, overlap):
+  """pipeline.vocab_overlap reaches the schedule the trainer runs (its exactness and carried
+  all-reduces: tests/parallel/test_vocab_schedule.py): two more microbatches in flight."""
+  run = config_check.check_config(make_config(
+      mesh="stage=2,data=-1", pipeline__schedule="1f1b", pipeline__microbatches=4,
+      pipeline__vocab_parallel=True, pipeline__vocab_overlap=overlap))
+  schedule = make_setup(run, mesh_lib.make_mesh(run.mesh)).schedule
+  assert schedule.vocab_overlap is overlap
+  assert schedule.max_in_flight == 2 + 2 * overlap
+
+
 def test_outer_optimizer_over_pipelined_replicas_with_random_routing(make_config, tmp_path):
   """NoLoCo over two replicas of a two-stage 1F1B pipeline, randomly routed: 2 steps, stop,
   resume, 2 more (a sync at step 3, an eval at the end); the checkpoint holds the canonical
