@@ -823,27 +823,45 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
         c = write(c, kinds, m, o, at)
       return c, at
 
+    def weighed(mb_index, grads, dy=None):
+      """The head's gradients (and d y) of microbatch `mb_index`'s loss times its replica's
+      weight (routed replicas with loss weights), else as they are."""
+      if not scaled:
+        return grads, dy
+      w = weights[origin(mb_index, G - 1)]
+      return (jax.tree.map(lambda d: d * w, grads),
+              None if dy is None else (dy * w).astype(dy.dtype))
+
+    def loss_row(mb_index, value):
+      """A microbatch's loss sum, counted for the replica it started on."""
+      return jnp.zeros((R,), jnp.float32).at[origin(mb_index, G - 1)].add(value)
+
+    def plus(acc, grads):
+      """The vocabulary layers' gradient sums `acc` with `grads` (some of them) added."""
+      return {k: v + grads[k] if k in grads else v for k, v in acc.items()}
+
+    def to_head_inbox(c, slot, dy):
+      """d y written to the head stage's gradient-inbox `slot` (-1: nothing written)."""
+      c["grad_inbox"] = _put(c["grad_inbox"], _trash(jnp.where(stage == head_stage, slot, -1),
+                                                     ticks.grad_slots), dy)
+      return c
+
     def add_head(c, head_mb, slot, fn, x):
       """Adds the head's results for microbatch `head_mb` (-1: none): fn(x, mb, stage) is its
       loss sum or, in training, (loss sum, d loss / d y, head gradients), d y then written
       to the head stage's gradient-inbox `slot`."""
       def head(x, acc):
-        mb, source = microbatch(head_mb, G - 1), origin(head_mb, G - 1)
+        mb = microbatch(head_mb, G - 1)
         if not train:
-          return {"loss": jnp.zeros((R,), jnp.float32).at[source].add(fn(x, mb, stage))}, acc
+          return {"loss": loss_row(head_mb, fn(x, mb, stage))}, acc
         value, dy, dhp = fn(x, mb, stage)
-        if scaled:  # the gradient of weights[source] * this microbatch's loss
-          w = weights[source]
-          dy, dhp = (dy * w).astype(dy.dtype), jax.tree.map(lambda d: d * w, dhp)
-        return ({"loss": jnp.zeros((R,), jnp.float32).at[source].add(value), "dy": dy},
-                {k: v + dhp[k] if k in dhp else v for k, v in acc.items()})
+        dhp, dy = weighed(head_mb, dhp, dy)
+        return {"loss": loss_row(head_mb, value), "dy": dy}, plus(acc, dhp)
       out, vocab_grads = _accumulate(head_mb >= 0, head, x, c.get("vocab_grads", {}))
       c["loss"] = c["loss"] + out["loss"]
       if train:
         c["vocab_grads"] = vocab_grads
-        c["grad_inbox"] = _put(c["grad_inbox"], _trash(
-            jnp.where((stage == head_stage) & (head_mb >= 0), slot, -1), ticks.grad_slots),
-                               out["dy"])
+        c = to_head_inbox(c, jnp.where(head_mb >= 0, slot, -1), out["dy"])
       return c
 
     def head_dy_arrives(c, slot):
@@ -851,26 +869,18 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
       backward, into the head stage's gradient-inbox `slot` (-1: none arrives)."""
       def arrive(pending, acc):
         dy, dnorm = vl.head_dy(vocab_params, pending["y"], pending["dh"], stage)
-        if scaled:  # the gradient of weights[source] * this microbatch's loss
-          w = weights[origin(pending["mb"], G - 1)]
-          dy, dnorm = (dy * w).astype(dy.dtype), jax.tree.map(lambda d: d * w, dnorm)
-        return {"dy": dy}, {k: v + dnorm[k] if k in dnorm else v for k, v in acc.items()}
+        dnorm, dy = weighed(pending["mb"], dnorm, dy)
+        return {"dy": dy}, plus(acc, dnorm)
       out, c["vocab_grads"] = _accumulate(slot >= 0, arrive, c["vocab_dh"], c["vocab_grads"])
-      c["grad_inbox"] = _put(c["grad_inbox"], _trash(
-          jnp.where((stage == head_stage) & (slot >= 0), slot, -1), ticks.grad_slots), out["dy"])
-      return c
+      return to_head_inbox(c, slot, out["dy"])
 
     def t_pass_alone(c, t_mb):
       """vocab_overlap: the T pass of microbatch `t_mb` (-1: none) on the carried S pass:
       loss and output-weight gradient added, d loss / d h carried to the next tick."""
       def t_pass(carried, acc):
-        mb = microbatch(t_mb, G - 1)
-        value, dh, dw = vl.head_t_pass(vocab_params, carried, mb)
-        source = origin(t_mb, G - 1)
-        if scaled:
-          dw = jax.tree.map(lambda d: d * weights[source], dw)
-        return ({"loss": jnp.zeros((R,), jnp.float32).at[source].add(value), "dh": dh},
-                {k: v + dw[k] if k in dw else v for k, v in acc.items()})
+        value, dh, dw = vl.head_t_pass(vocab_params, carried, microbatch(t_mb, G - 1))
+        dw, _ = weighed(t_mb, dw)
+        return {"loss": loss_row(t_mb, value), "dh": dh}, plus(acc, dw)
       out, c["vocab_grads"] = _accumulate(t_mb >= 0, t_pass, c["vocab_s"], c["vocab_grads"])
       c["loss"] = c["loss"] + out["loss"]
       c["vocab_dh"] = {"dh": out["dh"].astype(act.dtype), "y": c["vocab_s"]["y"], "mb": t_mb}

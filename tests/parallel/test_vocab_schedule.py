@@ -13,6 +13,8 @@ from jaxsys.models import transformer
 from jaxsys.optim import outer
 from jaxsys.parallel import pipeline, schedules
 
+CFG = transformer.TransformerConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=4,
+                                    n_kv_heads=2, d_ff=64, attention_impl="xla")
 SHAPES = [("gpipe", 2, 2, 1), ("1f1b", 4, 8, 1), ("eager_1f1b", 4, 8, 1),
           ("interleaved_1f1b", 2, 4, 2), ("zb_h1", 4, 8, 1), ("zbv", 2, 4, 2)]
 
@@ -114,6 +116,12 @@ def test_statistics_all_reduce_is_carried_to_the_next_tick(algorithm):
   assert ops <= _CARRY_OPS, sorted(ops)
 
 
+def _batch():
+  """8 rows of 16 tokens, two documents a row."""
+  return {k: jnp.asarray(v) for k, v in packing.random_packed_batch(
+      8, 16, docs_per_row=2, vocab_size=CFG.vocab_size, seed=0).items()}
+
+
 # What a value that only crosses to the next loop iteration passes through.
 _CARRY_OPS = {"conditional", "get-tuple-element", "tuple", "bitcast", "copy"}
 
@@ -121,17 +129,9 @@ _CARRY_OPS = {"conditional", "get-tuple-element", "tuple", "bitcast", "copy"}
 def _step_hlo(algorithm: int, vocab_overlap: bool) -> str:
   """The compiled VP step of a 1F1B pipeline at p=2, m=2 (tokens a microbatch a device: 16,
   d_model 32)."""
-  cfg = transformer.TransformerConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=4,
-                                      n_kv_heads=2, d_ff=64, attention_impl="xla")
-  batch = {k: jnp.asarray(v) for k, v in packing.random_packed_batch(
-      8, 16, docs_per_row=2, vocab_size=cfg.vocab_size, seed=0).items()}
-  mesh = mesh_lib.make_mesh("stage=2,data=4")
-  layout = pipeline.Layout(stages=2, virtual=1, vocab_size=cfg.vocab_size, vocab_parallel=True)
-  schedule = pipeline.make_schedule("1f1b", stages=2, microbatches=2, vocab_overlap=vocab_overlap)
-  params = pipeline.to_stages(layout, transformer.init_params(cfg, jax.random.key(1)))
-  return jax.jit(lambda p, b: pipeline.pipeline_loss_and_grads(
-      cfg, schedule, layout, p, b, mesh=mesh, vocab_algorithm=algorithm)).lower(
-          params, batch).compile().as_text()
+  step, layout = _step("stage=2,data=4", algorithm, 2, vocab_overlap=vocab_overlap)
+  params = pipeline.to_stages(layout, transformer.init_params(CFG, jax.random.key(1)))
+  return step.lower(params, _batch()).compile().as_text()
 
 
 # vocab_overlap: each pass on a tick of its own, beside the lanes.
@@ -170,18 +170,17 @@ def test_overlap_is_refused_beyond_1f1b():
     schedules.make_schedule("gpipe", stages=2, microbatches=2, vocab_overlap=True)
 
 
-CFG = transformer.TransformerConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=4,
-                                    n_kv_heads=2, d_ff=64, attention_impl="xla")
-
-
-def _overlap_step(mesh_spec, algorithm, microbatches, cfg=CFG, vocab_parallel=True):
-  """The jitted (loss, grads) of 1F1B with vocab_overlap on `mesh_spec`, its layout."""
+def _step(mesh_spec, algorithm, microbatches, vocab_overlap=True, cfg=None,
+          vocab_parallel=True):
+  """The jitted (loss, grads) of VP 1F1B (with vocab_overlap unless told) on `mesh_spec`,
+  and its layout."""
+  cfg = cfg or CFG
   mesh = mesh_lib.make_mesh(mesh_spec)
   stages = dict(mesh.shape)["stage"]
   layout = pipeline.Layout(stages=stages, virtual=1, vocab_size=cfg.vocab_size,
                            vocab_parallel=vocab_parallel, tensor=dict(mesh.shape).get("tensor", 1))
   schedule = pipeline.make_schedule("1f1b", stages=stages, microbatches=microbatches,
-                                    vocab_overlap=True)
+                                    vocab_overlap=vocab_overlap)
   return jax.jit(lambda p, b: pipeline.pipeline_loss_and_grads(
       cfg, schedule, layout, p, b, mesh=mesh, vocab_algorithm=algorithm)), layout
 
@@ -194,20 +193,18 @@ def test_overlap_matches_unpipelined(mesh_spec, algorithm):
   and 2, over stage and stage x tensor."""
   from tests.parallel.test_pipeline import _reference, assert_close
   cfg, params, batch, ref_loss, ref_grads = _reference(False, n_layers=2)
-  step, layout = _overlap_step(mesh_spec, algorithm, 4, cfg)
+  step, layout = _step(mesh_spec, algorithm, 4, cfg=cfg)
   loss, grads = step(pipeline.to_stages(layout, params), batch)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
   assert_close(pipeline.from_stages(layout, grads), ref_grads)
 
 
 def test_overlap_without_vocab_parallelism_is_refused():
-  step, layout = _overlap_step("stage=2,data=4", 2, 2, vocab_parallel=False)
+  step, layout = _step("stage=2,data=4", 2, 2, vocab_parallel=False)
   params = pipeline.to_stages(layout, transformer.init_params(CFG, jax.random.key(1)))
-  batch = {k: jnp.asarray(v) for k, v in packing.random_packed_batch(
-      8, 16, docs_per_row=2, vocab_size=CFG.vocab_size, seed=0).items()}
   with pytest.raises(ValueError, match=r"^pipeline.vocab_overlap=True is invalid with "
                                        r"pipeline.vocab_parallel=False"):
-    step(params, batch)
+    step(params, _batch())
 
 
 @pytest.mark.parametrize("algorithm", [1, 2])
