@@ -37,8 +37,9 @@ def test_sim_part_tiny(tmp_path, capsys):
     assert row["hdp_over_bound"] == pytest.approx(row["hdp"] / row["bound"])
     assert row["static_over_bound"] == pytest.approx(best / row["bound"])
     assert row["speedup_lpt"] == pytest.approx(row["static_lpt"] / row["hdp"])
-    # The same schedule with its sums kept per device until one all-reduce at the end.
-    assert row["once"] <= row["hdp"] * (1 + 1e-12)
+    # No `once <= hdp` here: "once" is another plan (balanced without the rings' own
+    # all-reduces), so the heuristic can time it either way under a fitted model; the same
+    # plan timed both ways is test_hdp_sim.test_per_rank_all_reduces'.
     assert row["hdp_steps"] >= 1
   models = saved["fit"]["models"]
   assert models["accel"]["link_bytes_per_s"] == 25e9 and models["cpu"]["compiled"]
