@@ -11,8 +11,10 @@ order fused into ticks of a backward-type action and a forward (`schedules.Ticks
 `stage` (data/fsdp/tensor stay automatic within each stage):
 
   arrivals -> (VP: T pass) -> embed phase -> compute (one switch over the tick's action
-  combinations: idle, forward, backward, or backward then forward) -> head phase (VP: S
-  pass) -> embed-gradient phase -> ppermute activations to stage+1, gradients to stage-1
+  combinations: idle, forward, backward, or backward then forward; a backward's chunk
+  gradients then added to their sum by a two-way conditional of its own) -> head phase
+  (VP: S pass) -> embed-gradient phase -> ppermute activations to stage+1, gradients to
+  stage-1
 
 A forward keeps its chunk's `jax.vjp` residuals in a slot of a buffer of
 `Ticks.res_slots` entries (1F1B: `stages`, GPipe: `microbatches`): only residuals that
@@ -698,6 +700,7 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
                  counts=jnp.zeros((KINDS,), jnp.int32))
     if train:
       res_shapes = chunk.residual_shapes(_take(layers, 0), act, microbatch(0, 0))
+      chunk_shapes = jax.eval_shape(lambda: _take(layers, 0))
       carry.update(
           grad_inbox=buffer(ticks.grad_slots, act),
           residuals=[buffer(ticks.res_slots, r) for r in res_shapes],
@@ -729,10 +732,9 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
              "mb": microbatch(jnp.maximum(mine["microbatch"], 0), g)}
       if FORWARD in kinds:
         ops["x"] = jnp.where(g == 0, c["x0"], _take(c["act_inbox"], mine["act_in"]))
-      if _backwards(kinds):  # the chunk's gradient sum: a backward adds to it, idle passes it
+      if _backwards(kinds):
         ops.update(res=_take(c["residuals"], mine["res_slot"]),
-                   dy=_take(c["grad_inbox"], mine["grad_in"]),
-                   acc=_take(c["layer_grads"], virtual))
+                   dy=_take(c["grad_inbox"], mine["grad_in"]))
       if BACKWARD_WEIGHT in kinds:
         ops["stash"] = _take(c["stash"], mine["grad_in"])
       return ops
@@ -743,19 +745,17 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
         return {"y": y, "res": res}
       return {"y": chunk.apply(o["params"], o["x"], o["mb"])}
 
-    add = lambda o, dparams: jax.tree.map(jnp.add, o["acc"], dparams)
-
     def backward(o):
       dparams, dx = chunk.backward(o["params"], o["res"], o["dy"], o["mb"])
-      return {"acc": add(o, dparams), "dx": dx}
+      return {"dparams": dparams, "dx": dx}
 
     def backward_input(o):
       dx, dparams, stash = chunk.backward_input(o["params"], o["res"], o["dy"], o["mb"])
-      return {"dx": dx, "acc": add(o, dparams), "stash": stash}
+      return {"dx": dx, "dparams": dparams, "stash": stash}
 
     def backward_weight(o):
-      return {"acc": add(o, chunk.backward_weight(o["params"], o["res"], o["dy"], o["stash"],
-                                                  o["mb"]))}
+      return {"dparams": chunk.backward_weight(o["params"], o["res"], o["dy"], o["stash"],
+                                               o["mb"])}
 
     actions = {FORWARD: forward, BACKWARD: backward, BACKWARD_INPUT: backward_input,
                BACKWARD_WEIGHT: backward_weight}
@@ -770,7 +770,9 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
         shapes["dx"] = act
       if BACKWARD_INPUT in kinds:
         shapes["stash"] = stash_shapes
-      return {**_zeros_of(shapes), **({"acc": o["acc"]} if _backwards(kinds) else {})}
+      if _backwards(kinds):
+        shapes["dparams"] = chunk_shapes
+      return _zeros_of(shapes)
 
     def run(combo):
       """The branch that runs one action per lane (`combo`, IDLE: none), lanes in order."""
@@ -796,8 +798,13 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
         at["backward"] = (jnp.where(is_b, BACKWARD, IDLE), mb_index, g)
         c["send_b"] = jnp.where(is_b, out["dx"], c["send_b"])
         c["dx0"] = jnp.where(is_b & (g == 0), out["dx"], c["dx0"])
-      if _backwards(kinds):
-        c["layer_grads"] = _put(c["layer_grads"], virtual, out["acc"])
+      if _backwards(kinds):  # added by a two-way conditional of its own: a buffer that a
+        # switch of three or more branches carries, XLA copies twice a tick (8 MiB a tick
+        # for a 2-layer chunk at d 256), a two-way conditional's it updates in place
+        add = lambda dparams, acc: ({}, jax.tree.map(
+            lambda a, g: a.at[virtual].add(g), acc, dparams))
+        _, c["layer_grads"] = _accumulate((kind != IDLE) & (kind != FORWARD), add,
+                                          out["dparams"], c["layer_grads"])
       if BACKWARD_INPUT in kinds:
         c["stash"] = _put(c["stash"], _trash(jnp.where(kind == BACKWARD_INPUT, mine["grad_in"],
                                                        -1), ticks.grad_slots), out["stash"])

@@ -199,19 +199,23 @@ def test_1f1b_memory_grows_with_stages_not_microbatches():
   assert one_f_one_b[-1] < gpipe / 2.5, (one_f_one_b, gpipe)
 
 
-_COPY = re.compile(r"=\s*(\S+)\s+copy\(")
+_COPY = re.compile(r"=\s*(\S+)\s+copy\((%[\w.\-]+)\)")
+_FILL = re.compile(r" broadcast\(|calls=%?wrapped_broadcast")
 
 
 def _copied_per_tick(hlo: str, ticks: int) -> int:
-  """Bytes the tick loop's body copies on its costliest path: its own copies, and of each
-  conditional the branch that copies most (one branch runs)."""
+  """Bytes of live buffers the tick loop's body copies on its costliest path: its own
+  copies, and of each conditional the branch that copies most (one branch runs). A copy
+  of a broadcast is how XLA fills a branch's zero results, not a buffer copied: left out."""
   comps, _ = outer._computations(hlo)
 
   def copied(computation: str) -> int:
     total = 0
-    for line in comps[computation]:
+    lines = comps[computation]
+    defs = {line.split("=", 1)[0].strip(): line for line in lines if "=" in line}
+    for line in lines:
       copy = _COPY.search(line)
-      if copy:
+      if copy and not _FILL.search(defs.get(copy[2], "")):
         total += outer._shape_bytes(copy[1])
       branches = outer._BRANCHES.search(line)
       if branches:
@@ -228,13 +232,14 @@ def _copied_per_tick(hlo: str, ticks: int) -> int:
 
 @pytest.mark.parametrize("name,fused", [("gpipe", None), ("1f1b", None), ("1f1b", True)])
 def test_a_tick_copies_no_buffer(name, fused):
-  """The tick's branches carry their operands and results only: a tick copies less than
-  one microbatch's residuals, activation and a chunk's gradients twice over, however many
-  residual slots the schedule keeps (GPipe 8, 1F1B 4 at m=8): 0.50 MB here, under the 1.30
-  MB bound. Branches that carried the loop's buffers copied them all every tick: 5.2 MB
-  (1F1B) and 9.1 MB (GPipe). Fused ticks (a backward's reads, a forward's writes) too:
-  with a switch per lane, XLA copied every residual buffer twice a tick."""
-  cfg = dataclasses_replace(CFG, d_model=64, d_ff=128)
+  """A tick copies no live buffer as big as one microbatch's activation, however many
+  residual slots the schedule keeps (GPipe 8, 1F1B 4 at m=8): 12 bytes here (scalars).
+  Branches that carried the loop's buffers copied them all every tick (5.2 MB for 1F1B,
+  9.1 MB for GPipe at one layer a chunk); with a switch per lane, fused ticks copied every
+  residual buffer twice a tick; a chunk's gradient sum carried through the tick's switch
+  (three or more branches) was copied in its idle branch and again into the loop's
+  buffer: 0.99 MB a tick here, at two layers a chunk."""
+  cfg = dataclasses_replace(CFG, d_model=64, d_ff=128, n_layers=8)
   mesh = mesh_lib.make_mesh("stage=4,data=2")
   layout = pipeline.Layout(stages=4, virtual=1, vocab_size=cfg.vocab_size, vocab_parallel=False)
   schedule = pipeline.make_schedule(name, stages=4, microbatches=8)
@@ -246,15 +251,8 @@ def test_a_tick_copies_no_buffer(name, fused):
                                                              mesh=mesh, fused=fused))
   ticks = schedule.fused if fused else schedule.executed
   copied = _copied_per_tick(fn.lower(params, batch).compile().as_text(), ticks.ticks)
-  # One device's microbatch: 1 row of 64 tokens; a chunk: one layer.
-  mb = {k: jax.ShapeDtypeStruct((1, 64), v.dtype) for k, v in batch.items()}
-  x = jax.ShapeDtypeStruct((1, 64, cfg.d_model), jnp.float32)
-  layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[3:], a.dtype), params["layers"])
-  _, attention_fn = transformer.default_inputs(cfg, mb["inputs"], None, None)
-  nbytes = lambda tree: sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree))
-  slot = nbytes(pipeline._Chunk(cfg, attention_fn).residual_shapes(
-      jax.tree.map(lambda a: jax.ShapeDtypeStruct((1,) + a.shape, a.dtype), layer), x, mb))
-  assert 0 < copied < 2 * (slot + nbytes(x) + nbytes(layer)), (copied, slot)
+  activation = 1 * 64 * cfg.d_model * 4  # one device's microbatch: 1 row of 64 tokens
+  assert copied < activation, copied
 
 
 def _fsdp_step_collectives(cfg, mesh, layout, schedule, gather_once):
