@@ -1,0 +1,254 @@
+r"""A pipelined step's wall time against the time its schedule predicts, one core a stage.
+
+  python -m experiments.bench_pipeline_wall --out=/tmp/bench_pipeline_wall.json
+
+Runs `stage=p` (p = --stages, default 2) as p processes joined by `jax.distributed` on
+loopback, one CPU device each, each pinned to a core of its own (`taskset`): a step's wall
+time is then its critical path, stages waiting on each other through real cross-process
+collectives, not the sum of all stages' work (bench_pipeline's CPU table, whose simulated
+devices share the cores).
+
+1. Costs, measured in each process on its own core (wall time, median of --repeats after a
+   warm-up; process 0's are reported): the executor's own chunk programs
+   (`pipeline._Chunk`: forward F, backward B, and the zero-bubble split into B_in and W) on
+   one microbatch, and a send to the next stage (one `ppermute` of a microbatch's
+   activation, timed as the per-iteration cost of a loop of them, so dispatch is not in it).
+2. Predicted: `schedules.timed` of each schedule under those costs, in the ticks the
+   executor runs (`Schedule.executed`), lock step (every tick as long as its slowest stage,
+   then its sends) and asynchronous (Megatron-style, for reference).
+3. Measured: the wall time of one jitted `pipeline_loss_and_grads` step (median of
+   --repeats after a warm-up). measured - predicted, over the ticks, is what a tick costs
+   beyond its actions and sends: the executor's own per-tick work (the embedding and head
+   phases, the switch, slot reads and writes) and whatever the prediction misses.
+
+A small vocabulary (--vocab_size) keeps the head and embedding out of the comparison; the
+schedule's costs have no term for them. The host needs p cores with nothing else on them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxsys import mesh as mesh_lib
+from jaxsys import xla_flags
+from jaxsys.data import packing
+from jaxsys.models import transformer
+from jaxsys.parallel import pipeline, schedules
+
+VIRTUAL = {"interleaved_1f1b": 2, "zbv": 2}  # virtual stages each schedule runs with here
+
+
+
+def _wall(fn, *args, repeats: int) -> float:
+  """Median wall seconds of fn(*args) after a warm-up."""
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return float(np.median(times))
+
+
+def _log(msg: str) -> None:
+  print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def _batch(rows: int, seq: int, vocab_size: int, seed: int = 0):
+  return packing.random_packed_batch(rows, seq, docs_per_row=2, vocab_size=vocab_size, seed=seed)
+
+
+def _placed(tree, mesh, specs=None):
+  """Host arrays as global arrays on `mesh` (`specs`: their PartitionSpecs, default
+  replicated), each process filling its own devices: works in one process or many."""
+  specs = jax.tree.map(lambda _: P(), tree) if specs is None else specs
+  return jax.tree.map(lambda x, spec: jax.make_array_from_callback(
+      x.shape, NamedSharding(mesh, spec), lambda idx, x=np.asarray(x): x[idx]), tree, specs)
+
+
+def measure_costs(cfg: transformer.TransformerConfig, layers_per_chunk: int, seq: int, *,
+                  mesh, repeats: int) -> dict[str, float]:
+  """Wall seconds of one microbatch (one row of `seq` tokens) through a chunk of
+  `layers_per_chunk` layers on this process's first device: forward, backward, B_in, W
+  (the executor's own programs); and of one send of its activation to the next stage
+  (`comm`, every process of `mesh` taking part)."""
+  device = jax.local_devices()[0]
+  cfg = dataclasses.replace(cfg, n_layers=layers_per_chunk)
+  params = jax.device_put(transformer.init_params(cfg, jax.random.key(0))["layers"], device)
+  mb = jax.device_put(_batch(1, seq, cfg.vocab_size), device)
+  _, attention_fn = transformer.default_inputs(cfg, mb["inputs"], None, None)
+  chunk = pipeline._Chunk(cfg, attention_fn)
+  x = jax.device_put(jax.random.normal(jax.random.key(1), (1, seq, cfg.d_model), cfg.dtype),
+                     device)
+  forward = jax.jit(chunk.forward)
+  y, res = forward(params, x, mb)
+  _, _, stash = jax.jit(chunk.backward_input)(params, res, y, mb)
+  out = {"forward": _wall(forward, params, x, mb, repeats=repeats)}
+  for name, args in (("backward", (params, res, y, mb)),
+                     ("backward_input", (params, res, y, mb)),
+                     ("backward_weight", (params, res, y, stash, mb))):
+    out[name] = _wall(jax.jit(getattr(chunk, name)), *args, repeats=repeats)
+  out["comm"] = _send_seconds(mesh, x.shape, x.dtype, repeats=repeats)
+  return out
+
+
+def _send_seconds(mesh, shape, dtype, *, repeats: int, sends: int = 64) -> float:
+  """Seconds of one ppermute of `shape` to the next stage: a loop of `sends` of them,
+  timed whole, over `sends`."""
+  p = dict(mesh.shape)[pipeline.AXIS]
+
+  def loop(x):
+    def body(x, _):
+      return jax.lax.ppermute(x, pipeline.AXIS, [(i, (i + 1) % p) for i in range(p)]), None
+    return jax.lax.scan(body, x, None, length=sends)[0]
+  fn = jax.jit(jax.shard_map(loop, mesh=mesh, in_specs=P(pipeline.AXIS),
+                             out_specs=P(pipeline.AXIS)))
+  x = _placed(np.zeros((p * shape[0], *shape[1:]), dtype), mesh, P(pipeline.AXIS))
+  return _wall(fn, x, repeats=repeats) / sends
+
+
+def _every_process(costs: dict[str, float]) -> dict[str, list[float]]:
+  """Each cost as every process measured it on its own core, in process order."""
+  names = sorted(costs)
+  table = multihost_utils.process_allgather(np.array([costs[k] for k in names]))
+  return {k: [float(x) for x in np.asarray(table).reshape(-1, len(names))[:, i]]
+          for i, k in enumerate(names)}
+
+
+def rows(names, stages: int, microbatches, *, d_model: int, n_layers: int, seq: int,
+         vocab_size: int, repeats: int) -> dict:
+  """Every schedule's predicted and measured step time at `stages` and each m, on a
+  stage mesh over the first `stages` devices (in the launcher's workers: all of them)."""
+  cfg = transformer.TransformerConfig(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers,
+                                      n_heads=4, n_kv_heads=2, d_ff=4 * d_model,
+                                      attention_impl="xla")
+  mesh = mesh_lib.make_mesh(f"stage={stages}", jax.devices()[:stages])
+  params = transformer.init_params(cfg, jax.random.key(0))
+  costs_by_chunk, out = {}, []
+  for m in microbatches:
+    batch = _placed(_batch(m, seq, vocab_size, seed=m), mesh)
+    for name in names:
+      v = VIRTUAL.get(name, 1)
+      if m < schedules.min_microbatches(name, stages) or (v > 1 and m % stages):
+        continue
+      per_chunk = n_layers // (stages * v)
+      if per_chunk not in costs_by_chunk:
+        costs_by_chunk[per_chunk] = _every_process(
+            measure_costs(cfg, per_chunk, seq, mesh=mesh, repeats=repeats))
+      # Lock step waits for the slowest stage: each cost as the slowest process measured it.
+      c = {k: max(v) for k, v in costs_by_chunk[per_chunk].items()}
+      # Costs are of a whole stage's layers: a chunk of 1/v of them costs 1/v.
+      costs = schedules.Costs(forward=v * c["forward"], backward=v * c["backward"],
+                              comm=c["comm"], backward_input=v * c["backward_input"],
+                              backward_weight=v * c["backward_weight"])
+      schedule = pipeline.make_schedule(name, stages=stages, microbatches=m, virtual_stages=v)
+      timing = schedules.timed(schedule, costs)
+      layout = pipeline.Layout(stages=stages, virtual=v, vocab_size=vocab_size,
+                               vocab_parallel=False)
+      staged = pipeline.to_stages(layout, params)
+      staged = _placed(staged, mesh, pipeline._param_specs(layout, staged))
+      step = jax.jit(lambda p, b, schedule=schedule, layout=layout:
+                     pipeline.pipeline_loss_and_grads(cfg, schedule, layout, p, b, mesh=mesh))
+      measured = _wall(step, staged, batch, repeats=repeats)
+      ticks = schedule.executed.ticks
+      out.append(dict(schedule=name, virtual=v, microbatches=m, ticks=ticks,
+                      shape="fused" if schedule.executed is schedule.fused else "table",
+                      predicted_lockstep=timing.lockstep, predicted_async=timing.asynchronous,
+                      measured=measured, ratio=measured / timing.lockstep,
+                      per_tick_extra=(measured - timing.lockstep) / ticks,
+                      lockstep_bubble=timing.lockstep_bubble))
+      _log(f"{name} m={m}: predicted {timing.lockstep * 1e3:.1f} ms, measured "
+           f"{measured * 1e3:.1f} ms")
+  return {"stages": stages, "processes": jax.process_count(), "d_model": d_model,
+          "n_layers": n_layers, "seq": seq, "vocab_size": vocab_size, "repeats": repeats,
+          "costs": {str(k): v for k, v in costs_by_chunk.items()}, "rows": out}
+
+
+def table(result: dict) -> str:
+  lines = ["| schedule | m | ticks | predicted lock step (ms) | measured (ms) | measured / predicted "
+           "| extra a tick (ms) | predicted async (ms) |",
+           "|---|---:|---|---:|---:|---:|---:|---:|"]
+  for r in result["rows"]:
+    lines.append(f"| {r['schedule']} | {r['microbatches']} | {r['shape']} {r['ticks']} | "
+                 f"{r['predicted_lockstep'] * 1e3:.1f} | {r['measured'] * 1e3:.1f} | "
+                 f"{r['ratio']:.3f} | {r['per_tick_extra'] * 1e3:.2f} | "
+                 f"{r['predicted_async'] * 1e3:.1f} |")
+  ms = lambda xs: "/".join(f"{x * 1e3:.2f}" for x in xs)
+  costs = "; ".join(f"{k} layers a chunk: " + ", ".join(f"{n} {ms(v)}" for n, v in c.items())
+                    for k, c in result["costs"].items())
+  return ("\n".join(lines) + f"\n\nCosts per microbatch, ms, as each process measured them "
+          f"(the slowest is the prediction's): {costs}")
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def launch(stages: int, args: list[str], *, timeout: float = 3600) -> None:
+  """Starts this module's `stages` workers (the command-line `args` passed on), each with
+  one CPU device, pinned to core i, joined on loopback; returns once all have exited 0."""
+  cores = sorted(os.sched_getaffinity(0))
+  if len(cores) < stages:
+    raise app.UsageError(f"--stages={stages} needs {stages} cores, one a stage; this process "
+                         f"may run on {len(cores)} ({cores})")
+  coordinator = f"127.0.0.1:{_free_port()}"
+  env = dict(os.environ, XLA_FLAGS=xla_flags.with_cpu_devices(1), JAX_PLATFORMS="cpu")
+  procs = [subprocess.Popen(
+      ["taskset", "-c", str(cores[i]), sys.executable, "-m", "experiments.bench_pipeline_wall",
+       *args, f"--process_id={i}", f"--coordinator={coordinator}"], env=env)
+      for i in range(stages)]
+  codes = [p.wait(timeout=timeout) for p in procs]
+  if any(codes):
+    raise RuntimeError(f"bench_pipeline_wall workers exited with {codes}")
+
+
+def _define_flags() -> None:
+  """The binary's flags, defined only when it runs (tests import this module beside
+  bench_pipeline, whose --stages and friends share these names)."""
+  flags.DEFINE_integer("stages", 2, "Stages p: p processes, one device and core each.")
+  flags.DEFINE_list("microbatches", ["4", "8"], "Microbatches m.")
+  flags.DEFINE_list("schedules", list(schedules.SCHEDULES), "Schedules to run.")
+  flags.DEFINE_integer("d_model", 256, "Model width.")
+  flags.DEFINE_integer("n_layers", 8, "Layers (a multiple of 2p).")
+  flags.DEFINE_integer("seq", 256, "Tokens per microbatch (one row).")
+  flags.DEFINE_integer("vocab_size", 256, "Vocabulary size.")
+  flags.DEFINE_integer("repeats", 5, "Timed runs per number (median).")
+  flags.DEFINE_string("out", "/tmp/bench_pipeline_wall.json", "JSON file with every number.")
+  flags.DEFINE_integer("process_id", -1, "Internal: this worker's process (-1: the launcher, "
+                       "which starts the p workers).")
+  flags.DEFINE_string("coordinator", "", "Internal: the workers' coordinator.")
+
+
+def main(argv):
+  f = flags.FLAGS
+  if f.process_id < 0:
+    launch(f.stages, argv[1:] + [a for a in sys.argv[1:] if a.startswith("-")])
+    with open(f.out) as out:
+      print(table(json.load(out)))
+    return
+  jax.distributed.initialize(coordinator_address=f.coordinator, num_processes=f.stages,
+                             process_id=f.process_id)
+  result = rows(f.schedules, f.stages, [int(m) for m in f.microbatches], d_model=f.d_model,
+                n_layers=f.n_layers, seq=f.seq, vocab_size=f.vocab_size, repeats=f.repeats)
+  if jax.process_index() == 0:
+    with open(f.out, "w") as out:
+      json.dump(result, out, indent=1)
+
+
+if __name__ == "__main__":
+  _define_flags()
+  app.run(main)

@@ -1,0 +1,62 @@
+"""experiments/bench_pipeline_wall.py at the tiniest size: in one process, and as two
+pinned processes joined on loopback (the way it measures)."""
+import json
+import os
+import subprocess
+import sys
+import pathlib
+
+import pytest
+from absl import app
+
+from experiments import bench_pipeline_wall
+from jaxsys.parallel import schedules
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+TINY = dict(d_model=16, n_layers=4, seq=8, vocab_size=64, repeats=1)
+
+
+def _check(result, names):
+  assert [(r["schedule"], r["microbatches"]) for r in result["rows"]] == [(n, 2) for n in names]
+  for costs in result["costs"].values():  # each as every process measured it
+    assert set(costs) == {"forward", "backward", "backward_input", "backward_weight", "comm"}
+    assert all(len(v) == result["processes"] and min(v) > 0 for v in costs.values())
+  for r in result["rows"]:
+    schedule = schedules.make_schedule(r["schedule"], stages=2, microbatches=2,
+                                       virtual_stages=r["virtual"])
+    assert r["ticks"] == schedule.executed.ticks
+    # Lock step waits for every tick's slowest stage: never shorter than asynchronous.
+    assert r["predicted_async"] <= r["predicted_lockstep"] * (1 + 1e-12)
+    assert r["measured"] > 0 and r["ratio"] == pytest.approx(
+        r["measured"] / r["predicted_lockstep"])
+
+
+def test_tiny_run_in_one_process():
+  names = ["gpipe", "zb_h1", "interleaved_1f1b"]
+  result = bench_pipeline_wall.rows(names, 2, [2], **TINY)
+  _check(result, names)
+  # Chunks of 2 layers (one a stage) and of 1 (interleaved v=2), each measured once.
+  assert sorted(result["costs"]) == ["1", "2"] and result["processes"] == 1
+  lines = bench_pipeline_wall.table(result).splitlines()
+  assert lines[0].startswith("| schedule | m | ticks | predicted lock step (ms) |")
+  assert sum(line.startswith(("| gpipe", "| zb_h1", "| interleaved")) for line in lines) == 3
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_two_pinned_processes(tmp_path):
+  out = tmp_path / "wall.json"
+  flags = [f"--{k}={v}" for k, v in TINY.items()]
+  proc = subprocess.run([sys.executable, "-m", "experiments.bench_pipeline_wall", "--stages=2",
+                         "--microbatches=2", "--schedules=1f1b", f"--out={out}", *flags],
+                        cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  result = json.loads(out.read_text())
+  assert result["processes"] == 2
+  _check(result, ["1f1b"])
+  assert "| 1f1b | 2 |" in proc.stdout
+
+
+def test_refuses_more_stages_than_cores():
+  cores = len(os.sched_getaffinity(0))
+  with pytest.raises(app.UsageError, match=rf"--stages={cores + 1} needs {cores + 1} cores"):
+    bench_pipeline_wall.launch(cores + 1, [])
