@@ -187,6 +187,13 @@ def _put(tree, i, value):
   return jax.tree.map(lambda x, v: jax.lax.dynamic_update_index_in_dim(x, v, i, 0), tree, value)
 
 
+def _put_if(pred, tree, i, value):
+  """`value` into slot i of `tree` where `pred`, else `tree` as it is: a two-way
+  conditional updates the loop's buffer in place, with no spare slot to write to when
+  nothing is (a 10 MiB residual slot at d 256, 2 layers, 128 tokens)."""
+  return jax.lax.cond(pred, lambda t, v: _put(t, i, v), lambda t, v: t, tree, value)
+
+
 def _zeros_of(shapes):
   return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
@@ -691,8 +698,9 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
       return jnp.where(sent != IDLE, at(g + step) - at(g), 0)
     act = jax.ShapeDtypeStruct((Bm, T, cfg.d_model), jnp.dtype(cfg.dtype))
 
-    def buffer(n, like):
-      return jnp.zeros((n + 1, *like.shape), like.dtype)  # +1: the trash slot
+    def buffer(n, like, trash: bool = True):
+      # +1: the trash slot, which a write that is not goes to (so it needs no branch)
+      return jnp.zeros((n + trash, *like.shape), like.dtype)
 
     zero_act = jnp.zeros(act.shape, act.dtype)
     carry = dict(act_inbox=buffer(ticks.act_slots, act), arrive_f=zero_act, send_f=zero_act,
@@ -703,13 +711,13 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
       chunk_shapes = jax.eval_shape(lambda: _take(layers, 0))
       carry.update(
           grad_inbox=buffer(ticks.grad_slots, act),
-          residuals=[buffer(ticks.res_slots, r) for r in res_shapes],
+          residuals=[buffer(ticks.res_slots, r, trash=False) for r in res_shapes],
           arrive_b=zero_act, send_b=zero_act, dx0=zero_act,
           layer_grads=jax.tree.map(jnp.zeros_like, layers),
           vocab_grads=jax.tree.map(jnp.zeros_like, vocab_params))
       if split:  # what B hands W, beside the output gradient it holds until W
         stash_shapes = chunk.stash_shapes(_take(layers, 0), res_shapes, act, microbatch(0, 0))
-        carry["stash"] = [buffer(ticks.grad_slots, s) for s in stash_shapes]
+        carry["stash"] = [buffer(ticks.grad_slots, s, trash=False) for s in stash_shapes]
 
     if vocab_passes:  # what the S pass hands the next tick's T pass
       vocab_s_shapes = jax.eval_shape(
@@ -723,39 +731,45 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
       carry["arrive_b_back"] = zero_act
 
     def read(c, kinds, mine):
-      """A lane's operands: its chunk, microbatch and buffer slots, read out here (a
-      conditional that passes the loop's buffers through copies all of them every tick;
-      issue 28: 109-190 MiB a tick at d 256)."""
+      """A lane's operands: its microbatch and input, and the buffers its actions read
+      whole, with their slots: an action slices its chunk's weights, residuals and stash
+      inside its branch, so a tick copies only what runs (a slice taken out here is copied
+      every tick: a residual slot is 10 MiB at d 256, 2 layers, 128 tokens). Nothing is
+      passed through: a conditional that passes the loop's buffers through copies all of
+      them every tick (109-190 MiB a tick at d 256)."""
       virtual = jnp.maximum(mine["virtual"], 0)
       g = chunk_of[virtual, stage]
-      ops = {"params": _take(layers, virtual),
+      ops = {"layers": layers, "virtual": virtual,
              "mb": microbatch(jnp.maximum(mine["microbatch"], 0), g)}
       if FORWARD in kinds:
         ops["x"] = jnp.where(g == 0, c["x0"], _take(c["act_inbox"], mine["act_in"]))
       if _backwards(kinds):
-        ops.update(res=_take(c["residuals"], mine["res_slot"]),
+        ops.update(residuals=c["residuals"], res_slot=mine["res_slot"],
                    dy=_take(c["grad_inbox"], mine["grad_in"]))
       if BACKWARD_WEIGHT in kinds:
-        ops["stash"] = _take(c["stash"], mine["grad_in"])
+        ops.update(stash=c["stash"], stash_slot=mine["grad_in"])
       return ops
+
+    params = lambda o: _take(o["layers"], o["virtual"])
+    res = lambda o: _take(o["residuals"], o["res_slot"])
 
     def forward(o):
       if train:
-        y, res = chunk.forward(o["params"], o["x"], o["mb"])
-        return {"y": y, "res": res}
-      return {"y": chunk.apply(o["params"], o["x"], o["mb"])}
+        y, kept = chunk.forward(params(o), o["x"], o["mb"])
+        return {"y": y, "res": kept}
+      return {"y": chunk.apply(params(o), o["x"], o["mb"])}
 
     def backward(o):
-      dparams, dx = chunk.backward(o["params"], o["res"], o["dy"], o["mb"])
+      dparams, dx = chunk.backward(params(o), res(o), o["dy"], o["mb"])
       return {"dparams": dparams, "dx": dx}
 
     def backward_input(o):
-      dx, dparams, stash = chunk.backward_input(o["params"], o["res"], o["dy"], o["mb"])
+      dx, dparams, stash = chunk.backward_input(params(o), res(o), o["dy"], o["mb"])
       return {"dx": dx, "dparams": dparams, "stash": stash}
 
     def backward_weight(o):
-      return {"dparams": chunk.backward_weight(o["params"], o["res"], o["dy"], o["stash"],
-                                               o["mb"])}
+      return {"dparams": chunk.backward_weight(params(o), res(o), o["dy"],
+                                               _take(o["stash"], o["stash_slot"]), o["mb"])}
 
     actions = {FORWARD: forward, BACKWARD: backward, BACKWARD_INPUT: backward_input,
                BACKWARD_WEIGHT: backward_weight}
@@ -791,8 +805,7 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
         c["send_f"] = jnp.where(is_f, out["y"], c["send_f"])
         c["head_in"] = jnp.where(is_f & (g == G - 1), out["y"], c["head_in"])
         if train:
-          c["residuals"] = _put(c["residuals"], _trash(jnp.where(is_f, mine["res_slot"], -1),
-                                                       ticks.res_slots), out["res"])
+          c["residuals"] = _put_if(is_f, c["residuals"], mine["res_slot"], out["res"])
       if any(k in kinds for k in _SENDS_GRAD):
         is_b = (kind == BACKWARD) | (kind == BACKWARD_INPUT)
         at["backward"] = (jnp.where(is_b, BACKWARD, IDLE), mb_index, g)
@@ -806,8 +819,7 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
         _, c["layer_grads"] = _accumulate((kind != IDLE) & (kind != FORWARD), add,
                                           out["dparams"], c["layer_grads"])
       if BACKWARD_INPUT in kinds:
-        c["stash"] = _put(c["stash"], _trash(jnp.where(kind == BACKWARD_INPUT, mine["grad_in"],
-                                                       -1), ticks.grad_slots), out["stash"])
+        c["stash"] = _put_if(kind == BACKWARD_INPUT, c["stash"], mine["grad_in"], out["stash"])
       return c
 
     def compute(c, mine, branch):
