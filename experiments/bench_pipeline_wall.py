@@ -9,7 +9,7 @@ collectives, not the sum of all stages' work (bench_pipeline's CPU table, whose 
 devices share the cores).
 
 1. Costs, measured in each process on its own core (wall time, median of --repeats after a
-   warm-up; process 0's are reported): the executor's own chunk programs
+   warm-up; every process's recorded, the slowest's used): the executor's own chunk programs
    (`pipeline._Chunk`: forward F, backward B, and the zero-bubble split into B_in and W) on
    one microbatch, and a send to the next stage (one `ppermute` of a microbatch's
    activation, timed as the per-iteration cost of a loop of them, so dispatch is not in it).
@@ -48,7 +48,6 @@ from jaxsys.models import transformer
 from jaxsys.parallel import pipeline, schedules
 
 VIRTUAL = {"interleaved_1f1b": 2, "zbv": 2}  # virtual stages each schedule runs with here
-
 
 
 def _wall(fn, *args, repeats: int) -> float:
@@ -177,8 +176,8 @@ def rows(names, stages: int, microbatches, *, d_model: int, n_layers: int, seq: 
 
 
 def table(result: dict) -> str:
-  lines = ["| schedule | m | ticks | predicted lock step (ms) | measured (ms) | measured / predicted "
-           "| extra a tick (ms) | predicted async (ms) |",
+  lines = ["| schedule | m | ticks | predicted lock step (ms) | measured (ms) "
+           "| measured / predicted | extra a tick (ms) | predicted async (ms) |",
            "|---|---:|---|---:|---:|---:|---:|---:|"]
   for r in result["rows"]:
     lines.append(f"| {r['schedule']} | {r['microbatches']} | {r['shape']} {r['ticks']} | "
@@ -234,9 +233,10 @@ def _define_flags() -> None:
 
 
 def main(argv):
+  del argv  # every flag is passed on to the workers as given (sys.argv)
   f = flags.FLAGS
   if f.process_id < 0:
-    launch(f.stages, argv[1:] + [a for a in sys.argv[1:] if a.startswith("-")])
+    launch(f.stages, sys.argv[1:])
     with open(f.out) as out:
       print(table(json.load(out)))
     return

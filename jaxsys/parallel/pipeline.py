@@ -774,7 +774,7 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
     actions = {FORWARD: forward, BACKWARD: backward, BACKWARD_INPUT: backward_input,
                BACKWARD_WEIGHT: backward_weight}
 
-    def idle(kinds, o):
+    def idle(kinds):
       """A lane's results when it idles, shaped without tracing the actions again (their
       vjps dominate the executor's tracing time)."""
       shapes = {}
@@ -790,7 +790,7 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
 
     def run(combo):
       """The branch that runs one action per lane (`combo`, IDLE: none), lanes in order."""
-      return lambda ops: [{**idle(kinds, o), **(actions[k](o) if k != IDLE else {})}
+      return lambda ops: [{**idle(kinds), **(actions[k](o) if k != IDLE else {})}
                           for (_, kinds), k, o in zip(lanes, combo, ops)]
 
     def write(c, kinds, mine, out, at):
@@ -811,9 +811,9 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
         at["backward"] = (jnp.where(is_b, BACKWARD, IDLE), mb_index, g)
         c["send_b"] = jnp.where(is_b, out["dx"], c["send_b"])
         c["dx0"] = jnp.where(is_b & (g == 0), out["dx"], c["dx0"])
-      if _backwards(kinds):  # added by a two-way conditional of its own: a buffer that a
-        # switch of three or more branches carries, XLA copies twice a tick (8 MiB a tick
-        # for a 2-layer chunk at d 256), a two-way conditional's it updates in place
+      if _backwards(kinds):  # added by a two-way conditional of its own: XLA copies a
+        # buffer that a switch of three or more branches carries twice a tick (8 MiB a tick
+        # for a 2-layer chunk at d 256), and updates it in place in a two-way conditional
         add = lambda dparams, acc: ({}, jax.tree.map(
             lambda a, g: a.at[virtual].add(g), acc, dparams))
         _, c["layer_grads"] = _accumulate((kind != IDLE) & (kind != FORWARD), add,
@@ -831,10 +831,10 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
       if uniform_ticks:  # every stage runs every action; the schedule's one is kept
         out = []
         for (_, kinds), m, o in zip(lanes, lane_mine, ops):
-          outcomes = [{**idle(kinds, o), **actions[k](o)} for k in kinds]
+          outcomes = [{**idle(kinds), **actions[k](o)} for k in kinds]
           out.append(jax.tree.map(lambda none, *new, kind=m["kind"]: functools.reduce(
               lambda acc, kn: jnp.where(kind == kn[0], kn[1], acc), zip(kinds, new), none),
-              idle(kinds, o), *outcomes))
+              idle(kinds), *outcomes))
       else:
         out = jax.lax.switch(branch, [run(combo) for combo in combos], ops)
       at = {}
