@@ -103,7 +103,7 @@ class MetricWriter:
       raise storage.WriteError(f"writing {self.path}", e) from e
     if self._tb is not None:
       for k, v in row.items():
-        if k != "step" and isinstance(v, (int, float)):
+        if k not in ("step", "time") and isinstance(v, (int, float)):  # TB keeps its own time
           self._tb.add_scalar(k, v, int(step))
 
   def close(self) -> None:

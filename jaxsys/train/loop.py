@@ -137,8 +137,10 @@ class _Throughput:
     now = time.perf_counter()
     out = {}
     if self.steps:
-      tps = self.steps * self.tokens_per_step / (now - self.t0 - self.paused)
-      out = {"tokens_per_s": tps, "mfu": tps * self.flops_per_token / self.peak}
+      seconds = (now - self.t0 - self.paused) / self.steps
+      tps = self.tokens_per_step / seconds
+      out = {"tokens_per_s": tps, "mfu": tps * self.flops_per_token / self.peak,
+             "step_time_s": seconds}
     self.t0, self.steps, self.paused = now, 0, 0.0
     return out
 
@@ -458,8 +460,10 @@ class _Loop:
     self.pending.clear()
     _check_finite_metrics(fetched, self.ckpt)
     m = fetched[-1][1]
+    # `time` (unix seconds, the step's end): loss against wall-clock, the network lab's
+    # step windows.
     row = {"loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),
-           "lr": float(self.schedule(self.step - 1)),
+           "lr": float(self.schedule(self.step - 1)), "time": time.time(),
            **self._comm_bytes(), **self.meter.rates()}
     self.writer.write(self.step, row)
     self.progress.update(self.step,
@@ -478,7 +482,7 @@ class _Loop:
     self._flush_sync()
     parts = self.parts
     ev = parts.val.run(parts.eval_fn, parts.setup.eval_params(self.state.params))
-    ev.update(self._comm_bytes())
+    ev.update(self._comm_bytes(), time=time.time())
     self.writer.write(self.step, ev)
     self.last_eval = ev
     logging.info("step %d: val_loss=%.4f val_bpb=%.4f", self.step, ev["val_loss"], ev["val_bpb"])
