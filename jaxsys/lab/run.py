@@ -17,6 +17,7 @@ import glob
 import json
 import os
 import re
+import shutil
 import socket
 import sys
 import threading
@@ -185,6 +186,11 @@ def _wait_in_namespace(pid: int, timeout: float = 10.0) -> None:
   raise LabError(f"the lab's anchor process {pid} did not enter its namespace in {timeout} s")
 
 
+def step_times(workdir: str, since: float = 0.0) -> list[tuple[int, float]]:
+  """(step, seconds a step) of the runner's training rows after its first (which compiles)."""
+  return [(r["step"], r["step_time_s"]) for r in _train_rows(workdir, since)]
+
+
 def _train_rows(workdir: str, since: float) -> list[dict]:
   """The runner's training rows written since `since`, each with the steps it covers."""
   path = os.path.join(workdir, "metrics.jsonl")
@@ -272,4 +278,4 @@ def _prune_dump(hlo_dir: str) -> None:
   for path in glob.glob(os.path.join(hlo_dir, "*")):
     keep = STEP_MODULE.search(os.path.basename(path)) and path.endswith("optimizations.txt")
     if not keep:
-      os.remove(path)
+      shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)

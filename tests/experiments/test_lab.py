@@ -1,0 +1,138 @@
+"""The network lab for real: two processes over a shaped link, and its cleanup on failure.
+
+Needs root and iproute2 (`ip`, `tc`), as CI's machine has; skipped where they are missing.
+"""
+import json
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from jaxsys.lab import link, physics, run
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.skipif(bool(link.missing_privileges()),
+                                reason=f"the lab needs {link.missing_privileges()}")
+
+
+def _args(workdir, *extra):
+  return ("--config=configs/tiny_lm.py:size=test", "--config.mesh=data=2",
+          "--config.total_steps=3", "--config.log_every=1", "--config.eval_every=0",
+          "--config.checkpoint_every=0", "--config.data.num_threads=0", *extra,
+          f"--workdir={workdir}")
+
+
+def _ours() -> tuple[list[str], list[int]]:
+  """The lab namespaces left on this machine, and live processes started by this test
+  process's lab runs (their environment names JAX_COORDINATOR_ADDRESS and a lab log)."""
+  left = [ns for ns in link.namespaces() if ns.startswith("jaxsys-lab-")]
+  procs = []
+  for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+      env = pathlib.Path(f"/proc/{pid}/environ").read_bytes()
+      status = pathlib.Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+      continue
+    if b"JAXSYS_LAB_TEST=" + str(os.getpid()).encode() in env and "State:\tZ" not in status:
+      procs.append(int(pid))
+  return left, procs
+
+
+@pytest.fixture(autouse=True)
+def _tagged(monkeypatch):
+  monkeypatch.setenv("JAXSYS_LAB_TEST", str(os.getpid()))  # inherited by every process
+  monkeypatch.chdir(ROOT)
+  yield
+  assert _ours() == ([], []), "a lab run left a namespace or a process behind"
+
+
+def test_a_slower_link_costs_what_its_bytes_predict(tmp_path):
+  """3 steps at two rates: the slower link's extra step time is its extra wire time for the
+  compiled all-reduce's bytes (a difference of two timings, so the compute, and any load
+  on the machine, cancels), and the wire carries those bytes plus their headers."""
+  slow, fast = 10e6, 40e6
+  s = {bw: run.run_lab(run.LabConfig(processes=2, bandwidth=f"{int(bw / 1e6)}mbit",
+                                     runner_args=_args(tmp_path / str(int(bw)))), echo=False)
+       for bw in (slow, fast)}
+  payload = s[slow]["collective_bytes_per_step"]
+  assert payload == s[fast]["collective_bytes_per_step"] > 400_000  # gradients, 2 processes
+  for summary in s.values():
+    # TCP's payload within 10% of what the compiled collectives send (gloo adds its framing,
+    # the coordinator its keep-alives); all the bytes within 10% of payload + headers.
+    assert summary["wire_payload_bytes_per_step"] == pytest.approx(payload, rel=0.1)
+    assert summary["wire_bytes_per_step"] == pytest.approx(physics.wire_bytes(payload), rel=0.1)
+    assert summary["shaper"]["drops"] == 0
+  predicted = physics.wire_bytes(payload) * 8 * (1 / slow - 1 / fast)  # ~0.54 s
+  measured = s[slow]["step_time_s"] - s[fast]["step_time_s"]
+  assert measured == pytest.approx(predicted, rel=0.35), (measured, predicted)
+  steps = [json.loads(l) for l in (tmp_path / str(int(slow)) / "lab/steps.jsonl").open()]
+  assert [r["step"] for r in steps] == [2, 3]
+  assert all(r["comm_s"] > 0.5 * r["step_time_s"] for r in steps)  # the link is the step
+
+
+def _lab(workdir, *extra, bandwidth="20mbit", processes=2):
+  return subprocess.Popen(
+      [sys.executable, "-m", "experiments.lab", f"--processes={processes}",
+       f"--bandwidth={bandwidth}", "--", *_args(workdir, *extra)],
+      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _error_line(proc, timeout=240):
+  out, err = proc.communicate(timeout=timeout)
+  assert proc.returncode == 1, err[-2000:]
+  assert out == ""
+  return err.strip().splitlines()[-1]
+
+
+def test_a_process_that_fails_stops_the_run_and_is_named(tmp_path):
+  # The runner refuses its config in every process: the lab names the first and its line.
+  line = _error_line(_lab(tmp_path, "--config.optimizer.learning_rate=-1"))
+  assert re.match(r"error: process [01] of 2 exited with code 1 \(error: ", line), line
+  assert "optimizer.learning_rate" in line and "process_0.log" in line
+
+
+def _wait_for_steps(workdir, timeout=180):
+  deadline = time.monotonic() + timeout
+  metrics = pathlib.Path(workdir) / "metrics.jsonl"
+  while time.monotonic() < deadline:
+    if metrics.exists() and metrics.read_text().count('"loss"') >= 1:
+      return
+    time.sleep(0.2)
+  raise AssertionError("the run logged no step")
+
+
+def test_a_killed_process_and_a_stopped_lab_leave_nothing(tmp_path):
+  long_run = ("--config.total_steps=100000",)
+  proc = _lab(tmp_path / "kill", *long_run)
+  _wait_for_steps(tmp_path / "kill")
+  _, pids = _ours()
+  victim = next(p for p in pids if b"JAX_PROCESS_ID=1\0" in
+                pathlib.Path(f"/proc/{p}/environ").read_bytes()
+                and b"jaxsys.cli.train" in pathlib.Path(f"/proc/{p}/cmdline").read_bytes())
+  os.kill(victim, signal.SIGKILL)
+  line = _error_line(proc)
+  assert line.startswith("error: process 1 of 2 exited with signal SIGKILL"), line
+  assert _ours() == ([], [])
+
+  proc = _lab(tmp_path / "term", *long_run)
+  _wait_for_steps(tmp_path / "term")
+  proc.send_signal(signal.SIGTERM)
+  assert _error_line(proc) == ("error: stopped by SIGTERM; the namespace and every process "
+                               "are removed")
+
+
+def test_the_binary_refuses_bad_input_in_one_line(tmp_path):
+  for flags, message in [(["--processes=1"], "--processes=1: "),
+                         (["--bandwidth=10mbs"], "--bandwidth='10mbs' is not a rate")]:
+    proc = subprocess.run([sys.executable, "-m", "experiments.lab", *flags, "--",
+                           *_args(tmp_path)], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
+    assert proc.stderr.startswith(f"error: {message}")
+  assert not (tmp_path / "lab").exists()
