@@ -33,6 +33,8 @@ LINKED = [*PAGES, ROOT / "docs" / "design.md"]
 # config_flags loads config files with the deprecated SourceFileLoader.load_module.
 pytestmark = pytest.mark.filterwarnings("ignore:the load_module:DeprecationWarning")
 
+# Binaries that start another with the flags after `--`: the network lab runs the trainer.
+LAUNCHERS = {"experiments.lab": "jaxsys.cli.train"}
 # Console scripts -> the binary module each runs (`jaxsys.cli.scripts:train` runs
 # `jaxsys.cli.train`).
 SCRIPTS = {name: "jaxsys.cli." + target.rpartition(":")[2] for name, target in
@@ -59,7 +61,12 @@ def _commands(text: str) -> list[tuple[int, list[str]]]:
         else:
           continue
         end = next((j for j, w in enumerate(args) if w in _SEPARATORS), len(args))
-        out.append((line, [module, *args[:end]]))
+        args = args[:end]
+        if module in LAUNCHERS and "--" in args:  # the flags after `--` are its runner's
+          split = args.index("--")
+          out.append((line, [LAUNCHERS[module], *args[split + 1:]]))
+          args = args[:split]
+        out.append((line, [module, *args]))
       line += logical.count("\n") + 1
   return out
 

@@ -32,7 +32,7 @@ from jaxsys.lab.link import LabError
 RUNNER = "jaxsys.cli.train"
 # The runner's compiled programs whose collectives a step runs: the train step, and an outer
 # optimizer's sync (on its own or fused into the next step).
-STEP_MODULE = re.compile(r"\.jit_(train_step|sync|sync_train_step)\.")
+STEP_MODULE = re.compile(r"\.jit_(train_step|sync_state|sync_then_step)\.")
 
 
 @dataclasses.dataclass(frozen=True)

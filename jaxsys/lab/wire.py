@@ -78,8 +78,8 @@ def window(samples: np.ndarray, start: float, end: float, rate_bps: float | None
 
 
 def utilisation(samples: np.ndarray, rate_bps: float | None, bin_s: float = 0.1) -> list[dict]:
-  """The link's throughput in bins of `bin_s` seconds: [{t (since the first sample),
-  bps, share (of the rate, shaped links only)}]."""
+  """The link's throughput in bins of `bin_s` seconds: [{t (since the first sample), time
+  (unix, the bin's start), bps, share (of the rate, shaped links only)}]."""
   t, nbytes, _ = samples.T
   if len(t) < 2:
     return []
@@ -87,7 +87,7 @@ def utilisation(samples: np.ndarray, rate_bps: float | None, bin_s: float = 0.1)
   sent = np.diff(np.interp(edges, t, nbytes))
   out = []
   for start, b in zip(edges[:-1], sent):
-    row = {"t": round(float(start - t[0]), 3), "bps": float(b * 8 / bin_s)}
+    row = {"t": round(float(start - t[0]), 3), "time": float(start), "bps": float(b * 8 / bin_s)}
     if rate_bps:
       row["share"] = row["bps"] / rate_bps
     out.append(row)

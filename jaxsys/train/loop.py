@@ -442,10 +442,14 @@ class _Loop:
       self._log()
     else:
       self.progress.update(step)
+    evaluate = run.eval_every and (step % run.eval_every == 0 or last)
+    save = last or (run.checkpoint_every and step % run.checkpoint_every == 0)
+    if evaluate or save:
+      self._flush_sync()  # a deferred sync is training: on the step clock, not the paused one
     with self.meter.paused_timer():
-      if run.eval_every and (step % run.eval_every == 0 or last):
+      if evaluate:
         self._evaluate()
-      if last or (run.checkpoint_every and step % run.checkpoint_every == 0):
+      if save:
         self._save()
       elif self.snapshots and step % self.snapshot_every == 0:
         self._save(self.snapshots)

@@ -115,13 +115,16 @@ def jit_steps(inner_step: Callable, outer: outer_lib.OuterOptimizer, mesh: Mesh,
   replicated = NamedSharding(mesh, PartitionSpec())
   sync_state = sync_of_state(outer, mesh, view)
 
+  def sync_then_step(state, batch):  # an outer that overlaps: the sync in the next step
+    return inner_step(sync_state(state), batch)
+
   def jit(fn, ins, outs):
     return jax.jit(fn, in_shardings=ins, out_shardings=outs, donate_argnums=0,
                    compiler_options=compiler_options)
   step_out = (state_sh, replicated)
   return (jit(inner_step, (state_sh, batch_sh), step_out),
           jit_sync(outer, mesh, view, state_sh, compiler_options),
-          jit(lambda s, b: inner_step(sync_state(s), b), (state_sh, batch_sh), step_out)
+          jit(sync_then_step, (state_sh, batch_sh), step_out)
           if outer.overlaps else None)
 
 

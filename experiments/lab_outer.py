@@ -1,0 +1,131 @@
+r"""The outer optimizers timed across a shaped link: two processes, one replica each.
+
+  python -m experiments.lab_outer --out=/tmp/lab_outer.json
+
+For each link rate: data parallelism (mesh data=2) trains --steps steps; each outer
+optimizer (mesh replica=2: one replica in each process, so every sync crosses the link)
+trains up to --outer_factor times as many on the same global batch, evaluating every
+--eval_every steps. Per run: the training clock (the sum of its step times, each sync in
+the step it delays; evaluation and saves left out), the clock at which its validation
+loss first reaches data parallelism's final one (None if never within its steps), bytes
+on the wire (the shaper's count over the whole run), the link's peak utilisation (100 ms bins) and step times: the median step,
+and the median of the steps that carry a sync; the first run of each program, which
+compiles, counts at its kind's median. One seed: a timing study; the losses'
+comparisons across seeds are in docs/results/outer_optimizers.md. Needs root and iproute2.
+"""
+import json
+import os
+import shutil
+
+import numpy as np
+from absl import app, flags
+
+from jaxsys.lab import link, run
+
+flags.DEFINE_list("bandwidths", ["20mbit", "100mbit", "300mbit"], "Link rates.")
+flags.DEFINE_list("runs", ["dp", "diloco_h10", "diloco_h50", "diloco_h100", "diloco_h250",
+                           "streaming_h50", "noloco_h50", "co2_h10"],
+                  "Runs (dp first: its loss is the target).")
+flags.DEFINE_integer("steps", 200, "Data parallelism's steps (the token budget).")
+flags.DEFINE_integer("outer_factor", 3, "An outer optimizer's steps, in units of --steps.")
+flags.DEFINE_integer("eval_every", 20, "Steps between evaluations.")
+flags.DEFINE_integer("seed", 0, "Seed of every run.")
+flags.DEFINE_string("config", "configs/tiny_lm.py:size=test", "The runner's config.")
+flags.DEFINE_list("overrides", [], "More --config.* overrides of every run (without --config.).")
+flags.DEFINE_string("workdir", "/tmp/lab_outer", "Scratch directory (replaced).")
+flags.DEFINE_string("out", "/tmp/lab_outer.json", "Every run's numbers.")
+FLAGS = flags.FLAGS
+
+OUTER = {"diloco": "diloco", "streaming": "streaming_diloco", "noloco": "noloco", "co2": "co2"}
+
+
+def _overrides(name: str) -> tuple[list[str], int, int]:
+  """(the runner's overrides, steps, H) of run `name` (dp, or <method>_h<H>)."""
+  if name == "dp":
+    return ["--config.mesh=data=2"], FLAGS.steps, 1
+  method, _, h = name.partition("_h")
+  extra = ["--config.optimizer.outer_fragments=2"] if method == "streaming" else []
+  return ([f"--config.mesh=replica=2", f"--config.optimizer.outer={OUTER[method]}",
+           f"--config.optimizer.outer_sync_every={h}", *extra],
+          FLAGS.steps * FLAGS.outer_factor, int(h))
+
+
+def _one(name: str, bandwidth: str) -> dict:
+  overrides, steps, h = _overrides(name)
+  workdir = os.path.join(FLAGS.workdir, bandwidth, name)
+  shutil.rmtree(workdir, ignore_errors=True)
+  summary = run.run_lab(run.LabConfig(processes=2, bandwidth=bandwidth, runner_args=(
+      f"--config={FLAGS.config}", f"--config.seed={FLAGS.seed}", f"--config.total_steps={steps}",
+      "--config.log_every=1", f"--config.eval_every={FLAGS.eval_every}",
+      "--config.checkpoint_every=0", *overrides, *(f"--config.{o}" for o in FLAGS.overrides),
+      f"--workdir={workdir}")), echo=False)
+  times = dict(run.step_times(workdir))
+  sync_steps = {s for s in range(1, steps + 1) if h > 1 and (s - name.startswith("co2")) % h == 0}
+  clock = _clock(times, steps, sync_steps)
+  rows = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl"))]
+  evals = [(r["step"], float(clock[r["step"] - 1]), r["val_loss"]) for r in rows
+           if "val_loss" in r]
+  util = [json.loads(l) for l in open(os.path.join(workdir, "lab", "wire.jsonl"))]
+  synced = [times[s] for s in sync_steps if s in times]
+  return dict(name=name, bandwidth=bandwidth, steps=steps, h=h, summary=summary, evals=evals,
+              clock_s=float(clock[-1]), final_val_loss=evals[-1][2],
+              step_s=float(np.median([t for s, t in times.items() if s not in sync_steps])),
+              sync_step_s=float(np.median(synced)) if synced else None,
+              step_wire_bytes=summary["wire_bytes_per_step"] * summary["timed_steps"],
+              wire_bytes=summary["shaper"]["bytes"],  # the whole run's, evaluations included
+              peak_share=max(u.get("share", 0.0) for u in util))
+
+
+def _clock(times: dict[int, float], steps: int, sync_steps: set[int]) -> np.ndarray:
+  """The training clock after each step: the sum of step times, where each program's first
+  runs (step 1; a sync step among the first two of its kind: the sync's own program, and
+  CO2's fused one) compile, so count at their kind's median when over 3x it."""
+  kinds = [sorted(s for s in times if s in sync_steps),
+           sorted(s for s in times if s not in sync_steps)]
+  out = dict(times)
+  for kind in kinds:
+    if not kind:
+      continue
+    median = float(np.median([times[s] for s in kind]))
+    for s in kind[:2]:
+      if times[s] > 3 * median:
+        out[s] = median
+  plain = float(np.median([times[s] for s in kinds[1]]))
+  return np.cumsum([out.get(s, plain) for s in range(1, steps + 1)])
+
+
+def _reached(evals, target: float) -> float | None:
+  """The training clock at the first evaluation at or below `target`."""
+  return next((t for _, t, loss in evals if loss <= target + 1e-12), None)
+
+
+def main(argv):
+  del argv
+  out = []
+  try:
+    for bw in FLAGS.bandwidths:
+      results = [_one(name, bw) for name in FLAGS.runs]
+      target = results[0]["final_val_loss"]
+      for r in results:
+        r["target_val_loss"] = target
+        r["clock_to_target_s"] = _reached(r["evals"], target)
+      out.extend(results)
+      with open(FLAGS.out, "w") as f:
+        json.dump(out, f, indent=1)
+  except link.LabError as e:
+    raise SystemExit(f"error: {e}") from e
+  print("| link | run | steps | train clock (s) | clock to DP's loss (s) | final val loss "
+        "| step (ms) | sync step (ms) | wire MB, steps | wire MB, run | peak link share |")
+  print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+  for r in out:
+    reach = r["clock_to_target_s"]
+    sync = r["sync_step_s"]
+    print(f"| {r['bandwidth']} | {r['name']} | {r['steps']} | {r['clock_s']:.1f} | "
+          f"{'never' if reach is None else f'{reach:.1f}'} | {r['final_val_loss']:.4f} | "
+          f"{r['step_s'] * 1e3:.1f} | {'-' if sync is None else f'{sync * 1e3:.0f}'} | "
+          f"{r['step_wire_bytes'] / 1e6:.1f} | {r['wire_bytes'] / 1e6:.1f} | "
+          f"{r['peak_share']:.2f} |")
+
+
+if __name__ == "__main__":
+  app.run(main)
