@@ -13,7 +13,8 @@ workers k: a ring all-reduce of the gradients every step.
 
 `--seeds=0,1,2` repeats all of it per seed in --workdir/seed<N> (its own pretrain, data
 order and init) and writes results_seeds.md: each row's mean ± std val bpb and its gaps
-to data parallel and to DiLoCo at the same k and H, taken per seed.
+to data parallel and to DiLoCo at the same k and H, taken per seed, with the 95%
+t-interval of their mean ("indistinguishable" where it contains 0).
 """
 import copy
 import dataclasses
@@ -30,6 +31,7 @@ import numpy as np
 
 from jaxsys import mesh as mesh_lib
 from jaxsys import metrics as metrics_lib
+from jaxsys import stats
 from jaxsys.checkpoint.reader import read_params
 from jaxsys.models import transformer
 from jaxsys.optim import outer as outer_lib
@@ -330,6 +332,11 @@ def _mean_std(values: list[float], fmt: str) -> str:
   return f"{format(np.mean(values), fmt)} ± {format(np.std(values, ddof=1), fmt.lstrip('+'))}"
 
 
+def _gap(values: list[float]) -> str:
+  """A per-seed gap: its mean and 95% t-interval (one seed: the value)."""
+  return stats.paired_interval(values).format() if len(values) > 1 else format(values[0], "+.2f")
+
+
 def write_seed_table(per_seed: dict[int, list[dict]], workdir: str) -> str:
   """Mean ± sample std over seeds of each row's val bpb, its gaps to DP and to DiLoCo, and
   for replica runs what the replicas disagree on: how far replica 0 scores behind their
@@ -353,14 +360,16 @@ def write_seed_table(per_seed: dict[int, list[dict]], workdir: str) -> str:
       if ref is not None:
         g["diloco"].append(_gap_pct(r, ref))
   lines = [f"Mean ± sample std over seeds {', '.join(map(str, seeds))} (each seed: its own "
-           "pretrain, data order and init; gaps are taken per seed, then averaged).", "",
+           "pretrain, data order and init). Gaps are paired: taken per seed, then their mean "
+           f"and 95% t-interval over the {len(seeds)} seeds ('indistinguishable' where it "
+           "contains 0).", "",
            "| run | k | H | val bpb | vs DP (%) | vs DiLoCo, same k and H (%) | per seed vs DP | "
            "replica 0 vs replicas' mean (%) | replicas' distance to their mean |",
            "|---|---|---|---|---|---|---|---|---|"]
   for run, g in gaps.items():
     r = g["row"]
-    vs_dp = _mean_std(g["dp"], "+.2f") if g["dp"] and r["method"] != "data parallel" else "-"
-    vs_dl = _mean_std(g["diloco"], "+.2f") if g["diloco"] else "-"
+    vs_dp = _gap(g["dp"]) if g["dp"] and r["method"] != "data parallel" else "-"
+    vs_dl = _gap(g["diloco"]) if g["diloco"] else "-"
     per = " / ".join(f"{x:+.2f}" for x in g["dp"]) if r["method"] != "data parallel" else "-"
     spread = _mean_std(g["spread"], "+.2f") if g["spread"] else "-"
     distance = _mean_std(g["distance"], ".5f") if g["distance"] else "-"

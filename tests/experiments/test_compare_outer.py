@@ -157,11 +157,12 @@ def test_seed_table_gaps_are_per_seed(tmp_path):
           _row("nl", "noloco", 1.0403, replica_mean=1.0, distance=0.02)]}
   table = compare_outer.write_seed_table(per_seed, str(tmp_path))
   lines = {l.split(" | ")[0][2:]: l for l in table.splitlines() if l.startswith("| ")}
-  # DiLoCo: +1% and +3% vs DP -> 2.00 ± 1.41; NoLoCo vs the uncompressed DiLoCo: +1% twice.
-  assert "| +2.00 ± 1.41 | - | +1.00 / +3.00 |" in lines["dl"]
+  # DiLoCo: +1% and +3% vs DP -> mean 2.00, t(0.975, 1) x 1.41 / sqrt(2) = 12.71 either side;
+  # NoLoCo vs the uncompressed DiLoCo: +1% twice, no spread.
+  assert "| +2.00 [-10.71, +14.71], indistinguishable | - | +1.00 / +3.00 |" in lines["dl"]
   # Replica 0 against the replicas' mean: +2.01% and +4.03%; then the replicas' distance to
   # their mean. Columns only replica runs fill.
-  assert "| +1.00 ± 0.00 |" in lines["nl"]
+  assert "| +1.00 [+1.00, +1.00] |" in lines["nl"]
   assert lines["nl"].endswith("| +3.02 ± 1.43 | 0.01500 ± 0.00707 |")
   assert lines["dp"].endswith("| 1.5000 ± 0.7071 | - | - | - | - | - |")
   assert lines["dl"].endswith(" | - | - |")
