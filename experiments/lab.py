@@ -4,8 +4,10 @@ r"""The network lab: a training run across P processes joined by a shaped link.
       --config=configs/tiny_lm.py:size=test --config.mesh=data=2 --workdir=/tmp/lab_dp
 
 Creates a network namespace, shapes its loopback to --bandwidth (`tc` token bucket: one
-link that all of the run's traffic shares; `none`: unshaped), starts --processes copies of
-the runner (`python -m jaxsys.cli.train` with the flags after `--`) in it, joined by
+link that all of the run's traffic shares; `none`: unshaped; or --topology=switched: a
+namespace per process, each with a link of --bandwidth each way to a switch), starts
+--processes copies of the runner (`python -m jaxsys.cli.train` with the flags after `--`)
+in it, joined by
 `jax.distributed` and each pinned to a core of its own where there are enough, and removes
 the namespace and every process when the run ends, fails, or is stopped (Ctrl-C, SIGTERM).
 The runner's mesh spans all processes' devices (`--config.mesh=data=2` over two processes
@@ -29,6 +31,9 @@ from jaxsys.lab import link, run
 flags.DEFINE_integer("processes", 2, "Processes P, joined by jax.distributed (>= 2).")
 flags.DEFINE_string("bandwidth", "100mbit", "The link's rate: a number with bit, kbit, mbit "
                     "or gbit (bits per second), or none (unshaped).")
+flags.DEFINE_enum("topology", "shared", ["shared", "switched"], "shared: one link all the "
+                  "processes' traffic crosses; switched: each process its own namespace and a "
+                  "link of --bandwidth each way to a switch.")
 flags.DEFINE_integer("devices_per_process", 1, "CPU devices in each process.")
 flags.DEFINE_string("runner", run.RUNNER, "The module each process runs (python -m).")
 flags.DEFINE_float("timeout", None, "Seconds before the run is stopped as failed.")
@@ -44,7 +49,7 @@ def main(argv):
   signal.signal(signal.SIGTERM, _interrupt)  # cleaned up like Ctrl-C
   cfg = run.LabConfig(processes=FLAGS.processes, bandwidth=FLAGS.bandwidth,
                       runner_args=tuple(argv[1:]), devices_per_process=FLAGS.devices_per_process,
-                      runner=FLAGS.runner, timeout_s=FLAGS.timeout)
+                      runner=FLAGS.runner, timeout_s=FLAGS.timeout, topology=FLAGS.topology)
   try:
     summary = run.run_lab(cfg)
   except link.LabError as e:

@@ -8,7 +8,8 @@ Then runs the data-parallel training (--config and the --config.* overrides belo
 data=P, P processes of one device on their own cores) unshaped and at each rate, and
 predicts each step as that compute plus the compiled train step's collective bytes, with
 their packets' headers, through the shared link (`jaxsys.lab.physics`); prints measured
-against predicted, and wire bytes against the compiled collectives. Needs root and
+against predicted, and wire bytes against the compiled collectives. --topology=switched:
+the same on a link per process (each uplink carries one process's share). Needs root and
 iproute2.
 """
 import json
@@ -28,6 +29,7 @@ flags.DEFINE_list("bandwidths", ["20mbit", "100mbit", "300mbit", "1gbit"], "Link
 flags.DEFINE_string("config", "configs/tiny_lm.py:size=test", "The runner's config.")
 flags.DEFINE_list("overrides", ["model.d_model=128", "model.d_ff=512", "model.n_layers=4"],
                   "The runner's --config.* overrides (without --config.).")
+flags.DEFINE_enum("topology", "shared", ["shared", "switched"], "The lab's network.")
 flags.DEFINE_integer("batch_size", 16, "Global batch (rows), split over the processes.")
 flags.DEFINE_integer("steps", 12, "Training steps per run (the first compiles).")
 flags.DEFINE_string("workdir", "/tmp/lab_check", "Scratch directory (replaced).")
@@ -47,7 +49,7 @@ def _args(name: str, *extra: str) -> tuple[str, ...]:
 def _run(bandwidth: str) -> dict:
   args = _args(bandwidth, f"--config.mesh=data={FLAGS.processes}")
   return run.run_lab(run.LabConfig(processes=FLAGS.processes, bandwidth=bandwidth,
-                                   runner_args=args), echo=False)
+                                   runner_args=args, topology=FLAGS.topology), echo=False)
 
 
 def _compute_alone(batch_size: int) -> list[float]:
@@ -67,12 +69,13 @@ def main(argv):
     compute = _compute_alone(FLAGS.batch_size)
     compute_s = float(np.median(compute))
     base = _run("none")
-    cap = physics.capacity(base["wire_bytes_per_step"], base["step_time_s"], compute_s)
+    busiest = lambda total: physics.link_payload(total, FLAGS.processes, FLAGS.topology)
+    cap = physics.capacity(busiest(base["wire_bytes_per_step"]), base["step_time_s"], compute_s)
     rows = []
     for bw in ["none", *FLAGS.bandwidths]:
       s = base if bw == "none" else _run(bw)
       payload = s["collective_bytes_per_step"]
-      predicted = physics.step_time(compute_s, payload, s["bandwidth_bps"], cap)
+      predicted = physics.step_time(compute_s, busiest(payload), s["bandwidth_bps"], cap)
       rows.append(dict(bandwidth=bw, measured_s=s["step_time_s"],
                        spread_s=s["step_time_min_max_s"], predicted_s=predicted,
                        error=s["step_time_s"] / predicted - 1, comm_s=s["comm_s"],

@@ -8,6 +8,9 @@ Run (8 simulated devices; on a 2-core CPU about 3 minutes of pretraining, then a
 fragments; 4 with the paper's overlap and mixing) on a 4-layer model of the same size.
 `configs/compare_outer.py:routing`: DiLoCo and NoLoCo over replicas that are each a 2-stage
 pipeline (k = 2 and 4), NoLoCo with and without random routing between the replicas.
+`configs/compare_outer.py:long_h`: DiLoCo at H = 100, 250 and 500 and NoLoCo at H = 100
+(k = 4) against data parallel on the test-sized model, 500 + 1500 steps: with
+`--seeds=0,1,2,3,4` the paired 95% intervals of each gap.
 
 Protocol (DiLoCo, arXiv 2311.08105 Sec. 3): one data-parallel run of `pretrain_steps`
 steps (in <workdir>/pretrain, data seed `seed + 1` so the rows do not replay its
@@ -38,11 +41,12 @@ def _outer(name, k, h, **kw):
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  if arg not in (None, "", "streaming", "routing"):
+  if arg not in (None, "", "streaming", "routing", "long_h"):
     raise ValueError(f"configs/compare_outer.py: argument {arg!r} is unknown; valid: none, "
-                     "'streaming' (the Streaming DiLoCo rows, on a 4-layer model) or 'routing' "
+                     "'streaming' (the Streaming DiLoCo rows, on a 4-layer model), 'routing' "
                      "(DiLoCo and NoLoCo over 2-stage pipelined replicas, NoLoCo with and "
-                     "without random routing)")
+                     "without random routing) or 'long_h' (DiLoCo at H = 100, 250 and 500 and "
+                     "NoLoCo at H = 100, k = 4, on the test-sized model: the 5-seed study)")
   c = _tiny_lm().get_config("size=test")
   # Between the `test` and `tiny` sizes: big enough that the methods separate, small enough
   # that a row takes about 5 minutes on 2 quiet CPU cores.
@@ -113,6 +117,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       runs[f"noloco_k{k}_h50_pp"] = piped("noloco")
       runs[f"noloco_k{k}_h50_pp_routed"] = dict(piped("noloco"), pipeline=dict(
           schedule="1f1b", microbatches=4, routing="random"))
+  if arg == "long_h":
+    # Long syncs need many steps: the test-sized model (64 wide), so five seeds of five rows
+    # fit in well under an hour on 2 cores; 500 warm-start steps, then 1500 (H=500: 3 syncs).
+    c.model.update(dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128))
+    c.pretrain_steps, c.total_steps = 500, 1500
+    c.checkpoint_every = 500
+    runs = {"dp": dict(), **{f"diloco_k4_h{h}": _outer("diloco", 4, h) for h in (100, 250, 500)},
+            "noloco_k4_h100": _outer("noloco", 4, 100)}
   c.runs = ",".join(runs)
   c.run_specs = ml_collections.ConfigDict(runs)
   return c

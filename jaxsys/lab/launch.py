@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Callable
 
 from jaxsys import xla_flags
 from jaxsys.lab.link import LabError
@@ -81,12 +82,13 @@ def _last_error(log: str) -> str:
 
 
 def start(argv: list[str], *, processes: int, devices_per_process: int, log_dir: str,
-          prefix: list[str] = (), host: str = "127.0.0.1", port: int = COORDINATOR_PORT,
-          extra_env: dict[str, str] | None = None, first_env: dict[str, str] | None = None
-          ) -> Job:
-  """Starts `processes` copies of `python argv...` (behind `prefix`, e.g. `ip netns
-  exec NS`), process i on core i mod the cores this process may use; logs to
-  `log_dir/process_<i>.log`. `first_env` is added to process 0's environment only."""
+          prefix: Callable[[int], list[str]] = lambda i: [], host: str = "127.0.0.1",
+          port: int = COORDINATOR_PORT, extra_env: dict[str, str] | None = None,
+          first_env: dict[str, str] | None = None) -> Job:
+  """Starts `processes` copies of `python argv...`, process i behind `prefix(i)` (e.g.
+  `ip netns exec NS`) and on core i where there are enough; logs to
+  `log_dir/process_<i>.log`; the coordinator (process 0) at `host:port`. `first_env` is
+  added to process 0's environment only."""
   os.makedirs(log_dir, exist_ok=True)
   cores = sorted(os.sched_getaffinity(0))
   pin = len(cores) >= processes
@@ -97,7 +99,8 @@ def start(argv: list[str], *, processes: int, devices_per_process: int, log_dir:
                  JAX_NUM_PROCESSES=str(processes), JAX_PROCESS_ID=str(i),
                  XLA_FLAGS=xla_flags.with_cpu_devices(devices_per_process))
       env.update(extra_env or {}, **((first_env or {}) if i == 0 else {}))
-      cmd = [*prefix, *(["taskset", "-c", str(cores[i])] if pin else []), sys.executable, *argv]
+      cmd = [*prefix(i), *(["taskset", "-c", str(cores[i])] if pin else []), sys.executable,
+             *argv]
       logs.append(os.path.join(log_dir, f"process_{i}.log"))
       with open(logs[-1], "w") as log:
         procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,

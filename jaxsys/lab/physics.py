@@ -11,6 +11,10 @@ where the payload is what the compiled program's collectives send from every pro
 all-reduce), and each MSS of payload travels with HEADER_BYTES of Ethernet, IP and TCP
 headers (ACKs, at most one per two segments, are the rest and are not predicted).
 
+On a switched network (a link each way per process) the bottleneck is each process's
+uplink instead, which carries that process's own sends: 1/P of the payload when every
+process sends alike (`link_payload`).
+
 The rate is the smaller of the shaper's and what the loopback carries unshaped: the
 kernel's TCP stack runs on the same cores as the processes, so a small machine's loopback
 has a ceiling of its own (`capacity_bps`, measured on the unshaped link).
@@ -20,6 +24,12 @@ from __future__ import annotations
 from jaxsys.lab.link import HEADER_BYTES, MTU
 
 MSS = MTU - 20 - 32  # TCP's payload per packet: the MTU less IPv4 and TCP (timestamps)
+
+
+def link_payload(payload: float, processes: int, topology: str) -> float:
+  """The payload the busiest link carries: all of it on the shared link, one process's
+  share on a switched network (collectives that send alike from every process)."""
+  return payload / processes if topology == "switched" else payload
 
 
 def wire_bytes(payload: float) -> float:

@@ -43,6 +43,7 @@ class LabConfig:
   devices_per_process: int = 1
   runner: str = RUNNER  # a module run as `python -m`
   timeout_s: float | None = None
+  topology: str = "shared"  # one link all share, or "switched": a link a process
 
 
 def _flag(args, name: str) -> str | None:
@@ -59,7 +60,13 @@ def check(cfg: LabConfig) -> tuple[float | None, str]:
   if cfg.devices_per_process < 1:
     raise LabError(f"--devices_per_process={cfg.devices_per_process}: use 1 or more")
   rate = link_lib.parse_rate(cfg.bandwidth)
+  if cfg.topology not in link_lib.TOPOLOGIES:
+    raise LabError(f"--topology={cfg.topology!r}: use one of {', '.join(link_lib.TOPOLOGIES)} "
+                   "(one link all processes share, or a link each on a switch)")
   missing = link_lib.missing_privileges()
+  if cfg.topology == "switched" and missing:
+    raise LabError(f"--topology=switched puts each process in a network namespace, which needs "
+                   f"{' and '.join(missing)}; --topology=shared --bandwidth=none runs unshaped")
   if rate is not None and missing:
     raise LabError(f"--bandwidth={cfg.bandwidth} shapes a link in a network namespace, which "
                    f"needs {' and '.join(missing)}; --bandwidth=none runs unshaped")
@@ -124,29 +131,33 @@ def run_lab(cfg: LabConfig, *, echo: bool = True,
   out_dir = os.path.join(os.path.abspath(workdir), "lab")
   hlo_dir = os.path.join(out_dir, "hlo")
   os.makedirs(out_dir, exist_ok=True)
-  link = link_lib.Link(f"jaxsys-lab-{os.getpid()}", rate) if isolated else None
-  job = anchor = None
+  link = (link_lib.Link(f"jaxsys-lab-{os.getpid()}", rate, cfg.topology, cfg.processes)
+          if isolated else None)
+  job = anchors = None
   done = threading.Event()
   follower = None
   try:
     if link is not None:
       link.up()
-      # A process that lives in the namespace for the whole run: the sampler reads the
-      # namespace's counters through it.
-      anchor = launch.start(["-c", "import time; time.sleep(1e9)"], processes=1,
-                            devices_per_process=1, log_dir=os.path.join(out_dir, "anchor"),
-                            prefix=link.prefix())
-      _wait_in_namespace(anchor.procs[0].pid)
+      # A process that lives in each namespace for the whole run: the sampler reads the
+      # namespaces' counters through them.
+      anchors = launch.start(["-c", "import time; time.sleep(1e9)"],
+                             processes=len(link.namespaces), devices_per_process=1,
+                             log_dir=os.path.join(out_dir, "anchor"), prefix=link.prefix)
+      for p in anchors.procs:
+        _wait_in_namespace(p.pid)
     before = link.counters() if link else None
     t_start = time.time()
-    sampler = wire.Sampler(anchor.procs[0].pid).start() if anchor else None
+    sampler = (wire.Sampler([p.pid for p in anchors.procs], link.device).start()
+               if anchors else None)
     dump = (f" --xla_dump_to={hlo_dir} --xla_dump_hlo_as_text "
             "--xla_dump_hlo_module_re=.*step.*")
     from jaxsys import xla_flags  # pylint: disable=import-outside-toplevel
     job = launch.start(
         ["-m", cfg.runner, *cfg.runner_args], processes=cfg.processes,
         devices_per_process=cfg.devices_per_process, log_dir=out_dir,
-        prefix=link.prefix() if link else [],
+        prefix=link.prefix if link else (lambda i: []),
+        host=link.address(0) if link else "127.0.0.1",
         port=launch.COORDINATOR_PORT if link else _free_port(),
         first_env={"XLA_FLAGS": xla_flags.with_cpu_devices(cfg.devices_per_process) + dump})
     if echo:
@@ -160,7 +171,7 @@ def run_lab(cfg: LabConfig, *, echo: bool = True,
     done.set()
     if follower is not None:
       follower.join(timeout=2)
-    for j in (job, anchor):
+    for j in (job, anchors):
       if j is not None:
         j.stop()
     if link is not None:
@@ -243,6 +254,7 @@ def summarize(cfg: LabConfig, rate: float | None, workdir: str, since: float,
   total_steps = sum(s["steps"] for s in steps)
   summary = {
       "processes": cfg.processes, "devices_per_process": cfg.devices_per_process,
+      "topology": cfg.topology,
       "bandwidth": cfg.bandwidth, "bandwidth_bps": rate, "timed_steps": total_steps,
       "step_time_s": float(np.median(times)),
       "step_time_min_max_s": [float(times.min()), float(times.max())],

@@ -1,8 +1,9 @@
 """What crossed the link, over time and step by step.
 
-A sampler thread reads the namespace's loopback transmit counters every few milliseconds
-(`/proc/<pid>/net/dev` of a process inside it: the counters of that process's namespace;
-loopback counts a packet as it leaves the shaper, so these are the shaped link's bytes).
+A sampler thread reads the links' transmit counters every few milliseconds
+(`/proc/<pid>/net/dev` of a process inside each namespace: the counters of that process's
+namespace; a device counts a packet as it leaves its shaper, so these are the shaped
+links' bytes), summed over the namespaces.
 Each training step's window comes from the runner's metrics rows (`time` at the step's end,
 `step_time_s` its duration, eval and saves excluded), so a step's bytes, and the time the
 link was busy within it, are the counters' differences over that window.
@@ -20,23 +21,23 @@ BUSY_SHARE = 0.1
 BUSY_UNSHAPED_BPS = 80e6
 
 
-def read_loopback(pid: int) -> tuple[int, int]:
-  """(bytes, packets) transmitted by loopback in process `pid`'s network namespace."""
+def read_device(pid: int, device: str = "lo") -> tuple[int, int]:
+  """(bytes, packets) transmitted by `device` in process `pid`'s network namespace."""
   with open(f"/proc/{pid}/net/dev") as f:
     for line in f:
       name, _, stats = line.partition(":")
-      if name.strip() == "lo":
+      if name.strip() == device:
         fields = stats.split()
         return int(fields[8]), int(fields[9])
-  raise RuntimeError(f"no loopback device in process {pid}'s namespace")
+  raise RuntimeError(f"no device {device} in process {pid}'s namespace")
 
 
 class Sampler:
-  """Samples (time, bytes, packets) of the loopback that process `pid` sees, every
-  `interval` seconds, in a thread, until `stop()`."""
+  """Samples (time, bytes, packets), summed over `device` in the namespaces of `pids`,
+  every `interval` seconds, in a thread, until `stop()`."""
 
-  def __init__(self, pid: int, interval: float = 0.005):
-    self.pid, self.interval = pid, interval
+  def __init__(self, pids: list[int], device: str = "lo", interval: float = 0.005):
+    self.pids, self.device, self.interval = pids, device, interval
     self._rows: list[tuple[float, int, int]] = []
     self._done = threading.Event()
     self._thread = threading.Thread(target=self._loop, daemon=True, name="wire-sampler")
@@ -48,9 +49,10 @@ class Sampler:
   def _loop(self) -> None:
     while not self._done.is_set():
       try:
-        self._rows.append((time.time(), *read_loopback(self.pid)))
-      except (OSError, RuntimeError):  # the namespace's last process is gone
+        counts = [read_device(pid, self.device) for pid in self.pids]
+      except (OSError, RuntimeError):  # a namespace's last process is gone
         return
+      self._rows.append((time.time(), sum(c[0] for c in counts), sum(c[1] for c in counts)))
       self._done.wait(self.interval)
 
   def stop(self) -> np.ndarray:

@@ -53,25 +53,32 @@ def _tagged(monkeypatch):
 
 
 def test_a_slower_link_costs_what_its_bytes_predict(tmp_path):
-  """3 steps at two rates: the slower link's extra step time is its extra wire time for the
-  compiled all-reduce's bytes (a difference of two timings, so the compute, and any load
-  on the machine, cancels), and the wire carries those bytes plus their headers."""
+  """3 steps at two rates on the shared link, and at the slower rate on a link a process:
+  the slower link's extra step time is its extra wire time for the compiled all-reduce's
+  bytes, and the shared link's extra over the switched one is the other process's share
+  through the same bucket (differences of two timings, so the compute, and any load on the
+  machine, cancel); the wire carries those bytes plus their headers."""
   slow, fast = 10e6, 40e6
-  s = {bw: run.run_lab(run.LabConfig(processes=2, bandwidth=f"{int(bw / 1e6)}mbit",
-                                     runner_args=_args(tmp_path / str(int(bw)))), echo=False)
-       for bw in (slow, fast)}
-  payload = s[slow]["collective_bytes_per_step"]
-  assert payload == s[fast]["collective_bytes_per_step"] > 400_000  # gradients, 2 processes
+  runs = {"slow": (slow, "shared"), "fast": (fast, "shared"), "switched": (slow, "switched")}
+  s = {name: run.run_lab(run.LabConfig(processes=2, bandwidth=f"{int(bw / 1e6)}mbit",
+                                       runner_args=_args(tmp_path / name), topology=topology),
+                         echo=False)
+       for name, (bw, topology) in runs.items()}
+  payload = s["slow"]["collective_bytes_per_step"]
+  assert payload == s["fast"]["collective_bytes_per_step"] > 400_000  # gradients, 2 processes
   for summary in s.values():
     # TCP's payload within 10% of what the compiled collectives send (gloo adds its framing,
     # the coordinator its keep-alives); all the bytes within 10% of payload + headers.
     assert summary["wire_payload_bytes_per_step"] == pytest.approx(payload, rel=0.1)
     assert summary["wire_bytes_per_step"] == pytest.approx(physics.wire_bytes(payload), rel=0.1)
     assert summary["shaper"]["drops"] == 0
-  predicted = physics.wire_bytes(payload) * 8 * (1 / slow - 1 / fast)  # ~0.54 s
-  measured = s[slow]["step_time_s"] - s[fast]["step_time_s"]
-  assert measured == pytest.approx(predicted, rel=0.35), (measured, predicted)
-  steps = [json.loads(l) for l in (tmp_path / str(int(slow)) / "lab/steps.jsonl").open()]
+  wire_s = physics.wire_bytes(payload) * 8  # bit-seconds of the whole payload
+  slower = s["slow"]["step_time_s"] - s["fast"]["step_time_s"]
+  assert slower == pytest.approx(wire_s * (1 / slow - 1 / fast), rel=0.35)  # ~0.54 s
+  shared = s["slow"]["step_time_s"] - s["switched"]["step_time_s"]
+  switched_wire_s = physics.wire_bytes(physics.link_payload(payload, 2, "switched")) * 8
+  assert shared == pytest.approx((wire_s - switched_wire_s) / slow, rel=0.35)  # ~0.36 s
+  steps = [json.loads(l) for l in (tmp_path / "slow" / "lab/steps.jsonl").open()]
   assert [r["step"] for r in steps] == [2, 3]
   assert all(r["comm_s"] > 0.5 * r["step_time_s"] for r in steps)  # the link is the step
 

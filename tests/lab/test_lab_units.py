@@ -28,6 +28,7 @@ def _cfg(**kw):
     (dict(processes=1), r"--processes=1: .*at least 2"),
     (dict(bandwidth="10mbs"), r"--bandwidth='10mbs' is not a rate"),
     (dict(runner_args=("--config=tiny_lm",)), r"no --workdir"),
+    (dict(topology="ring"), r"--topology='ring': use one of shared, switched"),
     (dict(runner_args=("--config.mesh=data=3", "--workdir=/tmp/x")),
      r"--config.mesh=data=3 needs 3 devices, but --processes=2 x --devices_per_process=1 give 2"),
     (dict(processes=3, runner_args=("--config.mesh=data=-1,tensor=2", "--workdir=/tmp/x")),
@@ -50,6 +51,8 @@ def test_without_root_a_shaped_link_is_refused_and_unshaped_is_offered(monkeypat
   with pytest.raises(link.LabError, match=r"needs root .*; --bandwidth=none runs unshaped"):
     run.check(_cfg(bandwidth="20mbit"))
   run.check(_cfg(bandwidth="none"))  # unshaped needs no privileges
+  with pytest.raises(link.LabError, match=r"--topology=switched .* needs root"):
+    run.check(_cfg(topology="switched"))
 
 
 def test_a_window_interpolates_bytes_and_counts_busy_time():
@@ -86,3 +89,6 @@ def test_the_shared_link_model():
   assert physics.step_time(0.5, 1e6, None, capacity_bps=8e6) == pytest.approx(
       0.5 + 1514 / 1448)
   assert physics.capacity(1e6, 1.5, 0.5) == pytest.approx(8e6)
+  # A link a process: the busiest uplink carries one process's share.
+  assert physics.link_payload(1e6, 4, "switched") == 2.5e5
+  assert physics.link_payload(1e6, 4, "shared") == 1e6
