@@ -34,6 +34,8 @@ flags.DEFINE_string("config", "configs/tiny_lm.py:size=test", "The runner's conf
 flags.DEFINE_list("overrides", [], "More --config.* overrides of every run (without --config.).")
 flags.DEFINE_string("workdir", "/tmp/lab_outer", "Scratch directory (replaced).")
 flags.DEFINE_string("out", "/tmp/lab_outer.json", "Every run's numbers.")
+flags.DEFINE_string("plot", "/tmp/lab_outer.png", "Validation loss against the training clock, "
+                    "a panel a link rate ('' for none).")
 FLAGS = flags.FLAGS
 
 OUTER = {"diloco": "diloco", "streaming": "streaming_diloco", "noloco": "noloco", "co2": "co2"}
@@ -99,6 +101,27 @@ def _reached(evals, target: float) -> float | None:
   return next((t for _, t, loss in evals if loss <= target + 1e-12), None)
 
 
+def plot(results: list[dict], path: str) -> None:
+  """Validation loss against the training clock, one panel per link rate, a line per run;
+  data parallelism's final loss dashed."""
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  rates = list(dict.fromkeys(r["bandwidth"] for r in results))
+  fig, axes = plt.subplots(1, len(rates), figsize=(5 * len(rates), 3.6), squeeze=False)
+  for ax, rate in zip(axes[0], rates):
+    for r in (r for r in results if r["bandwidth"] == rate):
+      ax.plot([t for _, t, _ in r["evals"]], [l for _, _, l in r["evals"]], label=r["name"],
+              lw=2 if r["name"] == "dp" else 1)
+    ax.axhline(next(r["target_val_loss"] for r in results if r["bandwidth"] == rate),
+               color="gray", ls="--", lw=0.8)
+    ax.set(title=f"link: {rate}", xlabel="training clock (s)", ylabel="validation loss",
+           xscale="log", ylim=(2.0, 3.2))
+  axes[0][0].legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+
+
 def main(argv):
   del argv
   out = []
@@ -114,6 +137,8 @@ def main(argv):
         json.dump(out, f, indent=1)
   except link.LabError as e:
     raise SystemExit(f"error: {e}") from e
+  if FLAGS.plot:
+    plot(out, FLAGS.plot)
   print("| link | run | steps | train clock (s) | clock to DP's loss (s) | final val loss "
         "| step (ms) | sync step (ms) | wire MB, steps | wire MB, run | peak link share |")
   print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
