@@ -22,10 +22,10 @@ import socket
 import sys
 import threading
 import time
-from typing import Callable
 
 import numpy as np
 
+from jaxsys import xla_flags
 from jaxsys.lab import launch, link as link_lib, wire
 from jaxsys.lab.link import LabError
 
@@ -81,6 +81,8 @@ def check(cfg: LabConfig) -> tuple[float | None, str]:
 
 
 def _check_mesh(spec: str, processes: int, per_process: int) -> None:
+  # Here, not at the top: jax's import takes seconds, and the lab's own process needs jax
+  # only to read a mesh it is given.
   from jaxsys import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
   devices = processes * per_process
   try:
@@ -121,8 +123,7 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def run_lab(cfg: LabConfig, *, echo: bool = True,
-            on_start: Callable[[launch.Job], None] | None = None) -> dict:
+def run_lab(cfg: LabConfig, *, echo: bool = True) -> dict:
   """Runs `cfg` to the end and returns its summary (see the module's docstring); a LabError
   for bad input or a failed process. The namespace and every process are gone on return,
   also on an exception (KeyboardInterrupt included)."""
@@ -152,7 +153,6 @@ def run_lab(cfg: LabConfig, *, echo: bool = True,
                if anchors else None)
     dump = (f" --xla_dump_to={hlo_dir} --xla_dump_hlo_as_text "
             "--xla_dump_hlo_module_re=.*step.*")
-    from jaxsys import xla_flags  # pylint: disable=import-outside-toplevel
     job = launch.start(
         ["-m", cfg.runner, *cfg.runner_args], processes=cfg.processes,
         devices_per_process=cfg.devices_per_process, log_dir=out_dir,
@@ -162,8 +162,6 @@ def run_lab(cfg: LabConfig, *, echo: bool = True,
         first_env={"XLA_FLAGS": xla_flags.with_cpu_devices(cfg.devices_per_process) + dump})
     if echo:
       follower = _follow(job.logs[0], done)
-    if on_start is not None:
-      on_start(job)
     job.wait(cfg.timeout_s)
     samples = sampler.stop() if sampler else None
     after = link.counters() if link else None
