@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -44,6 +43,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxsys import mesh as mesh_lib
 from jaxsys import xla_flags
 from jaxsys.data import packing
+from jaxsys.lab.launch import free_port
 from jaxsys.models import transformer
 from jaxsys.parallel import pipeline, schedules
 
@@ -191,11 +191,6 @@ def table(result: dict) -> str:
           f"(the slowest is the prediction's): {costs}")
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
 
 def launch(stages: int, args: list[str], *, timeout: float = 3600) -> None:
   """Starts this module's `stages` workers (the command-line `args` passed on), each with
@@ -204,7 +199,7 @@ def launch(stages: int, args: list[str], *, timeout: float = 3600) -> None:
   if len(cores) < stages:
     raise app.UsageError(f"--stages={stages} needs {stages} cores, one a stage; this process "
                          f"may run on {len(cores)} ({cores})")
-  coordinator = f"127.0.0.1:{_free_port()}"
+  coordinator = f"127.0.0.1:{free_port()}"
   env = dict(os.environ, XLA_FLAGS=xla_flags.with_cpu_devices(1), JAX_PLATFORMS="cpu")
   procs = [subprocess.Popen(
       ["taskset", "-c", str(cores[i]), sys.executable, "-m", "experiments.bench_pipeline_wall",

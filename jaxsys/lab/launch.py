@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -19,6 +20,13 @@ from jaxsys import xla_flags
 from jaxsys.lab.link import LabError
 
 COORDINATOR_PORT = 8476  # the namespace is new: nothing else listens there
+
+
+def free_port() -> int:
+  """A TCP port free on this host's loopback now (for a coordinator outside a namespace)."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
 
 
 @dataclasses.dataclass

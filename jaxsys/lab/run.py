@@ -18,7 +18,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import sys
 import threading
 import time
@@ -117,12 +116,6 @@ def _follow(path: str, done: threading.Event, out=sys.stderr) -> threading.Threa
   return thread
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def run_lab(cfg: LabConfig, *, echo: bool = True) -> dict:
   """Runs `cfg` to the end and returns its summary (see the module's docstring); a LabError
   for bad input or a failed process. The namespace and every process are gone on return,
@@ -158,7 +151,7 @@ def run_lab(cfg: LabConfig, *, echo: bool = True) -> dict:
         devices_per_process=cfg.devices_per_process, log_dir=out_dir,
         prefix=link.prefix if link else (lambda i: []),
         host=link.address(0) if link else "127.0.0.1",
-        port=launch.COORDINATOR_PORT if link else _free_port(),
+        port=launch.COORDINATOR_PORT if link else launch.free_port(),
         first_env={"XLA_FLAGS": xla_flags.with_cpu_devices(cfg.devices_per_process) + dump})
     if echo:
       follower = _follow(job.logs[0], done)

@@ -4,7 +4,6 @@ import os
 import pathlib
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,14 +12,10 @@ import numpy as np
 
 from jaxsys import xla_flags
 from jaxsys.checkpoint.manager import Checkpointer
+from jaxsys.lab.launch import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
-
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 def _rows(workdir):
@@ -54,7 +49,7 @@ def run_single(flags, workdir, devices: int = 8):
 def start_two_processes(flags, workdir, local_devices: int = 4):
   """experiments.train as 2 processes x `local_devices` CPU devices joined by
   jax.distributed on loopback."""
-  port = _free_port()
+  port = free_port()
   procs = []
   for pid in range(2):
     env = dict(_devices(local_devices), JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
