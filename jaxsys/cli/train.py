@@ -22,6 +22,7 @@ cluster jax detects by itself) join one run through jax.distributed.
 """
 import os
 import sys
+import warnings
 
 from jaxsys import hugepages
 
@@ -76,6 +77,9 @@ def main(argv):
                jax.default_backend(), jax.device_count(), jax.local_device_count(),
                jax.process_index(), jax.process_count())
   logging.info("config:\n%s", config)
+  # A save that fails leaves orbax's write coroutines unawaited; Python would report each at
+  # exit, after the one error line.
+  warnings.filterwarnings("ignore", "coroutine .* was never awaited", RuntimeWarning)
   try:
     result = loop.train(run, _WORKDIR.value)
   except (ValueError, storage.WriteError) as e:  # bad input, a full disk: one line, no traceback
