@@ -67,6 +67,7 @@ class OuterConfig:
   staleness_penalty: float | None
   momentum_clip: float | None
   allow_unstable: bool
+  comm_device: bool
   fragments: int
   overlap_steps: int
   mixing: float

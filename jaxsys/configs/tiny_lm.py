@@ -110,6 +110,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       # co2: a setting outside its stability bound is refused unless this is True (then a
       # warning), e.g. the authors' outer_staleness_penalty=1.0 (jaxsys/optim/co2.py)
       outer_allow_unstable=False,
+      # co2: its all-reduce on each process's second half of CPU devices, overlapping the
+      # next outer_sync_every steps (XLA:CPU; jaxsys/train/comm_device.py)
+      outer_comm_device=False,
       # streaming_diloco: layers synced in outer_fragments fragments at staggered offsets,
       # each every outer_sync_every steps; the outer step lands outer_overlap_steps inner
       # steps after its collective starts, mixed into the local parameters as

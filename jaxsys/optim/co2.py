@@ -84,7 +84,8 @@ def co2(*, sync_every: int, outer_lr: float = 1.0, outer_momentum: float = 0.5,
     if clip is not None:
       momentum = jax.tree.map(lambda m: jnp.clip(m, -clip, clip), momentum)
     anchor = jax.tree.map(lambda a, m: (a - alpha * m).astype(a.dtype), state.anchor, momentum)
-    pending = lax.pmean(params, axis_name)
+    # axis_name=None: the caller averages `pending` (the loop's communication twins).
+    pending = params if axis_name is None else lax.pmean(params, axis_name)
     return anchor, CO2State(state.rounds + 1, anchor, state.anchor, pending, momentum)
 
   def bytes_per_sync(params, num_replicas: int) -> int:
@@ -93,4 +94,4 @@ def co2(*, sync_every: int, outer_lr: float = 1.0, outer_momentum: float = 0.5,
   return outer_lib.OuterOptimizer(
       "co2", sync_every, init, sync, bytes_per_sync,
       dict(outer_lr=alpha, outer_momentum=beta, staleness_penalty=lam, momentum_clip=clip,
-           allow_unstable=allow_unstable), overlaps=True)
+           allow_unstable=allow_unstable), overlaps=True, in_flight="pending")

@@ -47,6 +47,9 @@ class OuterOptimizer:
   `elementwise`: `sync` treats every parameter entry alike, so it runs on any view of the
   parameters (a pipeline's stages); False (Streaming DiLoCo's layer fragments) needs the
   canonical `[layers, ...]` form.
+  `in_flight`: the state field an overlapping sync averages last; `sync(...,
+  axis_name=None)` leaves it un-averaged, for the caller to average apart from the steps
+  (`jaxsys.train.comm_device`) and write back before the next sync.
   """
   name: str
   sync_every: int
@@ -59,6 +62,7 @@ class OuterOptimizer:
   bytes_by_step: Callable[[Any, int, int], int] | None = None
   overlaps: bool = False
   elementwise: bool = True
+  in_flight: str | None = None
 
   def due(self, step: int) -> bool:
     """Whether the loop calls `sync` after inner step `step` (1-based)."""

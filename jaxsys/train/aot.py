@@ -23,6 +23,7 @@ from jaxsys.config import RunConfig
 from jaxsys.data.packing import FIELDS
 from jaxsys.models import transformer
 from jaxsys.optim import outer as outer_lib
+from jaxsys.train import comm_device
 from jaxsys.train.setup import Setup, make_setup
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -138,7 +139,8 @@ def compile_run(run: RunConfig, slice_: chips.Slice
                 ) -> tuple[Setup, list[Program | Overflow]]:
   """The run's setup on the slice and its compiled programs: train step, eval step and (with
   an outer optimizer) the outer sync."""
-  mesh = mesh_lib.make_mesh(run.mesh, slice_.devices)
+  mesh = mesh_lib.make_mesh(run.mesh, comm_device.training_devices(run.outer.comm_device,
+                                                                   slice_.devices))
   setup = make_setup(run, mesh)
   state = _abstract(setup.abstract, setup.state_sh)
   if run.parallel.hdp:  # its update and a ring of 2 slots' micro-step, as a check builds them

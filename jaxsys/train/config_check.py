@@ -27,6 +27,7 @@ from jaxsys.models.transformer import REMAT_POLICIES
 from jaxsys.optim.noloco import check_group_size
 from jaxsys.optim.inner import OPTIMIZERS
 from jaxsys.parallel import context, pipeline
+from jaxsys.train import comm_device
 from jaxsys.train import hdp_step
 from jaxsys.train import replicas as replicas_lib
 
@@ -167,6 +168,7 @@ FIELDS: dict[str, Rule] = {
     "optimizer.outer_staleness_penalty": optional(number(0, lo_open=True), _ALGORITHM_DEFAULT),
     "optimizer.outer_momentum_clip": optional(number(0, lo_open=True), "no clipping"),
     "optimizer.outer_allow_unstable": BOOL,
+    "optimizer.outer_comm_device": BOOL,
     "optimizer.outer_fragments": integer(1, meaning="fragments of layers synced in turn"),
     "optimizer.outer_overlap_steps": integer(0, meaning="inner steps a sync overlaps"),
     "optimizer.outer_mixing": number(0, 1),  # streaming_diloco's alpha
@@ -314,6 +316,9 @@ RELATIONS: tuple[Relation, ...] = (
     Relation(("optimizer.outer_overlap_steps", "optimizer.outer_sync_every", "optimizer.outer"),
              lambda tau, h, outer: outer != "streaming_diloco" or tau < h,
              "be < optimizer.outer_sync_every (a fragment's result lands before it syncs again)"),
+    Relation(("optimizer.outer_comm_device", "optimizer.outer"),
+             lambda twins, outer: not twins or outer == "co2",
+             "be False unless optimizer.outer=co2 (the one whose sync's result waits H steps)"),
     Relation(("optimizer.outer_group_size", "optimizer.outer", "mesh axis replica"),
              lambda g, outer, r: outer != "noloco" or _groups_replicas(g, r),
              "be 2 (random pairs, for an even replica count) or the replica count (one group)"),
@@ -326,7 +331,8 @@ RELATIONS: tuple[Relation, ...] = (
 # Fields added after checkpoints were first written, with the value an older config means:
 # a saved config without them (a checkpoint's meta) still parses.
 ADDED_LATER: dict[str, Any] = {"profile.steps": "", "parallel.context_algorithm": "ring",
-                               "parallel.context_gather_mib": 1024}
+                               "parallel.context_gather_mib": 1024,
+                               "optimizer.outer_comm_device": False}
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -430,7 +436,8 @@ def check_config(config, workdir: Any = None, devices=None) -> config_lib.RunCon
   workdir check.
   """
   values = hf.run_values(_field_values(config))  # init_from=hf:<dir>: its model and tokenizer
-  mesh = mesh_lib.make_mesh(values["mesh"], devices)
+  twins = values["optimizer.outer_comm_device"] and values["optimizer.outer"] == "co2"
+  mesh = mesh_lib.make_mesh(values["mesh"], comm_device.training_devices(twins, devices))
   related = {**values, **_derived(mesh, values)}
   for relation in RELATIONS:
     error = relation.error(related)

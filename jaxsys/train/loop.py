@@ -34,6 +34,7 @@ from jaxsys.data.documents import DocumentLoader, make_document_loader
 from jaxsys.data.loader import Loader, make_loader
 from jaxsys.models import transformer
 from jaxsys.optim.inner import make_schedule
+from jaxsys.train import comm_device
 from jaxsys.train import config_check
 from jaxsys.train import hdp_step
 from jaxsys.train import profile as profile_lib
@@ -242,7 +243,7 @@ def _loaders(run: RunConfig, mesh, workdir: str) -> tuple[Loader | DocumentLoade
 
 def _set_up(run: RunConfig, workdir: str) -> _Parts:
   """Mesh, loaders, model, optimizers and their jitted steps; nothing restored or trained yet."""
-  mesh = mesh_lib.make_mesh(run.mesh)
+  mesh = mesh_lib.make_mesh(run.mesh, comm_device.training_devices(run.outer.comm_device))
   logging.info("mesh: %s", mesh_lib.describe(mesh))
   train_loader, val = _loaders(run, mesh, workdir)
   setup = setup_lib.make_setup(run, mesh, train_loader)
@@ -423,7 +424,9 @@ class _Loop:
       self.state, m = setup.train_fn(self.state, batch)
     self.step += 1
     if setup.outer is not None and setup.outer.due(self.step):
-      if self.fused is None:
+      if setup.off_device_sync is not None:  # its all-reduce goes on beside the next steps
+        self.state = setup.off_device_sync(self.state)
+      elif self.fused is None:
         self.state = setup.sync_fn(self.state)
       else:
         self.sync_due = True
@@ -496,6 +499,8 @@ class _Loop:
     if self.pending:  # never save without checking the losses that led here
       self._log()
     self._flush_sync()
+    if self.parts.setup.off_device_sync is not None:  # the average in flight, into the state
+      self.state = self.parts.setup.off_device_sync.land(self.state)
     _check_finite_params(self.state.params, self.step, self.ckpt)
     saved = self.parts.setup.to_saved(self.state)
     (ckpt or self.ckpt).save(self.step, saved, data=self.parts.train_loader.get_state(),

@@ -90,11 +90,13 @@ def with_fresh_outer(outer: outer_lib.OuterOptimizer, step, params, opt_state) -
                     outer=jax.vmap(outer.init)(params))
 
 
-def make_sync(outer: outer_lib.OuterOptimizer, mesh: Mesh) -> Callable:
-  """(params [R..], outer state [R..]) -> same, by `outer.sync` under shard_map over `replica`."""
+def make_sync(outer: outer_lib.OuterOptimizer, mesh: Mesh, average: bool = True) -> Callable:
+  """(params [R..], outer state [R..]) -> same, by `outer.sync` under shard_map over
+  `replica`; `average=False`: without its collective (`outer.in_flight` left local)."""
   def per_replica(params, state):
     squeeze = lambda t: jax.tree.map(lambda x: x[0], t)
-    params, state = outer.sync(squeeze(params), squeeze(state), axis_name=AXIS)
+    params, state = outer.sync(squeeze(params), squeeze(state),
+                               axis_name=AXIS if average else None)
     return jax.tree.map(lambda x: x[None], (params, state))
 
   spec = PartitionSpec(AXIS)
@@ -129,17 +131,18 @@ def jit_steps(inner_step: Callable, outer: outer_lib.OuterOptimizer, mesh: Mesh,
 
 
 def jit_sync(outer: outer_lib.OuterOptimizer, mesh: Mesh, view: layouts.View, state_sh,
-             compiler_options) -> Callable:
+             compiler_options, average: bool = True) -> Callable:
   """The outer sync alone, jitted with donation: for an inner step that is not one program
-  (HDP's micro-steps), so nothing can fuse it into the next step."""
-  return jax.jit(sync_of_state(outer, mesh, view), in_shardings=(state_sh,),
+  (HDP's micro-steps), so nothing can fuse it into the next step, or (`average=False`)
+  without its collective, which `comm_device` runs apart."""
+  return jax.jit(sync_of_state(outer, mesh, view, average), in_shardings=(state_sh,),
                  out_shardings=state_sh, donate_argnums=0, compiler_options=compiler_options)
 
 
-def sync_of_state(outer: outer_lib.OuterOptimizer, mesh: Mesh, view: layouts.View
-                  ) -> Callable[[TrainState], TrainState]:
+def sync_of_state(outer: outer_lib.OuterOptimizer, mesh: Mesh, view: layouts.View,
+                  average: bool = True) -> Callable[[TrainState], TrainState]:
   """state -> state after the outer sync of its replicas (the inner states untouched)."""
-  sync = make_sync(outer, mesh)
+  sync = make_sync(outer, mesh, average)
 
   def sync_state(state: TrainState) -> TrainState:
     synced = state.replace(opt_state=None)  # the inner states take no part

@@ -37,7 +37,7 @@ from jaxsys.models import transformer
 from jaxsys.optim import outer as outer_lib
 from jaxsys.optim.inner import make_optimizer
 from jaxsys.parallel import pipeline, routing, vocab
-from jaxsys.train import grads, hdp_step
+from jaxsys.train import comm_device, grads, hdp_step
 from jaxsys.train import replicas as replicas_lib
 from jaxsys.train import state as state_lib
 from jaxsys.train import step as step_lib
@@ -91,6 +91,8 @@ class Setup:
   run_view: dict  # the run's view beyond its saved form (recorded in each checkpoint)
   schedule: pipeline.Schedule | None = None
   routing: str = "fixed"
+  # The sync with its all-reduce on communication twins (optimizer.outer_comm_device)
+  off_device_sync: comm_device.OffDeviceSync | None = None
 
   @property
   def param_sh(self):
@@ -346,6 +348,10 @@ def make_setup(run: RunConfig, mesh: Mesh, loader=None) -> Setup:
     step = sharded.under_mesh(grads.replica_step(grad_fn, optimizer), mesh)
     train_fn, sync_fn, sync_train_fn = replicas_lib.jit_steps(step, outer, mesh, view, state_sh,
                                                               batch_sh, opts)
+  off_device_sync = None
+  if run.outer.comm_device:
+    off_device_sync = comm_device.OffDeviceSync(
+        outer, mesh, replicas_lib.jit_sync(outer, mesh, view, state_sh, opts, average=False))
   eval_params = (jax.jit(lambda p: jax.tree.map(lambda x: x[0], p),
                          in_shardings=(state_sh.params,), out_shardings=view_param_sh)
                  if replicas else (lambda p: p))
@@ -359,7 +365,7 @@ def make_setup(run: RunConfig, mesh: Mesh, loader=None) -> Setup:
   return Setup(model_cfg, optimizer, outer, view, mesh, abstract, state_sh,
                state_lib.with_shardings(saved, saved_sh), state_lib.with_shardings(one, one_sh),
                batch_sh, train_fn, sync_fn, sync_train_fn, eval_fn, eval_params, batch_fn, comm,
-               run_view, schedule, run.pipeline.routing)
+               run_view, schedule, run.pipeline.routing, off_device_sync)
 
 
 def _saved_of_one(step, params, optimizer, outer, replicas: int) -> TrainState:
