@@ -25,7 +25,8 @@ from jaxsys.lab import link, run
 flags.DEFINE_list("bandwidths", ["20mbit", "100mbit", "300mbit"], "Link rates.")
 flags.DEFINE_list("runs", ["dp", "diloco_h10", "diloco_h50", "diloco_h100", "diloco_h250",
                            "streaming_h50", "noloco_h50", "co2_h10"],
-                  "Runs (dp first: its loss is the target).")
+                  "Runs (dp first: its loss is the target); co2twins_h<H>: CO2 with its "
+                  "all-reduce on communication twins (a second CPU device per process).")
 flags.DEFINE_integer("steps", 200, "Data parallelism's steps (the token budget).")
 flags.DEFINE_integer("outer_factor", 3, "An outer optimizer's steps, in units of --steps.")
 flags.DEFINE_integer("eval_every", 20, "Steps between evaluations.")
@@ -38,7 +39,8 @@ flags.DEFINE_string("plot", "/tmp/lab_outer.png", "Validation loss against the t
                     "a panel a link rate ('' for none).")
 FLAGS = flags.FLAGS
 
-OUTER = {"diloco": "diloco", "streaming": "streaming_diloco", "noloco": "noloco", "co2": "co2"}
+OUTER = {"diloco": "diloco", "streaming": "streaming_diloco", "noloco": "noloco", "co2": "co2",
+         "co2twins": "co2"}
 
 
 def _overrides(name: str) -> tuple[list[str], int, int]:
@@ -46,7 +48,8 @@ def _overrides(name: str) -> tuple[list[str], int, int]:
   if name == "dp":
     return ["--config.mesh=data=2"], FLAGS.steps, 1
   method, _, h = name.partition("_h")
-  extra = ["--config.optimizer.outer_fragments=2"] if method == "streaming" else []
+  extra = {"streaming": ["--config.optimizer.outer_fragments=2"],
+           "co2twins": ["--config.optimizer.outer_comm_device=True"]}.get(method, [])
   return ([f"--config.mesh=replica=2", f"--config.optimizer.outer={OUTER[method]}",
            f"--config.optimizer.outer_sync_every={h}", *extra],
           FLAGS.steps * FLAGS.outer_factor, int(h))
@@ -56,13 +59,17 @@ def _one(name: str, bandwidth: str) -> dict:
   overrides, steps, h = _overrides(name)
   workdir = os.path.join(FLAGS.workdir, bandwidth, name)
   shutil.rmtree(workdir, ignore_errors=True)
-  summary = run.run_lab(run.LabConfig(processes=2, bandwidth=bandwidth, runner_args=(
+  twins = name.startswith("co2twins")
+  summary = run.run_lab(run.LabConfig(processes=2, bandwidth=bandwidth,
+                                      devices_per_process=2 if twins else 1, runner_args=(
       f"--config={FLAGS.config}", f"--config.seed={FLAGS.seed}", f"--config.total_steps={steps}",
       "--config.log_every=1", f"--config.eval_every={FLAGS.eval_every}",
       "--config.checkpoint_every=0", *overrides, *(f"--config.{o}" for o in FLAGS.overrides),
       f"--workdir={workdir}")), echo=False)
   times = dict(run.step_times(workdir))
-  sync_steps = {s for s in range(1, steps + 1) if h > 1 and (s - name.startswith("co2")) % h == 0}
+  # The step that carries a sync: the one after it is due when fused into the next (CO2).
+  fused = name.startswith("co2") and not twins
+  sync_steps = {s for s in range(1, steps + 1) if h > 1 and (s - fused) % h == 0}
   clock = _clock(times, steps, sync_steps)
   rows = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl"))]
   evals = [(r["step"], float(clock[r["step"] - 1]), r["val_loss"]) for r in rows
@@ -73,6 +80,9 @@ def _one(name: str, bandwidth: str) -> dict:
               clock_s=float(clock[-1]), final_val_loss=evals[-1][2],
               step_s=float(np.median([t for s, t in times.items() if s not in sync_steps])),
               sync_step_s=float(np.median(synced)) if synced else None,
+              # The step after a sync step: CO2's (twins) with the all-reduce in flight.
+              after_sync_step_s=float(np.median([times[s + 1] for s in sync_steps
+                                                 if s + 1 in times])) if synced else None,
               step_wire_bytes=summary["wire_bytes_per_step"] * summary["timed_steps"],
               wire_bytes=summary["shaper"]["bytes"],  # the whole run's, evaluations included
               peak_share=max(u.get("share", 0.0) for u in util))

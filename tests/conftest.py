@@ -70,6 +70,7 @@ SLOW = (
     "tests/train/test_pipelined.py::test_outer_optimizer_over_pipelined_replicas",
     "tests/train/test_replicas.py::test_streaming_diloco_resumes_exactly_mid_overlap",
     "tests/train/test_replicas.py::test_resume_is_exact_with_outer_state",
+    "tests/train/test_comm_device.py::test_resume_is_exact_with_an_average_in_flight",
     "tests/train/test_step.py::TrainStepTest::test_context_parallel_equals_data_parallel",
     "tests/train/test_step.py::TrainStepTest::test_sharded_equals_single_device",
     "tests/train/test_aot.py::test_the_gpu_kernels_are_chosen_for_the_gpus",
