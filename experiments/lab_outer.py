@@ -31,6 +31,9 @@ flags.DEFINE_integer("steps", 200, "Data parallelism's steps (the token budget).
 flags.DEFINE_integer("outer_factor", 3, "An outer optimizer's steps, in units of --steps.")
 flags.DEFINE_integer("eval_every", 20, "Steps between evaluations.")
 flags.DEFINE_integer("seed", 0, "Seed of every run.")
+flags.DEFINE_integer("log_every", 1, "Steps a metrics row covers. A replica run's steps do not "
+                     "communicate, but fetching their metrics is a collective: 1 times every "
+                     "step (and sync steps apart); H keeps the link to the syncs.")
 flags.DEFINE_string("config", "configs/tiny_lm.py:size=test", "The runner's config.")
 flags.DEFINE_list("overrides", [], "More --config.* overrides of every run (without --config.).")
 flags.DEFINE_string("workdir", "/tmp/lab_outer", "Scratch directory (replaced).")
@@ -63,10 +66,12 @@ def _one(name: str, bandwidth: str) -> dict:
   summary = run.run_lab(run.LabConfig(processes=2, bandwidth=bandwidth,
                                       devices_per_process=2 if twins else 1, runner_args=(
       f"--config={FLAGS.config}", f"--config.seed={FLAGS.seed}", f"--config.total_steps={steps}",
-      "--config.log_every=1", f"--config.eval_every={FLAGS.eval_every}",
+      f"--config.log_every={FLAGS.log_every}", f"--config.eval_every={FLAGS.eval_every}",
       "--config.checkpoint_every=0", *overrides, *(f"--config.{o}" for o in FLAGS.overrides),
       f"--workdir={workdir}")), echo=False)
-  times = dict(run.step_times(workdir))
+  times = {}  # a row's seconds a step, for each step it covers
+  for step, seconds in run.step_times(workdir):
+    times.update((s, seconds) for s in range(step - FLAGS.log_every + 1, step + 1))
   # The step that carries a sync: the one after it is due when fused into the next (CO2).
   fused = name.startswith("co2") and not twins
   sync_steps = {s for s in range(1, steps + 1) if h > 1 and (s - fused) % h == 0}
@@ -75,10 +80,12 @@ def _one(name: str, bandwidth: str) -> dict:
   evals = [(r["step"], float(clock[r["step"] - 1]), r["val_loss"]) for r in rows
            if "val_loss" in r]
   util = [json.loads(l) for l in open(os.path.join(workdir, "lab", "wire.jsonl"))]
-  synced = [times[s] for s in sync_steps if s in times]
+  synced = [times[s] for s in sync_steps if s in times] if FLAGS.log_every == 1 else []
+  late = [t for s, t in times.items() if s > 2 * max(h, FLAGS.log_every)]  # compiles done
   return dict(name=name, bandwidth=bandwidth, steps=steps, h=h, summary=summary, evals=evals,
               clock_s=float(clock[-1]), final_val_loss=evals[-1][2],
               step_s=float(np.median([t for s, t in times.items() if s not in sync_steps])),
+              mean_step_s=float(np.mean(late)) if late else None,
               sync_step_s=float(np.median(synced)) if synced else None,
               # The step after a sync step: CO2's (twins) with the all-reduce in flight.
               after_sync_step_s=float(np.median([times[s + 1] for s in sync_steps
@@ -150,14 +157,16 @@ def main(argv):
   if FLAGS.plot:
     plot(out, FLAGS.plot)
   print("| link | run | steps | train clock (s) | clock to DP's loss (s) | final val loss "
-        "| step (ms) | sync step (ms) | wire MB, steps | wire MB, run | peak link share |")
-  print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        "| step (ms) | sync step (ms) | mean step, compiled (ms) | wire MB, steps | wire MB, run "
+        "| peak link share |")
+  print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
   for r in out:
     reach = r["clock_to_target_s"]
-    sync = r["sync_step_s"]
+    sync, mean = r["sync_step_s"], r["mean_step_s"]
     print(f"| {r['bandwidth']} | {r['name']} | {r['steps']} | {r['clock_s']:.1f} | "
           f"{'never' if reach is None else f'{reach:.1f}'} | {r['final_val_loss']:.4f} | "
           f"{r['step_s'] * 1e3:.1f} | {'-' if sync is None else f'{sync * 1e3:.0f}'} | "
+          f"{'-' if mean is None else f'{mean * 1e3:.1f}'} | "
           f"{r['step_wire_bytes'] / 1e6:.1f} | {r['wire_bytes'] / 1e6:.1f} | "
           f"{r['peak_share']:.2f} |")
 

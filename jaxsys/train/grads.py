@@ -27,6 +27,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jaxsys.kernels import sharded
@@ -168,18 +169,30 @@ def model_step(grad_fn: GradFn, optimizer: optax.GradientTransformation) -> Call
 
 
 def replica_step(grad_fn: ReplicaGradFn, optimizer: optax.GradientTransformation) -> Callable:
-  """(state, batch) -> (state, metrics): one inner step of every replica, each with its own
-  inner optimizer state (never averaged)."""
+  """(state, batch) -> (state, metrics [R]): one inner step of every replica, each with its
+  own inner optimizer state (never averaged) and its own metrics, which `replica_totals`
+  combines on the host: between syncs a replica never waits on another, not even to log."""
   def train_step(state: TrainState, batch: Batch):
     losses, counts, grads = grad_fn(state.params, batch, state.step)
     update = lambda p, o, g: step_lib.update(optimizer, p, o, g)
     params, opt_state, norms = jax.vmap(update, spmd_axis_name=REPLICA_AXIS)(
         state.params, state.opt_state, grads)
-    tokens = jnp.sum(counts)
-    metrics = {"loss": jnp.sum(losses) / jnp.maximum(tokens, 1.0),
-               "grad_norm": jnp.sqrt(jnp.mean(jnp.square(norms))), "tokens": tokens}
+    metrics = {"loss": losses / jnp.maximum(counts, 1.0), "grad_norm": norms, "tokens": counts}
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
   return train_step
+
+
+def replica_totals(metrics: dict) -> dict:
+  """The run's metrics from `replica_step`'s per-replica ones (fetched to the host): the
+  token-weighted loss, the root mean square of the replicas' gradient norms, all tokens.
+  Metrics already combined (one number each) pass through."""
+  if np.ndim(metrics["loss"]) == 0:
+    return metrics
+  tokens = np.asarray(metrics["tokens"], np.float64)
+  loss = np.sum(np.asarray(metrics["loss"], np.float64) * tokens) / max(tokens.sum(), 1.0)
+  norm = np.sqrt(np.mean(np.square(np.asarray(metrics["grad_norm"], np.float64))))
+  return {**metrics, "loss": np.float32(loss), "grad_norm": np.float32(norm),
+          "tokens": np.float32(tokens.sum())}
 
 
 def jit_autodiff_step(model_cfg: transformer.TransformerConfig,

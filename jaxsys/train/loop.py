@@ -36,6 +36,7 @@ from jaxsys.models import transformer
 from jaxsys.optim.inner import make_schedule
 from jaxsys.train import comm_device
 from jaxsys.train import config_check
+from jaxsys.train import grads
 from jaxsys.train import hdp_step
 from jaxsys.train import profile as profile_lib
 from jaxsys.train import setup as setup_lib
@@ -160,6 +161,15 @@ def _throughput_meter(run: RunConfig) -> _Throughput:
                flops_per_token / 1e6, palm / 1e6, palm / flops_per_token, peak.flops / 1e9,
                peak.source)
   return _Throughput(run.data.batch_size * seq_len, flops_per_token, peak.flops)
+
+
+def _to_host(tree):
+  """`tree` on the host; a replica run's per-replica metrics, spread over processes, are
+  gathered by one collective (at a logged step only)."""
+  local = lambda x: x.is_fully_addressable or x.is_fully_replicated
+  if all(local(x) for x in jax.tree.leaves(tree)):
+    return jax.device_get(tree)
+  return multihost_utils.process_allgather(tree, tiled=True)
 
 
 def _check_finite_metrics(fetched: list[tuple[int, dict]], ckpt: Checkpointer) -> None:
@@ -463,7 +473,8 @@ class _Loop:
 
   def _log(self) -> None:
     """Fetches pending metrics (a non-finite loss stops the run here) and writes a row."""
-    fetched = jax.device_get(self.pending)
+    steps, metrics = zip(*self.pending)
+    fetched = [(s, grads.replica_totals(m)) for s, m in zip(steps, _to_host(list(metrics)))]
     self.pending.clear()
     _check_finite_metrics(fetched, self.ckpt)
     m = fetched[-1][1]

@@ -3,7 +3,9 @@
 The run's arrays get a leading [R] dim sharded on `replica` (the DiLoCo view `[replica,
 ...]` of the same parameters); each replica may itself shard over data/fsdp/tensor/context
 or be a pipeline over `stage`. The inner step is any replica step (`grads.replica_step`),
-so inner optimizer states stay per replica and are never averaged. After each step the
+so inner optimizer states stay per replica and are never averaged, and its metrics stay
+per replica too (combined on the host when a row is logged): between syncs the replicas
+never communicate. After each step the
 outer optimizer says is due (every `sync_every` steps; Streaming DiLoCo's fragments in
 between) the loop calls `sync_fn`: the outer optimizer's `sync` under `jax.shard_map` over
 `replica` only (the other axes stay automatic), so its collectives are explicit in the
@@ -11,7 +13,8 @@ HLO. Its update is elementwise plus collectives over `replica`, so it runs on an
 the parameters as it is (a pipeline's stages included). For an outer optimizer that
 `overlaps` (CO2; Streaming DiLoCo with overlap_steps > 0) the loop instead runs
 `sync_train_fn`, the sync and the next inner step as one program: the step does not wait
-for the collective the sync launches, so the two can overlap.
+for the collective the sync launches, so the two can overlap (on XLA:CPU, where a program
+runs its collectives in line, `comm_device` runs CO2's apart on twin devices instead).
 """
 from __future__ import annotations
 
@@ -114,7 +117,6 @@ def jit_steps(inner_step: Callable, outer: outer_lib.OuterOptimizer, mesh: Mesh,
   An `elementwise` outer optimizer syncs the trained view as it is; another (Streaming
   DiLoCo's layer fragments) syncs the saved form, converted through `view` and back.
   """
-  replicated = NamedSharding(mesh, PartitionSpec())
   sync_state = sync_of_state(outer, mesh, view)
 
   def sync_then_step(state, batch):  # an outer that overlaps: the sync in the next step
@@ -123,7 +125,7 @@ def jit_steps(inner_step: Callable, outer: outer_lib.OuterOptimizer, mesh: Mesh,
   def jit(fn, ins, outs):
     return jax.jit(fn, in_shardings=ins, out_shardings=outs, donate_argnums=0,
                    compiler_options=compiler_options)
-  step_out = (state_sh, replicated)
+  step_out = (state_sh, NamedSharding(mesh, PartitionSpec(AXIS)))  # each replica's metrics
   return (jit(inner_step, (state_sh, batch_sh), step_out),
           jit_sync(outer, mesh, view, state_sh, compiler_options),
           jit(sync_then_step, (state_sh, batch_sh), step_out)

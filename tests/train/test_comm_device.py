@@ -76,6 +76,19 @@ def test_the_collective_runs_on_the_twins_only(make_config):
   assert {op for op, _ in ops} == {"all-reduce"} and sum(b for _, b in ops) == params // 4
 
 
+def test_an_inner_step_does_not_communicate(make_config):
+  """Between syncs a replica never waits on another: with one device a replica, the inner
+  step's program has no collective at all (its metrics stay per replica, combined on the
+  host), so nothing queues behind an all-reduce in flight."""
+  _, twins = _setups(make_config)
+  state = twins.init_state(0)
+  batch = next(_batches(twins, 1))
+  text = twins.train_fn.lower(state, batch).compile().as_text()
+  assert collective_ops_from_hlo(text) == []
+  _, metrics = twins.train_fn(state, batch)
+  assert metrics["loss"].shape == (4,) and metrics["loss"].sharding.spec[0] == "replica"
+
+
 def test_resume_is_exact_with_an_average_in_flight(make_config, tmp_path):
   """Syncs every 3 steps; the 4 + 4 run stops with step 3's average in flight (landed
   into the checkpoint): 8 steps straight == 4, stop, restore, 4 more."""

@@ -21,6 +21,7 @@ from jaxsys import mesh as mesh_lib
 from jaxsys.data import packing
 from jaxsys.train import compositions
 from jaxsys.train import config_check
+from jaxsys.train import grads
 from jaxsys.train.setup import make_setup
 
 # A model small enough to compile quickly; eps=1 makes AdamW's first step a smooth function
@@ -163,7 +164,8 @@ def _step(config):
   state, metrics = setup.train_fn(setup.init_state(0), setup.device_batch(_batch(config)))
   if setup.sync_fn is not None:
     state = setup.sync_fn(state)
-  return float(metrics["loss"]), jax.device_get(setup.to_saved(state))
+  return (float(grads.replica_totals(jax.device_get(metrics))["loss"]),
+          jax.device_get(setup.to_saved(state)))
 
 
 @pytest.mark.parametrize("names,options", EXECUTED, ids=map(_ID, EXECUTED))
@@ -231,7 +233,8 @@ def test_hdp_equals_data_parallelism_over_the_same_documents(names, options):
   ref_state, ref_metrics = reference.train_fn(reference.init_state(0), ref_batch)
   ref_inner = jax.device_get(reference.to_saved(ref_state))
   assert float(metrics["tokens"]) == sum(lengths)
-  np.testing.assert_allclose(float(metrics["loss"]), float(ref_metrics["loss"]), rtol=1e-5)
+  ref_loss = grads.replica_totals(jax.device_get(ref_metrics))["loss"]
+  np.testing.assert_allclose(float(metrics["loss"]), float(ref_loss), rtol=1e-5)
   chex.assert_trees_all_close((inner.params, inner.opt_state),
                               (ref_inner.params, ref_inner.opt_state), rtol=1e-5, atol=2e-5)
   if setup.sync_fn is not None:
