@@ -398,9 +398,10 @@ class _Loop:
     self.writer = metrics_lib.MetricWriter(workdir, resume_step=self.step)
     self.progress = metrics_lib.Progress(self.config.total_steps, self.step)
     self.pending: list[tuple[int, dict]] = []  # step metrics still on device
-    # A sync deferred into the next inner step's program (CO2); run on its own before eval/save.
+    # A sync deferred to the next step (CO2): fused into its program, or launched on the
+    # communication twins just before it; run on its own before an eval or a save.
     self.sync_due = False
-    self.fused = parts.setup.sync_train_fn
+    self.fused = None if parts.setup.off_device_sync else parts.setup.sync_train_fn
     self.last_eval: dict[str, float] = {}
     self.profiler = profile_lib.Profiler(profile_lib.parse_steps(self.config.profile.steps),
                                          os.path.join(workdir, "profile"))
@@ -427,16 +428,15 @@ class _Loop:
     """One step (with a deferred sync fused in), keeping at most two steps in flight."""
     setup = self.parts.setup
     batch = setup.device_batch(batch)
-    if self.sync_due:
+    if self.sync_due and self.fused is not None:
       self.state, m = self.fused(self.state, batch)
       self.sync_due = False
     else:
+      self._flush_sync()  # on twins: launched here, after the due step's row was logged
       self.state, m = setup.train_fn(self.state, batch)
     self.step += 1
     if setup.outer is not None and setup.outer.due(self.step):
-      if setup.off_device_sync is not None:  # its all-reduce goes on beside the next steps
-        self.state = setup.off_device_sync(self.state)
-      elif self.fused is None:
+      if self.fused is None and setup.off_device_sync is None:
         self.state = setup.sync_fn(self.state)
       else:
         self.sync_due = True
@@ -469,7 +469,9 @@ class _Loop:
 
   def _flush_sync(self) -> None:
     if self.sync_due:
-      self.state, self.sync_due = self.parts.setup.sync_fn(self.state), False
+      setup = self.parts.setup
+      self.state = (setup.off_device_sync or setup.sync_fn)(self.state)
+      self.sync_due = False
 
   def _log(self) -> None:
     """Fetches pending metrics (a non-finite loss stops the run here) and writes a row."""
