@@ -15,7 +15,8 @@ import functools
 import math
 import re
 
-_COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) .*\{$")
+_COMPUTATION = re.compile(r"^(ENTRY )?%?([\w.\-]+) \(.*\{$")
+_COMMENT = re.compile(r"/\*.*?\*/")  # e.g. /*index=5*/ inside long tuple shapes
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\w+)\[([\d,]*)\]")
 _DOT = re.compile(r" dot\(%([\w.\-]+), %[\w.\-]+\).*lhs_contracting_dims=\{([\d,]*)\}")
 _CONV = re.compile(r" convolution\(%([\w.\-]+), %([\w.\-]+)\)(.*)dim_labels=(\w+_\w+->\w+)")
@@ -78,7 +79,9 @@ def _conv_flops(out_dims, lhs_dims, rhs_dims, attributes: str, labels: str) -> f
   lhs_labels, rest = labels.split("_")
   rhs_labels, out_labels = rest.split("->")
   features = rhs_dims[rhs_labels.index("i")]
-  spatial = [c for c in lhs_labels if c.isdigit()]
+  # Spatial dimensions by number, the order `window` lists them in (labels may write
+  # them in any order: `1fb0_1i0o->b0f1`).
+  spatial = sorted((c for c in lhs_labels if c.isdigit()), key=int)
   found = _WINDOW.search(attributes)
   window = dict(re.findall(r"(\w+)=([\w_]+)", found[1])) if found else {}
 
@@ -100,20 +103,54 @@ def _conv_flops(out_dims, lhs_dims, rhs_dims, attributes: str, labels: str) -> f
   return 2.0 * batch_and_features * features * taps
 
 
+def _open_braces(line: str, depth: int, quoted: bool) -> tuple[int, bool]:
+  """`depth` and `quoted` after `line`: braces outside string literals counted."""
+  escaped = False
+  for c in line:
+    if quoted:
+      escaped, quoted = (False, True) if escaped else (c == "\\", c != '"')
+    elif c == '"':
+      quoted = True
+    elif c in "{}":
+      depth += 1 if c == "{" else -1
+  return depth, quoted
+
+
+def computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
+  """{computation name: its instructions, one string each} and the ENTRY's name.
+
+  An instruction may span lines: a custom call's backend_config can hold JSON printed
+  over many lines, some of them a lone `}`. Its lines are joined, so only a `}` outside
+  every instruction ends a computation.
+  """
+  bodies: dict[str, list[str]] = {}
+  entry = name = None
+  pending, depth, quoted = [], 0, False
+  for line in _COMMENT.sub("", hlo_text).splitlines():
+    if pending:
+      pending.append(line)
+    elif name is None:
+      match = _COMPUTATION.match(line)
+      if match:
+        name = match[2]
+        bodies[name] = []
+        entry = name if match[1] else entry
+      continue
+    elif line.strip() == "}":
+      name = None
+      continue
+    else:
+      pending = [line]
+    depth, quoted = _open_braces(line, depth, quoted)
+    if depth <= 0 and not quoted:
+      bodies[name].append(" ".join(pending))
+      pending, depth = [], 0
+  return bodies, entry
+
+
 def _parse(hlo_text: str) -> tuple[dict[str, list[str]], str, dict[str, tuple[int, ...]]]:
   """The computations of `hlo_text` (name -> lines), the ENTRY's name and every value's dims."""
-  bodies: dict[str, list[str]] = {}
-  entry, name = None, None
-  for line in hlo_text.splitlines():
-    match = _COMPUTATION.match(line)
-    if match:
-      name = match[1]
-      bodies[name] = []
-      entry = name if line.startswith("ENTRY") else entry
-    elif name is not None and line.strip() == "}":
-      name = None
-    elif name is not None:
-      bodies[name].append(line)
+  bodies, entry = computations(hlo_text)
   if entry is None:
     raise ValueError("dot_flops: no ENTRY computation in the HLO text")
   shapes = {m[1]: _dims(m[3]) for lines in bodies.values() for m in map(_INSTRUCTION.match, lines)

@@ -235,7 +235,6 @@ _COLLECTIVE = re.compile(
 _SHAPE = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\]")
 _ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2,
              "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
-_HEADER = re.compile(r"^(ENTRY )?%?([\w.\-]+) \(.*\{$")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}|true_computation=%?([\w.\-]+), "
                        r"false_computation=%?([\w.\-]+)")
 _CALLS = re.compile(r"\b(?:calls|to_apply|body|condition)=%?([\w.\-]+)")
@@ -259,21 +258,6 @@ def collective_ops_from_hlo(hlo_text: str) -> list[tuple[str, int]]:
   """(op, result bytes) of every collective in an HLO module's text (async -start forms too)."""
   return [(op, _shape_bytes(shape))
           for shape, op in _COLLECTIVE.findall(_COMMENT.sub("", hlo_text))]
-
-
-def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
-  """{computation name: its instruction lines} and the ENTRY computation's name."""
-  comps, entry, lines = {}, "", None
-  for line in _COMMENT.sub("", hlo_text).splitlines():
-    header = _HEADER.match(line)
-    if header:
-      lines = comps.setdefault(header.group(2), [])
-      entry = header.group(2) if header.group(1) else entry
-    elif line.startswith("}"):
-      lines = None
-    elif lines is not None:
-      lines.append(line)
-  return comps, entry
 
 
 def _group_size(line: str, default: int) -> int:
@@ -322,7 +306,7 @@ def collective_bytes_from_hlo(hlo_text: str, num_replicas: int, trips: bool = Fa
   return (operand, result, ...) tuples, so their bytes count twice; the sync-form ops
   XLA:CPU emits are exact.
   """
-  comps, entry = _computations(hlo_text)
+  comps, entry = hlo_flops.computations(hlo_text)
 
   def times(line: str) -> int:
     """How often what `line` calls runs per run of it (a while's body and condition: per
