@@ -253,6 +253,31 @@ class DecoderLayers(nnx.Module):
     return apply_layers(cfg, self.stacked(), x_BTD, positions_BT, segment_ids_BT, attention_fn)
 
 
+# The residual stream's sharding between layers: rows over these mesh axes, tokens over
+# `context`. (`replica` is left to vmap: a replica run's layers see one replica's rows.)
+RESIDUAL_AXES = (("data", "fsdp"), ("context",), ())
+
+
+def shard_residual(x_BTD):
+  """`x_BTD` constrained to RESIDUAL_AXES over the mesh being traced for (its axes of size
+  > 1), unchanged without a mesh or inside `shard_map` (a pipeline's stages, HDP's rings:
+  there a layer may run in a branch only some devices take, and a resharding collective
+  in it deadlocks). Without it the partitioner may keep a layer's weights sharded over
+  `fsdp` and move activations instead, all-gathering and all-reducing [B, T, F] tensors;
+  with it, FSDP gathers each layer's weights (docs/results/tpu_compile.md)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.manual_axes:
+    return x_BTD
+  sizes = dict(mesh.shape)
+  entries = []
+  for axes in RESIDUAL_AXES:
+    kept = tuple(a for a in axes if sizes.get(a, 1) > 1)
+    entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+  if all(e is None for e in entries):
+    return x_BTD
+  return jax.lax.with_sharding_constraint(x_BTD, jax.sharding.PartitionSpec(*entries))
+
+
 def apply_layers(cfg: TransformerConfig, stacked: dict[str, jax.Array], x_BTD, positions_BT,
                  segment_ids_BT, attention_fn: Callable, caches: Any = None):
   """`block` over a stack of layers (leading axis of every `stacked` leaf): all of the
@@ -264,9 +289,11 @@ def apply_layers(cfg: TransformerConfig, stacked: dict[str, jax.Array], x_BTD, p
 
   def body(x, p_and_cache):
     p, cache = p_and_cache
+    x = shard_residual(x)
     if cache is None:
-      return layer(p, x, positions_BT, segment_ids_BT), None
-    return layer(p, x, positions_BT, segment_ids_BT, cache=cache)
+      return shard_residual(layer(p, x, positions_BT, segment_ids_BT)), None
+    x, cache = layer(p, x, positions_BT, segment_ids_BT, cache=cache)
+    return shard_residual(x), cache
 
   depth = jax.tree.leaves(stacked)[0].shape[0]
   x_BTD, caches = jax.lax.scan(body, x_BTD, (stacked, caches), unroll=depth <= UNROLL_MAX_LAYERS)

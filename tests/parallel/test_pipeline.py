@@ -165,7 +165,7 @@ def test_both_tick_shapes_exact(mesh_spec, name, virtual, vocab_parallel):
   compiled = jax.jit(lambda p, b: pipeline.pipeline_loss_and_grads(
       cfg, schedule, layout, p, b, mesh=mesh, with_counts=True, fused=fused)).lower(
           staged, batch).compile()
-  comps, _ = outer._computations(compiled.as_text())
+  comps, _ = hlo_flops.computations(compiled.as_text())
   trips = [hlo_flops.trip_count(line, comps) for lines in comps.values() for line in lines
            if " while(" in line]
   assert ticks.ticks in trips and schedule.executed.ticks not in trips, trips
@@ -207,7 +207,7 @@ def _copied_per_tick(hlo: str, ticks: int) -> int:
   """Bytes of live buffers the tick loop's body copies on its costliest path: its own
   copies, and of each conditional the branch that copies most (one branch runs). A copy
   of a broadcast is how XLA fills a branch's zero results, not a buffer copied: left out."""
-  comps, _ = outer._computations(hlo)
+  comps, _ = hlo_flops.computations(hlo)
 
   def copied(computation: str) -> int:
     total = 0
@@ -240,7 +240,7 @@ _SLICE = re.compile(r"=\s*(\S+)\s+(dynamic-slice|fusion)\(")
 def _sliced_every_tick(hlo: str, ticks: int) -> int:
   """Bytes the tick loop's body slices out of its buffers outside any conditional, so every
   tick, whatever its stages run: dynamic slices, alone or fused (not into a write)."""
-  comps, _ = outer._computations(hlo)
+  comps, _ = hlo_flops.computations(hlo)
   total = 0
   for line in comps[_tick_body(comps, ticks)]:
     op = _SLICE.search(line)

@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxsys import hlo_flops
 from jaxsys import mesh as mesh_lib
 from jaxsys.data import packing
 from jaxsys.models import transformer
-from jaxsys.optim import outer
 from jaxsys.parallel import pipeline, schedules
 
 CFG = transformer.TransformerConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=4,
@@ -51,7 +51,7 @@ _CALLED = re.compile(r"(?:calls|body|true_computation|false_computation)=%([\w.\
 def _graph(hlo: str):
   """{computation: {instruction: (is ROOT, opcode, operands, called computations, type,
   tuple index or None)}}, and the entry computation's name."""
-  comps, entry = outer._computations(hlo)
+  comps, entry = hlo_flops.computations(hlo)
   graph = {}
   for comp, lines in comps.items():
     parsed = [m.groups() for m in map(_DEF.match, lines) if m]
