@@ -62,14 +62,14 @@ def _moved(x: jax.Array, device_map: dict, mesh: Mesh) -> jax.Array:
 class OffDeviceSync:
   """`sync(state)`: the outer update on the training devices, its all-reduce launched on
   the twins; `land(state)`: the state with the last all-reduce's result in place (what the
-  fused sync would hold). Built by `make` for an outer optimizer with `in_flight`."""
+  fused sync would hold). `setup.make_setup` builds it for an outer optimizer with
+  `in_flight` (CO2) when `optimizer.outer_comm_device` is set."""
 
   def __init__(self, outer: outer_lib.OuterOptimizer, mesh: Mesh, local_sync: Callable):
-    _, twin_of = split_devices()
     self.field, self.mesh, self.local_sync = outer.in_flight, mesh, local_sync
-    self.twin_of = twin_of
-    self.back = {t: d for d, t in twin_of.items()}
-    self.twins = Mesh(np.vectorize(twin_of.get, otypes=[object])(mesh.devices),
+    _, self.twin_of = split_devices()
+    self.back = {t: d for d, t in self.twin_of.items()}
+    self.twins = Mesh(np.vectorize(self.twin_of.get, otypes=[object])(mesh.devices),
                       mesh.axis_names)
     self.in_flight = None  # the average launched at the last sync, on the twins
     self._mean = None
@@ -96,4 +96,3 @@ class OffDeviceSync:
     self.in_flight = self._all_reduce(
         jax.tree.map(lambda x: _moved(x, self.twin_of, self.twins), local))
     return state
-

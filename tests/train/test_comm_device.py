@@ -9,10 +9,9 @@ from jaxsys import mesh as mesh_lib
 from jaxsys.optim.outer import collective_ops_from_hlo
 from jaxsys.train import comm_device
 from jaxsys.train import config_check
-from jaxsys.train import loop
 from jaxsys.train.setup import make_setup
 
-from tests.train.test_replicas import _rows, _straight_and_in_two_legs
+from tests.train.test_replicas import _straight_and_in_two_legs
 
 
 def _batches(setup, n):
