@@ -44,7 +44,7 @@ from jaxsys.models import transformer
 PREFIX = "hf:"  # init_from=hf:<dir>, data.tokenizer=hf:<dir>
 ARCHITECTURES = ("LlamaForCausalLM",)
 # Fields of the model config the checkpoint decides; the run keeps dtype, param_dtype,
-# attention_impl and remat.
+# attention_impl, remat and vocab_tiles.
 ARCH_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
                "rope_theta", "norm_eps", "tie_embeddings")
 _WHY_NOT = {
@@ -165,7 +165,8 @@ def tied(directory: str) -> bool:
 
 def model_config(directory: str, base: transformer.TransformerConfig | None = None
                  ) -> transformer.TransformerConfig:
-  """The checkpoint's model config; dtype, param_dtype, attention_impl and remat from `base`."""
+  """The checkpoint's model config; dtype, param_dtype, attention_impl, remat and vocab_tiles
+  from `base`."""
   fields = model_fields(directory)
   if base is None:
     return transformer.TransformerConfig(**fields)

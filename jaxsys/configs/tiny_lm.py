@@ -68,8 +68,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # run that resumes its own checkpoint ignores it. "" starts from random parameters.
   # "hf:<dir>": a Hugging Face Llama checkpoint (config.json + safetensors); its config.json
   # sets the model's shape fields (vocab_size ... tie_embeddings; dtype, param_dtype,
-  # attention_impl and remat stay the run's) and its tokenizer.json becomes data.tokenizer
-  # (unless that is set to another "hf:<dir>"); see jaxsys/checkpoint/hf.py.
+  # attention_impl, remat and vocab_tiles stay the run's) and its tokenizer.json becomes
+  # data.tokenizer (unless that is set to another "hf:<dir>"); see jaxsys/checkpoint/hf.py.
   c.init_from = ""
   # Model fields that change the function but not the shapes (rope_theta, norm_eps, dtype),
   # comma-separated, that a resume or init_from may change; others differing are refused.
@@ -80,7 +80,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       vocab_size=256, d_model=d_model, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv,
       head_dim=placeholder(int),  # None: d_model // n_heads
       d_ff=d_ff, rope_theta=10_000.0, norm_eps=1e-6, tie_embeddings=False,
-      dtype="float32", param_dtype="float32", attention_impl="auto", remat="none"))
+      dtype="float32", param_dtype="float32", attention_impl="auto",
+      # What each layer keeps for its backward (jaxsys/models/remat.py): none, minimal
+      # (no matmul recomputed), dots, qkv or full; remat_offload: names it keeps in host
+      # memory instead, e.g. "layer_input,q,k,v".
+      remat="none", remat_offload="",
+      # The loss's output layer in this many vocabulary tiles: no [B, T, vocab] logits
+      # tensor is ever whole, one more output-layer matmul in the backward (1: untiled).
+      vocab_tiles=1))
 
   c.data = ml_collections.ConfigDict(dict(
       source="stdlib", tokenizer="byte", vocab_size=256, seq_len=seq_len, batch_size=batch,

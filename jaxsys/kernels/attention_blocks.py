@@ -20,6 +20,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxsys.kernels import backends
 from jaxsys.kernels.attention_inputs import check_inputs, static_scale
@@ -167,6 +168,9 @@ def flash_vjp(fwd_call: Callable, dq_call: Callable, dkv_call: Callable, layout:
 
   def flash_fwd(cfg, q, k, v, q_ids, kv_ids, ranges):
     o, lse = fwd_call(cfg, q, k, v, q_ids, kv_ids, ranges[0], ranges[1])
+    # Named, so a remat policy can keep them and the backward need not rerun this kernel
+    # (jaxsys/models/remat.py).
+    o, lse = checkpoint_name(o, "attention"), checkpoint_name(lse, "attention_stats")
     return o, (q, k, v, q_ids, kv_ids, ranges, o, lse)
 
   def flash_bwd(cfg, res, do):

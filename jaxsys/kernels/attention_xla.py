@@ -53,6 +53,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxsys.kernels.attention_inputs import check_inputs, static_scale
 from jaxsys.kernels.attention_blocks import spans, visitable_blocks
@@ -572,7 +573,10 @@ def _flash_fwd(cfg, q, k, v, qseg, kvseg):
   else:
     out, lse = _forward(cfg, q, k, v, qseg, kvseg)
     p_or_lse = _finite_or_zero(lse)  # empty rows: 0, so their masked p are exact zeros
-  out = out.astype(q.dtype)
+  # Named, so a remat policy can keep them and the backward need not rerun the forward
+  # (jaxsys/models/remat.py).
+  out = checkpoint_name(out.astype(q.dtype), "attention")
+  p_or_lse = checkpoint_name(p_or_lse, "attention_stats")
   return out, (q, k, v, qseg, kvseg, out, p_or_lse)
 
 

@@ -23,20 +23,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxsys import flops as flops_lib
 from jaxsys.kernels import attention as attention_lib
+from jaxsys.models import output_layer, remat
+from jaxsys.models.matmul import matmul
 
 # Stacks of at most this many layers are unrolled: the scan's stacked residuals cost a
 # zero-fill plus a dynamic-slice copy per layer and step (about 8% of a CPU step of the
 # tiny config); deeper stacks keep the loop so compile time stays flat in depth.
 UNROLL_MAX_LAYERS = 8
 
-REMAT_POLICIES = {
-    "none": None,
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +52,9 @@ class TransformerConfig:
   dtype: str = "float32"  # compute dtype
   param_dtype: str = "float32"
   attention_impl: str = "auto"
-  remat: str = "none"  # one of REMAT_POLICIES
+  remat: str = "none"  # one of remat.POLICIES
+  remat_offload: str = ""  # comma-separated remat.OFFLOADABLE names kept in host memory
+  vocab_tiles: int = 1  # the loss's output layer in this many vocabulary tiles (output_layer.py)
 
   def __post_init__(self):
     if self.n_heads % self.n_kv_heads:
@@ -64,8 +64,10 @@ class TransformerConfig:
       raise ValueError(
           f"model.d_model={self.d_model} must divide by model.n_heads={self.n_heads} "
           "(or set model.head_dim)")
-    if self.remat not in REMAT_POLICIES:
-      raise ValueError(f"model.remat={self.remat!r}; valid: {sorted(REMAT_POLICIES)}")
+    remat.check(self.remat, self.remat_offload)
+    if self.vocab_tiles < 1 or self.vocab_size % self.vocab_tiles:
+      raise ValueError(f"model.vocab_tiles={self.vocab_tiles} must be >= 1 and divide "
+                       f"model.vocab_size={self.vocab_size}")
     for field in ("dtype", "param_dtype"):
       try:
         jnp.dtype(getattr(self, field))
@@ -112,30 +114,8 @@ def rope(x_BTHD, positions_BT, theta: float):
   return out.astype(x_BTHD.dtype)
 
 
-def _splits_sequence() -> bool:
-  """Whether the mesh traced under splits the sequence: a `context` axis of size > 1 that
-  the compiler lays out (not one a `shard_map` around this code has made manual)."""
-  mesh = jax.sharding.get_abstract_mesh()
-  return (not mesh.empty and dict(mesh.shape).get("context", 1) > 1
-          and "context" not in mesh.manual_axes)
-
-
-def _matmul(x, w_KN, **kwargs):
-  """x [..., K] @ w [K, N]: one 2-D matmul, its token dims flattened into M, unless the
-  sequence is split over `context`. Flattening keeps the weight gradient a
-  single-contraction dot ([K, M] x [M, N]); contracting over (batch, length) as two dims
-  makes XLA:CPU materialise a transposed copy of the activation gradient first. But M of a
-  data-sharded batch and a context-sharded length is no tiling of the devices, so XLA
-  all-gathers the length to make it, and every dense layer would run on the whole sequence
-  on every context shard: then the token dims stay apart."""
-  if x.ndim == 2 or _splits_sequence():
-    return jax.lax.dot_general(x, w_KN, (((x.ndim - 1,), (0,)), ((), ())), **kwargs)
-  return jnp.dot(x.reshape(-1, x.shape[-1]), w_KN, **kwargs).reshape(*x.shape[:-1],
-                                                                      w_KN.shape[-1])
-
-
 def _dense(x, w, n_in: int = 1, *, out_shape: tuple[int, ...] | None = None, dtype=None):
-  """x [..., *in] @ w [*in, *out] as one matmul [..., K] x [K, N] (`_matmul`).
+  """x [..., *in] @ w [*in, *out] as one matmul [..., K] x [K, N] (`matmul.matmul`).
 
   `w` is a float array (cast to `dtype`), a `QWeight` holding the 2-D [K, N] view
   (run by `qmatmul`), or any callable [M, K] -> [M, N] (a calibration tap, a qwix
@@ -147,7 +127,7 @@ def _dense(x, w, n_in: int = 1, *, out_shape: tuple[int, ...] | None = None, dty
     n_shape = w.shape[n_in:]
     if dtype is not None:
       w = w.astype(dtype)
-    y = _matmul(x.reshape(*lead, k), w.reshape(k, math.prod(n_shape)))
+    y = matmul(x.reshape(*lead, k), w.reshape(k, math.prod(n_shape)))
     out_shape = n_shape if out_shape is None else out_shape
   elif _is_qweight(w):
     y = _qmatmul(x.reshape(-1, k), w)
@@ -205,20 +185,24 @@ def block(p: dict[str, jax.Array], x_BTD, positions_BT, segment_ids_BT, cfg: Tra
   """
   dt = jnp.dtype(cfg.dtype)
   H, K, hd, D, F = cfg.n_heads, cfg.n_kv_heads, cfg.hd, cfg.d_model, cfg.d_ff
+  name = checkpoint_name  # tags for the remat policies (remat.NAMES)
+  x_BTD = name(x_BTD, remat.LAYER_INPUT)
   h = rms_norm(x_BTD, p["attn_norm"], cfg.norm_eps)
   q = _dense(h, p["wq"], out_shape=(H, hd), dtype=dt)  # [B, T, H, hd]
   k = _dense(h, p["wk"], out_shape=(K, hd), dtype=dt)
-  v = _dense(h, p["wv"], out_shape=(K, hd), dtype=dt)
-  q, k = rope(q, positions_BT, cfg.rope_theta), rope(k, positions_BT, cfg.rope_theta)
+  v = name(_dense(h, p["wv"], out_shape=(K, hd), dtype=dt), "v")
+  q = name(rope(q, positions_BT, cfg.rope_theta), "q")
+  k = name(rope(k, positions_BT, cfg.rope_theta), "k")
   kw = dict(segment_ids=segment_ids_BT, positions=positions_BT, causal=True)
   if cache is None:
     o = attention_fn(q, k, v, **kw)
   else:
     o, cache = attention_fn(q, k, v, cache=cache, **kw)
-  x_BTD = x_BTD + _dense(o, p["wo"], n_in=2, out_shape=(D,), dtype=dt)
+  o = name(o, "attention")  # the flash kernels tag their own residual copy too
+  x_BTD = x_BTD + name(_dense(o, p["wo"], n_in=2, out_shape=(D,), dtype=dt), "attention_proj")
   h = rms_norm(x_BTD, p["mlp_norm"], cfg.norm_eps)
-  gate = _dense(h, p["w_gate"], out_shape=(F,), dtype=dt)
-  up = _dense(h, p["w_up"], out_shape=(F,), dtype=dt)
+  gate = name(_dense(h, p["w_gate"], out_shape=(F,), dtype=dt), "mlp_gate")
+  up = name(_dense(h, p["w_up"], out_shape=(F,), dtype=dt), "mlp_up")
   x_BTD = x_BTD + _dense(jax.nn.silu(gate) * up, p["w_down"], out_shape=(D,), dtype=dt)
   return x_BTD if cache is None else (x_BTD, cache)
 
@@ -283,9 +267,8 @@ def apply_layers(cfg: TransformerConfig, stacked: dict[str, jax.Array], x_BTD, p
   """`block` over a stack of layers (leading axis of every `stacked` leaf): all of the
   model's, or one pipeline stage's chunk of them. With `caches` (every leaf stacked on a
   leading `layers` axis) each layer gets its own and this returns (x, new caches)."""
-  layer = functools.partial(block, cfg=cfg, attention_fn=attention_fn)
-  if REMAT_POLICIES[cfg.remat] is not None:
-    layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat])
+  layer = remat.checkpointed(functools.partial(block, cfg=cfg, attention_fn=attention_fn),
+                             cfg.remat, cfg.remat_offload)
 
   def body(x, p_and_cache):
     p, cache = p_and_cache
@@ -296,7 +279,10 @@ def apply_layers(cfg: TransformerConfig, stacked: dict[str, jax.Array], x_BTD, p
     return shard_residual(x), cache
 
   depth = jax.tree.leaves(stacked)[0].shape[0]
-  x_BTD, caches = jax.lax.scan(body, x_BTD, (stacked, caches), unroll=depth <= UNROLL_MAX_LAYERS)
+  # Offloading pays only in a loop: XLA:TPU keeps device copies of an unrolled stack's
+  # offloaded values (v5e, 4 layers: 6.7x the device temporaries; 16 scanned: 0.51x).
+  unroll = depth <= UNROLL_MAX_LAYERS and not cfg.remat_offload
+  x_BTD, caches = jax.lax.scan(body, x_BTD, (stacked, caches), unroll=unroll)
   return x_BTD if caches is None else (x_BTD, caches)
 
 
@@ -316,13 +302,27 @@ class Transformer(nnx.Module):
 
   def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None,
                attention_fn: Callable | None = None):
+    x_BTD = self.hidden(tokens_BT, positions_BT, segment_ids_BT, attention_fn)
+    return unembed(self.cfg, x_BTD, *self._head())
+
+  def losses(self, tokens_BT, targets_BT, positions_BT=None, segment_ids_BT=None,
+             attention_fn: Callable | None = None):
+    """Per-token cross-entropy [B, T] against `targets_BT` (`head_losses`)."""
+    x_BTD = self.hidden(tokens_BT, positions_BT, segment_ids_BT, attention_fn)
+    return head_losses(self.cfg, x_BTD, *self._head(), targets_BT)
+
+  def hidden(self, tokens_BT, positions_BT=None, segment_ids_BT=None,
+             attention_fn: Callable | None = None):
+    """The last layer's output [B, T, D], before the final norm."""
     cfg = self.cfg
     positions_BT, attention_fn = default_inputs(cfg, tokens_BT, positions_BT, attention_fn)
-    embedding = self.embedding.get_value()  # an array, or a QWeight if quantized
-    x_BTD = embed(cfg, embedding, tokens_BT)
-    x_BTD = self.layers(x_BTD, positions_BT, segment_ids_BT, cfg, attention_fn)
-    unembedding = None if cfg.tie_embeddings else self.unembedding.get_value()
-    return unembed(cfg, x_BTD, self.final_norm[...], embedding, unembedding)
+    x_BTD = embed(cfg, self.embedding.get_value(), tokens_BT)
+    return self.layers(x_BTD, positions_BT, segment_ids_BT, cfg, attention_fn)
+
+  def _head(self):
+    """(final norm, embedding, unembedding): arrays, or QWeights if quantized."""
+    unembedding = None if self.cfg.tie_embeddings else self.unembedding.get_value()
+    return self.final_norm[...], self.embedding.get_value(), unembedding
 
 
 def default_inputs(cfg: TransformerConfig, tokens_BT, positions_BT, attention_fn):
@@ -347,22 +347,39 @@ def embed(cfg: TransformerConfig, embedding_VD, tokens_BT) -> jax.Array:
   return jnp.take(embedding_VD, tokens_BT, axis=0).astype(jnp.dtype(cfg.dtype))
 
 
+def _output_weight(cfg: TransformerConfig, embedding_VD, unembedding_DV):
+  """The output layer's weight [D, V] in the compute dtype, or its QWeight (untied,
+  quantized: run by qmatmul)."""
+  if not cfg.tie_embeddings:
+    return unembedding_DV if _is_qweight(unembedding_DV) else unembedding_DV.astype(cfg.dtype)
+  if _is_qweight(embedding_VD):
+    embedding_VD = _quant_matmul().dequantize(embedding_VD)
+  # N(0, 1) embeddings: scale so tied logits start at unit variance like untied ones.
+  return (embedding_VD.T * (cfg.d_model ** -0.5)).astype(cfg.dtype)
+
+
 def unembed(cfg: TransformerConfig, x_BTD, final_norm_D, embedding_VD, unembedding_DV) -> jax.Array:
   """Final RMSNorm and output projection: logits [B, T, vocab] float32."""
-  dt = jnp.dtype(cfg.dtype)
   x_BTD = rms_norm(x_BTD, final_norm_D, cfg.norm_eps)
-  b, t, d = x_BTD.shape
-  if cfg.tie_embeddings and _is_qweight(embedding_VD):
-    embedding_VD = _quant_matmul().dequantize(embedding_VD)
-  elif not cfg.tie_embeddings and _is_qweight(unembedding_DV):
-    logits = _qmatmul(x_BTD.reshape(b * t, d), unembedding_DV)
-    return logits.astype(jnp.float32).reshape(b, t, -1)
-  if cfg.tie_embeddings:
-    # N(0, 1) embeddings: scale so tied logits start at unit variance like untied ones.
-    w_DV = embedding_VD.T * (cfg.d_model ** -0.5)
-  else:
-    w_DV = unembedding_DV
-  return _matmul(x_BTD, w_DV.astype(dt), preferred_element_type=jnp.float32)
+  w_DV = _output_weight(cfg, embedding_VD, unembedding_DV)
+  if _is_qweight(w_DV):
+    b, t, d = x_BTD.shape
+    return _qmatmul(x_BTD.reshape(b * t, d), w_DV).astype(jnp.float32).reshape(b, t, -1)
+  return matmul(x_BTD, w_DV, preferred_element_type=jnp.float32)
+
+
+def head_losses(cfg: TransformerConfig, x_BTD, final_norm_D, embedding_VD, unembedding_DV,
+                targets_BT) -> jax.Array:
+  """Final RMSNorm, output projection and cross-entropy: per-token losses [B, T] float32,
+  the logits in the compute dtype and never kept in float32 (`output_layer`), in
+  `cfg.vocab_tiles` tiles of the vocabulary."""
+  w_DV = _output_weight(cfg, embedding_VD, unembedding_DV)
+  if _is_qweight(w_DV):  # weight-only serving formats: the logits as `unembed` makes them
+    logits = unembed(cfg, x_BTD, final_norm_D, embedding_VD, unembedding_DV)
+    return jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(
+        logits, targets_BT[..., None], -1)[..., 0]
+  h_BTD = rms_norm(x_BTD, final_norm_D, cfg.norm_eps)
+  return output_layer.token_losses(h_BTD, w_DV, targets_BT, cfg.vocab_tiles)
 
 
 def logical_axes(model: nnx.Module) -> dict[str, Any]:
@@ -420,5 +437,16 @@ def param_axes(cfg: TransformerConfig) -> dict[str, Any]:
 def apply(cfg: TransformerConfig, params: dict[str, Any], tokens_BT, positions_BT=None,
           segment_ids_BT=None, attention_fn: Callable | None = None) -> jax.Array:
   """Logits [B, T, vocab] float32 from a parameter dict; see `Transformer.__call__`."""
-  model = nnx.merge(nnx.graphdef(_abstract_model(cfg)), params)
-  return model(tokens_BT, positions_BT, segment_ids_BT, attention_fn)
+  return _model(cfg, params)(tokens_BT, positions_BT, segment_ids_BT, attention_fn)
+
+
+def losses(cfg: TransformerConfig, params: dict[str, Any], tokens_BT, targets_BT,
+           positions_BT=None, segment_ids_BT=None, attention_fn: Callable | None = None
+           ) -> jax.Array:
+  """Per-token cross-entropy [B, T] float32 from a parameter dict; see `head_losses`."""
+  return _model(cfg, params).losses(tokens_BT, targets_BT, positions_BT, segment_ids_BT,
+                                    attention_fn)
+
+
+def _model(cfg: TransformerConfig, params: dict[str, Any]) -> "Transformer":
+  return nnx.merge(nnx.graphdef(_abstract_model(cfg)), params)

@@ -23,7 +23,7 @@ from jaxsys.checkpoint import hf, layouts
 from jaxsys.checkpoint.manager import NUMERIC_FIELDS
 from jaxsys.data.tokenizer import MIN_BPE_VOCAB, TOKENIZERS
 from jaxsys.kernels.backends import IMPLS
-from jaxsys.models.transformer import REMAT_POLICIES
+from jaxsys.models import remat
 from jaxsys.optim.noloco import check_group_size
 from jaxsys.optim.inner import OPTIMIZERS
 from jaxsys.parallel import context, pipeline
@@ -121,7 +121,11 @@ FIELDS: dict[str, Rule] = {
     "model.dtype": one_of("float32", "bfloat16", "float16"),
     "model.param_dtype": one_of("float32", "bfloat16", "float16"),
     "model.attention_impl": one_of(*IMPLS),
-    "model.remat": one_of(*REMAT_POLICIES),
+    "model.remat": one_of(*remat.POLICIES),
+    "model.remat_offload": Rule(
+        lambda v: isinstance(v, str) and set(remat.parse_offload(v)) <= set(remat.OFFLOADABLE),
+        f"'' or a comma-separated subset of {', '.join(remat.OFFLOADABLE)} (kept in host memory)"),
+    "model.vocab_tiles": integer(1, meaning="1: the output layer untiled"),
     "data.source": Rule(
         lambda v: isinstance(v, str) and (v == "stdlib" or os.path.isdir(v)
                                           or next(glob.iglob(v, recursive=True), None) is not None),
@@ -232,6 +236,14 @@ RELATIONS: tuple[Relation, ...] = (
              lambda v, tok: v == 256 if tok == "byte" else v >= MIN_BPE_VOCAB if tok == "bpe"
              else True,  # hf: data.vocab_size is its tokenizer's (hf.run_values)
              f"be 256 for the byte tokenizer, >= {MIN_BPE_VOCAB} for bpe (256 bytes + merges)"),
+    Relation(("model.vocab_tiles", "model.vocab_size"), lambda n, v: v % n == 0,
+             "divide model.vocab_size (equal tiles of the vocabulary)"),
+    Relation(("model.remat_offload", "model.remat"),
+             lambda offload, policy: not offload or policy in ("full", "minimal", "qkv"),
+             "be '' unless model.remat names what it keeps (full, minimal or qkv)"),
+    Relation(("model.remat_offload", "the devices' host memory"),
+             lambda offload, host: not offload or host != "none",
+             "be '' on devices without a host memory of their own to offload to (TPU, GPU)"),
     Relation(("model.vocab_size", "data.vocab_size"), lambda m, d: m >= d,
              "be >= data.vocab_size (every token needs an embedding row)"),
     Relation(("optimizer.warmup_steps", "total_steps", "optimizer.schedule_steps"),
@@ -332,7 +344,8 @@ RELATIONS: tuple[Relation, ...] = (
 # a saved config without them (a checkpoint's meta) still parses.
 ADDED_LATER: dict[str, Any] = {"profile.steps": "", "parallel.context_algorithm": "ring",
                                "parallel.context_gather_mib": 1024,
-                               "optimizer.outer_comm_device": False}
+                               "optimizer.outer_comm_device": False, "model.vocab_tiles": 1,
+                               "model.remat_offload": ""}
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -384,7 +397,15 @@ def _derived(mesh, values: dict[str, Any]) -> dict[str, Any]:
              for axis in ("replica", "stage", "fsdp", "context")},
           "mesh axes data x fsdp": math.prod(dict(mesh.shape).get(a, 1)
                                              for a in hdp_step.SLOT_AXES),
-          "processes": jax.process_count()}
+          "processes": jax.process_count(),
+          "the devices' host memory": _host_memory(mesh.devices.flat[0])}
+
+
+def _host_memory(device) -> str:
+  """'pinned_host' where `device` has a memory to offload to apart from its own, else
+  'none' (a CPU's device memory is already the host's: jax drops the offload there)."""
+  kinds = {m.kind for m in device.addressable_memories()}
+  return "pinned_host" if device.platform != "cpu" and "pinned_host" in kinds else "none"
 
 
 def check_workdir(workdir: Any) -> None:

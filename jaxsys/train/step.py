@@ -38,14 +38,15 @@ class ContextSplit(NamedTuple):
 
 def token_losses(cfg: transformer.TransformerConfig, params, batch: Batch,
                  context_split: ContextSplit | None = None) -> jax.Array:
-  """`cross_entropy` of the model's logits; with a `context_split`, the sequence is split
-  over the mesh's `context` axis as it says (see `context_parallel`)."""
+  """The model's per-token cross-entropy [B, T] (`transformer.losses`), zero where
+  loss_mask is 0; with a `context_split`, the sequence is split over the mesh's `context`
+  axis as it says (see `context_parallel`)."""
   attention_fn = None
   if context_split is not None:
     batch, attention_fn = context_parallel(batch, context_split)
-  logits = transformer.apply(cfg, params, batch["inputs"], batch["positions"],
-                             batch["segment_ids"], attention_fn)
-  return cross_entropy(logits, batch)
+  losses = transformer.losses(cfg, params, batch["inputs"], batch["targets"], batch["positions"],
+                              batch["segment_ids"], attention_fn)
+  return losses * batch["loss_mask"]
 
 
 # The context layout of a batch its maker already laid out over `context` (an HDP

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
 
+from jaxsys import hlo_flops
 from jaxsys.models import transformer
 
 CFG = transformer.TransformerConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
@@ -118,26 +119,46 @@ class TransformerTest(parameterized.TestCase):
       self.assertEqual(set.union(*layer_types), {want}, dtype)
       head = [types for dims, types in dots if vocab in dims]
       self.assertIn({want}, head, dtype)  # the forward's output projection
+    # The training loss (`transformer.losses`, its backward by hand) runs every matmul of
+    # the step in bf16, the output layer's backward too.
+    c = with_vocab(dtype="bfloat16")
+    tokens = _inputs()[0] % vocab
+    grad = jax.grad(lambda p: jnp.mean(transformer.losses(c, p, tokens, tokens)))
+    self.assertEqual(set.union(*[t for _, t in _dots(jax.jit(grad).lower(p).as_text())]),
+                     {"bf16"})
 
   def test_remat_matches_and_saves_less(self):
-    """Same gradients; the saved residuals shrink by what each policy must recompute."""
+    """Same gradients; the saved residuals shrink by what each policy must recompute, and
+    the compiled backward recomputes exactly the matmuls the policy leaves out."""
     params = transformer.init_params(CFG, jax.random.key(0))
-    grads, saved = {}, {}
-    for remat in ("none", "dots", "full"):
-      cfg = transformer.TransformerConfig(**{**CFG.__dict__, "remat": remat})
-      loss = lambda p: jnp.mean(transformer.apply(cfg, p, *_inputs()) ** 2)
+    tokens = _inputs(t=64)[0]  # more than one attention tile: the kernel's own residuals
+    grads, saved, flops = {}, {}, {}
+    for remat in ("none", "minimal", "dots", "qkv", "full"):
+      cfg = transformer.TransformerConfig(**{**CFG.__dict__, "remat": remat,
+                                             "attention_impl": "xla"})
+      loss = lambda p: jnp.mean(transformer.losses(cfg, p, tokens, tokens))
       # The vjp's leaves are the residuals the forward keeps for the backward.
       _, vjp = jax.jit(lambda p: jax.vjp(loss, p))(params)
       saved[remat] = sum(x.size for x in jax.tree.leaves(vjp))
       grads[remat] = vjp(jnp.ones(()))[0]
-    for remat in ("dots", "full"):
+      flops[remat] = hlo_flops.dot_flops(jax.jit(jax.grad(loss)).lower(params).compile()
+                                         .as_text())
+    for remat in ("minimal", "dots", "qkv", "full"):
       chex.assert_trees_all_close(grads[remat], grads["none"], atol=1e-6)
-    (b, t), L = _inputs()[0].shape, CFG.n_layers
-    # SwiGLU's gate and up outputs [B, T, F]: kept by "none" and "dots" (they are dots),
-    # recomputed by "full"; attention weights [B, H, T, T] (a batched dot and a softmax):
-    # kept by "none" only.
-    self.assertGreaterEqual(saved["dots"] - saved["full"], 2 * L * b * t * CFG.d_ff)
-    self.assertGreaterEqual(saved["none"] - saved["dots"], L * b * CFG.n_heads * t * t)
+    (b, t), L, D, F = tokens.shape, CFG.n_layers, CFG.d_model, CFG.d_ff
+    # minimal keeps every projection and the flash attention's output and statistics: no
+    # matmul and no attention forward again; dots reruns the attention (its output is no
+    # plain dot), qkv every other matmul too, full the whole layer.
+    self.assertEqual(flops["minimal"], flops["none"])
+    self.assertLess(flops["minimal"], flops["dots"])
+    self.assertLess(flops["dots"], flops["qkv"])
+    self.assertLess(flops["qkv"], flops["full"])
+    # What each keeps beyond the next: minimal's attention output over dots'; dots' output
+    # projection and SwiGLU's gate and up over qkv's; qkv's q, k, v over full's.
+    self.assertGreaterEqual(saved["minimal"] - saved["dots"], L * b * t * CFG.n_heads * CFG.hd)
+    self.assertGreaterEqual(saved["dots"] - saved["qkv"], L * b * t * (D + 2 * F))
+    self.assertEqual(saved["qkv"] - saved["full"],
+                     L * b * t * (CFG.n_heads + 2 * CFG.n_kv_heads) * CFG.hd)
 
   @parameterized.parameters(dict(tie=False), dict(tie=True))
   def test_train_flops_per_token_counts_the_models_dots(self, tie):

@@ -209,3 +209,29 @@ def test_a_step_that_does_not_fit_is_reported():
   text = aot.report(run, setup, programs)
   assert "train step, per device:\n  DOES NOT FIT: the compiler needs" in text
   assert "--config.model.remat=dots or full" in text
+
+
+@needs_libtpu
+def test_offload_moves_saved_activations_to_host():
+  """Full remat with the layer input and q, k, v offloaded (MaxText's v6e recipe): the
+  compiled v5e step keeps them in pinned host memory, and its device temporaries shrink."""
+  slice_ = chips.slice_devices("v5e:2x2")
+
+  def memory(offload):
+    run = config_check.check_config(load_test_config(
+        "stdlib", mesh="fsdp=4", model__remat="full", model__remat_offload=offload,
+        model__n_layers=12, model__d_model=256, model__n_heads=4, model__n_kv_heads=2,
+        model__d_ff=512, model__attention_impl="xla", model__dtype="bfloat16",
+        data__seq_len=1024, data__batch_size=32), devices=slice_.devices)
+    setup = make_setup(run, mesh_lib.make_mesh(run.mesh, slice_.devices))
+    lowered = setup.train_fn.lower(aot._abstract(setup.abstract, setup.state_sh),
+                                   aot._batch(run, setup.batch_sh))
+    analysis = lowered.compile().memory_analysis()
+    return ("pinned_host" in lowered.as_text(), analysis.temp_size_in_bytes,
+            analysis.host_temp_size_in_bytes)
+
+  kept, offloaded = memory(""), memory("layer_input,q,k,v")
+  assert not kept[0] and kept[2] == 0
+  # 12 layers x 8 rows x 1024 tokens x (256 + 256 + 2 x 128) bf16 values a device.
+  assert offloaded[0] and offloaded[2] >= 12 * 8 * 1024 * 768 * 2
+  assert offloaded[1] < kept[1]

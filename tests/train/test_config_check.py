@@ -94,7 +94,13 @@ class FieldsTest(parameterized.TestCase):
        "number > 0"),
       ("dtype", dict(model__dtype="int8"),
        "model.dtype='int8' is unknown; valid: float32, bfloat16, float16"),
-      ("remat", dict(model__remat="some"), "model.remat='some' is unknown; valid: none, full, dots"),
+      ("remat", dict(model__remat="some"),
+       "model.remat='some' is unknown; valid: none, full, dots, minimal, qkv"),
+      ("remat_offload", dict(model__remat="full", model__remat_offload="q,attn"),
+       "model.remat_offload='q,attn' is invalid; it must be '' or a comma-separated subset of "
+       "layer_input, q, k, v, attention, attention_stats, attention_proj, mlp_gate, mlp_up"),
+      ("vocab_tiles", dict(model__vocab_tiles=0), "model.vocab_tiles=0 is invalid; it must be an "
+       "int >= 1 (1: the output layer untiled)"),
       ("context_algorithm", dict(parallel__context_algorithm="striped"),
        "parallel.context_algorithm='striped' is unknown; valid: ring, all_gather, ulysses"),
       ("impl", dict(model__attention_impl="cudnn"), "model.attention_impl='cudnn' is unknown"),
@@ -179,6 +185,13 @@ class RelationsTest(parameterized.TestCase):
        "data.tokenizer='bpe'"),
       ("model_vocab", dict(data__tokenizer="bpe", data__vocab_size=512),
        "model.vocab_size=256 is invalid with data.vocab_size=512; it must be >= data.vocab_size"),
+      ("offload_needs_names", dict(model__remat_offload="q"), "model.remat_offload='q' is "
+       "invalid with model.remat='none'; it must be '' unless model.remat names what it keeps"),
+      ("offload_on_cpu", dict(model__remat="full", model__remat_offload="q"),
+       "model.remat_offload='q' is invalid with the devices' host memory='none'; it must be '' "
+       "on devices without a host memory of their own to offload to (TPU, GPU)"),
+      ("vocab_tiles_divide", dict(model__vocab_tiles=3), "model.vocab_tiles=3 is invalid with "
+       "model.vocab_size=256; it must divide model.vocab_size"),
       ("warmup_total", dict(total_steps=2, optimizer__warmup_steps=5),
        "optimizer.warmup_steps=5 is invalid with total_steps=2, optimizer.schedule_steps=0; it "
        "must be <= the schedule's length"),
