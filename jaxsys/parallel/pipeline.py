@@ -343,17 +343,6 @@ class _Split:
         jnp.zeros(p.shape, p.dtype) if x is None else x for p, x in zip(like, leaves)])
 
 
-def _losses(logits, mb: Batch):
-  """Per-token cross-entropy, the label's logit picked by a one-hot product, not a gather: a
-  gather from logits whose vocabulary is split over `tensor`, inside the executor's
-  shard_map over `stage`, crashes XLA's SPMD partitioner (jax 0.10.2; mesh data x stage x
-  tensor)."""
-  logits = logits.astype(jnp.float32)
-  label = jnp.sum(logits * jax.nn.one_hot(mb["targets"], logits.shape[-1], dtype=logits.dtype),
-                  axis=-1)
-  return (jax.nn.logsumexp(logits, axis=-1) - label) * mb["loss_mask"]
-
-
 class _VocabLayers:
   """Input embedding and head (final norm, output layer, summed cross-entropy) per microbatch.
 
@@ -423,7 +412,7 @@ class _VocabLayers:
     head_params = self._head_params(params)
     if not self.layout.vocab_parallel:
       return jax.lax.cond(stage == self.last,
-                          lambda: jnp.sum(_losses(self._logits(head_params, y), mb)),
+                          lambda: self._loss_sum(head_params, y, mb),
                           lambda: jnp.zeros((), jnp.float32))
     h = transformer.rms_norm(vocab.broadcast_from(y, self.last, axis=AXIS),
                              head_params["final_norm"], cfg.norm_eps)
@@ -440,9 +429,12 @@ class _VocabLayers:
                        (P(), self._split(name), P(), P()), (P(), P(), self._split(name)))
     return name, *fn(h, head_params[name], mb["targets"], mb["loss_mask"])
 
-  def _logits(self, head_params, y):
-    return transformer.unembed(self.cfg, y, head_params["final_norm"],
-                               head_params.get("embedding"), head_params.get("unembedding"))
+  def _loss_sum(self, head_params, y, mb: Batch):
+    """The head's summed cross-entropy (`transformer.head_losses`, as the unpipelined loss)."""
+    losses = transformer.head_losses(self.cfg, y, head_params["final_norm"],
+                                     head_params.get("embedding"), head_params.get("unembedding"),
+                                     mb["targets"])
+    return jnp.sum(losses * mb["loss_mask"])
 
   def head(self, params, y, mb: Batch, stage):
     """Replicated: (loss sum, d loss / d y, gradients of the head's parameters) for one
@@ -450,7 +442,7 @@ class _VocabLayers:
     head_params = self._head_params(params)
 
     def loss(hp, y):
-      return jnp.sum(_losses(self._logits(hp, y), mb))
+      return self._loss_sum(hp, y, mb)
 
     def run():
       value, (dhp, dy) = jax.value_and_grad(loss, argnums=(0, 1))(head_params, y)

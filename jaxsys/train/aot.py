@@ -182,9 +182,11 @@ def mfu_ceiling(run: RunConfig, train: Program) -> float:
 
 
 # What makes a step need less HBM per chip, in the order it usually costs least.
-_HELP = ("less would need: --config.model.remat=dots or full (recompute activations), a "
-         "larger fsdp (or tensor, stage) axis, or --config.optimizer.grad_accum_steps=k "
-         "(k microbatches a step)")
+_HELP = ("less would need: --config.model.remat=minimal, dots, qkv or full (recompute "
+         "activations), --config.model.vocab_tiles=k (the logits in k tiles), "
+         "--config.model.remat_offload=layer_input,q,k,v (keep them in host memory), a larger "
+         "fsdp (or tensor, stage) axis, or --config.optimizer.grad_accum_steps=k (k "
+         "microbatches a step)")
 
 
 def summary(run: RunConfig, setup: Setup, programs: list[Program | Overflow]) -> dict:
