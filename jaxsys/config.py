@@ -48,6 +48,7 @@ class OptimizerConfig:
   grad_accum_steps: int
   schedule_steps: int  # 0: decay over total_steps
   schedule_offset: int  # steps of the curve already taken
+  accum_gather_once: bool = False  # accumulation: weights gathered once a step, not per microbatch
 
 
 @dataclasses.dataclass(frozen=True)

@@ -102,6 +102,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       name="adamw", learning_rate=3e-3, warmup_steps=(c.get_ref("total_steps") + 19) // 20,
       final_lr_fraction=0.1,
       b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, grad_clip=1.0, grad_accum_steps=1,
+      # With accumulation over fsdp: gather the weights (in the compute dtype) once a step
+      # and keep them for every microbatch, instead of gathering them in each.
+      accum_gather_once=False,
       schedule_steps=0,  # 0: decay over total_steps
       schedule_offset=0))  # steps of the curve already taken (e.g. by the init_from run)
   # Outer (low-communication) optimizer over the mesh's `replica` axis: none (plain data

@@ -448,5 +448,15 @@ def losses(cfg: TransformerConfig, params: dict[str, Any], tokens_BT, targets_BT
                                     attention_fn)
 
 
+def compute_view(cfg: TransformerConfig, params: dict[str, Any]) -> dict[str, Any]:
+  """The parameters as the model computes with them: every matmul weight in the compute
+  dtype; the norm scales and the embedding as they are (its rows are cast after the lookup,
+  and the lookup's gradient is summed in the parameter's dtype). The model computes the
+  same function, and the same gradients, of either."""
+  keep = {"attn_norm", "mlp_norm", "final_norm", "embedding"}
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: x if path[-1].key in keep else x.astype(cfg.dtype), params)
+
+
 def _model(cfg: TransformerConfig, params: dict[str, Any]) -> "Transformer":
   return nnx.merge(nnx.graphdef(_abstract_model(cfg)), params)

@@ -157,6 +157,7 @@ FIELDS: dict[str, Rule] = {
     "optimizer.weight_decay": number(0),
     "optimizer.grad_clip": number(0, lo_open=True),
     "optimizer.grad_accum_steps": integer(1),
+    "optimizer.accum_gather_once": BOOL,
     "optimizer.schedule_steps": integer(0, meaning="0: decay over total_steps"),
     "optimizer.schedule_offset": integer(0),
     "optimizer.outer": one_of(*replicas_lib.OUTERS),
@@ -314,6 +315,10 @@ RELATIONS: tuple[Relation, ...] = (
              lambda m, t, n, hdp: not hdp or m <= n * t,
              "fit a replica's device pool: at most (data x fsdp) x data.seq_len tokens "
              "(data.seq_len is each slot's share in a micro-step)"),
+    Relation(("optimizer.accum_gather_once", "mesh axis replica", "mesh axis stage"),
+             lambda once, r, p: not once or (r == 1 and p == 1),
+             "be False with replicas or a pipeline (pipeline.gather_once gathers a stage's "
+             "weights once)"),
     Relation(("optimizer.grad_accum_steps", "parallel.hdp"), lambda a, hdp: a == 1 or not hdp,
              "be 1 with HDP (its micro-steps already accumulate gradients)"),
     Relation(("profile.steps", "total_steps"), lambda steps, total: _profile_range_ok(steps, total),
@@ -345,7 +350,7 @@ RELATIONS: tuple[Relation, ...] = (
 ADDED_LATER: dict[str, Any] = {"profile.steps": "", "parallel.context_algorithm": "ring",
                                "parallel.context_gather_mib": 1024,
                                "optimizer.outer_comm_device": False, "model.vocab_tiles": 1,
-                               "model.remat_offload": ""}
+                               "model.remat_offload": "", "optimizer.accum_gather_once": False}
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:

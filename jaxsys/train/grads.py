@@ -23,7 +23,8 @@ token counts [R], gradients [R, ...])` whose gradients are already each replica'
 """
 from __future__ import annotations
 
-from typing import Callable
+import dataclasses
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -79,15 +80,50 @@ def pipelined(model_cfg: transformer.TransformerConfig, schedule: pipeline.Sched
   return grad_fn
 
 
-def accumulate(grad_fn: GradFn, steps: int) -> GradFn:
+@dataclasses.dataclass(frozen=True)
+class GatherOnce:
+  """Accumulation's weights gathered once a step instead of in every microbatch: the
+  parameters' compute view (`transformer.compute_view`) laid out as `gathered` (their
+  shardings without `fsdp`) before the microbatches, each microbatch's gradients summed
+  into `sharded` (the parameters' own shardings) in the parameters' dtypes."""
+  model_cfg: transformer.TransformerConfig
+  gathered: Any
+  sharded: Any
+
+  @classmethod
+  def of(cls, model_cfg: transformer.TransformerConfig, param_sh) -> "GatherOnce":
+    """For parameters laid out as `param_sh` (NamedShardings)."""
+    def whole(sharding):
+      def drop(entry):
+        names = tuple(n for n in sharded._names(entry) if n != "fsdp")  # pylint: disable=protected-access
+        return None if not names else names[0] if len(names) == 1 else names
+      return jax.sharding.NamedSharding(sharding.mesh,
+                                        jax.sharding.PartitionSpec(*map(drop, sharding.spec)))
+    return cls(model_cfg, jax.tree.map(whole, param_sh), param_sh)
+
+  def weights(self, params):
+    return jax.tree.map(jax.lax.with_sharding_constraint,
+                        transformer.compute_view(self.model_cfg, params), self.gathered)
+
+  def add(self, total, grads):
+    return jax.tree.map(lambda t, g, s: jax.lax.with_sharding_constraint(t + g.astype(t.dtype), s),
+                        total, grads, self.sharded)
+
+
+def accumulate(grad_fn: GradFn, steps: int, gather_once: GatherOnce | None = None) -> GradFn:
   """`grad_fn` over `steps` microbatches of the batch (rows i, i+steps, ...), summed: exactly
-  the whole batch's sums, with the activations of one microbatch live at a time."""
+  the whole batch's sums, with the activations of one microbatch live at a time (and with
+  `gather_once`, the weights gathered once for all of them)."""
   if steps == 1:
     return grad_fn
 
   def accumulated(params, batch, step=None):
+    weights = params if gather_once is None else gather_once.weights(params)
+    add = (lambda t, g: jax.tree.map(jnp.add, t, g)) if gather_once is None else gather_once.add
+
     def body(carry, mb):
-      return jax.tree.map(jnp.add, carry, grad_fn(params, mb, step)), None
+      total, count, grads = grad_fn(weights, mb, step)
+      return (carry[0] + total, carry[1] + count, add(carry[2], grads)), None
     zeros = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
     sums, _ = jax.lax.scan(body, zeros, pipeline.split_microbatches(batch, steps))
     return sums
@@ -198,14 +234,15 @@ def replica_totals(metrics: dict) -> dict:
 def jit_autodiff_step(model_cfg: transformer.TransformerConfig,
                       optimizer: optax.GradientTransformation, state_sh: TrainState,
                       batch_sh, accum_steps: int = 1, context_layout: str = "zigzag",
-                      context_algorithm: str = "ring") -> Callable:
+                      context_algorithm: str = "ring", gather_once: bool = False) -> Callable:
   """One model's autodiff step, jitted with explicit shardings and the state donated;
-  `context_algorithm` attention over `context_layout` where the mesh has a `context` axis.
-  What `make_setup` builds for a plain run, for callers that hold their own state (tests,
-  benchmarks, notebooks)."""
+  `context_algorithm` attention over `context_layout` where the mesh has a `context` axis;
+  `gather_once`: `GatherOnce` over the accumulation steps. What `make_setup` builds for a
+  plain run, for callers that hold their own state (tests, benchmarks, notebooks)."""
   mesh = batch_sh.mesh
   split = step_lib.context_split_of(mesh, context_layout, context_algorithm)
-  grad_fn = accumulate(autodiff(model_cfg, split), accum_steps)
+  once = GatherOnce.of(model_cfg, state_sh.params) if gather_once else None
+  grad_fn = accumulate(autodiff(model_cfg, split), accum_steps, once)
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   return jax.jit(sharded.under_mesh(model_step(grad_fn, optimizer), mesh),
                  in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated),

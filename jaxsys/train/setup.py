@@ -173,12 +173,15 @@ def make_layout(run: RunConfig, mesh) -> pipeline.Layout | None:
                          tensor=dict(mesh.shape).get(pipeline.TENSOR_AXIS, 1))
 
 
-def _gradient_fn(run: RunConfig, mesh, view: layouts.View, schedule, context_split):
+def _gradient_fn(run: RunConfig, mesh, view: layouts.View, schedule, context_split, param_sh):
   """The run's gradient function: one model's, or the replicas' (`grads`)."""
   model_cfg, accum = run.model, run.optimizer.grad_accum_steps
   vocab_algorithm, gather_once = run.pipeline.vocab_algorithm, run.pipeline.gather_once
   if view.stages is None:
-    fn = grads.accumulate(grads.autodiff(model_cfg, context_split), accum)
+    once = None
+    if run.optimizer.accum_gather_once:
+      once = grads.GatherOnce.of(model_cfg, param_sh)
+    fn = grads.accumulate(grads.autodiff(model_cfg, context_split), accum, once)
     return grads.over_replicas(fn, view.replicas) if view.replicas else fn
   if view.replicas:
     seed = run.outer.seed if run.pipeline.routing == "random" else None
@@ -318,7 +321,7 @@ def make_setup(run: RunConfig, mesh: Mesh, loader=None) -> Setup:
   view_param_sh = (shard(jax.eval_shape(lambda s: dataclasses.replace(
       view, form=layouts.Form()).to_view(s), one), rules=view.rules(rules),
       axes=view.param_axes(param_axes)).params if replicas else state_sh.params)
-  grad_fn = _gradient_fn(run, mesh, view, schedule, context_split)
+  grad_fn = _gradient_fn(run, mesh, view, schedule, context_split, state_sh.params)
   routed = bool(replicas) and layout is not None and run.pipeline.routing == "random"
   comm = Comm(
       grads_per_step=_grads_bytes(view_params, view_param_sh, mesh),

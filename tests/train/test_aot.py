@@ -11,6 +11,7 @@ import pytest
 from conftest import load_test_config, needs_cuda_plugin, needs_libtpu
 from jaxsys import chips, hlo_flops
 from jaxsys import mesh as mesh_lib
+from jaxsys.models import transformer
 from jaxsys.optim import outer
 from jaxsys.train import aot, config_check
 from jaxsys.train.setup import make_setup
@@ -242,3 +243,33 @@ def test_offload_moves_saved_activations_to_host():
   # 12 layers x 8 rows x 1024 tokens x (256 + 256 + 2 x 128) bf16 values a device.
   assert offloaded[0] and offloaded[2] >= 12 * 8 * 1024 * 768 * 2
   assert offloaded[1] < kept[1]
+
+
+@needs_libtpu
+def test_accumulation_gathers_the_weights_once():
+  """fsdp=8, 4 accumulation steps, bf16: gathered in every microbatch, the matmul weights
+  cross the links 4 x 3 times (forward, its rerun, backward); with `accum_gather_once`,
+  once, in the compute dtype: their all-gathers send one pass of those weights."""
+  slice_ = chips.slice_devices("v5e:2x4")
+
+  def gathered(once):
+    run = config_check.check_config(load_test_config(
+        "stdlib", mesh="fsdp=8", model__remat="full", model__n_layers=2, model__d_model=256,
+        model__n_heads=4, model__n_kv_heads=2, model__d_ff=768, model__attention_impl="xla",
+        model__dtype="bfloat16", data__seq_len=256, data__batch_size=32,
+        optimizer__grad_accum_steps=4, optimizer__accum_gather_once=once),
+        devices=slice_.devices)
+    setup = make_setup(run, mesh_lib.make_mesh(run.mesh, slice_.devices))
+    text = setup.train_fn.lower(aot._abstract(setup.abstract, setup.state_sh),
+                                aot._batch(run, setup.batch_sh)).compile().as_text()
+    view = jax.eval_shape(lambda p: transformer.compute_view(run.model, p), setup.abstract.params)
+    weights = sum(x.size * 2 for x in jax.tree.leaves(view) if x.dtype == jax.numpy.bfloat16)
+    # The weights' gathers, not the token ids' (a few KB a microbatch, in every step).
+    floats = "\n".join(line for line in text.splitlines()
+                       if " all-gather" not in line or "s32[" not in line.split(" all-gather")[0])
+    return outer.collective_bytes_from_hlo(floats, 8, trips=True, kind="all-gather"), (
+        weights * 7 / 8)
+
+  (each, one_pass), (once, _) = gathered(False), gathered(True)
+  assert one_pass <= once <= 1.1 * one_pass, once / one_pass
+  assert each >= 6 * one_pass, each / one_pass

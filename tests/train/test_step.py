@@ -1,4 +1,6 @@
 """Train step: golden loss, sharded == single-device, accumulation == full batch."""
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -37,15 +39,16 @@ def packed_batch(seed: int) -> dict[str, np.ndarray]:
 
 
 def run_steps(mesh_spec: str, n_steps: int = 2, accum: int = 1, devices=None,
-              context_layout: str = "zigzag", context_algorithm: str = "ring"):
+              context_layout: str = "zigzag", context_algorithm: str = "ring",
+              gather_once: bool = False, model: transformer.TransformerConfig = MODEL):
   mesh = mesh_lib.make_mesh(mesh_spec, devices)
   optimizer = make_optimizer(OPT, total_steps=10)
-  abstract = state_lib.abstract_train_state(MODEL, optimizer, seed=0)
-  state_sh = state_lib.state_shardings(abstract, MODEL, optimizer, mesh)
+  abstract = state_lib.abstract_train_state(model, optimizer, seed=0)
+  state_sh = state_lib.state_shardings(abstract, model, optimizer, mesh)
   batch_sh = mesh_lib.batch_sharding(mesh)
-  state = jax.jit(lambda: state_lib.init_train_state(MODEL, optimizer, 0), out_shardings=state_sh)()
-  step = grads.jit_autodiff_step(MODEL, optimizer, state_sh, batch_sh, accum, context_layout,
-                                 context_algorithm)
+  state = jax.jit(lambda: state_lib.init_train_state(model, optimizer, 0), out_shardings=state_sh)()
+  step = grads.jit_autodiff_step(model, optimizer, state_sh, batch_sh, accum, context_layout,
+                                 context_algorithm, gather_once)
   losses = []
   for i in range(n_steps):
     state, metrics = step(state, jax.device_put(packed_batch(i), batch_sh))
@@ -97,6 +100,17 @@ class TrainStepTest(parameterized.TestCase):
     acc, acc_losses = run_steps("data=2", accum=4, devices=jax.devices()[:2])
     np.testing.assert_allclose(acc_losses, full_losses, rtol=1e-5)
     chex.assert_trees_all_close(jax.device_get(acc.params), jax.device_get(full.params), atol=2e-5)
+
+  @parameterized.parameters("float32", "bfloat16")
+  def test_accumulation_gathering_once_is_exact(self, dtype):
+    """Weights gathered once for all microbatches (their compute view) train exactly as
+    gathered in each: the same function, the same sums."""
+    model = dataclasses.replace(MODEL, dtype=dtype)
+    each, each_losses = run_steps("data=2,fsdp=4", accum=4, model=model)
+    once, once_losses = run_steps("data=2,fsdp=4", accum=4, model=model, gather_once=True)
+    np.testing.assert_allclose(once_losses, each_losses, rtol=1e-6)
+    chex.assert_trees_all_close(jax.device_get(once.params), jax.device_get(each.params),
+                                atol=1e-6)
 
   def test_cross_entropy_equals_log_softmax_reference(self):
     """The one cross-entropy (optax's) against -log_softmax[target], values and gradients."""
