@@ -138,6 +138,19 @@ def _shapes(chip: Chip) -> dict[int, str]:
   return _SHAPES_3D if chip.torus_dims == 3 else _SHAPES_2D
 
 
+def wraparound(chip: Chip, shape: str) -> tuple[bool, bool, bool]:
+  """Which of the slice's dimensions close into a ring, as Cloud TPU builds them: a v4 or
+  v5p slice of whole 4x4x4 cubes is a torus in all three (its optical switches close
+  them), smaller ones in none; a v5e or v6e dimension of 16 chips (the pod's width) closes.
+  libtpu needs it said: without it a 64-chip `fsdp` gather compiles as an all-reduce of a
+  zero-padded buffer (2x the bytes) where the torus's is an all-gather
+  (docs/results/tpu_compile.md)."""
+  dims = [int(d) for d in shape.split("x")]
+  if chip.torus_dims == 3:
+    return (all(d % 4 == 0 for d in dims),) * 3
+  return tuple(d == 16 for d in dims) + (False,)
+
+
 def slice_devices(name: str) -> Slice:
   """The slice `name` with its devices from libtpu, no TPU needed. ValueError: an unknown
   name, or a shape libtpu refuses; RuntimeError: libtpu is not installed."""
@@ -153,7 +166,8 @@ def slice_devices(name: str) -> Slice:
   try:
     with _tpu_host_environment():
       topology = topologies.get_topology_desc(platform="tpu",
-                                              topology_name=f"{chip.name}:{shape}")
+                                              topology_name=f"{chip.name}:{shape}",
+                                              wrap=wraparound(chip, shape))
   except Exception as e:  # pylint: disable=broad-except  (libtpu raises XlaRuntimeError)
     raise ValueError(f"topology={name!r}: libtpu refuses the shape {shape} ({_first_line(e)})") from None
   return Slice(chip, shape, tuple(topology.devices))

@@ -273,3 +273,35 @@ def test_accumulation_gathers_the_weights_once():
   (each, one_pass), (once, _) = gathered(False), gathered(True)
   assert one_pass <= once <= 1.1 * one_pass, once / one_pass
   assert each >= 6 * one_pass, each / one_pass
+
+
+@pytest.mark.parametrize("name,wrap", [("v5p-128", (True,) * 3), ("v5p-64", (False,) * 3),
+                                       ("v4:4x4x8", (True,) * 3), ("v6e-256", (True, True, False)),
+                                       ("v6e:8x16", (False, True, False)), ("v5e-8", (False,) * 3)])
+def test_slices_wrap_around_as_cloud_tpu_builds_them(name, wrap):
+  assert chips.wraparound(*chips.parse(name)) == wrap
+
+
+@needs_libtpu
+def test_64_chip_fsdp_gathers_are_all_gathers(monkeypatch):
+  """fsdp=64 on v5p-128 (a 4x4x4 torus), bf16, full remat: the weights move by all-gather,
+  and the one all-reduce is the gradients'. Described without its wraparound links, libtpu
+  writes every gather as an all-reduce of a zero-padded buffer instead (2x the bytes)."""
+  def sent():
+    slice_ = chips.slice_devices("v5p-128")
+    run = config_check.check_config(load_test_config(
+        "stdlib", mesh="fsdp=64", model__remat="full", model__n_layers=2, model__d_model=256,
+        model__n_heads=4, model__n_kv_heads=2, model__d_ff=768, model__attention_impl="xla",
+        model__dtype="bfloat16", data__seq_len=256, data__batch_size=64), devices=slice_.devices)
+    setup = make_setup(run, mesh_lib.make_mesh(run.mesh, slice_.devices))
+    text = setup.train_fn.lower(aot._abstract(setup.abstract, setup.state_sh),
+                                aot._batch(run, setup.batch_sh)).compile().as_text()
+    one_pass = sum(x.size for x in jax.tree.leaves(setup.abstract.params)) * 2 * 63 / 64
+    return {k: outer.collective_bytes_from_hlo(text, 64, trips=True, kind=k) / one_pass
+            for k in ("all-gather", "all-reduce")}
+
+  torus = sent()
+  assert torus["all-gather"] >= 2 and torus["all-reduce"] <= 2.1, torus  # bf16 grads: 2 passes
+  monkeypatch.setattr(chips, "wraparound", lambda chip, shape: (False,) * 3)
+  mesh = sent()
+  assert mesh["all-gather"] == 0 and mesh["all-reduce"] > 4, mesh
