@@ -121,7 +121,8 @@ def computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
 
   An instruction may span lines: a custom call's backend_config can hold JSON printed
   over many lines, some of them a lone `}`. Its lines are joined, so only a `}` outside
-  every instruction ends a computation.
+  every instruction ends a computation (libtpu 0.0.50 may follow it with attributes:
+  `}, execution_thread="sparsecore"`).
   """
   bodies: dict[str, list[str]] = {}
   entry = name = None
@@ -136,7 +137,7 @@ def computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
         bodies[name] = []
         entry = name if match[1] else entry
       continue
-    elif line.strip() == "}":
+    elif line.lstrip().startswith("}"):  # also `}, execution_thread="sparsecore"`
       name = None
       continue
     else:

@@ -64,6 +64,25 @@ def test_an_instruction_over_several_lines_ends_no_computation():
   assert call.endswith('"implicit": true }')
 
 
+def test_a_computation_may_end_with_attributes():
+  """libtpu 0.0.50 closes a SparseCore computation with `}, execution_thread="sparsecore"`
+  (MaxText's embedding lookup): what follows it, the ENTRY included, is still read."""
+  text, dot, gathered = _loop_hlo()
+  sparse = "\n".join([
+      "%fused_computation.clone (param_0: bf16[128,64], param_1: s32[64]) -> bf16[64,64] {",
+      "  %param_0 = bf16[128,64]{1,0} parameter(0)",
+      "  %param_1 = s32[64]{0} parameter(1)",
+      "  ROOT %gather.1 = bf16[64,64]{1,0} gather(%param_0, %param_1), offset_dims={1}, "
+      "collapsed_slice_dims={0}, start_index_map={0}, index_vector_dim=1, slice_sizes={1,64}",
+      '}, execution_thread="sparsecore"', ""])
+  at = text.index("ENTRY")
+  patched = text[:at] + sparse + "\n" + text[at:]
+  bodies, entry = hlo_flops.computations(patched)
+  assert entry is not None and "fused_computation.clone" in bodies
+  assert hlo_flops.dot_flops(patched) == 5 * dot
+  assert outer.collective_bytes_from_hlo(patched, 8, trips=True) == 5 * gathered
+
+
 def _conv(labels: str, lhs: tuple, rhs: tuple, out: tuple) -> str:
   shape = lambda dims: f"f32[{','.join(map(str, dims))}]"
   return "\n".join([
