@@ -48,6 +48,7 @@ all-gathers: libtpu (0.0.42 and 0.0.50) lowers them as all-reduces on a slice de
 without wraparound. Without maxtext 0.2.5 this prints one line and exits 1.
 """
 import importlib.metadata
+import inspect
 import json
 import os
 import re
@@ -214,13 +215,15 @@ def compile_case(case: str, overrides=(), hlo_path: str | None = None) -> dict:
   kept = {}
   original = train_compile.jit_and_compile
 
-  def timed(func, args, kwargs, mesh, *rest, **kw):
+  def timed(*args, **kwargs):
     # Lowering and compiling: what jaxsys's compile_seconds times too (with its setup and
     # its eval step's compile besides).
+    bound = inspect.signature(original).bind(*args, **kwargs).arguments
     wall, cpu = time.perf_counter(), time.process_time()
-    compiled = original(func, args, kwargs, mesh, *rest, **kw)
-    kept.update(compiled=compiled, mesh=mesh, state=args[0],
-                wall=time.perf_counter() - wall, cpu=time.process_time() - cpu)
+    compiled = original(*args, **kwargs)
+    kept.update(compiled=compiled, mesh=bound["mesh"], state=bound["func_input_args"][0],
+                config=bound["config"], wall=time.perf_counter() - wall,
+                cpu=time.process_time() - cpu)
     return compiled
 
   train_compile.jit_and_compile = timed
@@ -252,8 +255,8 @@ def compile_case(case: str, overrides=(), hlo_path: str | None = None) -> dict:
       "slice": slice_.name, "chips": slice_.chips, "devices": len(slice_.devices),
       "mesh": ",".join(f"{a}={n}" for a, n in mesh.shape.items() if n > 1),
       "params": _param_count(kept["state"]),
-      "tokens": int(settings["per_device_batch_size"]) * len(slice_.devices)
-                * int(settings.get("max_target_length", 8192)),
+      # A step's tokens: MaxText's global batch (per device x devices x accumulation steps).
+      "tokens": kept["config"].global_batch_size_to_train_on * kept["config"].max_target_length,
       "programs": {"train step": {
           "fits": program.fits, "peak_bytes": program.peak_bytes,
           "hbm_bytes": program.hbm_bytes, "argument_bytes": program.argument_bytes,
