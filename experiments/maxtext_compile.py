@@ -51,7 +51,6 @@ import importlib.metadata
 import inspect
 import json
 import os
-import re
 import sys
 import time
 
@@ -171,26 +170,7 @@ def _param_count(state) -> int | None:
     return None
 
 
-# A computation libtpu places on the SparseCore (MaxText's embedding gather, offloaded) ends
-# `}, execution_thread="sparsecore"`, where jaxsys's HLO parser (`hlo_flops.computations`)
-# ends a computation only at a lone `}` and would read on into the next one.
-_THREAD_END = re.compile(r'^\}, execution_thread="\w+"$', re.M)
-
-
 _KERNEL_CALL = 'custom_call_target="tpu_custom_call"'
-
-
-class _Compiled:
-  """A compiled program whose HLO text closes every computation with a lone `}`."""
-
-  def __init__(self, compiled):
-    self._compiled = compiled
-
-  def as_text(self) -> str:
-    return _THREAD_END.sub("}", self._compiled.as_text())
-
-  def __getattr__(self, name):
-    return getattr(self._compiled, name)
 
 
 def compile_case(case: str, overrides=(), hlo_path: str | None = None) -> dict:
@@ -240,7 +220,7 @@ def compile_case(case: str, overrides=(), hlo_path: str | None = None) -> dict:
   # call made the devices the program was compiled for).
   settings = dict(a.partition("=")[::2] for a in argv[2:])
   slice_ = chips.slice_devices(settings["compile_topology"])
-  compiled = _Compiled(kept["compiled"])
+  compiled = kept["compiled"]
   program = aot.measure("train step", compiled, slice_)
   # MaxText's splash attention kernels carry no cost estimate, so `flops` leaves their
   # FLOPs out (jaxsys's flash kernels declare theirs): how many calls that is.
