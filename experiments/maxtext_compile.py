@@ -128,11 +128,17 @@ _COMMON = {"run_name": "maxtext_compile", "base_output_directory": "/tmp/maxtext
            "dataset_type": "synthetic", "enable_checkpointing": False,
            "compile_topology_num_slices": 1}
 
-_CASE = flags.DEFINE_enum("case", "v5p128_full", list(CASES), "The program to compile.")
-_JSON = flags.DEFINE_string("json", None, "Write the figures to this JSON file.")
-_HLO = flags.DEFINE_string("hlo", None, "Also write the compiled HLO text to this file.")
-_SET = flags.DEFINE_multi_string("set", [], "A MaxText config override, key=value (after "
-                                 "the case's), e.g. gradient_accumulation_steps=4.")
+FLAGS = flags.FLAGS
+
+
+def _define_flags() -> None:
+  """The binary's flags, defined only when it runs: importing it (as its test does) defines
+  none, so they cannot clash with another experiment's (`--json`) in the same process."""
+  flags.DEFINE_enum("case", "v5p128_full", list(CASES), "The program to compile.")
+  flags.DEFINE_string("json", None, "Write the figures to this JSON file.")
+  flags.DEFINE_string("hlo", None, "Also write the compiled HLO text to this file.")
+  flags.DEFINE_multi_string("set", [], "A MaxText config override, key=value (after the "
+                            "case's), e.g. gradient_accumulation_steps=4.")
 
 
 def installed_version() -> str | None:
@@ -272,11 +278,11 @@ def main(argv):
     print(f"maxtext {MAXTEXT_VERSION} {found} in this python: {INSTALL}")
     return 1
   try:
-    maxtext_argv(_CASE.value, _SET.value, base="")
+    maxtext_argv(FLAGS.case, FLAGS.set, base="")
   except ValueError as e:
     print(f"error: {e}")
     return 1
-  out = compile_case(_CASE.value, _SET.value, _HLO.value)
+  out = compile_case(FLAGS.case, FLAGS.set, FLAGS.hlo)
   p = out["programs"]["train step"]
   sent = ", ".join(f"{k} {_gib(v)}" for k, v in p["collective_bytes"].items()) or "none"
   print(f"MaxText {out['maxtext']} {out['case']} on {out['slice']} (mesh {out['mesh']}, "
@@ -291,11 +297,12 @@ def main(argv):
         f"  collectives sent: {sent}\n"
         f"  compiled in {out['compile_seconds']:.1f} s ({out['compile_cpu_seconds']:.1f} CPU s; "
         f"whole run {out['total_seconds']:.1f} s) on {os.cpu_count()} CPU cores")
-  if _JSON.value:
-    with open(_JSON.value, "w", encoding="utf-8") as f:
+  if FLAGS.json:
+    with open(FLAGS.json, "w", encoding="utf-8") as f:
       json.dump(out, f, indent=1)
   return 0
 
 
 if __name__ == "__main__":
+  _define_flags()
   app.run(main)  # exits with main's return value

@@ -10,8 +10,9 @@ models' published `config.json`: d_model, layers, heads, kv heads, d_ff, vocabul
 128,256, RoPE theta 500,000, RMSNorm eps 1e-5. `gpt2`: GPT-2 small's width, depth, heads,
 tied embeddings and (padded) vocabulary in this Llama-style block, SwiGLU's d_ff chosen
 for GPT-2's 124M parameters. All compute in bf16 over float32 parameters and optimizer
-state; `--config.model.remat=full` (or `dots`: keep the matmul outputs) recomputes the
-forward in the backward.
+state; `--config.model.remat=full` recomputes the forward in the backward (`minimal`: keep
+every projection and the attention's output, recompute no matmul; `dots`, `qkv`: between;
+jaxsys/models/remat.py).
 
 The data are the byte-level standard library of `tiny_lm` (the embedding keeps the
 published vocabulary's rows); the large sizes are for compiling (`experiments.compile`),

@@ -26,6 +26,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxsys import flops as flops_lib
+from jaxsys import mesh as mesh_lib
 from jaxsys.kernels import attention as attention_lib
 from jaxsys.models import output_layer, remat
 from jaxsys.models.matmul import matmul
@@ -218,7 +219,6 @@ def _compute_layout(cfg: TransformerConfig, p: dict[str, jax.Array]) -> dict[str
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or mesh.manual_axes or dict(mesh.shape).get("fsdp", 1) == 1:
     return p
-  from jaxsys import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
   axes = param_axes(cfg)["layers"]
   whole = (("embed", None),) + mesh_lib.DEFAULT_RULES  # the first rule of a name wins
   out = dict(p)
