@@ -44,6 +44,22 @@ def _compile(topology: str, **overrides):
   return run, setup, programs
 
 
+# A small bf16 model with full remat and XLA attention: the compiled-step tests' default.
+_SMALL = dict(model__remat="full", model__n_layers=2, model__d_model=256, model__n_heads=4,
+              model__n_kv_heads=2, model__d_ff=768, model__attention_impl="xla",
+              model__dtype="bfloat16", data__seq_len=256)
+
+
+def _lowered_step(topology: str, **overrides):
+  """(run, setup, the lowered train step) of `_SMALL` with `overrides` on the slice."""
+  slice_ = chips.slice_devices(topology)
+  run = config_check.check_config(load_test_config("stdlib", **(_SMALL | overrides)),
+                                  devices=slice_.devices)
+  setup = make_setup(run, mesh_lib.make_mesh(run.mesh, slice_.devices))
+  return run, setup, setup.train_fn.lower(aot._abstract(setup.abstract, setup.state_sh),
+                                          aot._batch(run, setup.batch_sh))
+
+
 @needs_libtpu
 def test_a_loaded_slice_leaves_no_tpu_worker_in_the_environment(monkeypatch):
   """A process started after a TPU compile (the trainer, from a notebook or a test) must not
@@ -131,14 +147,8 @@ def test_fsdp_moves_weights_not_activations():
   and no collective of activations: none larger than the largest parameter. Without the
   residual stream's batch sharding between layers the partitioner all-reduced and
   all-gathered [B, T, d_ff] activations instead: 156.8 MB against 25.0."""
-  slice_ = chips.slice_devices("v5e:2x4")
-  run = config_check.check_config(load_test_config(
-      "stdlib", mesh="fsdp=8", model__remat="full", model__n_layers=2, model__d_model=256,
-      model__n_heads=4, model__n_kv_heads=2, model__d_ff=768, model__attention_impl="xla",
-      model__dtype="bfloat16", data__seq_len=256, data__batch_size=8), devices=slice_.devices)
-  setup = make_setup(run, mesh_lib.make_mesh(run.mesh, slice_.devices))
-  text = setup.train_fn.lower(aot._abstract(setup.abstract, setup.state_sh),
-                              aot._batch(run, setup.batch_sh)).compile().as_text()
+  _, setup, lowered = _lowered_step("v5e:2x4", mesh="fsdp=8", data__batch_size=8)
+  text = lowered.compile().as_text()
   params = jax.tree.leaves(setup.abstract.params)
   n = sum(x.size for x in params)
   gather_pass, grads = n * 2 * 7 / 8, n * 4 * 2 * 7 / 8  # bf16 all-gather, f32 all-reduce
@@ -223,17 +233,10 @@ def test_a_step_that_does_not_fit_is_reported():
 def test_offload_moves_saved_activations_to_host():
   """Full remat with the layer input and q, k, v offloaded (MaxText's v6e recipe): the
   compiled v5e step keeps them in pinned host memory, and its device temporaries shrink."""
-  slice_ = chips.slice_devices("v5e:2x2")
-
   def memory(offload):
-    run = config_check.check_config(load_test_config(
-        "stdlib", mesh="fsdp=4", model__remat="full", model__remat_offload=offload,
-        model__n_layers=12, model__d_model=256, model__n_heads=4, model__n_kv_heads=2,
-        model__d_ff=512, model__attention_impl="xla", model__dtype="bfloat16",
-        data__seq_len=1024, data__batch_size=32), devices=slice_.devices)
-    setup = make_setup(run, mesh_lib.make_mesh(run.mesh, slice_.devices))
-    lowered = setup.train_fn.lower(aot._abstract(setup.abstract, setup.state_sh),
-                                   aot._batch(run, setup.batch_sh))
+    _, _, lowered = _lowered_step(
+        "v5e:2x2", mesh="fsdp=4", model__remat_offload=offload, model__n_layers=12,
+        model__d_ff=512, data__seq_len=1024, data__batch_size=32)
     analysis = lowered.compile().memory_analysis()
     return ("pinned_host" in lowered.as_text(), analysis.temp_size_in_bytes,
             analysis.host_temp_size_in_bytes)
@@ -250,18 +253,11 @@ def test_accumulation_gathers_the_weights_once():
   """fsdp=8, 4 accumulation steps, bf16: gathered in every microbatch, the matmul weights
   cross the links 4 x 3 times (forward, its rerun, backward); with `accum_gather_once`,
   once, in the compute dtype: their all-gathers send one pass of those weights."""
-  slice_ = chips.slice_devices("v5e:2x4")
-
   def gathered(once):
-    run = config_check.check_config(load_test_config(
-        "stdlib", mesh="fsdp=8", model__remat="full", model__n_layers=2, model__d_model=256,
-        model__n_heads=4, model__n_kv_heads=2, model__d_ff=768, model__attention_impl="xla",
-        model__dtype="bfloat16", data__seq_len=256, data__batch_size=32,
-        optimizer__grad_accum_steps=4, optimizer__accum_gather_once=once),
-        devices=slice_.devices)
-    setup = make_setup(run, mesh_lib.make_mesh(run.mesh, slice_.devices))
-    text = setup.train_fn.lower(aot._abstract(setup.abstract, setup.state_sh),
-                                aot._batch(run, setup.batch_sh)).compile().as_text()
+    run, setup, lowered = _lowered_step("v5e:2x4", mesh="fsdp=8", data__batch_size=32,
+                                        optimizer__grad_accum_steps=4,
+                                        optimizer__accum_gather_once=once)
+    text = lowered.compile().as_text()
     view = jax.eval_shape(lambda p: transformer.compute_view(run.model, p), setup.abstract.params)
     weights = sum(x.size * 2 for x in jax.tree.leaves(view) if x.dtype == jax.numpy.bfloat16)
     # The weights' gathers, not the token ids' (a few KB a microbatch, in every step).
@@ -289,14 +285,8 @@ def test_64_chip_fsdp_gathers_are_all_gathers(monkeypatch):
   Described without its wraparound links, libtpu writes every gather as an all-reduce of
   a zero-padded buffer instead (2x the bytes)."""
   def sent():
-    slice_ = chips.slice_devices("v5p-128")
-    run = config_check.check_config(load_test_config(
-        "stdlib", mesh="fsdp=64", model__remat="full", model__n_layers=2, model__d_model=256,
-        model__n_heads=4, model__n_kv_heads=2, model__d_ff=768, model__attention_impl="xla",
-        model__dtype="bfloat16", data__seq_len=256, data__batch_size=64), devices=slice_.devices)
-    setup = make_setup(run, mesh_lib.make_mesh(run.mesh, slice_.devices))
-    text = setup.train_fn.lower(aot._abstract(setup.abstract, setup.state_sh),
-                                aot._batch(run, setup.batch_sh)).compile().as_text()
+    _, setup, lowered = _lowered_step("v5p-128", mesh="fsdp=64", data__batch_size=64)
+    text = lowered.compile().as_text()
     params = setup.abstract.params
     one_pass = sum(x.size for x in jax.tree.leaves(params)) * 2 * 63 / 64  # bf16, ring
     # What FSDP must gather: each layer's matmul weights for the forward and once more for
