@@ -20,7 +20,9 @@ import os
 import sys
 import time
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the host compiles; the slice is described
+from jaxsys import platforms
+
+platforms.choose("cpu")  # the host compiles; the slice is described
 
 import jax  # pylint: disable=wrong-import-position
 from absl import app, flags  # pylint: disable=wrong-import-position
