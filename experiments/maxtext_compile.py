@@ -183,7 +183,6 @@ def compile_case(case: str, overrides=(), hlo_path: str | None = None) -> dict:
   """MaxText's train step for `case`, compiled: its figures as `aot.summary` gives a
   program's (the compiled HLO text written to `hlo_path` first, when given)."""
   # Before jax loads: the host compiles for a described slice, with no metadata server.
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
   os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
   # Only a description of the slice is loaded: other processes (a jaxsys compile beside
   # this one) may hold libtpu's lockfile.
@@ -192,6 +191,8 @@ def compile_case(case: str, overrides=(), hlo_path: str | None = None) -> dict:
     os.environ["LIBTPU_INIT_ARGS"] = (os.environ.get("LIBTPU_INIT_ARGS", "") + " "
                                       + LIBTPU_FLAGS[case]).strip()
   sys.path.insert(0, _REPO)
+  from jaxsys import platforms  # pylint: disable=import-outside-toplevel
+  platforms.choose("cpu")  # the user's JAX_PLATFORMS kept
   import jax  # pylint: disable=import-outside-toplevel
   from maxtext.trainers.pre_train import train_compile  # pylint: disable=import-outside-toplevel
   from jaxsys import chips, hlo_flops  # pylint: disable=import-outside-toplevel
