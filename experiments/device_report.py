@@ -62,7 +62,9 @@ def main(argv):
   except ValueError as e:
     sys.exit(f"error: {e}")
   result = report.run_report(sizes.SMOKE if _SMOKE.value else sizes.FULL,
-                             report.select(_PARTS.value), _BUDGET.value)
+                             report.select(_PARTS.value), _BUDGET.value,
+                             command=" ".join(["python3 -m experiments.device_report",
+                                               *sys.argv[1:]]))
   paths = report.write(result, _OUT.value)
   print(report.markdown(result))
   print("wrote " + ", ".join(paths))

@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 
+from jaxsys import metrics
 from jaxsys.device_report import attention, checks, datasheet, generation, qmatmul, train
 from jaxsys.device_report.budget import Budget
 from jaxsys.device_report.section import Context, Section, error_line
@@ -45,7 +46,7 @@ TARGETS = (
 REPORT_FILES = ("device_report.md", "device_report.json")
 
 
-def environment() -> dict[str, Any]:
+def environment(command: str) -> dict[str, Any]:
   devices = jax.devices()
   versions = {}
   for dist in ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda13-pjrt", "jax-cuda12-plugin",
@@ -58,8 +59,8 @@ def environment() -> dict[str, Any]:
   return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
           "backend": jax.default_backend(), "device": devices[0].device_kind,
           "devices": len(devices), "device_memory_bytes": stats.get("bytes_limit"),
-          "python": platform.python_version(), "host": platform.node(),
-          "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+          "python": platform.python_version(), "host_cpu": metrics.machine_info()["cpu"],
+          "command": command,
           "versions": versions}
 
 
@@ -69,14 +70,14 @@ def select(names) -> tuple[Part, ...]:
 
 
 def run_report(sizes: Sizes, parts: Sequence[Part] = PARTS, budget_s: float | None = None,
-               log: Callable[[str], None] = print) -> dict[str, Any]:
+               log: Callable[[str], None] = print, command: str = "") -> dict[str, Any]:
   """Each part in turn within its share of the budget (`sizes.caps_s`); one the budget left
   cannot start (`sizes.min_s`) is skipped, one that raises is reported as failed, and the
   rest still run."""
   budget = Budget(sizes.budget_s if budget_s is None else budget_s)
   kind = jax.devices()[0].device_kind
   ctx = Context(sizes, jax.default_backend(), kind, datasheet.lookup(kind))
-  env = environment()
+  env = environment(command or " ".join(sys.argv))
   sections = []
   for part in parts:
     section = Section(part.key, part.title)
@@ -144,8 +145,8 @@ def markdown(report: dict[str, Any]) -> str:
   env, sheet = report["environment"], report["datasheet"]
   versions = ", ".join(f"{k} {v}" for k, v in env["versions"].items())
   lines = [f"# jaxsys device report: {env['device']} ({report['sizes']} sizes)", "",
-           f"{env['date']}; {env['devices']} x {env['device']} ({env['backend']}), "
-           f"Python {env['python']}, {versions}.", "", f"Command: `{env['command']}`", "",
+           f"{env['date']}; {env['devices']} x {env['device']} ({env['backend']}), host CPU "
+           f"{env['host_cpu']}, Python {env['python']}, {versions}.", "", f"Command: `{env['command']}`", "",
            ("Datasheet: " + (f"bf16 {sheet['bf16_flops'] / 1e12:,.0f} TFLOP/s, int8 "
                              f"{sheet['int8_ops'] / 1e12:,.0f} TOP/s, fp8 "
                              f"{sheet['fp8_flops'] / 1e12:,.0f} TFLOP/s (dense), HBM "
