@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import importlib.metadata
 import math
 import os
@@ -73,7 +74,7 @@ _SHAPES_2D = {4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16",
 _SHAPES_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8",
               256: "4x8x8", 512: "8x8x8", 1024: "8x8x16", 2048: "8x16x16", 4096: "16x16x16"}
 INSTALL = "pip install 'jax[tpu]' (brings libtpu; or pip install -e '.[tpu]')"
-INSTALL_GPU = ("pip install jax-cuda12-pjrt==<your jax version> (the CUDA PJRT plugin, no CUDA "
+INSTALL_GPU = ("pip install jax-cuda12-pjrt==<your jax version> (or -cuda13-: the CUDA PJRT plugin, no CUDA "
                "libraries; pip install -e '.[gpu-compile]' for jax 0.10.2)")
 _GPUS_PER_HOST = 8
 
@@ -199,15 +200,13 @@ def _gpu_slice(name: str, chip: Chip, shape: str) -> Slice:
   """The GPUs of `shape` (slices x hosts x GPUs a host) from the CUDA plugin, no GPU needed."""
   import jax  # pylint: disable=import-outside-toplevel
   from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
-  try:
-    import jax_plugins.xla_cuda12  # noqa: F401 pylint: disable=import-outside-toplevel,unused-import
-    plugin = importlib.metadata.version("jax-cuda12-pjrt")
-  except (ImportError, importlib.metadata.PackageNotFoundError):
+  plugin = _cuda_plugin()
+  if plugin is None:
     raise RuntimeError(f"compiling for {chip.name} needs jax's CUDA plugin, which is not "
-                       f"installed: {INSTALL_GPU}") from None
-  if plugin != jax.__version__:
-    raise RuntimeError(f"jax-cuda12-pjrt {plugin} is not the installed jax's ({jax.__version__}): "
-                       f"pip install jax-cuda12-pjrt=={jax.__version__}")
+                       f"installed: {INSTALL_GPU}")
+  if plugin[1] != jax.__version__:
+    raise RuntimeError(f"{plugin[0]} {plugin[1]} is not the installed jax's ({jax.__version__}): "
+                       f"pip install {plugin[0]}=={jax.__version__}")
   try:
     topology = topologies.get_topology_desc(chip.name, platform="cuda", topology=shape,
                                             target_config=chip.target_config)
@@ -215,6 +214,17 @@ def _gpu_slice(name: str, chip: Chip, shape: str) -> Slice:
     raise ValueError(f"topology={name!r}: the CUDA plugin refuses the shape {shape} ({_first_line(e)})"
                      ) from None
   return Slice(chip, shape, tuple(topology.devices))
+
+
+def _cuda_plugin() -> tuple[str, str] | None:
+  """(distribution, version) of jax's CUDA PJRT plugin, CUDA 13's or 12's, if installed."""
+  for cuda in ("13", "12"):
+    try:
+      importlib.import_module(f"jax_plugins.xla_cuda{cuda}")
+      return f"jax-cuda{cuda}-pjrt", importlib.metadata.version(f"jax-cuda{cuda}-pjrt")
+    except (ImportError, importlib.metadata.PackageNotFoundError):
+      continue
+  return None
 
 
 def _first_line(error: Exception) -> str:

@@ -16,10 +16,10 @@ import pathlib
 import shutil
 
 # Where a machine shows an accelerator before jax looks: a TPU VM's chips, Colab's TPU
-# runtime, an NVIDIA driver.
+# runtime, an NVIDIA driver (its device nodes or its /proc entry: a container may lack one).
 _TPU_HINTS = ("/dev/accel0", "/dev/vfio/0")
 _TPU_ENV = ("COLAB_TPU_ADDR", "TPU_NAME", "TPU_ACCELERATOR_TYPE")
-_GPU_HINTS = ("/dev/nvidia0",)
+_GPU_HINTS = ("/dev/nvidia0", "/dev/nvidiactl", "/proc/driver/nvidia/version")
 
 # What `choose()` set JAX_PLATFORMS to, beside it in the environment (so a re-executed
 # binary or a child process can tell it from the user's own choice, which is kept).

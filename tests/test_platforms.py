@@ -86,7 +86,8 @@ def test_a_binary_s_own_choice_replaces_the_machine_s(machine):
 
 def test_the_plugins_are_found_without_importing_them():
   assert platforms.has_plugin("tpu") == (_installed("libtpu") or "TPU_LIBRARY_PATH" in os.environ)
-  assert platforms.has_plugin("gpu") == _installed("jax_plugins.xla_cuda12")
+  assert platforms.has_plugin("gpu") == (_installed("jax_plugins.xla_cuda12")
+                                         or _installed("jax_plugins.xla_cuda13"))
 
 
 def _installed(module: str) -> bool:

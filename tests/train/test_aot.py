@@ -209,7 +209,8 @@ def test_no_libtpu_is_one_line(monkeypatch):
 
 
 def test_no_cuda_plugin_is_one_line(monkeypatch):
-  monkeypatch.setitem(sys.modules, "jax_plugins.xla_cuda12", None)
+  for cuda in ("12", "13"):
+    monkeypatch.setitem(sys.modules, f"jax_plugins.xla_cuda{cuda}", None)
   with pytest.raises(RuntimeError, match=r"needs jax's CUDA plugin, which is not installed: pip"):
     chips.slice_devices("h100-8")
 
