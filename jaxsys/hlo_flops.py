@@ -1,4 +1,5 @@
-"""Matmul FLOPs one device runs, read from a compiled program's HLO, loops counted in full.
+"""Matmul FLOPs and HBM bytes one device runs, read from a compiled program's HLO, loops
+counted in full.
 
 XLA's `cost_analysis()` counts a while loop's body once, so a step that accumulates
 gradients over k microbatches, or a pipeline's loop over its ticks, looks k times
@@ -7,7 +8,8 @@ cheaper than it is. Here every `dot` costs 2 x (output elements) x (contracted s
 a TPU (Mosaic) kernel the FLOPs of its own cost estimate (`pl.CostEstimate`), a while loop
 with a known trip count that many bodies (`trip_count`), a conditional its most expensive
 branch (an upper bound: the branch taken is decided at run time), and a fusion or call
-what it calls.
+what it calls. `hbm_bytes` counts the bytes each top-level instruction reads and writes
+the same way (see there).
 """
 from __future__ import annotations
 
@@ -206,3 +208,133 @@ def loops_of_unknown_length(hlo_text: str) -> int:
   return sum(1 for lines in bodies.values() for line in lines
              if " while(" in line and trip_count(line, bodies) is None
              and cost(re.search(r"body=%([\w.\-]+)", line)[1]) > 0)
+
+
+# ---------------------------------------------------------------------------------- bytes
+
+_HEAD = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = ")
+_ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([\d,]*)\]")
+_ELEMENT_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2,
+                  "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8,
+                  "f64": 8, "c64": 8, "c128": 16}
+# Instructions that move no data of their own: plumbing, and loops and calls whose bodies
+# are counted instead. An asynchronous op is counted at its start.
+_FREE = frozenset(("parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while",
+                   "conditional", "call", "after-all", "partition-id", "replica-id",
+                   "opt-barrier", "add-dependency", "domain", "iota"))
+_SLICES = ("dynamic-slice", "slice")
+
+
+def _array_bytes(type_text: str) -> float:
+  """Bytes of every array in an HLO type (a tuple's elements summed); f8 types are 1 byte."""
+  total = 0.0
+  for dtype, dims in _ARRAY.findall(type_text):
+    size = 1 if dtype.startswith("f8") else _ELEMENT_BYTES.get(dtype, 0)
+    total += size * math.prod(_dims(dims))
+  return total
+
+
+def _balanced(text: str, start: int) -> int:
+  """The index just past the bracket that closes the one at `start`."""
+  depth = 0
+  for i in range(start, len(text)):
+    depth += {"(": 1, ")": -1}.get(text[i], 0)
+    if depth == 0:
+      return i + 1
+  return len(text)
+
+
+def _instruction(line: str) -> tuple[str, str, str, list[str], str] | None:
+  """(name, result type, opcode, operand names, attributes) of an instruction line."""
+  head = _HEAD.match(line)
+  if not head:
+    return None
+  rest = line[head.end():]
+  end = _balanced(rest, 0) if rest.startswith("(") else rest.find(" ")
+  type_text, rest = rest[:end], rest[end:].lstrip()
+  paren = rest.find("(")
+  if paren < 0:
+    return None
+  close = _balanced(rest, paren)
+  return (head[1], type_text, rest[:paren], re.findall(r"%([\w.\-]+)", rest[paren:close]),
+          rest[close:])
+
+
+def _fusion_traffic(lines: list[str], operand_bytes: list[float], out_bytes: float) -> float:
+  """What a fusion reads and writes of HBM: each operand whole, except one the fused code
+  only slices (it reads the slices) or only updates in place (dynamic-update-slice: it
+  reads nothing of it); its output whole, except one written in place (the update)."""
+  parsed = [p for p in map(_instruction, lines) if p]
+  by_name = {p[0]: p for p in parsed}
+  params = {p[0]: int(re.search(r"parameter\((\d+)\)", line)[1])
+            for p, line in zip(parsed, lines) if p[2] == "parameter"}
+  total = 0.0
+  for name, index in params.items():
+    if index >= len(operand_bytes):
+      continue
+    uses = [p for p in parsed if name in p[3]]
+    if uses and all(u[2] in _SLICES and u[3][0] == name for u in uses):
+      total += sum(_array_bytes(u[1]) for u in uses)
+    elif uses and all(u[2] == "dynamic-update-slice" and u[3][0] == name for u in uses):
+      continue
+    else:
+      total += operand_bytes[index]
+  root = next((p for p, line in zip(parsed, lines) if line.lstrip().startswith("ROOT ")), None)
+  outputs = [by_name.get(o) for o in root[3]] if root and root[2] == "tuple" else [root]
+  in_place = sum(_array_bytes(by_name[o[3][1]][1]) if o[3][1] in by_name else 0.0
+                 for o in outputs if o and o[2] == "dynamic-update-slice")
+  whole = sum(_array_bytes(o[1]) for o in outputs if o and o[2] == "dynamic-update-slice")
+  return total + out_bytes - whole + in_place
+
+
+def hbm_bytes(hlo_text: str) -> float:
+  """Bytes the ENTRY computation reads and writes, every loop trip counted.
+
+  Each top-level instruction reads its operands and writes its result, as XLA's cost
+  analysis counts them; what happens inside a fusion stays on chip. A slice reads only
+  what it takes and a dynamic-update-slice writes only its update (in place), also inside
+  a fusion; a while loop is its body times its trip count (once when unknown), a
+  conditional its most expensive branch.
+  """
+  bodies, entry = computations(hlo_text)
+  if entry is None:
+    raise ValueError("hbm_bytes: no ENTRY computation in the HLO text")
+  sizes = {p[0]: _array_bytes(p[1]) for lines in bodies.values()
+           for p in map(_instruction, lines) if p}
+
+  @functools.cache
+  def traffic(computation: str) -> float:
+    total = 0.0
+    for line in bodies[computation]:
+      parsed = _instruction(line)
+      if parsed is None:
+        continue
+      _, type_text, opcode, operands, attributes = parsed
+      out, reads = _array_bytes(type_text), [sizes.get(o, 0.0) for o in operands]
+      if opcode == "while":
+        body = re.search(r"body=%([\w.\-]+)", attributes)
+        total += (trip_count(line, bodies) or 1) * traffic(body[1]) if body else 0.0
+      elif opcode == "conditional":
+        branches = _BRANCHES.search(attributes)
+        names = ((re.findall(r"%([\w.\-]+)", branches[1]) if branches[1]
+                  else [branches[2], branches[3]]) if branches else [])
+        total += max((traffic(b) for b in names if b in bodies), default=0.0)
+      elif opcode == "call":
+        called = re.search(r"to_apply=%([\w.\-]+)", attributes)
+        total += traffic(called[1]) if called and called[1] in bodies else 0.0
+      elif opcode in _FREE or opcode.endswith("-done"):
+        continue
+      elif opcode == "fusion":
+        called = re.search(r"calls=%([\w.\-]+)", attributes)
+        total += _fusion_traffic(bodies.get(called[1], []) if called else [], reads, out)
+      elif opcode in _SLICES:
+        total += 2 * out
+      elif opcode == "dynamic-update-slice":
+        total += 2 * (reads[1] if len(reads) > 1 else out)
+      elif opcode.endswith("-start"):  # the result repeats the operands beside the output
+        total += sum(reads) + max(out - sum(reads), 0.0)
+      else:
+        total += sum(reads) + out
+    return total
+
+  return traffic(entry)

@@ -104,3 +104,29 @@ def test_convolution_windows_pair_with_spatial_dimensions_by_number(labels, lhs,
   # Dimension 0: 8 outputs x 3 taps, less the 2 that fall on padding; dimension 1: 4 x 1.
   taps = (8 * 3 - 2) * 4
   assert hlo_flops.dot_flops(_conv(labels, lhs, rhs, out)) == 2 * (2 * 5) * 3 * taps
+
+
+def _scan_over_layers(unroll) -> tuple[str, float]:
+  """A 6-layer scan (each layer's weight sliced from a stack, each output written into a
+  stacked result): its compiled text and XLA's own bytes accessed."""
+  def fn(x, ws):
+    def layer(h, w):
+      y = jnp.tanh(h @ w)
+      return y, y * 2
+    return jax.lax.scan(layer, x, ws, unroll=unroll)
+
+  compiled = jax.jit(fn).lower(jnp.ones((64, 128)), jnp.ones((6, 128, 128))).compile()
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  return compiled.as_text(), float(cost["bytes accessed"])
+
+
+def test_hbm_bytes_count_every_trip_of_a_loop():
+  """Unrolled, there is no loop: the count is XLA's own. Looped, XLA counts one layer while
+  this counts six; a slice of the weight stack reads one layer's weight and a write into
+  the stacked result one layer's output, not the whole stack each trip (else 6x more)."""
+  unrolled_text, unrolled_xla = _scan_over_layers(True)
+  looped_text, looped_xla = _scan_over_layers(1)
+  assert hlo_flops.hbm_bytes(unrolled_text) == pytest.approx(unrolled_xla, rel=0.02)
+  assert looped_xla < 0.35 * unrolled_xla  # the loop body once
+  assert hlo_flops.hbm_bytes(looped_text) == pytest.approx(unrolled_xla, rel=0.15)

@@ -7,8 +7,9 @@ Builds the run exactly as the trainer would (its config check, setup and kernels
 Pallas TPU kernels chosen for the slice) over the slice's devices from libtpu, compiles the
 train step, the evaluation step and (with an outer optimizer) the outer sync, and prints
 per device: memory against the chip's HBM (fits, or by how much it overflows), matmul
-FLOPs, XLA's FLOPs and bytes accessed, the bytes of each kind of collective, and a
-roofline lower bound on each program's time with the MFU ceiling it implies.
+FLOPs, HBM bytes read and written (every loop trip), the bytes of each kind of collective,
+a roofline lower bound on each program's time, and the train step's recompute bound
+(model FLOPs / compiled FLOPs).
 
 `--topology`: a Cloud TPU slice name (`v5e-8`, `v5p-128`: v4 and v5p count TensorCores)
 or a shape (`v6e:4x4`, `v4:2x2x2`). The mesh must use the slice's devices. A program that

@@ -114,7 +114,7 @@ def test_composed_run_compiles_for_an_8_chip_slice():
   assert all(p.fits for p in programs)
   assert programs[0].collective_bytes["collective-permute"] > 0  # stages and ring hops
   assert programs[2].collective_bytes["all-reduce"] > 0  # the sync averages the replicas
-  assert aot.mfu_ceiling(run, programs[0]) < 1.0
+  assert 0.3 < aot.recompute_bound(run, programs[0]) < 1.0  # replicas and stages recompute
 
 
 @needs_libtpu
