@@ -1,11 +1,11 @@
-"""The compiled cost of a run's train step, per device: FLOPs, bytes accessed, memory.
+"""The compiled cost of a run's train step, per device: FLOPs, HBM bytes, memory.
 
 Builds the step exactly as the runner does (`train.setup.make_setup`) for the config and
 mesh given, compiles it for abstract inputs (nothing is trained, no data is read) and
-prints one device's matmul FLOPs read from its HLO with every loop trip counted
-(`jaxsys.hlo_flops`; a pipeline's conditional ticks at their dearest branch), XLA's cost
-and memory analysis (whose FLOPs count a loop body once), beside plain data parallelism on
-the same devices and global batch:
+prints one device's matmul FLOPs and HBM bytes read from its HLO with every loop trip
+counted (`jaxsys.hlo_flops`; a pipeline's conditional ticks at their dearest branch, an
+upper bound), XLA's cost analysis (which counts a loop body once) and memory analysis,
+beside plain data parallelism on the same devices and global batch:
 
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m experiments.step_cost \
       --config=configs/tiny_lm.py --config.mesh=replica=2,stage=2,context=2 \
@@ -31,7 +31,8 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "configs/<name>.py[:ar
 
 
 def step_cost(config) -> dict[str, float]:
-  """Per-device FLOPs, bytes accessed and argument/temporary bytes of `config`'s train step."""
+  """Per-device FLOPs and HBM bytes (every loop trip, and XLA's), argument and temporary
+  bytes of `config`'s train step."""
   run = config_check.check_config(config)
   setup = make_setup(run, mesh_lib.make_mesh(run.mesh))
   shape = (config.data.batch_size, config.data.seq_len)
@@ -41,7 +42,8 @@ def step_cost(config) -> dict[str, float]:
                        setup.abstract, setup.state_sh)
   compiled = setup.train_fn.lower(state, batch).compile()
   cost, memory = compiled.cost_analysis(), compiled.memory_analysis()
-  return {"matmul_flops": hlo_flops.dot_flops(compiled.as_text()),
+  text = compiled.as_text()
+  return {"matmul_flops": hlo_flops.dot_flops(text), "hbm_bytes": hlo_flops.hbm_bytes(text),
           "flops": cost.get("flops", 0.0), "bytes": cost.get("bytes accessed", 0.0),
           "argument_bytes": memory.argument_size_in_bytes,
           "temp_bytes": memory.temp_size_in_bytes}
@@ -63,11 +65,12 @@ def main(argv) -> None:
     baseline.pipeline.vocab_parallel = False
     baseline.pipeline.routing = "fixed"
   rows = {config.mesh: step_cost(config), "data parallel": step_cost(baseline)}
-  print(f"{'per device':<32} {'matmul GFLOP':>12} {'XLA GFLOP':>10} {'GB accessed':>12} "
-        f"{'args MiB':>9} {'temp MiB':>9}")
+  print(f"{'per device':<32} {'matmul GFLOP':>12} {'HBM GB':>8} {'XLA GFLOP':>10} "
+        f"{'XLA GB':>8} {'args MiB':>9} {'temp MiB':>9}")
+  print(f"{'':<32} {'(loops in full)':>21} {'(a loop body once)':>19}")
   for name, c in rows.items():
-    print(f"{name:<32} {c['matmul_flops'] / 1e9:>12.3f} {c['flops'] / 1e9:>10.3f} "
-          f"{c['bytes'] / 1e9:>12.3f} "
+    print(f"{name:<32} {c['matmul_flops'] / 1e9:>12.3f} {c['hbm_bytes'] / 1e9:>8.3f} "
+          f"{c['flops'] / 1e9:>10.3f} {c['bytes'] / 1e9:>8.3f} "
           f"{c['argument_bytes'] / 2**20:>9.1f} {c['temp_bytes'] / 2**20:>9.1f}")
 
 
