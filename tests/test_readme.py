@@ -217,3 +217,35 @@ def test_readme_links_every_results_page():
   links = {(ROOT / t).resolve() for t in _links(README.read_text())}
   pages = set((ROOT / "docs" / "results").glob("*.md"))
   assert pages <= links, sorted(str(p.relative_to(ROOT)) for p in pages - links)
+
+
+_NUMBER = re.compile(r"(?<![\w.])(\d{1,3}(?:,\d{3})+(?!\d)|\d+)(\.\d+)?")
+
+
+def _numbers(text: str) -> list[tuple[str, float, int]]:
+  """(as written, value, decimals) of every number in `text` (thousands commas allowed)."""
+  return [(m[0], float(m[1].replace(",", "") + (m[2] or "")), len(m[2] or "") - bool(m[2]))
+          for m in _NUMBER.finditer(text)]
+
+
+def _results_rows() -> list[str]:
+  text = README.read_text(encoding="utf-8")
+  table = text[text.index("## Results"):]
+  table = table[:table.index("\n## ", 1)]
+  return [line for line in table.splitlines()
+          if line.startswith("| ") and not line.startswith(("| area", "|---"))]
+
+
+@pytest.mark.parametrize("row", _results_rows(), ids=lambda row: row.split(" | ")[0][2:])
+def test_every_headline_number_stands_on_its_page(row):
+  """Each number of a Results headline (a decimal, or a whole number of 100 and more:
+  small counts like p=4 match anything) is on a page the row links, as written there or
+  to the headline's precision, so a headline cannot drift from the measurement it quotes."""
+  headline = row.split(" | ")[1]
+  pages = " ".join((ROOT / link).read_text(encoding="utf-8")
+                   for link in re.findall(r"\]\(([^)#]+\.md)\)", row))
+  on_pages = [value for _, value, _ in _numbers(pages)]
+  missing = [written for written, value, decimals in _numbers(headline)
+             if (decimals or value >= 100)
+             and not any(round(p, decimals) == value for p in on_pages)]
+  assert not missing, f"not on the row's pages: {missing}"
