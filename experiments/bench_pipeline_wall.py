@@ -23,6 +23,11 @@ devices share the cores).
 
 A small vocabulary (--vocab_size) keeps the head and embedding out of the comparison; the
 schedule's costs have no term for them. The host needs p cores with nothing else on them.
+
+`--bandwidth=100mbit` (root; iproute2) runs the workers in a network namespace whose
+loopback Linux traffic control holds to that rate (`jaxsys.lab.link`, as the network lab
+does): the sends cross a link of that speed, the measured send cost is that link's, and
+the prediction is tested across it. `none` (the default) is the host's own loopback.
 """
 from __future__ import annotations
 
@@ -43,6 +48,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxsys import mesh as mesh_lib
 from jaxsys import xla_flags
 from jaxsys.data import packing
+from jaxsys.lab import link as link_lib
 from jaxsys.lab.launch import free_port
 from jaxsys.models import transformer
 from jaxsys.parallel import pipeline, schedules
@@ -192,20 +198,29 @@ def table(result: dict) -> str:
 
 
 
-def launch(stages: int, args: list[str], *, timeout: float = 3600) -> None:
+def launch(stages: int, args: list[str], *, rate_bps: float | None = None,
+           timeout: float = 3600) -> None:
   """Starts this module's `stages` workers (the command-line `args` passed on), each with
-  one CPU device, pinned to core i, joined on loopback; returns once all have exited 0."""
+  one CPU device, pinned to core i, joined on loopback (shaped to `rate_bps` in a network
+  namespace of their own when given); returns once all have exited 0."""
   cores = sorted(os.sched_getaffinity(0))
   if len(cores) < stages:
     raise app.UsageError(f"--stages={stages} needs {stages} cores, one a stage; this process "
                          f"may run on {len(cores)} ({cores})")
-  coordinator = f"127.0.0.1:{free_port()}"
+  link = link_lib.Link(f"jaxsys-pw{os.getpid()}", rate_bps).up() if rate_bps else None
+  prefix = link.prefix() if link else []
+  # A free port of the namespace's loopback: a fresh namespace has every port free.
+  coordinator = f"127.0.0.1:{free_port() if link is None else 4321}"
   env = dict(os.environ, XLA_FLAGS=xla_flags.with_cpu_devices(1), JAX_PLATFORMS="cpu")
-  procs = [subprocess.Popen(
-      ["taskset", "-c", str(cores[i]), sys.executable, "-m", "experiments.bench_pipeline_wall",
-       *args, f"--process_id={i}", f"--coordinator={coordinator}"], env=env)
-      for i in range(stages)]
-  codes = [p.wait(timeout=timeout) for p in procs]
+  try:
+    procs = [subprocess.Popen(
+        [*prefix, "taskset", "-c", str(cores[i]), sys.executable, "-m",
+         "experiments.bench_pipeline_wall", *args, f"--process_id={i}",
+         f"--coordinator={coordinator}"], env=env) for i in range(stages)]
+    codes = [p.wait(timeout=timeout) for p in procs]
+  finally:
+    if link:
+      link.down()
   if any(codes):
     raise RuntimeError(f"bench_pipeline_wall workers exited with {codes}")
 
@@ -222,6 +237,8 @@ def _define_flags() -> None:
   flags.DEFINE_integer("vocab_size", 256, "Vocabulary size.")
   flags.DEFINE_integer("repeats", 5, "Timed runs per number (median).")
   flags.DEFINE_string("out", "/tmp/bench_pipeline_wall.json", "JSON file with every number.")
+  flags.DEFINE_string("bandwidth", "none", "The stages' link: a rate (100mbit, 1gbit; root) "
+                      "or none (the host's loopback).")
   flags.DEFINE_integer("process_id", -1, "Internal: this worker's process (-1: the launcher, "
                        "which starts the p workers).")
   flags.DEFINE_string("coordinator", "", "Internal: the workers' coordinator.")
@@ -231,7 +248,14 @@ def main(argv):
   del argv  # every flag is passed on to the workers as given (sys.argv)
   f = flags.FLAGS
   if f.process_id < 0:
-    launch(f.stages, sys.argv[1:])
+    try:
+      rate = link_lib.parse_rate(f.bandwidth)
+      if rate and link_lib.missing_privileges():
+        raise link_lib.LabError(f"--bandwidth={f.bandwidth} shapes a link: it needs "
+                                f"{', '.join(link_lib.missing_privileges())}")
+    except link_lib.LabError as e:
+      sys.exit(f"error: {e}")
+    launch(f.stages, sys.argv[1:], rate_bps=rate)
     with open(f.out) as out:
       print(table(json.load(out)))
     return
@@ -241,7 +265,7 @@ def main(argv):
                 n_layers=f.n_layers, seq=f.seq, vocab_size=f.vocab_size, repeats=f.repeats)
   if jax.process_index() == 0:
     with open(f.out, "w") as out:
-      json.dump(result, out, indent=1)
+      json.dump(dict(result, bandwidth=f.bandwidth), out, indent=1)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import pytest
 from absl import app
 
 from experiments import bench_pipeline_wall
+from jaxsys.lab import link as link_lib
 from jaxsys.parallel import schedules
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -44,16 +45,30 @@ def test_tiny_run_in_one_process():
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
 def test_two_pinned_processes(tmp_path):
+  """Across a shaped link where this may shape one (root), else the host's loopback; the
+  link's namespace is gone afterwards."""
   out = tmp_path / "wall.json"
+  bandwidth = "none" if link_lib.missing_privileges() else "1gbit"
   flags = [f"--{k}={v}" for k, v in TINY.items()]
   proc = subprocess.run([sys.executable, "-m", "experiments.bench_pipeline_wall", "--stages=2",
-                         "--microbatches=2", "--schedules=1f1b", f"--out={out}", *flags],
+                         "--microbatches=2", "--schedules=1f1b", f"--out={out}",
+                         f"--bandwidth={bandwidth}", *flags],
                         cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   result = json.loads(out.read_text())
-  assert result["processes"] == 2
+  assert result["processes"] == 2 and result["bandwidth"] == bandwidth
   _check(result, ["1f1b"])
   assert "| 1f1b | 2 |" in proc.stdout
+  assert not [ns for ns in link_lib.namespaces() if ns.startswith("jaxsys-pw")]
+
+
+def test_a_bad_bandwidth_is_one_line(tmp_path):
+  proc = subprocess.run([sys.executable, "-m", "experiments.bench_pipeline_wall",
+                         "--bandwidth=fast", f"--out={tmp_path / 'x.json'}"], cwd=ROOT,
+                        capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 1
+  assert proc.stderr.strip().splitlines()[-1].startswith(
+      "error: --bandwidth='fast' is not a rate: use a positive number with one of the units")
 
 
 def test_refuses_more_stages_than_cores():
