@@ -29,6 +29,8 @@ from jaxsys.train import config_check
 _WORKDIR = flags.DEFINE_string("workdir", None, "Workdir of a training run (experiments.train).")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
 _CALIB = flags.DEFINE_integer("calib_batches", 8, "Training batches for GPTQ / SmoothQuant.")
+_EVAL_STEPS = flags.DEFINE_integer("eval_steps", None, "Val batches every row is scored on "
+                                   "(default: the run's eval_steps); the same for every row.")
 _GROUP = flags.DEFINE_integer("group_size", 128, "w4a16 group size (rows of K per scale).")
 _ALPHA = flags.DEFINE_float("alpha", 0.5, "SmoothQuant migration strength.")
 _ROWS = flags.DEFINE_string("rows", None, "Rows after the float one, e.g. "
@@ -41,6 +43,7 @@ _CONFIG = config_flags.DEFINE_config_file(
 flags.mark_flags_as_required(["workdir"])
 # Valid values of the numeric flags, checked before the checkpoint is loaded.
 _FLAG_RULES = ((_STEP, config_check.integer(0)), (_CALIB, config_check.integer(1)),
+               (_EVAL_STEPS, config_check.integer(2)),
                (_GROUP, config_check.integer(1)), (_ALPHA, config_check.number(0, 1)))
 
 
@@ -61,13 +64,17 @@ def main(argv):
   except ValueError as e:
     sys.exit(f"error: {e}")
   rows = evaluate.evaluate_table(run, _WORKDIR.value, rows=wanted, calib_batches=_CALIB.value,
-                                 group_size=_GROUP.value, alpha=_ALPHA.value)
+                                 group_size=_GROUP.value, alpha=_ALPHA.value,
+                                 eval_steps=_EVAL_STEPS.value)
   table = evaluate.markdown(rows)
-  header = (f"{_WORKDIR.value} step {run.step}: val bits/byte over {run.config.eval_steps} "
+  batches = len(rows[0]["batch_loss_sums"])
+  header = (f"{_WORKDIR.value} step {run.step}: val bits/byte over {batches} batches "
+            f"({batches * run.config.data.batch_size * run.config.data.seq_len:,} token "
+            "positions), each row against the float model by a paired bootstrap over those "
             f"batches; calibration {_CALIB.value} train batches; w4a16 group {_GROUP.value}")
   print(header + "\n\n" + table)
   with open(os.path.join(_WORKDIR.value, "quant_eval.json"), "w") as f:
-    json.dump({"step": run.step, "eval_steps": run.config.eval_steps,
+    json.dump({"step": run.step, "eval_steps": batches,
                "calib_batches": _CALIB.value, "group_size": _GROUP.value, "alpha": _ALPHA.value,
                "rows": rows}, f, indent=1)
   with open(os.path.join(_WORKDIR.value, "quant_eval.md"), "w") as f:

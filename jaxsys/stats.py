@@ -1,4 +1,5 @@
-"""Comparisons across seeds: the mean of paired differences and its t-interval."""
+"""Paired comparisons: across seeds (the mean of paired differences and its t-interval), and
+across evaluation batches (a ratio of sums, by a paired bootstrap)."""
 from __future__ import annotations
 
 import dataclasses
@@ -37,3 +38,21 @@ def paired_interval(differences, level: float = 0.95) -> Interval:
   mean = float(d.mean())
   half = float(scipy_stats.t.ppf((1 + level) / 2, d.size - 1) * d.std(ddof=1) / math.sqrt(d.size))
   return Interval(mean, mean - half, mean + half, int(d.size), level)
+
+
+def paired_bootstrap_ratio(a, b, denominator, *, resamples: int = 2000, level: float = 0.95,
+                           seed: int = 0) -> Interval:
+  """The difference sum(a)/sum(den) - sum(b)/sum(den) over n paired units (evaluation
+  batches: a and b their summed losses under two models, den their bytes) and its
+  percentile interval from `resamples` resamplings of the units with replacement, the same
+  units for a and b. Needs 2 or more units."""
+  a, b, den = (np.asarray(x, dtype=np.float64) for x in (a, b, denominator))
+  if not a.shape == b.shape == den.shape or a.ndim != 1 or a.size < 2:
+    raise ValueError(f"a, b and denominator must be 2 or more paired values each; got shapes "
+                     f"{a.shape}, {b.shape}, {den.shape}")
+  idx = np.random.default_rng(seed).integers(0, a.size, (resamples, a.size))
+  diffs = (a[idx].sum(1) - b[idx].sum(1)) / den[idx].sum(1)
+  tail = 100 * (1 - level) / 2
+  low, high = np.percentile(diffs, [tail, 100 - tail])
+  return Interval(float((a.sum() - b.sum()) / den.sum()), float(low), float(high), int(a.size),
+                  level)

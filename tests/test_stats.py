@@ -1,4 +1,5 @@
 """Paired t-intervals against values worked by hand."""
+import numpy as np
 import pytest
 
 from jaxsys import stats
@@ -22,3 +23,19 @@ def test_a_consistent_gap_is_distinguishable():
 def test_one_seed_has_no_interval():
   with pytest.raises(ValueError, match="2 or more"):
     stats.paired_interval([0.5])
+
+
+def test_bootstrap_of_a_ratio_of_sums():
+  """Two models scored on the same 200 batches: one whose every batch costs 1% more bits is
+  distinguishable although batches vary by 30%; one that differs only by per-batch noise
+  around the same mean is not; the point estimate is the ratio of the sums."""
+  rng = np.random.default_rng(0)
+  den = rng.uniform(3000, 5000, 200)
+  base = den * rng.uniform(1.5, 2.5, 200)  # bits per byte differs a lot between batches
+  worse = stats.paired_bootstrap_ratio(base * 1.01, base, den)
+  assert worse.mean == pytest.approx(0.01 * base.sum() / den.sum())
+  assert 0 < worse.low < worse.mean < worse.high and not worse.indistinguishable
+  noisy = stats.paired_bootstrap_ratio(base * rng.normal(1, 0.01, 200), base, den)
+  assert noisy.indistinguishable and noisy.high - noisy.low < worse.mean
+  with pytest.raises(ValueError, match="2 or more paired values"):
+    stats.paired_bootstrap_ratio([1.0], [1.0], [1.0])

@@ -19,6 +19,7 @@ from absl import logging
 from flax import nnx
 
 from jaxsys import mesh as mesh_lib
+from jaxsys import stats
 from jaxsys.checkpoint.reader import read_params
 from jaxsys.config import RunConfig
 from jaxsys.data.loader import make_loader
@@ -84,8 +85,11 @@ def _bf16_bytes(params) -> int:
 
 
 def evaluate_table(run: Run, workdir: str, *, rows=DEFAULT_ROWS, calib_batches: int = 8,
-                   group_size: int = 128, alpha: float = 0.5) -> list[dict[str, Any]]:
-  """The float row, then one row per (scheme, method, options); see the module docstring."""
+                   group_size: int = 128, alpha: float = 0.5, eval_steps: int | None = None
+                   ) -> list[dict[str, Any]]:
+  """The float row, then one row per (scheme, method, options); see the module docstring.
+  Each row is scored on the same `eval_steps` val batches (default: the run's), and its
+  bits per byte is set against the float model's by a paired bootstrap over them."""
   config, cfg = run.config, run.config.model
   train = make_loader(config.data, "train", batch_size=config.data.batch_size, seed=config.seed,
                       workdir=workdir)  # calibration batches and the tokenizer
@@ -94,14 +98,18 @@ def evaluate_table(run: Run, workdir: str, *, rows=DEFAULT_ROWS, calib_batches: 
                         workdir=workdir)
   calib = [next(train) for _ in range(calib_batches)]  # the TRAIN split, never val
   bf16 = _bf16_bytes(run.params)
-  score = lambda params: val.score(params)["val_bpb"]
 
-  def row(scheme, method, options, bpb, nbytes, seconds, error=None):
+  def row(scheme, method, options, batches, nbytes, seconds, error=None):
+    losses = [b["loss_sum"] for b in batches or ()]
+    bpb = sum(losses) / math.log(2) / sum(b["bytes"] for b in batches) if batches else None
     return {"scheme": scheme, "method": method, "options": options,
             "weight_bytes": nbytes, "x_bf16": None if nbytes is None else nbytes / bf16,
-            "val_bpb": bpb, "recovery_pct": None, "quantize_s": seconds, "error": error}
+            "val_bpb": bpb, "recovery_pct": None, "quantize_s": seconds, "error": error,
+            "batch_loss_sums": losses}
 
-  out = [row("float", "-", {}, score(run.params), ptq.weight_bytes(run.params), 0.0)]
+  float_batches = val.score_batches(run.params, eval_steps)
+  batch_bytes = [b["bytes"] for b in float_batches]
+  out = [row("float", "-", {}, float_batches, ptq.weight_bytes(run.params), 0.0)]
   tokens_1T = jnp.asarray(calib[0]["inputs"][:1])
   for scheme, method, options in rows:
     rule_set = rules_lib.default_rules(scheme, group_size=group_size)
@@ -113,23 +121,27 @@ def evaluate_table(run: Run, workdir: str, *, rows=DEFAULT_ROWS, calib_batches: 
         graphdef, state = nnx.split(model)
         table = jnp.asarray(val.token_bytes, jnp.float32)
         eval_fn = jax.jit(lambda s, b: qwix_eval_step(graphdef, s, b, token_bytes=table))
-        bpb = val.run(eval_fn, state)["val_bpb"]
+        batches = val.batch_sums(eval_fn, state, eval_steps)
         nbytes = qwix_baseline.weight_bytes(model)
       else:
         q = ptq.quantize_params(cfg, run.params, rule_set, method, calib, alpha=alpha, **options)
         q = jax.block_until_ready(q)
         seconds = time.perf_counter() - t0
-        bpb, nbytes = score(q), ptq.weight_bytes(q)
-      out.append(row(scheme, method, options, bpb, nbytes, seconds))
+        batches, nbytes = val.score_batches(q, eval_steps), ptq.weight_bytes(q)
+      out.append(row(scheme, method, options, batches, nbytes, seconds))
     except Exception as e:  # a baseline that cannot run shows its reason, not nothing
       logging.exception("%s %s failed", scheme, method)
       msg = (str(e).strip().splitlines() or [type(e).__name__])[0]
       out.append(row(scheme, method, options, None, None, time.perf_counter() - t0,
                      f"{type(e).__name__}: {msg}"))
     logging.info("quant row: %s", out[-1])
+  ln2 = math.log(2)
   for r in out:
     if r["val_bpb"] is not None:
       r["recovery_pct"] = 100.0 * out[0]["val_bpb"] / r["val_bpb"]
+      r["vs_float_bpb"] = dataclasses.asdict(stats.paired_bootstrap_ratio(
+          [x / ln2 for x in r["batch_loss_sums"]],
+          [x / ln2 for x in out[0]["batch_loss_sums"]], batch_bytes))
   return out
 
 
@@ -139,13 +151,15 @@ def _label(r) -> str:
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-  """The table in markdown: scheme, method, bytes, ratio to bf16, val bpb, recovery."""
-  lines = ["| scheme | method | weight bytes (layer matmuls) | x bf16 | val bpb | recovery |",
-           "|---|---|---:|---:|---:|---:|"]
+  """The table in markdown: scheme, method, bytes, ratio to bf16, val bpb, its difference
+  from the float model's with the paired bootstrap's 95% interval, recovery."""
+  lines = ["| scheme | method | weight bytes (layer matmuls) | x bf16 | val bpb | "
+           "- float bpb [95% interval] | recovery |", "|---|---|---:|---:|---:|---|---:|"]
   for r in rows:
     if r["error"]:
-      lines.append(f"| {r['scheme']} | {_label(r)} | | | error: {r['error']} | |")
+      lines.append(f"| {r['scheme']} | {_label(r)} | | | error: {r['error']} | | |")
       continue
+    gap = "" if r is rows[0] else stats.Interval(**r["vs_float_bpb"]).format("+.5f")
     lines.append(f"| {r['scheme']} | {_label(r)} | {r['weight_bytes']:,} | {r['x_bf16']:.3f} | "
-                 f"{r['val_bpb']:.5f} | {r['recovery_pct']:.3f}% |")
+                 f"{r['val_bpb']:.5f} | {gap} | {r['recovery_pct']:.3f}% |")
   return "\n".join(lines)

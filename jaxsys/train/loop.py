@@ -202,24 +202,40 @@ class Validation:
   def run(self, eval_fn, params, steps: int | None = None) -> dict[str, float]:
     """val_loss and val_bpb from `eval_fn(params, batch)`'s sums over the first `steps` batches
     (default: run.eval_steps)."""
+    per_batch = self.batch_sums(eval_fn, params, steps)
+    return step_lib.summarize_eval({k: float(sum(b[k] for b in per_batch))
+                                    for k in per_batch[0]})
+
+  def batch_sums(self, eval_fn, params, steps: int | None = None) -> list[dict[str, float]]:
+    """`eval_fn(params, batch)`'s sums of each of the first `steps` batches, in order (the
+    same batches for any params: paired comparisons resample them)."""
     self.loader.set_state(self.start)
-    sums = None
+    out, pending = [], None
     for _, batch in zip(range(self.steps if steps is None else steps), self.loader):
-      out = eval_fn(params, step_lib.global_batch(batch, self.batch_sh))
+      sums = eval_fn(params, step_lib.global_batch(batch, self.batch_sh))
       # At most two batches in flight, as in training: a deep queue of collective programs
       # can starve one of XLA:CPU's simulated devices past its rendezvous timeout.
-      sums = out if sums is None else jax.tree.map(lambda a, b: a + b,
-                                                   jax.block_until_ready(sums), out)
-    if sums is None:
+      if pending is not None:
+        out.append({k: float(v) for k, v in jax.device_get(pending).items()})
+      pending = sums
+    if pending is None:
       raise ValueError("the val split gave no batch; lower data.batch_size or data.seq_len")
-    return step_lib.summarize_eval({k: float(v) for k, v in jax.device_get(sums).items()})
+    out.append({k: float(v) for k, v in jax.device_get(pending).items()})
+    return out
 
   def score(self, params, steps: int | None = None) -> dict[str, float]:
     """`run` with the model's eval step, `params` (any tree the model runs: float or quantized,
     numpy or arrays) replicated over the mesh."""
+    return self.run(*self._model_eval(params), steps)
+
+  def score_batches(self, params, steps: int | None = None) -> list[dict[str, float]]:
+    """`batch_sums` with the model's eval step (as `score`)."""
+    return self.batch_sums(*self._model_eval(params), steps)
+
+  def _model_eval(self, params):
     replicated = NamedSharding(self.batch_sh.mesh, PartitionSpec())
     eval_fn = step_lib.jit_eval_step(self.model_cfg, replicated, self.batch_sh, self.token_bytes)
-    return self.run(eval_fn, jax.device_put(params, replicated), steps)
+    return eval_fn, jax.device_put(params, replicated)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,6 +46,11 @@ def test_quant_eval_end_to_end(make_config, tmp_path):
   # 3-bit codes 0.46%, scales 1.5x too large 2.3%.
   for r in (w4, qw4):
     assert 0.15 < 100 - r["recovery_pct"] < 0.4, r
+    # Each row is paired with the float one on the same val batches: the bootstrap's point
+    # estimate is the difference of their bits per byte.
+    gap = r["vs_float_bpb"]
+    assert gap["n"] == 2 and gap["low"] <= gap["mean"] <= gap["high"]
+    assert gap["mean"] == pytest.approx(r["val_bpb"] - float_row["val_bpb"], rel=1e-6)
   assert w4["weight_bytes"] == qw4["weight_bytes"] < float_row["weight_bytes"] / 6
   assert os.path.exists(os.path.join(workdir, "quant_eval.md"))
 
