@@ -135,13 +135,16 @@ def evaluate_table(run: Run, workdir: str, *, rows=DEFAULT_ROWS, calib_batches: 
       out.append(row(scheme, method, options, None, None, time.perf_counter() - t0,
                      f"{type(e).__name__}: {msg}"))
     logging.info("quant row: %s", out[-1])
-  ln2 = math.log(2)
+  bits = lambda r: [x / math.log(2) for x in r["batch_loss_sums"]]
+  qwix = {r["scheme"]: r for r in out if r["method"] == "qwix" and r["val_bpb"] is not None}
   for r in out:
     if r["val_bpb"] is not None:
       r["recovery_pct"] = 100.0 * out[0]["val_bpb"] / r["val_bpb"]
-      r["vs_float_bpb"] = dataclasses.asdict(stats.paired_bootstrap_ratio(
-          [x / ln2 for x in r["batch_loss_sums"]],
-          [x / ln2 for x in out[0]["batch_loss_sums"]], batch_bytes))
+      r["vs_float_bpb"] = dataclasses.asdict(
+          stats.paired_bootstrap_ratio(bits(r), bits(out[0]), batch_bytes))
+      if r["method"] == "rtn" and r["scheme"] in qwix:  # qwix's PTQ rounds to nearest too
+        r["vs_qwix_bpb"] = dataclasses.asdict(
+            stats.paired_bootstrap_ratio(bits(r), bits(qwix[r["scheme"]]), batch_bytes))
   return out
 
 

@@ -26,7 +26,7 @@ def test_quant_eval_end_to_end(make_config, tmp_path):
   config = make_config(total_steps=2, eval_every=2, checkpoint_every=2, eval_steps=2)
   trained = loop.train_and_evaluate(config, workdir)
 
-  rows = "w4a16:gptq,w4a16:qwix"
+  rows = "w4a16:gptq,w4a16:rtn,w4a16:qwix"
   proc = _run(f"--workdir={workdir}", "--calib_batches=1", "--group_size=32", f"--rows={rows}")
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "| float | - |" in proc.stdout and "| w4a16 | gptq |" in proc.stdout
@@ -34,8 +34,12 @@ def test_quant_eval_end_to_end(make_config, tmp_path):
     table = json.load(f)
   assert table["step"] == 2 and table["eval_steps"] == 2
   got = [(r["scheme"], r["method"]) for r in table["rows"]]
-  assert got == [("float", "-"), ("w4a16", "gptq"), ("w4a16", "qwix")]
-  float_row, w4, qw4 = table["rows"]
+  assert got == [("float", "-"), ("w4a16", "gptq"), ("w4a16", "rtn"), ("w4a16", "qwix")]
+  float_row, w4, rtn, qw4 = table["rows"]
+  # RTN against qwix's PTQ (also round to nearest), paired on the same batches.
+  assert rtn["vs_qwix_bpb"]["mean"] == pytest.approx(rtn["val_bpb"] - qw4["val_bpb"], rel=1e-6,
+                                                     abs=1e-9)
+  assert "vs_qwix_bpb" not in w4
   # The float row is the training run's own last eval: same checkpoint, same val batches.
   assert float_row["val_bpb"] == pytest.approx(trained["val_bpb"], rel=1e-5)
   for r in table["rows"]:
