@@ -1,0 +1,79 @@
+"""experiments/hdp_calibrate.py: the simulator's prediction of one ring-attention step,
+checked by hand, and the pieces the measurement is made of (no lab run here)."""
+import dataclasses
+import os
+
+import pytest
+
+from experiments import hdp_calibrate
+from jaxsys.lab import link as link_lib, physics
+from jaxsys.parallel import hdp_sim
+
+FIT = hdp_sim.Fit(hdp_sim.CostModel(sec_per_attention_flop=2e-11, sec_per_linear_flop=1e-11),
+                  1.0, 1.0, {})
+
+
+def test_cost_model_is_the_measured_model():
+  m = hdp_calibrate.cost_model(FIT, link_bytes_per_s=1e7)
+  assert (m.d_model, m.n_layers, m.kv_dim, m.bytes_per_element) == (192, 2, 192, 4)
+  assert m.compiled and m.overlap and m.pad_compute
+  # d 192, 2 layers of 12 d^2 + 2 d, untied 256-token embedding and head, a final norm.
+  assert m.params == 2 * (12 * 192 ** 2 + 2 * 192) + 2 * 256 * 192 + 192 == 984_000
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_predict_by_hand(overlap):
+  """One 4096-token row on a ring of 2 (compiled): per layer 3 Lin + 6 b + the hops (fwd
+  K/V h overlapped with a block b, or added; dK/dV 2 g added; at c = 2 no backward K/V
+  hop), the layout all-gather, the gradient all-reduce."""
+  link = 1e7
+  m = hdp_calibrate.cost_model(FIT, link_bytes_per_s=link, overlap=overlap)
+  d, tokens = 192, 2048
+  lin = 1e-11 * 24 * d * d * tokens
+  b = 2e-11 * 2 * d * 4096 ** 2 / 2 / 2
+  h = (2 * tokens * d * 4 + 8 * tokens) / link
+  g = 2 * tokens * d * 4 / link
+  forward = lin + b + (max(b, h) if overlap else b + h)
+  backward = 2 * lin + 2 * b + 2 * b + 2 * g
+  gather = 5 * 4 * 1 * tokens / link
+  allreduce = 2 * 0.5 * 4 * (984_000 + 2) / link
+  p = hdp_calibrate.predict(m, seq_len=4096)
+  assert p["total_s"] == pytest.approx(2 * (forward + backward) + gather + allreduce)
+  assert p["compute_s"] == pytest.approx(2 * 3 * (lin + 2 * b), rel=1e-9)
+  assert p["comm_s"] == pytest.approx(p["total_s"] - p["compute_s"])
+  # Bytes a device sends: K/V + keys once a layer, dK/dV twice, the layout, the gradients.
+  assert p["sent_bytes"] == pytest.approx(2 * (2 * tokens * d * 4 + 8 * tokens + 2 * g * link)
+                                          + gather * link + allreduce * link)
+
+
+def test_link_rate():
+  payload = 100e6 / 8 * physics.MSS / (physics.MSS + link_lib.HEADER_BYTES)
+  assert hdp_calibrate.link_rate("100mbit", "switched") == pytest.approx(payload)
+  # The shared link carries both devices' sends.
+  assert hdp_calibrate.link_rate("100mbit", "shared") == pytest.approx(payload / 2)
+  # Unshaped, or shaped above what the path carries: the path's capacity.
+  cap = hdp_calibrate.payload_rate(258e6)
+  assert hdp_calibrate.link_rate("none", "switched") == pytest.approx(cap)
+  assert hdp_calibrate.link_rate("1gbit", "switched") == pytest.approx(cap)
+  assert hdp_calibrate.link_rate("none", "switched", 100.0) == pytest.approx(payload)
+
+
+def test_runner_args_and_corpus(tmp_path):
+  corpus = hdp_calibrate.make_corpus(str(tmp_path / "c"), files=3, size=1000)
+  assert sorted(os.listdir(corpus)) == ["part000.txt", "part001.txt", "part002.txt"]
+  assert all(os.path.getsize(os.path.join(corpus, f)) == 1000 for f in os.listdir(corpus))
+  args = hdp_calibrate.runner_args(str(tmp_path / "w"), corpus, seq_len=4096, steps=5)
+  assert "--config.mesh=context=2" in args and "--config.data.seq_len=4096" in args
+  assert "--config.model.n_kv_heads=3" in args and args[-1] == f"--workdir={tmp_path / 'w'}"
+
+
+def test_case_row_and_table():
+  rate = hdp_calibrate.link_rate("100mbit", "switched")
+  p = hdp_calibrate.predict(hdp_calibrate.cost_model(FIT, link_bytes_per_s=rate), seq_len=4096)
+  row = hdp_calibrate.case_row("lab switched 100mbit", FIT, rate, [2.0, p["total_s"], 3.0],
+                               seq_len=4096, compiled_bytes=p["sent_bytes"])
+  assert row["error"] == pytest.approx(0.0)
+  assert row["error_added"] > 0 and row["measured_min_max_s"] == [2.0, 3.0]
+  line = hdp_calibrate.table([row]).splitlines()[-1]
+  assert line.startswith("| lab switched 100mbit | 11.96 |") and "| +0.0% |" in line
+  assert line.endswith("| 1.000 |")
