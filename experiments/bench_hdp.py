@@ -1,6 +1,8 @@
 r"""Hybrid Data Parallelism (HDP) against static context-parallel meshes.
 
   python -m experiments.bench_hdp --part=sim --chart=docs/hdp_sim.png
+  python -m experiments.bench_hdp --part=sim --link_gbps=0 --accel_link_gbps=25,100,450 \
+      --devices=64,256,1024 --seeds=5 --rates=1.2e-11,9e-12 --per_rank=hdp,once
   python -m experiments.bench_hdp --part=sim --tensor=2 --fsdp=-1 --devices=64,128,256,512,1024
   python -m experiments.bench_hdp --part=real
 
@@ -12,27 +14,36 @@ it prints micro-steps, padding waste, per-micro-step imbalance and step time.
 
 --part=sim: the cost-model simulation (jaxsys/parallel/hdp_sim.py) at 8..1024 devices,
 every collective counted as jaxsys's executors compile them (compiled=True). The compute
-rates are fitted on this machine's CPU (attention impl="xla" and a matmul, about 10 s);
-each global batch holds devices * tokens_per_device * batch_steps * fill tokens drawn
-from one length distribution (the stdlib's byte lengths, or a long tail shaped like
-ByteScale's data); every seed draws another batch. The simulated model is 7B-class (d
-4096, 32 layers, bf16, hdp_sim.dense_params: 6.70B parameters MHA, 5.90B GQA) with its
-K/V as MHA (kv_dim 4096) or GQA (8 K/V heads of 128: kv_dim 1024). Two machines:
-  cpu:   the fitted CPU rates, --link_gbps (default 100 GB/s, NVLink-class) links;
-  accel: the same rates scaled so the matmuls run at --accel_tflops (attention keeps its
-         fitted cost relative to the matmuls), --accel_link_gbps links (default 25 GB/s,
-         a 200 Gb/s InfiniBand port): an accelerator where ring traffic is not free.
+rates are fitted on this machine's CPU (attention impl="xla" and a matmul, about 10 s),
+or given (--rates, e.g. those experiments/hdp_calibrate fitted and checked against a
+measured ring step); each global batch holds devices * tokens_per_device * batch_steps *
+fill tokens drawn from one length distribution (the stdlib's byte lengths, or a long
+tail shaped like ByteScale's data); every seed draws another batch. The simulated model
+is 7B-class (d 4096, 32 layers, bf16, hdp_sim.dense_params: 6.70B parameters MHA, 5.90B
+GQA) with its K/V as MHA (kv_dim 4096) or GQA (8 K/V heads of 128: kv_dim 1024). The
+machines:
+  cpu:   the fitted CPU rates, --link_gbps (default 100 GB/s) links (0: left out);
+  accel@<GB/s>: the same rates scaled so the matmuls run at --accel_tflops, attention
+         keeping its fitted cost relative to the matmuls (or each of --attention_ratios),
+         one setting per --accel_link_gbps (default 25, 100, 450 GB/s: a 200 Gb/s
+         InfiniBand port, a 800 Gb/s one, NVLink-class).
 A link figure is one direction of one device's link, for ring hops and all-reduces alike.
 HDP is per-rank (jaxsys/parallel/hdp_schedule.py balancing the simulator's own estimate,
 hdp_sim.ScheduleCost, its rings widened where that ends sooner; timed as
-jaxsys/train/hdp_step.py's PerRankHDPStep runs it). It is set against three static
-meshes on the same packed rows (lock-step, per-group accumulation, longest processing
-time first: hdp_sim.STATIC_SCHEDULES), the best of them per batch, and the lower bound.
-Beside it: tight rings (widen=False, training's default), a schedule planned without
-the rings' own all-reduces in its estimate ("blind", in --out's JSON only), and two
-executors that do not exist yet (hdp_sim.ALLREDUCES): one all-reduce over the pool at
-the end besides the rings' own, and a single all-reduce per step. It prints a markdown
-table (median [min, max] over seeds) and draws the chart.
+jaxsys/train/hdp_step.py's PerRankHDPStep runs it). The static baselines:
+  - one data x context mesh (rings of c_max, for the longest sequence) on FFD-packed rows,
+    dealt three ways (lock-step, per-group accumulation, longest processing time first:
+    hdp_sim.STATIC_SCHEDULES); "best static mesh" is the best of the three per batch;
+  - two-pool: rings of c_max only for sequences over tokens_per_device, plain data
+    parallelism (no context parallelism) for the rest, token-packed rows dealt LPT;
+  - balanced: the same pools, the short sequences packed by cost over the data-parallel
+    devices (Zeppelin-style); both two-pool layouts split the devices per batch
+    (hdp_sim.simulate_two_pool);
+"strongest" is the fastest of all of them per batch. Beside HDP (in --out's JSON, the
+last column of the table): tight rings (widen=False, training's default), a schedule
+planned without the rings' own all-reduces ("blind"), and an executor that does not
+exist yet with one all-reduce a step ("once", hdp_sim.ALLREDUCES); --per_rank picks which.
+It prints a markdown table (median [min, max] over seeds) and draws the chart.
 With --tensor=t (and --fsdp=f) the model is sharded: the N devices are N/t slots, each a
 tensor group of t (its activation all-reduces on --tensor_link_gbps links), the
 parameters sharded over f slots (-1: all of them; ZeRO across HDP ranks) and gathered once
@@ -64,7 +75,7 @@ def _define_flags() -> None:
   beside other benchmarks (absl refuses a flag name defined twice in one process)."""
   global _PART, _DEVICES, _SEEDS, _TPD, _BATCH_STEPS, _FILL, _MAX_LEN, _LINK, _ACCEL_TFLOPS, \
          _ACCEL_LINK, _CHART, _OUT, _REAL_SIZE, _REAL_TPD, _REAL_MAX_LEN, _REAL_BATCH_STEPS, \
-         _REAL_BATCHES, _TENSOR, _FSDP, _TENSOR_LINK
+         _REAL_BATCHES, _TENSOR, _FSDP, _TENSOR_LINK, _RATIOS, _RATES, _PER_RANK
   _PART = flags.DEFINE_enum("part", "sim", PARTS, "Which benchmark to run.")
   _DEVICES = flags.DEFINE_list("devices", ["8", "16", "32", "64", "128", "256", "512", "1024"],
                                "Device counts N (powers of two).")
@@ -75,9 +86,17 @@ def _define_flags() -> None:
   _FILL = flags.DEFINE_float("fill", 0.95, "Fraction of batch_steps micro-steps' slots the batch's "
                              "token budget holds (slack for ring rounding and packing).")
   _MAX_LEN = flags.DEFINE_integer("max_len", 262144, "Longest sequence (static ring size).")
-  _LINK = flags.DEFINE_float("link_gbps", 100.0, "cpu setting: link GB/s per direction.")
+  _LINK = flags.DEFINE_float("link_gbps", 100.0, "cpu setting: link GB/s per direction; 0 "
+                             "leaves the cpu setting out.")
   _ACCEL_TFLOPS = flags.DEFINE_float("accel_tflops", 400.0, "accel setting: matmul TFLOP/s.")
-  _ACCEL_LINK = flags.DEFINE_float("accel_link_gbps", 25.0, "accel setting: link GB/s.")
+  _ACCEL_LINK = flags.DEFINE_list("accel_link_gbps", ["25", "100", "450"],
+                                  "accel settings: link GB/s, one setting each.")
+  _RATIOS = flags.DEFINE_list("attention_ratios", [], "accel: attention's cost per FLOP over a "
+                              "matmul FLOP's, one setting each; none: the fitted ratio.")
+  _RATES = flags.DEFINE_list("rates", [], "s per attention FLOP,s per linear FLOP: use these "
+                             "(e.g. experiments/hdp_calibrate's fit) instead of fitting.")
+  _PER_RANK = flags.DEFINE_list("per_rank", [k for k, _ in PER_RANK], "Per-rank HDP variants "
+                                "to time (hdp always).")
   _TENSOR = flags.DEFINE_integer("tensor", 1, "sim: devices per slot's tensor group.")
   _FSDP = flags.DEFINE_integer("fsdp", 1, "sim: slots the parameters are sharded over (ZeRO); "
                                "-1: all slots.")
@@ -98,15 +117,34 @@ ATTENTIONS = {"MHA": 4096, "GQA": 1024}
 
 
 def settings(fit: hdp_sim.Fit, *, link_gbps: float, accel_tflops: float,
-             accel_link_gbps: float) -> dict:
-  """The two simulated machines, by name (see the module docstring), their collectives
-  as the executors compile them, all-reducing the MHA model's gradients."""
+             accel_link_gbps, attention_ratios=()) -> dict:
+  """The simulated machines, by name (see the module docstring), their collectives as the
+  executors compile them, all-reducing the MHA model's gradients: "cpu" (unless link_gbps
+  is 0) and one "accel@<GB/s>" per accel link (a float: one, named "accel"), each once per
+  attention ratio ("accel@<GB/s>,r<ratio>"; none: the fitted ratio, unnamed)."""
   model = dataclasses.replace(fit.model, compiled=True)
-  cpu = with_attention(dataclasses.replace(model, link_bytes_per_s=link_gbps * 1e9),
+  cpu = with_attention(dataclasses.replace(model, link_bytes_per_s=(link_gbps or 1) * 1e9),
                        model.kv_dim)
   speedup = accel_tflops * 1e12 * fit.model.sec_per_linear_flop
-  accel = dataclasses.replace(cpu.scaled(speedup), link_bytes_per_s=accel_link_gbps * 1e9)
-  return {"cpu": cpu, "accel": accel}
+  accel = cpu.scaled(speedup)
+  out = {"cpu": cpu} if link_gbps else {}
+  links = [accel_link_gbps] if isinstance(accel_link_gbps, (int, float)) else accel_link_gbps
+  for gbps in links:
+    for ratio in attention_ratios or [None]:
+      name = "accel" if isinstance(accel_link_gbps, (int, float)) else f"accel@{float(gbps):g}"
+      m = dataclasses.replace(accel, link_bytes_per_s=float(gbps) * 1e9)
+      if ratio is not None:
+        name += f",r{float(ratio):g}"
+        m = dataclasses.replace(m, sec_per_attention_flop=float(ratio) * m.sec_per_linear_flop)
+      out[name] = m
+  return out
+
+
+def fixed_fit(sec_per_attention_flop: float, sec_per_linear_flop: float) -> hdp_sim.Fit:
+  """A Fit of given rates (no timing), e.g. those experiments/hdp_calibrate fitted."""
+  return hdp_sim.Fit(hdp_sim.CostModel(sec_per_attention_flop=sec_per_attention_flop,
+                                       sec_per_linear_flop=sec_per_linear_flop),
+                     float("nan"), float("nan"), {})
 
 
 def with_attention(model: hdp_sim.CostModel, kv_dim: int) -> hdp_sim.CostModel:
@@ -131,15 +169,28 @@ PER_RANK = (("hdp", {}), ("tight", dict(widen=False)), ("blind", dict(estimate="
             ("once", dict(allreduce="once")))
 
 
+# The two-pool static layouts (hdp_sim.simulate_two_pool): rings of c_max for sequences
+# over tpd only, plain data parallelism for the rest, packed by tokens or by cost.
+POOLS = (("two_pool", "rows"), ("balanced", "cost"))
+STATICS = tuple(f"static_{s}" for s in hdp_sim.STATIC_SCHEDULES) + tuple(k for k, _ in POOLS)
+
+
 def simulate_batch(lengths, *, num_devices: int, tokens_per_device: int,
-                   model: hdp_sim.CostModel, max_len: int, seed: int) -> dict:
-  """Seconds of every strategy on one batch, by row key (see PER_RANK and
-  hdp_sim.STATIC_SCHEDULES), the lower bound, and per-rank HDP's steps and padding."""
+                   model: hdp_sim.CostModel, max_len: int, seed: int,
+                   per_rank=None) -> dict:
+  """Seconds of every strategy on one batch, by row key (see PER_RANK, POOLS and
+  hdp_sim.STATIC_SCHEDULES), the lower bound, per-rank HDP's steps and padding, and the
+  rings each two-pool layout chose. per_rank: PER_RANK keys to time (default all)."""
   kw = dict(num_devices=num_devices, tokens_per_device=tokens_per_device, model=model)
   out = {f"static_{s}": hdp_sim.simulate_static(lengths, max_len=max_len, schedule=s,
                                                 seed=seed, **kw).time
          for s in hdp_sim.STATIC_SCHEDULES}
+  for key, balance in POOLS:
+    result = hdp_sim.simulate_two_pool(lengths, max_len=max_len, balance=balance, **kw)
+    out[key], out[f"{key}_rings"] = result.time, result.layout["rings"]
   for key, args in PER_RANK:
+    if per_rank is not None and key != "hdp" and key not in per_rank:
+      continue
     result = hdp_sim.simulate_per_rank(lengths, **args, **kw)
     out[key] = result.time
     if key == "hdp":
@@ -149,13 +200,22 @@ def simulate_batch(lengths, *, num_devices: int, tokens_per_device: int,
 
 
 def _ratios(t: dict) -> dict:
-  """The table's ratios of one batch's times: speed-ups over the best static mesh."""
+  """The table's ratios of one batch's times: speed-ups over the best static mesh (the
+  best of the one mesh's three schedules), over each two-pool layout, and over the
+  strongest of all of them."""
   statics = {s: t[f"static_{s}"] for s in hdp_sim.STATIC_SCHEDULES}
   best = min(statics, key=statics.get)
+  strongest = min(STATICS, key=lambda k: t[k])
   out = dict(best_static=best, best_static_time=statics[best],
-             static_over_bound=statics[best] / t["bound"], hdp_over_bound=t["hdp"] / t["bound"])
-  out.update({f"{key}_speedup": statics[best] / t[key] for key, _ in PER_RANK})
+             static_over_bound=statics[best] / t["bound"], hdp_over_bound=t["hdp"] / t["bound"],
+             strongest=strongest, strongest_time=t[strongest],
+             strongest_over_bound=t[strongest] / t["bound"],
+             vs_strongest=t[strongest] / t["hdp"])
+  out.update({f"{key}_speedup": statics[best] / t[key] for key, _ in PER_RANK if key in t})
   out.update({f"speedup_{s}": statics[s] / t["hdp"] for s in statics})
+  out.update({f"vs_{key}": t[key] / t["hdp"] for key, _ in POOLS})
+  if "once" in t:
+    out["once_vs_strongest"] = t[strongest] / t["once"]
   return out
 
 
@@ -172,7 +232,7 @@ def sharded(model: hdp_sim.CostModel, *, tensor: int, fsdp: int, slots: int,
 def run_sim(models: dict, *, devices, seeds: int, tokens_per_device: int, batch_steps: int,
             max_len: int, distributions=DISTRIBUTIONS, fill: float = 0.95,
             attentions=None, tensor: int = 1, fsdp: int = 1,
-            tensor_link_gbps: float = 100.0) -> list[dict]:
+            tensor_link_gbps: float = 100.0, per_rank=None) -> list[dict]:
   """One row per (distribution, N, setting, attention, seed): each strategy's seconds and
   HDP's speed-ups over the static meshes (see `_ratios`). attentions: {name: kv_dim},
   default ATTENTIONS. tensor, fsdp: the N devices as N / tensor slots (see `sharded`)."""
@@ -190,8 +250,11 @@ def run_sim(models: dict, *, devices, seeds: int, tokens_per_device: int, batch_
                             slots=slots, tensor_link_gbps=tensor_link_gbps)
             times = simulate_batch(lengths, num_devices=slots,
                                    tokens_per_device=tokens_per_device, model=split,
-                                   max_len=max_len, seed=seed)
+                                   max_len=max_len, seed=seed, per_rank=per_rank)
             rows.append(dict(distribution=dist, devices=n, setting=setting,
+                             link_gbps=split.link_bytes_per_s / 1e9,
+                             attention_ratio=split.sec_per_attention_flop
+                             / split.sec_per_linear_flop,
                              attention=attention, seed=seed, sequences=int(lengths.size),
                              tokens=int(lengths.sum()), tensor=split.tensor, fsdp=split.fsdp,
                              **times, **_ratios(times)))
@@ -215,29 +278,36 @@ def _wins(names) -> str:
 
 
 def _keys(rows):
-  """(distribution, setting, attention, N) of the rows, in the table's order."""
-  order = lambda k: (DISTRIBUTIONS.index(k[0]) if k[0] in DISTRIBUTIONS else 9, k[1],
+  """(distribution, setting, attention, N) of the rows, in the table's order (settings by
+  link speed, then attention ratio)."""
+  speed = {r["setting"]: (r.get("link_gbps", 0), r.get("attention_ratio", 0)) for r in rows}
+  order = lambda k: (DISTRIBUTIONS.index(k[0]) if k[0] in DISTRIBUTIONS else 9,
+                     k[1] != "cpu", speed[k[1]], k[1],
                      list(ATTENTIONS).index(k[2]) if k[2] in ATTENTIONS else 9, k[3])
   return sorted({(r["distribution"], r["setting"], r["attention"], r["devices"]) for r in rows},
                 key=order)
 
 
 def sim_table(rows: list[dict]) -> str:
-  """Markdown: one line per (distribution, setting, attention, N), spread over seeds."""
-  lines = ["| distribution | setting | K/V | N | per-rank HDP vs best static | best static "
-           "(batches) | HDP vs lock-step / per-group / LPT static | best static / bound | "
-           "HDP / bound | tight rings vs best | one all-reduce vs best |",
-           "|---|---|---|---:|---|---|---|---|---|---|---|"]
+  """Markdown: one line per (distribution, setting, attention, N), spread over seeds:
+  per-rank HDP's speed-up over each static baseline and the strongest of them."""
+  lines = ["| distribution | setting | link GB/s | attention / matmul FLOP | K/V | N | "
+           "HDP vs best static mesh | HDP vs two-pool | HDP vs balanced | HDP vs strongest "
+           "static | strongest (batches) | strongest / bound | HDP / bound | one all-reduce "
+           "vs strongest |",
+           "|---|---|---:|---:|---|---:|---|---|---|---|---|---|---|---|"]
   for key in _keys(rows):
     rs = [r for r in rows if (r["distribution"], r["setting"], r["attention"], r["devices"])
           == key]
     col = lambda k: [r[k] for r in rs]
-    statics = " / ".join(_median(col(f"speedup_{s}")) for s in hdp_sim.STATIC_SCHEDULES)
+    once = _spread(col("once_vs_strongest")) if all("once_vs_strongest" in r for r in rs) \
+        else "-"
     lines.append(
-        f"| {' | '.join(map(str, key))} | {_spread(col('hdp_speedup'))} | "
-        f"{_wins(col('best_static'))} | {statics} | {_spread(col('static_over_bound'))} | "
-        f"{_spread(col('hdp_over_bound'))} | {_spread(col('tight_speedup'))} | "
-        f"{_spread(col('once_speedup'))} |")
+        f"| {key[0]} | {key[1]} | {rs[0]['link_gbps']:g} | {rs[0]['attention_ratio']:.2f} | "
+        f"{key[2]} | {key[3]} | {_spread(col('hdp_speedup'))} | {_spread(col('vs_two_pool'))} | "
+        f"{_spread(col('vs_balanced'))} | {_spread(col('vs_strongest'))} | "
+        f"{_wins(col('strongest'))} | {_spread(col('strongest_over_bound'))} | "
+        f"{_spread(col('hdp_over_bound'))} | {once} |")
   return "\n".join(lines)
 
 
@@ -403,15 +473,24 @@ def describe(models: dict) -> str:
 def sim_part(argv_devices, *, seeds, tokens_per_device, batch_steps, max_len, link_gbps,
              accel_tflops, accel_link_gbps, chart, out, distributions=DISTRIBUTIONS,
              fit_kwargs=None, fill: float = 0.95, tensor: int = 1, fsdp: int = 1,
-             tensor_link_gbps: float = 100.0) -> dict:
-  """The --part=sim benchmark: fit, simulate, print the table, draw, save."""
+             tensor_link_gbps: float = 100.0, attention_ratios=(), rates=None,
+             per_rank=None) -> dict:
+  """The --part=sim benchmark: fit (or take `rates`: s per attention and per linear
+  FLOP), simulate, print the table, draw, save."""
   start = time.perf_counter()
-  fit = hdp_sim.fit_cost_model(**(fit_kwargs or {}))
-  print(f"fitted on this CPU: {fit.model.sec_per_attention_flop:.3e} s per attention FLOP "
-        f"(R^2 {fit.attention_r2:.4f}), {fit.model.sec_per_linear_flop:.3e} s per linear "
-        f"FLOP (R^2 {fit.linear_r2:.4f}); fit took {time.perf_counter() - start:.1f} s")
+  if rates:
+    fit = fixed_fit(*rates)
+    print(f"given rates: {fit.model.sec_per_attention_flop:.3e} s per attention FLOP, "
+          f"{fit.model.sec_per_linear_flop:.3e} s per linear FLOP")
+  else:
+    fit = hdp_sim.fit_cost_model(**(fit_kwargs or {}))
+    print(f"fitted on this CPU: {fit.model.sec_per_attention_flop:.3e} s per attention FLOP "
+          f"(R^2 {fit.attention_r2:.4f}), {fit.model.sec_per_linear_flop:.3e} s per linear "
+          f"FLOP (R^2 {fit.linear_r2:.4f}); fit took {time.perf_counter() - start:.1f} s")
+  print(f"attention costs {fit.model.sec_per_attention_flop / fit.model.sec_per_linear_flop:.2f}"
+        f"x a matmul FLOP")
   models = settings(fit, link_gbps=link_gbps, accel_tflops=accel_tflops,
-                    accel_link_gbps=accel_link_gbps)
+                    accel_link_gbps=accel_link_gbps, attention_ratios=attention_ratios)
   print(describe(models))
   if tensor > 1 or fsdp != 1:
     print(f"sharded: N / {tensor} slots, each a tensor group of {tensor} ({tensor_link_gbps:g} "
@@ -419,7 +498,7 @@ def sim_part(argv_devices, *, seeds, tokens_per_device, batch_steps, max_len, li
   rows = run_sim(models, devices=argv_devices, seeds=seeds,
                  tokens_per_device=tokens_per_device, batch_steps=batch_steps,
                  max_len=max_len, distributions=distributions, fill=fill, tensor=tensor,
-                 fsdp=fsdp, tensor_link_gbps=tensor_link_gbps)
+                 fsdp=fsdp, tensor_link_gbps=tensor_link_gbps, per_rank=per_rank)
   print(sim_table(rows))
   print(f"total {time.perf_counter() - start:.1f} s")
   if chart:
@@ -457,9 +536,11 @@ def main(argv):
     sim_part(devices, seeds=_SEEDS.value, tokens_per_device=_TPD.value,
              batch_steps=_BATCH_STEPS.value, max_len=_MAX_LEN.value,
              link_gbps=_LINK.value, accel_tflops=_ACCEL_TFLOPS.value,
-             accel_link_gbps=_ACCEL_LINK.value, chart=_CHART.value, out=_OUT.value,
+             accel_link_gbps=[float(g) for g in _ACCEL_LINK.value], chart=_CHART.value, out=_OUT.value,
              fill=_FILL.value, tensor=_TENSOR.value, fsdp=_FSDP.value,
-             tensor_link_gbps=_TENSOR_LINK.value)
+             tensor_link_gbps=_TENSOR_LINK.value,
+             attention_ratios=[float(r) for r in _RATIOS.value],
+             rates=[float(r) for r in _RATES.value] or None, per_rank=_PER_RANK.value)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,10 @@ most `tokens_per_device` (tpd) tokens per micro-batch:
                       own back to back (per-group accumulation);
             lpt:      the rows, slowest first, each to the group done soonest (longest
                       processing time first).
+  two_pool / balanced: a static layout of two pools (`simulate_two_pool`): rings of c_max
+          for the sequences over tpd only, FFD rows dealt LPT; the rest on the other devices
+          with no context parallelism, packed into token rows dealt LPT ("rows") or by cost
+          (Zeppelin-style, "cost": `balance_short`); the split tuned per batch.
   bound:  all compute / N plus the ring traffic the long sequences cannot hide, then one
           all-reduce (`lower_bound`); `lockstep_bound` adds the lock step with hdp's ring
           sizes.
@@ -469,6 +473,7 @@ class Result:
   sent: bytes by kind ("kv", "keys", "dkv", "all-reduce": gradients, "all-gather": the
     static layout's and the parameters' over fsdp, "tensor": a tensor group's activation
     all-reduces), each the most any device sends.
+  layout: what a layout chose, where it chooses (two-pool: {"rings": rings of c_max}).
   """
   name: str
   time: float
@@ -477,6 +482,7 @@ class Result:
   padding: float
   device_time: np.ndarray
   sent: dict
+  layout: dict = dataclasses.field(default_factory=dict)
 
 
 EXECUTORS = ("ideal", "step_ring", "run")
@@ -884,6 +890,171 @@ def simulate_static(lengths, *, num_devices: int, tokens_per_device: int, model:
                 float(group_total.max() / group_total.mean()),
                 _padding(real, len(rows) * c * tokens_per_device), times, _most_sent(sent))
 
+
+# ------------------------------------------------------------- two-pool static layouts
+
+# How a two-pool layout spreads its short sequences over its data-parallel devices.
+POOL_BALANCES = ("rows", "cost")
+
+
+def _local_batch_time(model: CostModel, batch_lengths, tokens_per_device: int) -> float:
+  """Seconds of one device running a local micro-batch of whole sequences (no ring)."""
+  lens = np.asarray(batch_lengths, np.int64)
+  tokens = tokens_per_device if model.pad_compute else int(lens.sum())
+  return model.device(attention=0.0, linear=float(model.linear(tokens)),
+                      local_attention=float(np.sum(model.attention(lens))))
+
+
+def _alone_times(model: CostModel, lengths, tokens_per_device: int) -> tuple[np.ndarray, float]:
+  """(each sequence's local micro-batch alone, seconds; an empty one's): a local
+  micro-batch's time is linear in its sequences (CostModel.device with no ring: three
+  times, all layers, its matmuls and attention), so one holding several takes `empty`
+  plus each one's `alone - empty`."""
+  lens = np.asarray(lengths, np.int64)
+  tokens = np.full(lens.shape, tokens_per_device) if model.pad_compute else lens
+  alone = 3.0 * model.n_layers * (model.linear(tokens) + model.attention(lens))
+  return alone, _local_batch_time(model, [], tokens_per_device)
+
+
+def balance_short(lengths, *, devices: int, tokens_per_device: int, model: CostModel,
+                  balance: str = "cost") -> tuple[np.ndarray, list[list[list[int]]]]:
+  """(seconds [devices], micro-batches of sequence indices per device): `lengths`, each
+  <= tpd, run whole on one device each, in micro-batches of at most tpd tokens.
+
+  balance "rows": first-fit-decreasing rows of tpd tokens, the slowest first to the
+  device done soonest (token packing, then LPT). "cost" (Zeppelin's balanced packing,
+  arXiv 2509.21841): each sequence, costliest first, to the device whose time it raises
+  least: into that device's open micro-batch where it fits (its attention added; its
+  matmuls too without pad_compute), else a new micro-batch.
+  """
+  if balance not in POOL_BALANCES:
+    raise ValueError(f"balance={balance!r}: must be one of {POOL_BALANCES}")
+  lengths = np.asarray(lengths, np.int64)
+  if lengths.size and lengths.max() > tokens_per_device:
+    raise ValueError(f"balance_short: a sequence of {int(lengths.max())} tokens does not fit "
+                     f"one device (tokens_per_device={tokens_per_device})")
+  if lengths.size and devices < 1:
+    raise ValueError(f"balance_short: {lengths.size} sequences and no device")
+  finish = np.zeros(devices)
+  batches: list[list[list[int]]] = [[] for _ in range(devices)]
+  alone, empty = _alone_times(model, lengths, tokens_per_device)
+  if balance == "rows":
+    rows = hdp.pack_rows(lengths, tokens_per_device)
+    times = np.array([empty + float(np.sum(alone[r] - empty)) for r in rows])
+    for k in np.argsort(-times, kind="stable"):
+      d = int(np.argmin(finish))
+      batches[d].append(rows[k])
+      finish[d] += times[k]
+    return finish, batches
+  open_tokens = np.full(devices, tokens_per_device + 1, np.int64)  # none open yet
+  for i in np.argsort(-alone, kind="stable"):
+    n = int(lengths[i])
+    fits = open_tokens + n <= tokens_per_device
+    after = finish + np.where(fits, alone[i] - empty, alone[i])
+    d = int(np.argmin(after))
+    if fits[d]:
+      batches[d][-1].append(int(i))
+      open_tokens[d] += n
+    else:
+      batches[d].append([int(i)])
+      open_tokens[d] = n
+    finish[d] = after[d]
+  return finish, batches
+
+
+def simulate_two_pool(lengths, *, num_devices: int, tokens_per_device: int, model: CostModel,
+                      max_len: int, balance: str = "rows", long_threshold: int | None = None,
+                      rings: int | None = None, seed: int = 0) -> Result:
+  """A static layout of two pools: sequences over `long_threshold` tokens (default tpd)
+  packed first-fit decreasing into rows of c_max * tpd tokens (c_max: `static_ring`, for
+  max_len) on `rings` rings of c_max devices, the rows dealt slowest first to the ring
+  done soonest; the rest on the other N - rings * c_max devices, one device each, with no
+  context parallelism (`balance_short`); then one gradient all-reduce over the pool.
+
+  rings: None searches the counts from 1 (0 without long sequences) to N / c_max for the
+  fastest, the split a fixed layout would be tuned to, here per batch (at N / c_max the
+  short sequences share the rings' rows, as `simulate_static` packs them): the count
+  where the rings' finish meets the short pool's (bisection, each side monotone up to
+  LPT's rounding), its neighbours within 2, and N / c_max. Name "two_pool" (balance
+  "rows") or "balanced" ("cost", Zeppelin-style). steps: the most micro-batches a device
+  runs; imbalance: slowest device over the mean; layout: {"rings", "ring"}.
+  """
+  del seed  # the layout does not depend on the loader's order
+  if balance not in POOL_BALANCES:
+    raise ValueError(f"balance={balance!r}: must be one of {POOL_BALANCES}")
+  lengths = np.asarray(lengths, np.int64)
+  c = static_ring(max_len, num_devices, tokens_per_device)
+  threshold = tokens_per_device if long_threshold is None else int(long_threshold)
+  if not 0 < threshold <= tokens_per_device:
+    raise ValueError(f"long_threshold={threshold}: must be in (0, tokens_per_device="
+                     f"{tokens_per_device}] (a short sequence runs on one device)")
+  long = np.flatnonzero(lengths > threshold)
+  short = np.flatnonzero(lengths <= threshold)
+  most, least = num_devices // c, 1 if long.size else 0
+  if rings is not None and not least <= rings <= most:
+    raise ValueError(f"rings={rings}: must be in [{least}, {most}] (N / c_max = "
+                     f"{num_devices} / {c}; at least one ring for long sequences)")
+  name = "two_pool" if balance == "rows" else "balanced"
+  packed = {}
+
+  def rows_of(pooled):
+    key = pooled.size
+    if key not in packed:
+      rows = [pooled[r] for r in hdp.pack_rows(lengths[pooled], c * tokens_per_device)]
+      packed[key] = rows, [_static_row(model, lengths[r], c, tokens_per_device) for r in rows]
+    return packed[key]
+
+  cache = {}
+
+  def layout(k):
+    if k not in cache:
+      rows, timed = rows_of(long if k < most else np.arange(lengths.size))
+      row_times = np.array([t for t, _ in timed])
+      dealt = _deal(row_times, k, "lpt") if k else []
+      shorts = short if k < most else short[:0]
+      finish, batches = balance_short(lengths[shorts], devices=num_devices - k * c,
+                                      tokens_per_device=tokens_per_device, model=model,
+                                      balance=balance)
+      ring_finish = np.array([row_times[ks].sum() for ks in dealt])
+      cache[k] = (rows, timed, dealt, shorts, finish, batches, ring_finish)
+    return cache[k]
+
+  if rings is not None:
+    candidates = {rings}
+  else:
+    lo, hi = least, most  # the rings finish last at lo; find the first k where they don't
+    while hi - lo > 1:
+      mid = (lo + hi) // 2
+      *_, finish, _, ring_finish = layout(mid)
+      if ring_finish.max(initial=0.0) > finish.max(initial=0.0):
+        lo = mid
+      else:
+        hi = mid
+    candidates = {k for k in range(lo - 2, hi + 3) if least <= k <= most} | {most}
+  best = None
+  for k in sorted(candidates):
+    rows, timed, dealt, shorts, finish, batches, ring_finish = layout(k)
+    per_device = np.concatenate([np.repeat(ring_finish, c), finish])
+    time_s = float(per_device.max(initial=0.0)) + model.pool_sync(num_devices)
+    if best is not None and time_s >= best.time:
+      continue
+    sent = {kind: np.zeros(num_devices) for kind in SENT_KINDS}
+    for g, ks in enumerate(dealt):
+      for kind in SENT_KINDS:
+        sent[kind][g * c:(g + 1) * c] += sum(timed[j][1].get(kind, 0.0) for j in ks)
+    for d, mbs in enumerate(batches):
+      sent["tensor"][k * c + d] += sum(model.tensor_bytes(
+          tokens_per_device if model.pad_compute else int(lengths[shorts][mb].sum()))
+          for mb in mbs)
+    sent["all-reduce"] += model.allreduce_bytes(num_devices)
+    sent["all-gather"] += model.gather_bytes()
+    steps = max([len(ks) for ks in dealt] + [len(b) for b in batches] + [0])
+    slots = (len(rows) * c + sum(len(b) for b in batches)) * tokens_per_device
+    best = Result(name, time_s, steps,
+                  float(per_device.max() / per_device.mean()) if per_device.mean() else 1.0,
+                  _padding(int(lengths.sum()), slots), per_device[None], _most_sent(sent),
+                  {"rings": k, "ring": c})
+  return best
 
 def _exposed_hops(model: CostModel, length: int, tokens_per_device: int) -> float:
   """Seconds a sequence's ring (on the devices it needs, hops of real tokens only) spends

@@ -15,7 +15,9 @@ def test_sim_part_tiny(tmp_path, capsys):
       out=str(out), fit_kwargs=dict(lengths=(512, 1024, 2048),
                                     token_counts=(1024, 2048, 4096), repeats=1))
   printed = capsys.readouterr().out
-  assert "| distribution | setting | K/V | N | per-rank HDP vs best static |" in printed
+  assert ("| distribution | setting | link GB/s | attention / matmul FLOP | K/V | N | HDP vs "
+          "best static mesh | HDP vs two-pool | HDP vs balanced | HDP vs strongest static |"
+          in printed)
   assert "accel: links 25 GB/s per direction" in printed
   # 2 distributions x 2 settings x 2 attentions x 2 device counts, one line each.
   table = [line for line in printed.splitlines() if line.startswith("| long_tail")
@@ -41,11 +43,33 @@ def test_sim_part_tiny(tmp_path, capsys):
     # all-reduces), so the heuristic can time it either way under a fitted model; the same
     # plan timed both ways is test_hdp_sim.test_per_rank_all_reduces'.
     assert row["hdp_steps"] >= 1
+    # The two-pool layouts search N / c_max rings too, which is the LPT mesh.
+    assert row["two_pool"] <= row["static_lpt"] * (1 + 1e-12)
+    assert row["balanced"] <= row["static_lpt"] * (1 + 1e-12)
+    assert row["vs_two_pool"] == pytest.approx(row["two_pool"] / row["hdp"])
+    assert row["vs_balanced"] == pytest.approx(row["balanced"] / row["hdp"])
+    assert row["strongest_time"] == min(row[k] for k in bench_hdp.STATICS)
+    assert row["vs_strongest"] == pytest.approx(row["strongest_time"] / row["hdp"])
+    assert row["link_gbps"] == (25.0 if row["setting"] == "accel" else 100.0)
   models = saved["fit"]["models"]
   assert models["accel"]["link_bytes_per_s"] == 25e9 and models["cpu"]["compiled"]
   assert models["accel"]["sec_per_linear_flop"] == pytest.approx(1 / 400e12)
   assert models["cpu"]["params"] == hdp_sim.dense_params(4096, 32, 4096)
   assert saved["attentions"] == {"MHA": 4096, "GQA": 1024}
+
+
+def test_settings_span_links_and_ratios():
+  fit = bench_hdp.fixed_fit(2e-11, 1e-11)
+  models = bench_hdp.settings(fit, link_gbps=0, accel_tflops=400.0,
+                              accel_link_gbps=[25.0, 450.0], attention_ratios=[0.5, 1.4])
+  assert list(models) == ["accel@25,r0.5", "accel@25,r1.4", "accel@450,r0.5", "accel@450,r1.4"]
+  m = models["accel@450,r1.4"]
+  assert m.link_bytes_per_s == 450e9 and m.sec_per_linear_flop == pytest.approx(1 / 400e12)
+  assert m.sec_per_attention_flop == pytest.approx(1.4 / 400e12)
+  plain = bench_hdp.settings(fit, link_gbps=100.0, accel_tflops=400.0, accel_link_gbps=[100.0])
+  assert list(plain) == ["cpu", "accel@100"]
+  # Without a ratio, attention keeps the fitted cost relative to the matmuls.
+  assert plain["accel@100"].sec_per_attention_flop == pytest.approx(2 / 400e12)
 
 
 def test_draw_schedule_spans_the_schedule():
