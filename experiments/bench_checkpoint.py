@@ -56,6 +56,21 @@ the VM's disk hits them alike):
 It prints two markdown tables (measurements; orbax options) and writes every sample to
 --json. --profile prints where one asynchronous and one synchronous save(), each called
 right after a train step, spend the caller's time (cProfile, cumulative).
+
+--part=run measures instead what a training run loses to its checkpoints:
+
+  python -m experiments.bench_checkpoint --part=run --sizes=100m --run_steps=100 \
+      --every=10 --repeats=3 --json=/tmp/bench_checkpoint_run.json
+
+5. For each size, --run_steps steps of the real jitted train step (8 rows of --step_seq
+   tokens), run as `jaxsys.train.loop` runs them (at most two steps in flight; every
+   --every steps the metrics fetched, then the save), from the same starting state in
+   three modes: no checkpoints; an asynchronous Checkpointer (keep=--keep) saving every
+   --every steps; a synchronous one (`async_save=False`, then `wait`: committed before the
+   next step). Each mode's wall time runs from the first step to the last step done and
+   every save committed (the last asynchronous one included). Per repeat the modes run in
+   an order rotated from repeat to repeat; the cost per checkpoint is that repeat's time
+   over its no-checkpoint run divided by the checkpoints saved.
 """
 from __future__ import annotations
 
@@ -126,6 +141,13 @@ _RESHARD_MESH = flags.DEFINE_string("reshard_mesh", "data=2,tensor=4",
 _VARIANTS = flags.DEFINE_list("variants", list(VARIANTS),
                               f"orbax option sets, of {list(VARIANTS)}.")
 _STEP_SEQ = flags.DEFINE_integer("step_seq", 64, "Tokens per row of the train step (8 rows).")
+_PART = flags.DEFINE_enum("part", "saves", ["saves", "run"], "saves: the measurements 1-4; "
+                          "run: a training run without, with asynchronous and with synchronous "
+                          "checkpoints (5.).")
+_RUN_STEPS = flags.DEFINE_integer("run_steps", 100, "--part=run: train steps per mode.")
+_EVERY = flags.DEFINE_integer("every", 10, "--part=run: steps between checkpoints.")
+_KEEP = flags.DEFINE_integer("keep", 3, "--part=run: checkpoints kept (configs/tiny_lm.py's "
+                             "keep_checkpoints).")
 _PROFILE = flags.DEFINE_bool("profile", False, "cProfile one async and one sync save(), each "
                             "called right after a train step.")
 _JSON = flags.DEFINE_string("json", "", "Optional path of a JSON file with every sample.")
@@ -825,8 +847,188 @@ def tables(result: dict[str, Any]) -> str:
   return "\n".join(lines)
 
 
+# ---------------------------------------------------------------------------
+# A training run with checkpoints (--part=run)
+# ---------------------------------------------------------------------------
+
+RUN_MODES = ("none", "async", "sync")
+
+
+def train_run(setup, state, batch, *, steps: int, every: int, ckpt: Checkpointer | None,
+              sync: bool = False) -> tuple[Any, dict[str, Any]]:
+  """`steps` train steps as the loop runs them, saving into `ckpt` every `every` steps
+  (`sync`: waiting for each save to commit); seconds until the last step is done and
+  every save committed."""
+  pending, blocks, committed = [], [], []
+  t0 = time.perf_counter()
+  for i in range(1, steps + 1):
+    state, m = setup.train_fn(state, batch)
+    pending.append(m)
+    if len(pending) > 1:  # at most two steps in flight, as jaxsys.train.loop keeps them
+      jax.block_until_ready(pending[-2])
+    if i % every == 0:
+      loss = float(jax.device_get(pending[-1]["loss"]))  # the loop logs before it saves
+      pending.clear()
+      if ckpt is not None:
+        t = time.perf_counter()
+        ckpt.save(i, state, data=DATA, meta=META, force=True)
+        if sync:
+          ckpt.wait()
+        blocks.append(time.perf_counter() - t)
+        committed.append(os.path.isdir(ckpt.step_dir(i)))  # before the next step starts
+  jax.block_until_ready(state)
+  steps_s = time.perf_counter() - t0
+  if ckpt is not None:
+    ckpt.wait()  # the last asynchronous save, too, is part of the run
+  wall = time.perf_counter() - t0
+  return state, dict(wall_s=wall, steps_s=steps_s, block_s=blocks,
+                     committed_at_return=committed, loss=loss,
+                     kept=sorted(ckpt.all_steps()) if ckpt is not None else [])
+
+
+def measure_run(size: str, *, steps: int, every: int, repeats: int, keep: int, disk_dir: str,
+                mesh_spec: str, step_seq: int) -> dict[str, Any]:
+  """The three modes of 5. for one size, `repeats` times in rotated order; raw samples."""
+  t_start = time.perf_counter()
+  model_cfg = model_config(size)
+  setup = train_setup(model_cfg, mesh_lib.make_mesh(mesh_spec), step_seq)
+  state0 = random_state(setup)
+  batch = setup.device_batch(packing.random_packed_batch(
+      8, step_seq, docs_per_row=2, vocab_size=model_cfg.vocab_size))
+  fresh = jax.jit(lambda s: jax.tree.map(jnp.copy, s), out_shardings=setup.state_sh)
+  state = fresh(state0)
+  for _ in range(2):  # compile + warm up (the step donates its input: a copy of state0)
+    state, _ = setup.train_fn(state, batch)
+  jax.block_until_ready(state)
+  del state
+  n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(setup.abstract.params))
+  out: dict[str, Any] = dict(size=size, params=n_params, bytes=state_bytes(state0),
+                             mesh=mesh_spec, step_rows=8, step_seq=step_seq, steps=steps,
+                             every=every, keep=keep, checkpoints=steps // every,
+                             runs={m: [] for m in RUN_MODES}, order=[])
+  log(f"{size}: {n_params / 1e6:.1f}M params on {mesh_spec}, {steps} steps of 8 x {step_seq} "
+      f"tokens a mode ({time.perf_counter() - t_start:.0f}s to build)")
+  for r in range(repeats):
+    order = RUN_MODES[r % len(RUN_MODES):] + RUN_MODES[:r % len(RUN_MODES)]
+    out["order"].append(list(order))
+    for mode in order:
+      directory = os.path.join(disk_dir, f"{size}.{mode}.{r}")
+      ckpt = None if mode == "none" else Checkpointer(directory, keep=keep,
+                                                      async_save=mode == "async")
+      state = jax.block_until_ready(fresh(state0))
+      os.sync()  # the previous mode's writes do not land in this one
+      busy0, own0 = metrics_lib.host_cpu_seconds(), _own_cpu_s()
+      try:
+        state, sample = train_run(setup, state, batch, steps=steps, every=every, ckpt=ckpt,
+                                  sync=mode == "sync")
+      finally:
+        if ckpt is not None:
+          ckpt.close()
+        shutil.rmtree(directory, ignore_errors=True)
+      sample["other_processes_cpu_share"] = _other_share(busy0, own0)
+      out["runs"][mode].append(sample)
+      del state
+      log(f"{size}: repeat {r + 1}/{repeats}, {mode}: {sample['wall_s']:.1f}s "
+          f"(steps done at {sample['steps_s']:.1f}s), loss {sample['loss']:.4f}")
+  out["seconds"] = time.perf_counter() - t_start
+  return out
+
+
+def check_run_args(sizes, *, steps: int, every: int, repeats: int, keep: int) -> None:
+  """Raises ValueError (one line) for arguments --part=run cannot measure."""
+  for size in sizes:
+    model_config(size)
+  if repeats < 1 or steps < 1 or not 1 <= every <= steps or keep < 1:
+    raise ValueError(f"--repeats={repeats}, --run_steps={steps}, --every={every}, --keep={keep}: "
+                     "need repeats, run_steps, keep >= 1 and 1 <= every <= run_steps")
+
+
+def run_training(sizes, *, steps: int = 100, every: int = 10, repeats: int = 3, keep: int = 3,
+                 disk_dir: str = "", mesh_spec: str = "fsdp=8", step_seq: int = 64,
+                 json_path: str = "") -> dict[str, Any]:
+  """5. for every size, in a fresh temporary directory (removed at the end); returns (and
+  writes to `json_path`) every sample."""
+  check_run_args(sizes, steps=steps, every=every, repeats=repeats, keep=keep)
+  load0, busy0, own0 = os.getloadavg(), metrics_lib.host_cpu_seconds(), _own_cpu_s()
+  disk = tempfile.mkdtemp(prefix="bench_checkpoint.", dir=disk_dir or None)
+  result: dict[str, Any] = dict(
+      machine=metrics_lib.machine_info(), orbax=ocp.__version__,
+      tensorstore=_version("tensorstore"), argv=sys.argv, repeats=repeats, disk_dir=disk,
+      disk_fs=fs_type(disk), huge_pages=hugepages.enabled(), load_avg_start=load0, sizes=[])
+  try:
+    for size in sizes:
+      result["sizes"].append(measure_run(size, steps=steps, every=every, repeats=repeats,
+                                         keep=keep, disk_dir=disk, mesh_spec=mesh_spec,
+                                         step_seq=step_seq))
+  finally:
+    shutil.rmtree(disk, ignore_errors=True)
+  result["load_avg_end"] = os.getloadavg()
+  result["other_processes_cpu_share"] = _other_share(busy0, own0)
+  if json_path:
+    with open(json_path, "w") as f:
+      json.dump(result, f, indent=1)
+  return result
+
+
+def _spread_s(xs, fmt: str = "{:.1f} s") -> str:
+  return f"{fmt.format(_med(xs))} [{fmt.format(min(xs))}, {fmt.format(max(xs))}]"
+
+
+def run_table(result: dict[str, Any]) -> str:
+  """One markdown row per size and mode: wall time, tokens/s, cost per checkpoint."""
+  lines = ["| state | mode | wall time, 100 steps | tokens/s | cost per checkpoint (vs none) "
+           "| save() returns | other processes' CPU |",
+           "|---|---|---:|---:|---:|---:|---:|"]
+  names = {"none": "no checkpoints", "async": "async save every {every} steps",
+           "sync": "sync save every {every} steps (committed before the next step)"}
+  for s in result["sizes"]:
+    lines[0] = lines[0].replace("100 steps", f"{s['steps']} steps")
+    tokens = s["steps"] * s["step_rows"] * s["step_seq"]
+    base = [x["wall_s"] for x in s["runs"]["none"]]
+    for mode in RUN_MODES:
+      runs = s["runs"][mode]
+      wall = [x["wall_s"] for x in runs]
+      cost = blocks = ""
+      if mode != "none":
+        cost = _spread([(w - b) / s["checkpoints"] for w, b in zip(wall, base)])
+        blocks = _spread([t for x in runs for t in x["block_s"]])
+      shares = [x["other_processes_cpu_share"] for x in runs
+                if x["other_processes_cpu_share"] is not None]
+      lines.append(f"| {_size_label(s)} | {names[mode].format(every=s['every'])} | "
+                   f"{_spread_s(wall)} | {_spread_s([tokens / w for w in wall], '{:,.0f}')} | "
+                   f"{cost} | {blocks} | {f'{_med(shares):.0%}' if shares else ''} |")
+  checks = "; ".join(
+      f"{s['size']}: {s['steps']} steps of 8 x {s['step_seq']} tokens, {s['checkpoints']} "
+      f"checkpoints a run, every mode's loss after the last step "
+      + ("identical" if len({x["loss"] for m in RUN_MODES for x in s["runs"][m]}) == 1
+         else "DIFFERENT") + f" ({s['runs']['none'][0]['loss']:.4f}); every sync save "
+      "committed before the next step: "
+      f"{all(c for x in s['runs']['sync'] for c in x['committed_at_return'])}; orders "
+      + ", ".join("/".join(o) for o in s["order"]) for s in result["sizes"])
+  other = result.get("other_processes_cpu_share")
+  lines += ["", f"Checks: {checks}. Load average {result['load_avg_start'][0]:.2f} at the "
+            f"start, {result['load_avg_end'][0]:.2f} at the end"
+            + (f"; other processes used {other:.0%} of the host's CPU over the run." if other
+               is not None else ".")]
+  return "\n".join(lines)
+
+
 def main(argv):
   del argv
+  if _PART.value == "run":
+    try:
+      check_run_args(_SIZES.value, steps=_RUN_STEPS.value, every=_EVERY.value,
+                     repeats=_REPEATS.value, keep=_KEEP.value)
+    except ValueError as e:
+      sys.exit(f"error: {e}")
+    result = run_training(_SIZES.value, steps=_RUN_STEPS.value, every=_EVERY.value,
+                          repeats=_REPEATS.value, keep=_KEEP.value, disk_dir=_DIR.value,
+                          mesh_spec=_MESH.value, step_seq=_STEP_SEQ.value,
+                          json_path=_JSON.value)
+    print(run_table(result))
+    log(f"done in {sum(s['seconds'] for s in result['sizes']):.0f}s"
+        + (f"; wrote {_JSON.value}" if _JSON.value else ""))
+    return
   result = run(_SIZES.value, repeats=_REPEATS.value, disk_dir=_DIR.value,
                shm_dir=_SHM_DIR.value or None, mesh_spec=_MESH.value,
                reshard_spec=_RESHARD_MESH.value, variants=_VARIANTS.value,

@@ -20,6 +20,13 @@ key) pairs inside the batch's documents. The three are timed in `--rounds` inter
 the table says how much of the host's CPU other processes took meanwhile: on a shared
 machine, compare runs only at similar load.
 
+The rounds of one run share its compiled step, its state and one peak (their best), so
+they are not independent samples of the MFU. `--runs=N` repeats the whole benchmark N
+times in the process (each run builds, compiles and measures its peak afresh) and ends
+with the median [min, max] of MFU and tokens/s over the runs:
+
+  python -m experiments.bench_train --config=configs/tiny_lm.py --runs=5
+
 On CPU, XLA allocates the step's temporaries with
 glibc malloc, which maps fresh 4 KiB pages every step; the table's page-fault count
 shows it. `GLIBC_TUNABLES=glibc.malloc.hugetlb=1` (glibc >= 2.35) backs them with
@@ -33,6 +40,7 @@ import json
 import os
 import resource
 import statistics
+import sys
 import time
 from typing import Any, Callable
 
@@ -56,6 +64,8 @@ _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny_lm.py",
 _STEPS = flags.DEFINE_integer("steps", 10, "Timed steps (the median is reported).")
 _WARMUP = flags.DEFINE_integer("warmup", 2, "Untimed steps after compilation.")
 _ROUNDS = flags.DEFINE_integer("rounds", 2, "Interleaved rounds of peak, step and dot timing.")
+_RUNS = flags.DEFINE_integer("runs", 1, "Runs of the whole benchmark, each built, compiled and "
+                             "measured afresh; > 1 adds their median [min, max].")
 _SEGMENTS = flags.DEFINE_integer("segments", 4, "Packed documents per row of the random batch.")
 _WAIT_IDLE = flags.DEFINE_float("wait_idle", 0.0, "On a shared host, wait up to this many seconds "
                                 "before each timed piece for other processes to go idle.")
@@ -266,15 +276,61 @@ def table(r: dict[str, Any]) -> str:
   return "\n".join(lines)
 
 
+# The numbers `--runs` summarizes: (key, label, format of one value).
+SUMMARY = (("mfu", "MFU (PaLM)", "{:.1%}"), ("mfu_causal", "MFU (causal)", "{:.1%}"),
+           ("tokens_per_s", "tokens/s", "{:,.0f}"), ("step_s", "step", "{:.3f} s"),
+           ("peak_flops", "peak GFLOP/s", "{:.1f}"), ("dots_mfu", "dots-only MFU", "{:.1%}"))
+
+
+def summarize(results: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+  """{key: {median, min, max}} of SUMMARY's numbers over independent runs of `bench`."""
+  out = {}
+  for key, _, _ in SUMMARY:
+    xs = [r["step"]["median_s"] if key == "step_s" else r[key] for r in results]
+    out[key] = {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+  return out
+
+
+def runs_table(results: list[dict[str, Any]]) -> str:
+  """One row per run, then the median [min, max] over them."""
+  scale = lambda key, x: x / 1e9 if key == "peak_flops" else x
+  lines = ["| run | " + " | ".join(label for _, label, _ in SUMMARY)
+           + " | other processes' CPU (step, dots: the larger) |",
+           "|---|" + "---:|" * (len(SUMMARY) + 1)]
+  for i, r in enumerate(results, 1):
+    one = summarize([r])
+    shares = [r[k]["other_processes_cpu_share"] for k in ("step", "dots")
+              if r[k]["other_processes_cpu_share"] is not None]
+    lines.append(f"| {i} | " + " | ".join(fmt.format(scale(key, one[key]["median"]))
+                                          for key, _, fmt in SUMMARY)
+                 + f" | {f'{max(shares):.0%}' if shares else ''} |")
+  summary = summarize(results)
+  cell = lambda key, fmt: "{} [{}, {}]".format(
+      *(fmt.format(scale(key, summary[key][k])) for k in ("median", "min", "max")))
+  lines.append(f"| median [min, max] of {len(results)} | "
+               + " | ".join(cell(key, fmt) for key, _, fmt in SUMMARY) + " | |")
+  return "\n".join(lines)
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  result = bench(_CONFIG.value, _STEPS.value, _WARMUP.value, _SEGMENTS.value, _ROUNDS.value,
-                 _WAIT_IDLE.value)
-  print(table(result))
+  if _RUNS.value < 1:
+    sys.exit(f"error: --runs={_RUNS.value} must be >= 1")
+  results = []
+  for i in range(_RUNS.value):
+    results.append(bench(_CONFIG.value, _STEPS.value, _WARMUP.value, _SEGMENTS.value,
+                         _ROUNDS.value, _WAIT_IDLE.value))
+    if _RUNS.value > 1:
+      print(f"## run {i + 1} of {_RUNS.value}\n")
+    print(table(results[-1]), flush=True)
+  if len(results) > 1:
+    print(f"\n## {len(results)} runs, each built, compiled and measured against its own peak\n")
+    print(runs_table(results))
   if _OUT.value:
     with open(_OUT.value, "w", encoding="utf-8") as f:
-      json.dump(result, f, indent=1)
+      json.dump(results[0] if len(results) == 1 else
+                {"runs": results, "summary": summarize(results)}, f, indent=1)
     print(f"wrote {_OUT.value}")
 
 

@@ -52,3 +52,38 @@ def test_tiny_run(tmp_path):
   assert len(rows) == 2 and "default" in rows[0] and "no_compression" in rows[1]
   assert all(r.count("|") == header.count("|") == 10 for r in rows)
   assert checks.startswith("Checks: tiny: restored == saved True")
+
+
+def test_tiny_training_run(tmp_path):
+  """--part=run: three modes from one state, each mode's saves counted, sync ones committed
+  before the next step, the rotated order, the table."""
+  out = tmp_path / "run.json"
+  result = bench_checkpoint.run_training(["tiny"], steps=4, every=2, repeats=2, keep=1,
+                                         disk_dir=str(tmp_path), step_seq=16,
+                                         json_path=str(out))
+  assert os.listdir(tmp_path) == ["run.json"]  # its temporary directories are gone
+  (s,) = json.loads(out.read_text())["sizes"]
+  assert s["checkpoints"] == 2 and s["order"] == [["none", "async", "sync"],
+                                                  ["async", "sync", "none"]]
+  losses = set()
+  for mode, runs in s["runs"].items():
+    assert len(runs) == 2
+    for x in runs:
+      assert 0 < x["steps_s"] <= x["wall_s"]
+      saves = 0 if mode == "none" else 2
+      assert len(x["block_s"]) == len(x["committed_at_return"]) == saves
+      assert x["kept"] == ([] if mode == "none" else [4])  # keep=1: the last save only
+      losses.add(x["loss"])
+  assert len(losses) == 1  # every mode trains the same steps from the same state
+  assert all(s["runs"]["sync"][r]["committed_at_return"] == [True, True] for r in range(2))
+  # a sync save blocks for its whole write, an async one not
+  assert min(t for x in s["runs"]["sync"] for t in x["block_s"]) > 0
+
+  header, rule, *rows = bench_checkpoint.run_table(result).split("\n\n")[0].splitlines()
+  assert "wall time, 4 steps" in header and len(rows) == 3
+  assert all(r.count("|") == header.count("|") == rule.count("|") == 8 for r in rows)
+  assert "no checkpoints" in rows[0] and "async save every 2 steps" in rows[1]
+  assert "sync save every 2 steps" in rows[2]
+  checks = bench_checkpoint.run_table(result).split("\n\n")[1]
+  assert "loss after the last step identical" in checks and "committed before the next " \
+      "step: True" in checks
