@@ -109,7 +109,8 @@ def evaluate_table(run: Run, workdir: str, *, rows=DEFAULT_ROWS, calib_batches: 
 
   float_batches = val.score_batches(run.params, eval_steps)
   batch_bytes = [b["bytes"] for b in float_batches]
-  out = [row("float", "-", {}, float_batches, ptq.weight_bytes(run.params), 0.0)]
+  out = [dict(row("float", "-", {}, float_batches, ptq.weight_bytes(run.params), 0.0),
+              batch_bytes=batch_bytes)]  # every row's bits per byte divides by these
   tokens_1T = jnp.asarray(calib[0]["inputs"][:1])
   for scheme, method, options in rows:
     rule_set = rules_lib.default_rules(scheme, group_size=group_size)
