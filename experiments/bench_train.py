@@ -322,7 +322,7 @@ def main(argv):
     results.append(bench(_CONFIG.value, _STEPS.value, _WARMUP.value, _SEGMENTS.value,
                          _ROUNDS.value, _WAIT_IDLE.value))
     if _RUNS.value > 1:
-      print(f"## run {i + 1} of {_RUNS.value}\n")
+      print(("\n" if i else "") + f"## run {i + 1} of {_RUNS.value}\n")
     print(table(results[-1]), flush=True)
   if len(results) > 1:
     print(f"\n## {len(results)} runs, each built, compiled and measured against its own peak\n")
