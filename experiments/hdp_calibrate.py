@@ -1,25 +1,29 @@
 r"""The HDP simulator's cost model against a measured ring-attention step over a real link.
 
-  python -m experiments.hdp_calibrate --bandwidths=25mbit,100mbit,none --out=/tmp/hdp_cal.json
+  python -m experiments.hdp_calibrate --bandwidths=50mbit,100mbit,none --out=/tmp/hdp_cal.json
 
 Fits jaxsys/parallel/hdp_sim.py's compute rates on this CPU (`fit_cost_model`, as
 `bench_hdp --part=sim` does), then trains a small MHA model (d 192, 2 layers, SwiGLU d_ff
 512 = 8/3 d, so its shape is hdp_sim.dense_params'; float32) with context parallelism over
 two processes of one CPU device each (`--config.mesh=context=2`: ring attention, zigzag,
-one 4096-token row a step), joined by the network lab's link (jaxsys/lab; `--topology
-switched` by default: each process its own link of the rate each way, which is what the
-simulator's `link_bytes_per_s` is, one direction of one device's link). The corpus is made
-of 128 KB slices of the stdlib's text, so nearly every row is one document and the ring's
-attention is one causal 4096-token sequence (what the simulator counts for it).
+two 4096-token rows a step, one loaded by each process), joined by the network lab's link
+(jaxsys/lab; `--topology switched` by default: each process its own link of the rate each
+way, which is what the simulator's `link_bytes_per_s` is, one direction of one device's
+link). The corpus is 200 slices of 128 KB of the stdlib's text, so nearly every row is
+one document and the ring's attention is one causal 4096-token sequence a row (what the
+simulator counts for it).
 
 Each case is predicted by the simulator's own static path (`hdp_sim.simulate_static` with
-one row of seq_len on a ring of 2: ring member, its hops, the layout all-gather, the
+two rows of seq_len on a ring of 2: ring member, its hops, the layout all-gather, the
 gradient all-reduce) with the link at the shaped rate's TCP payload rate (the rate less
 66 bytes of headers a 1448-byte segment, jaxsys.lab.physics), and for `none` the path's
 unshaped capacity (--unshaped_mbit, calibrated in docs/results/network_lab.md; not fitted
-here). A last case, `in-process`, runs the same program on two devices of one process (the
-collectives in memory): the compute alone, predicted with an unlimited link. Predictions
-with hops overlapped (the model's default) and added (overlap=False) are both printed.
+here). A first case, `in-process`, runs the same program on two devices of one process
+(the collectives in memory): the compute alone, predicted with an unlimited link; each
+lab case's communication is its step less that. Two predictions (MODELS): the simulator
+as bench_hdp runs it (hops overlapped, every member sending at once) and as this backend
+runs a step (collectives in line, a collective-permute's two directions one after the
+other: CostModel(overlap=False, hop_exchange=2)).
 Needs root and iproute2 for the shaped links.
 """
 from __future__ import annotations
@@ -50,7 +54,7 @@ IN_PROCESS = "in-process"
 UNSHAPED_MBIT = {"switched": 258.0, "shared": 633.0}
 
 
-def make_corpus(directory: str, *, files: int = 300, size: int = 131072) -> str:
+def make_corpus(directory: str, *, files: int = 200, size: int = 131072) -> str:
   """`files` text files of `size` bytes each, slices of the stdlib's .py text in path order
   (rows of up to `size` tokens hold one document, bar the slice boundaries)."""
   root = pathlib.Path(sysconfig.get_paths()["stdlib"])
@@ -72,12 +76,21 @@ def make_corpus(directory: str, *, files: int = 300, size: int = 131072) -> str:
 
 
 def runner_args(workdir: str, corpus: str, *, seq_len: int, steps: int, ring: int = 2,
-                model: dict = MODEL) -> tuple[str, ...]:
-  """The trainer's flags for one case: one row of seq_len a step on `context=ring`."""
+                rows: int = 2, processes: int = 1, model: dict = MODEL) -> tuple[str, ...]:
+  """The trainer's flags for one case: `rows` rows of seq_len a step on `context=ring`.
+
+  Over `processes` processes the trainer's rows come out `processes` times as long as
+  data.seq_len: each process loads the whole rows and `step.global_batch` takes each
+  process's as its block of the sequence axis, so the global row is the loaded row
+  repeated. The flags ask for rows of seq_len / processes, so the program runs rows of
+  seq_len (its causal keys repeat in the second half; the kernel visits as many tiles as
+  for one causal row of seq_len); the compiled collectives check it (`table`).
+  """
   shutil.rmtree(workdir, ignore_errors=True)
   return ("--config=configs/tiny_lm.py:size=test", f"--config.total_steps={steps}",
           "--config.log_every=1", "--config.eval_every=0", "--config.checkpoint_every=0",
-          "--config.data.batch_size=1", f"--config.data.seq_len={seq_len}",
+          f"--config.data.batch_size={rows}",
+          f"--config.data.seq_len={seq_len // processes}",
           f"--config.data.source={corpus}", f"--config.mesh=context={ring}",
           *(f"--config.model.{k}={v}" for k, v in model.items()), f"--workdir={workdir}")
 
@@ -89,7 +102,7 @@ def payload_rate(bits_per_s: float) -> float:
 
 
 def cost_model(fit: hdp_sim.Fit, *, link_bytes_per_s: float, overlap: bool = True,
-               model: dict = MODEL) -> hdp_sim.CostModel:
+               hop_exchange: float = 1.0, model: dict = MODEL) -> hdp_sim.CostModel:
   """The fitted rates for the measured model: float32, MHA, compiled collectives, its
   parameters' gradients all-reduced."""
   d, layers = model["d_model"], model["n_layers"]
@@ -97,16 +110,26 @@ def cost_model(fit: hdp_sim.Fit, *, link_bytes_per_s: float, overlap: bool = Tru
   return dataclasses.replace(
       fit.model, link_bytes_per_s=link_bytes_per_s, d_model=d, n_layers=layers, kv_dim=kv_dim,
       bytes_per_element=4, overlap=overlap, pad_compute=True, compiled=True,
-      params=hdp_sim.dense_params(d, layers, kv_dim, VOCAB))
+      params=hdp_sim.dense_params(d, layers, kv_dim, VOCAB), hop_exchange=hop_exchange)
 
 
-def predict(model: hdp_sim.CostModel, *, seq_len: int, ring: int = 2) -> dict:
-  """Seconds of one step (one row of seq_len on a ring of `ring`) by hdp_sim's static path,
-  split into compute (an unlimited link) and communication, and the bytes each device
-  sends."""
+# The two models each case is predicted with: the simulator as its tables run it (hops
+# overlapped with compute, every member sending at once), and as this backend runs a step
+# (XLA:CPU runs a program's collectives in line, and its collective-permute over gloo
+# moves the two directions one after the other).
+MODELS = {"simulator": dict(overlap=True, hop_exchange=1.0),
+          "cpu_backend": dict(overlap=False, hop_exchange=2.0)}
+
+
+def predict(model: hdp_sim.CostModel, *, seq_len: int, ring: int = 2, rows: int = 2) -> dict:
+  """Seconds of one step (`rows` rows of seq_len, one after another on a ring of `ring`:
+  the program runs them as one batch, the same compute and bytes) by hdp_sim's static
+  path, split into compute (an unlimited link) and communication, and the bytes each
+  device sends."""
   kw = dict(num_devices=ring, tokens_per_device=seq_len // ring, max_len=seq_len)
-  whole = hdp_sim.simulate_static([seq_len], model=model, **kw)
-  free = hdp_sim.simulate_static([seq_len], model=dataclasses.replace(
+  lengths = [seq_len] * rows
+  whole = hdp_sim.simulate_static(lengths, model=model, **kw)
+  free = hdp_sim.simulate_static(lengths, model=dataclasses.replace(
       model, link_bytes_per_s=1e30), **kw)
   return dict(total_s=whole.time, compute_s=free.time, comm_s=whole.time - free.time,
               sent_bytes=float(sum(whole.sent.values())), sent=whole.sent)
@@ -136,44 +159,56 @@ def measure_in_process(args: tuple[str, ...], ring: int = 2) -> list[float]:
 
 
 def table(rows: list[dict]) -> str:
-  """Markdown: each case's link, predictions (hops overlapped / added), measurement, error."""
-  lines = ["| case | link (payload MB/s a device) | predicted, hops overlapped (s) | "
-           "predicted, hops added (s) | of which communication (s) | measured (s, median "
-           "[min, max]) | error (overlapped) | error (added) | bytes sent a device: "
-           "simulated / compiled |",
-           "|---|---:|---:|---:|---:|---|---:|---:|---:|"]
+  """Markdown: each case's predictions (MODELS) and measurement, and their errors; then
+  compute and communication apart (measured compute: the in-process case's step)."""
+  lines = ["| case | link (payload MB/s a device) | predicted: simulator (s) | predicted: "
+           "CPU backend (s) | measured (s, median [min, max]) | error: simulator | error: CPU "
+           "backend | compute predicted / measured (s) | communication: simulator / CPU "
+           "backend / measured (s) | bytes a device: simulated / compiled |",
+           "|---|---:|---:|---:|---|---:|---:|---|---|---:|"]
   for r in rows:
     lo, hi = r["measured_min_max_s"]
     compiled = (f"{r['sent_bytes'] / r['compiled_bytes']:.3f}" if r.get("compiled_bytes")
                 else "-")
+    comm = r.get("measured_comm_s")
     lines.append(
-        f"| {r['case']} | {r['link_MBps']:.2f} | {r['predicted_s']:.3f} | "
-        f"{r['predicted_added_s']:.3f} | {r['comm_s']:.3f} | {r['measured_s']:.3f} "
-        f"[{lo:.3f}, {hi:.3f}] | {r['error']:+.1%} | {r['error_added']:+.1%} | {compiled} |")
+        f"| {r['case']} | {r['link_MBps']:.2f} | {r['simulator_s']:.3f} | "
+        f"{r['cpu_backend_s']:.3f} | {r['measured_s']:.3f} [{lo:.3f}, {hi:.3f}] | "
+        f"{r['error_simulator']:+.1%} | {r['error_cpu_backend']:+.1%} | "
+        f"{r['compute_s']:.3f} / {r.get('measured_compute_s', float('nan')):.3f} | "
+        f"{r['simulator_comm_s']:.3f} / {r['cpu_backend_comm_s']:.3f} / "
+        f"{'-' if comm is None else f'{comm:.3f}'} | {compiled} |")
   return "\n".join(lines)
 
 
 def case_row(case: str, fit: hdp_sim.Fit, rate: float, steps_s, *, seq_len: int,
-             compiled_bytes: float | None = None) -> dict:
-  """One table row: both predictions at `rate` payload bytes/s against measured steps."""
-  over = predict(cost_model(fit, link_bytes_per_s=rate), seq_len=seq_len)
-  added = predict(cost_model(fit, link_bytes_per_s=rate, overlap=False), seq_len=seq_len)
+             compiled_bytes: float | None = None, measured_compute_s: float | None = None
+             ) -> dict:
+  """One table row: each of MODELS' predictions at `rate` payload bytes/s against the
+  measured steps (median); with the measured compute, the measured communication is the
+  step less it."""
   measured = float(np.median(steps_s))
-  return dict(case=case, link_MBps=rate / 1e6 if rate < 1e29 else float("inf"),
-              predicted_s=over["total_s"], predicted_added_s=added["total_s"],
-              comm_s=added["comm_s"], compute_s=over["compute_s"], measured_s=measured,
-              measured_min_max_s=[float(np.min(steps_s)), float(np.max(steps_s))],
-              steps_s=[float(t) for t in steps_s], error=over["total_s"] / measured - 1,
-              error_added=added["total_s"] / measured - 1, sent_bytes=over["sent_bytes"],
-              sent=over["sent"], compiled_bytes=compiled_bytes)
+  row = dict(case=case, link_MBps=rate / 1e6 if rate < 1e29 else float("inf"),
+             measured_s=measured,
+             measured_min_max_s=[float(np.min(steps_s)), float(np.max(steps_s))],
+             steps_s=[float(t) for t in steps_s], compiled_bytes=compiled_bytes)
+  for name, kw in MODELS.items():
+    p = predict(cost_model(fit, link_bytes_per_s=rate, **kw), seq_len=seq_len)
+    row.update({f"{name}_s": p["total_s"], f"{name}_comm_s": p["comm_s"],
+                f"error_{name}": p["total_s"] / measured - 1})
+    row.update(compute_s=p["compute_s"], sent_bytes=p["sent_bytes"], sent=p["sent"])
+  if measured_compute_s is not None:
+    row.update(measured_compute_s=measured_compute_s,
+               measured_comm_s=measured - measured_compute_s)
+  return row
 
 
-_BANDWIDTHS = flags.DEFINE_list("bandwidths", ["25mbit", "100mbit", "none"], "Lab link rates.")
+_BANDWIDTHS = flags.DEFINE_list("bandwidths", ["50mbit", "100mbit", "none"], "Lab link rates.")
 _TOPOLOGY = flags.DEFINE_enum("topology", "switched", ["shared", "switched"], "The lab's network.")
 _UNSHAPED = flags.DEFINE_float("unshaped_mbit", None, "The unshaped path's rate (Mbit/s); "
                                "default network_lab.md's for the topology.")
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 4096, "Tokens of the one row a step.")
-_STEPS = flags.DEFINE_integer("steps", 8, "Training steps a case (the first compiles).")
+_STEPS = flags.DEFINE_integer("steps", 6, "Training steps a case (the first compiles).")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/hdp_calibrate", "Scratch directory (replaced).")
 _OUT = flags.DEFINE_string("out", "/tmp/hdp_calibrate.json", "Every number (JSON).")
 
@@ -182,15 +217,20 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   start = time.perf_counter()
+  corpus = make_corpus(os.path.join(_WORKDIR.value, "corpus"))
   fit = hdp_sim.fit_cost_model()
   print(f"fitted on this CPU: {fit.model.sec_per_attention_flop:.3e} s per attention FLOP, "
         f"{fit.model.sec_per_linear_flop:.3e} s per linear FLOP (ratio "
         f"{fit.model.sec_per_attention_flop / fit.model.sec_per_linear_flop:.2f}); load "
         f"{os.getloadavg()[0]:.2f}", flush=True)
-  corpus = make_corpus(os.path.join(_WORKDIR.value, "corpus"))
-  args = lambda name: runner_args(os.path.join(_WORKDIR.value, name), corpus,
-                                  seq_len=_SEQ_LEN.value, steps=_STEPS.value)
-  rows = []
+  args = lambda name, processes=2: runner_args(os.path.join(_WORKDIR.value, name), corpus,
+                                               seq_len=_SEQ_LEN.value, steps=_STEPS.value,
+                                               processes=processes)
+  compute = measure_in_process(args(IN_PROCESS, 1))
+  compute_s = float(np.median(compute))
+  rows = [case_row(IN_PROCESS, fit, 1e30, compute, seq_len=_SEQ_LEN.value,
+                   measured_compute_s=compute_s)]
+  print(table(rows), flush=True)
   for bw in _BANDWIDTHS.value:
     try:
       s = measure_lab(bw, args(bw), _TOPOLOGY.value)
@@ -200,12 +240,10 @@ def main(argv):
     compiled = s.get("collective_bytes_per_step")
     rows.append(case_row(f"lab {_TOPOLOGY.value} {bw}", fit,
                          link_rate(bw, _TOPOLOGY.value, _UNSHAPED.value), steps,
-                         seq_len=_SEQ_LEN.value,
+                         seq_len=_SEQ_LEN.value, measured_compute_s=compute_s,
                          compiled_bytes=compiled / 2 if compiled else None))
     rows[-1]["lab"] = s
     print(table(rows[-1:]).splitlines()[-1], flush=True)
-  rows.append(case_row(IN_PROCESS, fit, 1e30, measure_in_process(args(IN_PROCESS)),
-                       seq_len=_SEQ_LEN.value))
   print(table(rows))
   print(f"load {os.getloadavg()[0]:.2f}; total {time.perf_counter() - start:.0f} s")
   with open(_OUT.value, "w") as f:

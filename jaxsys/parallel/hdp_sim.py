@@ -149,6 +149,10 @@ class CostModel:
     `shard_params` parameters. Every other figure is per device of a slot.
   fsdp: slots the parameters are sharded over (ZeRO): gathered once a step
     (`gather_bytes`), before the step's first program.
+  hop_exchange: a ring hop's seconds over its bytes / link: 1 where every member sends
+    and receives at once (each on its own link); 2 where the exchange runs one direction
+    after the other, as XLA:CPU's collective-permute over gloo did across two processes
+    (experiments/hdp_calibrate.py: the link busy for twice the hops' bytes / rate).
   """
   sec_per_attention_flop: float
   sec_per_linear_flop: float
@@ -164,10 +168,11 @@ class CostModel:
   tensor: int = 1
   fsdp: int = 1
   tensor_link_bytes_per_s: float | None = None
+  hop_exchange: float = 1.0
 
   def __post_init__(self):
     for name in ("sec_per_attention_flop", "sec_per_linear_flop", "link_bytes_per_s",
-                 "tensor_link_bytes_per_s"):
+                 "tensor_link_bytes_per_s", "hop_exchange"):
       value = getattr(self, name)
       if value is not None and not value > 0:
         raise ValueError(f"CostModel.{name}={value!r}: must be > 0")
@@ -224,7 +229,8 @@ class CostModel:
 
   def hop(self, tokens) -> float:
     """Seconds to pass one device's K/V block (with its keys) to the next ring member."""
-    return (self.kv_bytes(tokens) + self.key_bytes(tokens)) / self.link_bytes_per_s
+    return (self.hop_exchange * (self.kv_bytes(tokens) + self.key_bytes(tokens))
+            / self.link_bytes_per_s)
 
   def hops(self, ring: int) -> tuple[int, int, int]:
     """(forward K/V hops, backward K/V hops, backward dK/dV hops) per layer of a program
@@ -300,7 +306,7 @@ class CostModel:
     block = attention / ring
     compute = linear + local_attention + block
     h = self.hop(hop_tokens)
-    g = self.dkv_bytes(hop_tokens) / self.link_bytes_per_s
+    g = self.hop_exchange * self.dkv_bytes(hop_tokens) / self.link_bytes_per_s
     join = max if self.overlap else operator.add
     visiting, bare = ring - 1, program_ring - ring
     forward = compute + visiting * join(block, h) + bare * h

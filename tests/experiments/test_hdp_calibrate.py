@@ -21,29 +21,33 @@ def test_cost_model_is_the_measured_model():
   assert m.params == 2 * (12 * 192 ** 2 + 2 * 192) + 2 * 256 * 192 + 192 == 984_000
 
 
-@pytest.mark.parametrize("overlap", [True, False])
-def test_predict_by_hand(overlap):
-  """One 4096-token row on a ring of 2 (compiled): per layer 3 Lin + 6 b + the hops (fwd
-  K/V h overlapped with a block b, or added; dK/dV 2 g added; at c = 2 no backward K/V
-  hop), the layout all-gather, the gradient all-reduce."""
+@pytest.mark.parametrize("overlap,exchange", [(True, 1.0), (False, 1.0), (False, 2.0)])
+def test_predict_by_hand(overlap, exchange):
+  """Two 4096-token rows on a ring of 2 (compiled), one after the other: per row and layer
+  3 Lin + 6 b + the hops (fwd K/V h overlapped with a block b, or added; dK/dV 2 g added;
+  at c = 2 no backward K/V hop; h and g `exchange` times bytes / link), the row's layout
+  all-gather; then the gradient all-reduce."""
   link = 1e7
-  m = hdp_calibrate.cost_model(FIT, link_bytes_per_s=link, overlap=overlap)
+  m = hdp_calibrate.cost_model(FIT, link_bytes_per_s=link, overlap=overlap,
+                               hop_exchange=exchange)
   d, tokens = 192, 2048
   lin = 1e-11 * 24 * d * d * tokens
   b = 2e-11 * 2 * d * 4096 ** 2 / 2 / 2
-  h = (2 * tokens * d * 4 + 8 * tokens) / link
-  g = 2 * tokens * d * 4 / link
+  h = exchange * (2 * tokens * d * 4 + 8 * tokens) / link
+  g = exchange * 2 * tokens * d * 4 / link
   forward = lin + b + (max(b, h) if overlap else b + h)
   backward = 2 * lin + 2 * b + 2 * b + 2 * g
   gather = 5 * 4 * 1 * tokens / link
   allreduce = 2 * 0.5 * 4 * (984_000 + 2) / link
   p = hdp_calibrate.predict(m, seq_len=4096)
-  assert p["total_s"] == pytest.approx(2 * (forward + backward) + gather + allreduce)
-  assert p["compute_s"] == pytest.approx(2 * 3 * (lin + 2 * b), rel=1e-9)
+  assert p["total_s"] == pytest.approx(2 * (2 * (forward + backward) + gather) + allreduce)
+  assert p["compute_s"] == pytest.approx(2 * 2 * 3 * (lin + 2 * b), rel=1e-9)
   assert p["comm_s"] == pytest.approx(p["total_s"] - p["compute_s"])
-  # Bytes a device sends: K/V + keys once a layer, dK/dV twice, the layout, the gradients.
-  assert p["sent_bytes"] == pytest.approx(2 * (2 * tokens * d * 4 + 8 * tokens + 2 * g * link)
-                                          + gather * link + allreduce * link)
+  # Bytes a device sends: K/V + keys once a layer, dK/dV twice, the layout, a row each;
+  # the gradients once.
+  assert p["sent_bytes"] == pytest.approx(
+      2 * (2 * (2 * tokens * d * 4 + 8 * tokens + 2 * 2 * tokens * d * 4) + gather * link)
+      + allreduce * link)
 
 
 def test_link_rate():
@@ -65,15 +69,22 @@ def test_runner_args_and_corpus(tmp_path):
   args = hdp_calibrate.runner_args(str(tmp_path / "w"), corpus, seq_len=4096, steps=5)
   assert "--config.mesh=context=2" in args and "--config.data.seq_len=4096" in args
   assert "--config.model.n_kv_heads=3" in args and args[-1] == f"--workdir={tmp_path / 'w'}"
+  # Over two processes the trainer's rows come out twice data.seq_len long.
+  lab = hdp_calibrate.runner_args(str(tmp_path / "w"), corpus, seq_len=4096, steps=5,
+                                  processes=2)
+  assert "--config.data.seq_len=2048" in lab and "--config.data.batch_size=2" in lab
 
 
 def test_case_row_and_table():
   rate = hdp_calibrate.link_rate("100mbit", "switched")
   p = hdp_calibrate.predict(hdp_calibrate.cost_model(FIT, link_bytes_per_s=rate), seq_len=4096)
-  row = hdp_calibrate.case_row("lab switched 100mbit", FIT, rate, [2.0, p["total_s"], 3.0],
-                               seq_len=4096, compiled_bytes=p["sent_bytes"])
-  assert row["error"] == pytest.approx(0.0)
-  assert row["error_added"] > 0 and row["measured_min_max_s"] == [2.0, 3.0]
+  row = hdp_calibrate.case_row("lab switched 100mbit", FIT, rate, [0.5, p["total_s"], 9.0],
+                               seq_len=4096, compiled_bytes=p["sent_bytes"],
+                               measured_compute_s=1.0)
+  assert row["error_simulator"] == pytest.approx(0.0)
+  assert row["error_cpu_backend"] > 0 and row["measured_min_max_s"] == [0.5, 9.0]
+  assert row["measured_comm_s"] == pytest.approx(p["total_s"] - 1.0)
+  assert row["cpu_backend_comm_s"] > row["simulator_comm_s"] == pytest.approx(p["comm_s"])
   line = hdp_calibrate.table([row]).splitlines()[-1]
   assert line.startswith("| lab switched 100mbit | 11.96 |") and "| +0.0% |" in line
   assert line.endswith("| 1.000 |")
