@@ -979,8 +979,8 @@ def run_table(result: dict[str, Any]) -> str:
   lines = ["| state | mode | wall time, 100 steps | tokens/s | cost per checkpoint (vs none) "
            "| save() returns | other processes' CPU |",
            "|---|---|---:|---:|---:|---:|---:|"]
-  names = {"none": "no checkpoints", "async": "async save every {every} steps",
-           "sync": "sync save every {every} steps (committed before the next step)"}
+  names = {"none": "no checkpoints", "async": "async save every {every}",
+           "sync": "sync save every {every} (committed before the next step)"}
   for s in result["sizes"]:
     lines[0] = lines[0].replace("100 steps", f"{s['steps']} steps")
     tokens = s["steps"] * s["step_rows"] * s["step_seq"]
@@ -994,7 +994,8 @@ def run_table(result: dict[str, Any]) -> str:
         blocks = _spread([t for x in runs for t in x["block_s"]])
       shares = [x["other_processes_cpu_share"] for x in runs
                 if x["other_processes_cpu_share"] is not None]
-      lines.append(f"| {_size_label(s)} | {names[mode].format(every=s['every'])} | "
+      every = f"{s['every']} steps" if s["every"] > 1 else "step"
+      lines.append(f"| {_size_label(s)} | {names[mode].format(every=every)} | "
                    f"{_spread_s(wall)} | {_spread_s([tokens / w for w in wall], '{:,.0f}')} | "
                    f"{cost} | {blocks} | {f'{_med(shares):.0%}' if shares else ''} |")
   checks = "; ".join(
