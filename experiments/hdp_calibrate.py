@@ -50,7 +50,10 @@ from jaxsys.parallel import hdp_sim
 MODEL = dict(d_model=192, n_layers=2, n_heads=3, n_kv_heads=3, d_ff=512)
 VOCAB = 256
 IN_PROCESS = "in-process"
-# The switched path's unshaped rate on this VM (docs/results/network_lab.md, its `none` row).
+# The unshaped paths' rates on this VM as docs/results/network_lab.md calibrated them on a
+# data-parallel all-reduce. Large collective-permutes crossed the switched path at up to
+# 1.44 Gbit/s (docs/results/context_and_hdp.md): the capacity depends on what the cores
+# do, so a `none` case predicted with it is not a test.
 UNSHAPED_MBIT = {"switched": 258.0, "shared": 633.0}
 
 
