@@ -731,9 +731,9 @@ class Costs:
   An interleaved or V chunk holds 1/v of them and costs 1/v, so makespans compare across
   schedules of the same model and stages. backward_input / backward_weight: the two
   passes zero-bubble schedules split the backward into (None: backward / 2 each); they
-  need not add up to `backward` (an executor may redo work in each). comm: time to send an
-  activation or gradient to the next stage (asynchronous: per message between stages;
-  lock step: per tick).
+  need not add up to `backward` (an executor may redo work in each). comm: time of one
+  ring permute of an activation or gradient between stages (asynchronous: per message
+  between stages; lock step: per permute, `ring_sends` of them a tick).
   """
   forward: float
   backward: float
@@ -795,10 +795,19 @@ class Timing:
     return self._bubble(self.lockstep)
 
 
+def ring_sends(ticks: Ticks) -> int:
+  """The ring permutes the executor runs every tick: activations on to stage s + 1 and
+  gradients back to s - 1, and a V's way back (`act_recv_back`, `grad_recv_back`) where the
+  schedule sends that way. Each runs every tick, carrying data or not."""
+  return 2 + int(np.any(ticks.act_recv_back >= 0)) + int(np.any(ticks.grad_recv_back >= 0))
+
+
 def _lockstep(ticks: Ticks, cost: np.ndarray, comm: float) -> float:
-  """Every tick waits for its slowest stage's lanes, one after the other, then its sends."""
+  """Every tick waits for its slowest stage's lanes, one after the other, then its sends,
+  one after the other (`ring_sends`)."""
   per_stage = cost[ticks.kind].sum(axis=1)  # [ticks, stages]
-  return float(np.sum(per_stage.max(axis=1, initial=0.0)) + comm * ticks.ticks)
+  return float(np.sum(per_stage.max(axis=1, initial=0.0))
+               + comm * ring_sends(ticks) * ticks.ticks)
 
 
 def timed(schedule: Schedule, costs: Costs) -> Timing:

@@ -410,12 +410,24 @@ class TimedTest(parameterized.TestCase):
 
   def test_comm(self):
     # GPipe, p=2, m=1: F0, send, F1, B1 (the head's gradient is local), send, B0.
+    # In lock step every tick runs the executor's two ring permutes (activations on,
+    # gradients back), carrying data or not: 4 ticks x 2 x 0.25.
     t = timed(make_schedule("gpipe", stages=2, microbatches=1), Costs(1, 1, comm=0.25))
-    self.assertEqual((t.asynchronous, t.lockstep), (4.5, 5.0))  # 2 sends / 4 ticks
+    self.assertEqual((t.asynchronous, t.lockstep), (4.5, 6.0))
     self.assertEqual(t.busy, (2.0, 2.0))
-    self.assertAlmostEqual(t.lockstep_bubble, 1 - 4 / 10, places=12)
+    self.assertAlmostEqual(t.lockstep_bubble, 1 - 4 / 12, places=12)
     sched = make_schedule("1f1b", stages=4, microbatches=8)
-    self.assertEqual(timed(sched, Costs(1, 2, comm=0.5)).lockstep, 40.0 + 0.5 * sched.ticks)
+    self.assertEqual(timed(sched, Costs(1, 2, comm=0.5)).lockstep, 40.0 + 2 * 0.5 * sched.ticks)
+    # A V also sends back up the ring (activations and gradients): 4 permutes a tick (at
+    # p=2 the way back is the same neighbour, so the two rings carry it).
+    self.assertEqual(sched_lib.ring_sends(make_schedule(
+        "zbv", stages=2, microbatches=4, virtual_stages=2).executed), 2)
+    zbv = make_schedule("zbv", stages=4, microbatches=8, virtual_stages=2)
+    ticks = zbv.executed
+    base = timed(zbv, Costs(1, 2)).lockstep
+    self.assertEqual(sched_lib.ring_sends(ticks), 4)
+    self.assertAlmostEqual(timed(zbv, Costs(1, 2, comm=0.5)).lockstep,
+                           base + 4 * 0.5 * ticks.ticks, places=9)
     # One stage sends nothing: comm costs nothing asynchronously.
     one = make_schedule("interleaved_1f1b", stages=1, microbatches=3, virtual_stages=3)
     self.assertEqual(timed(one, Costs(1, 2, comm=5.0)).asynchronous, 9.0)
