@@ -160,5 +160,14 @@ def jit_eval_step(model_cfg, param_sh: Any, batch_sh: NamedSharding, token_bytes
 
 
 def global_batch(local: dict[str, np.ndarray], sharding: NamedSharding) -> Batch:
-  """A process's block of the global batch (what its loader reads) as global arrays."""
-  return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items()}
+  """A process's block of the global batch (what its loader reads: its rows, each whole) as
+  global arrays. The rows are this process's block of them; along the sequence each device
+  takes its slice of the whole rows, so a `context` axis may span processes (left to jax's
+  inference, each process's rows would be taken for its part of longer ones)."""
+  rows = len(next(iter(local.values())))
+  probe = (sharding.mesh.size * rows, sharding.mesh.size)  # sizes every split divides
+  blocks = lambda index_map: len({(i[0].start, i[0].stop) for i in index_map.values()})
+  global_rows = rows * blocks(sharding.devices_indices_map(probe)) // blocks(
+      sharding.addressable_devices_indices_map(probe))
+  return {k: jax.make_array_from_process_local_data(sharding, v, (global_rows, *v.shape[1:]))
+          for k, v in local.items()}

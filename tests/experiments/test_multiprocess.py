@@ -101,6 +101,35 @@ def test_two_processes_match_one(small_corpus, tmp_path):
   assert all(0.25 < s / sum(sizes) < 0.75 for s in sizes), sizes
 
 
+_GLOBAL_BATCH = """
+import os, sys, jax, numpy as np
+jax.distributed.initialize(os.environ["JAX_COORDINATOR_ADDRESS"], 2,
+                           int(os.environ["JAX_PROCESS_ID"]))
+from jaxsys import mesh as mesh_lib
+from jaxsys.train import step
+rows = np.arange(4 * 8, dtype=np.int32).reshape(4, 8)  # what each process's loader read
+batch = step.global_batch({"inputs": rows}, mesh_lib.batch_sharding(mesh_lib.make_mesh(sys.argv[1])))
+(shard,) = batch["inputs"].addressable_shards
+print(batch["inputs"].shape, shard.data[0].tolist())
+"""
+
+
+def test_a_sequence_split_across_processes_is_each_device_s_slice_of_whole_rows():
+  """context=2 with one device a process: each process loads the whole rows, and its device
+  holds its half of each (jax alone would take each process's rows for its half of rows
+  twice as long: (4, 16))."""
+  port = free_port()
+  procs = [subprocess.Popen([sys.executable, "-c", _GLOBAL_BATCH, "context=2"], cwd=ROOT,
+                            env=dict(_devices(1), JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                                     JAX_PROCESS_ID=str(i), JAX_PLATFORMS="cpu"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+           for i in range(2)]
+  outputs = [p.communicate(timeout=120) for p in procs]
+  assert all(p.returncode == 0 for p in procs), outputs[0][1][-2000:]
+  assert [out.strip().splitlines()[-1] for out, _ in outputs] == [
+      "(4, 8) [0, 1, 2, 3]", "(4, 8) [4, 5, 6, 7]"]
+
+
 def test_sigterm_to_one_process_stops_both_at_one_step(small_corpus, tmp_path):
   """Only process 1 gets SIGTERM: both agree on a step, save it together and exit 75."""
   flags = ["--config=configs/tiny_lm.py:size=test", f"--config.data.source={small_corpus}",
