@@ -79,21 +79,15 @@ def make_corpus(directory: str, *, files: int = 200, size: int = 131072) -> str:
 
 
 def runner_args(workdir: str, corpus: str, *, seq_len: int, steps: int, ring: int = 2,
-                rows: int = 2, processes: int = 1, model: dict = MODEL) -> tuple[str, ...]:
-  """The trainer's flags for one case: `rows` rows of seq_len a step on `context=ring`.
-
-  Over `processes` processes the trainer's rows come out `processes` times as long as
-  data.seq_len: each process loads the whole rows and `step.global_batch` takes each
-  process's as its block of the sequence axis, so the global row is the loaded row
-  repeated. The flags ask for rows of seq_len / processes, so the program runs rows of
-  seq_len (its causal keys repeat in the second half; the kernel visits as many tiles as
-  for one causal row of seq_len); the compiled collectives check it (`table`).
-  """
+                rows: int = 2, model: dict = MODEL) -> tuple[str, ...]:
+  """The trainer's flags for one case: `rows` rows of seq_len a step on `context=ring`
+  (over any number of processes: each loads the whole rows, and `step.global_batch` gives
+  each device its slice of them)."""
   shutil.rmtree(workdir, ignore_errors=True)
   return ("--config=configs/tiny_lm.py:size=test", f"--config.total_steps={steps}",
           "--config.log_every=1", "--config.eval_every=0", "--config.checkpoint_every=0",
           f"--config.data.batch_size={rows}",
-          f"--config.data.seq_len={seq_len // processes}",
+          f"--config.data.seq_len={seq_len}",
           f"--config.data.source={corpus}", f"--config.mesh=context={ring}",
           *(f"--config.model.{k}={v}" for k, v in model.items()), f"--workdir={workdir}")
 
@@ -226,10 +220,9 @@ def main(argv):
         f"{fit.model.sec_per_linear_flop:.3e} s per linear FLOP (ratio "
         f"{fit.model.sec_per_attention_flop / fit.model.sec_per_linear_flop:.2f}); load "
         f"{os.getloadavg()[0]:.2f}", flush=True)
-  args = lambda name, processes=2: runner_args(os.path.join(_WORKDIR.value, name), corpus,
-                                               seq_len=_SEQ_LEN.value, steps=_STEPS.value,
-                                               processes=processes)
-  compute = measure_in_process(args(IN_PROCESS, 1))
+  args = lambda name: runner_args(os.path.join(_WORKDIR.value, name), corpus,
+                                  seq_len=_SEQ_LEN.value, steps=_STEPS.value)
+  compute = measure_in_process(args(IN_PROCESS))
   compute_s = float(np.median(compute))
   rows = [case_row(IN_PROCESS, fit, 1e30, compute, seq_len=_SEQ_LEN.value,
                    measured_compute_s=compute_s)]
