@@ -21,6 +21,7 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
 # of a run would compile them again (-7% CPU on the CLI and fault tests).
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
+import contextlib
 import functools
 import importlib.util
 import pathlib
@@ -226,3 +227,52 @@ def load_run_config(source: str = "stdlib", **overrides):
   """`load_test_config`, checked: the typed `jaxsys.config.RunConfig` library code takes."""
   from jaxsys.train.config_check import check_config
   return check_config(load_test_config(source, **overrides))
+
+
+# ---------------------------------------------------------------- binaries' absl flags
+
+_OWNERS = ("experiments.", "jaxsys.")  # whose flags a test may set aside
+
+
+def _owned_flags() -> dict[str, tuple[str, object]]:
+  """{name: (module, flag)} of every flag experiments' and jaxsys's modules defined."""
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  return {f.name: (module, f) for module, fs in flags.FLAGS.flags_by_module_dict().items()
+          if module.startswith(_OWNERS) for f in fs}
+
+
+@contextlib.contextmanager
+def _only_flags(wanted: dict[str, tuple[str, object]]):
+  """Inside the block, of experiments' and jaxsys's flags only `wanted` are defined; the
+  others are set aside and come back after."""
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  saved = _owned_flags()
+  for name in saved:
+    delattr(flags.FLAGS, name)
+  for name, (module, flag) in wanted.items():
+    flags.FLAGS[name] = flag
+    flags.FLAGS.register_flag_by_module(module, flag)
+  try:
+    yield
+  finally:
+    for name in _owned_flags():
+      delattr(flags.FLAGS, name)
+    for name, (module, flag) in saved.items():
+      flags.FLAGS[name] = flag
+      flags.FLAGS.register_flag_by_module(module, flag)
+
+
+def import_binary(name: str):
+  """experiments.<name>, imported with the absl flags it defines set aside again: flags are
+  process-global and binaries share names (--out, --config, --steps), so two imported in
+  one test worker would clash. Its functions take arguments; a test that parses its flags
+  does so inside `binary_flags(module)`."""
+  with _only_flags({}):
+    module = importlib.import_module(f"experiments.{name}")
+    module.defined_flags = _owned_flags()
+  return module
+
+
+def binary_flags(module):
+  """A block in which `module`'s flags (import_binary's) are the defined ones."""
+  return _only_flags(module.defined_flags)

@@ -8,7 +8,9 @@ import pytest
 from absl import flags
 from absl.testing import flagsaver
 
-from experiments import bench_attention
+from conftest import binary_flags, import_binary
+
+bench_attention = import_binary("bench_attention")
 
 needs_tokamax = pytest.mark.skipif(not bench_attention.tokamax_installed(),
                                    reason="tokamax not installed: pip install -e '.[tokamax]'")
@@ -16,7 +18,7 @@ TOKAMAX = list(bench_attention.TOKAMAX_IMPLS)
 
 
 def _main_exit(argv):
-  with flagsaver.flagsaver():
+  with binary_flags(bench_attention), flagsaver.flagsaver():
     flags.FLAGS(["bench_attention", *argv])
     with pytest.raises(SystemExit) as e:
       bench_attention.main([])

@@ -5,7 +5,9 @@ import sys
 import numpy as np
 import pytest
 
-from experiments import bench_generate
+from conftest import import_binary
+
+bench_generate = import_binary("bench_generate")
 
 needs_transformers = pytest.mark.skipif(
     not all(importlib.util.find_spec(m) for m in ("torch", "transformers")),

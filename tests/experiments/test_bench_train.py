@@ -3,7 +3,9 @@ import copy
 import subprocess
 import sys
 
-from experiments import bench_train
+from conftest import import_binary
+
+bench_train = import_binary("bench_train")
 from jaxsys.configs import tiny_lm
 
 

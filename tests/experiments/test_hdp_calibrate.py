@@ -5,7 +5,9 @@ import os
 
 import pytest
 
-from experiments import hdp_calibrate
+from conftest import import_binary
+
+hdp_calibrate = import_binary("hdp_calibrate")
 from jaxsys.lab import link as link_lib, physics
 from jaxsys.parallel import hdp_sim
 
