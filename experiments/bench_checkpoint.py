@@ -657,11 +657,8 @@ def run(sizes, *, repeats: int = 3, disk_dir: str = "", shm_dir: str | None = "/
   shm = None
   if shm_dir and os.path.isdir(shm_dir):
     shm = tempfile.mkdtemp(prefix="bench_checkpoint.", dir=shm_dir)
-  result: dict[str, Any] = dict(
-      machine=metrics_lib.machine_info(), orbax=ocp.__version__,
-      tensorstore=_version("tensorstore"), argv=sys.argv, repeats=repeats,
-      disk_dir=disk, disk_fs=fs_type(disk), shm_dir=shm, shm_fs=fs_type(shm) if shm else None,
-      huge_pages=hugepages.enabled(), load_avg_start=load0, sizes=[])
+  result = dict(_started(repeats, disk, load0), shm_dir=shm,
+                shm_fs=fs_type(shm) if shm else None)
   try:
     for size in sizes:
       result["sizes"].append(measure_size(
@@ -671,6 +668,20 @@ def run(sizes, *, repeats: int = 3, disk_dir: str = "", shm_dir: str | None = "/
     shutil.rmtree(disk, ignore_errors=True)
     if shm:
       shutil.rmtree(shm, ignore_errors=True)
+  return _finished(result, busy0, own0, json_path)
+
+
+def _started(repeats: int, disk: str, load0) -> dict[str, Any]:
+  """What every measurement's result records of the machine and the run, before its sizes."""
+  return dict(machine=metrics_lib.machine_info(), orbax=ocp.__version__,
+              tensorstore=_version("tensorstore"), argv=sys.argv, repeats=repeats,
+              disk_dir=disk, disk_fs=fs_type(disk), huge_pages=hugepages.enabled(),
+              load_avg_start=load0, sizes=[])
+
+
+def _finished(result: dict[str, Any], busy0, own0, json_path: str) -> dict[str, Any]:
+  """`result` with the load at its end and other processes' CPU share, written to
+  `json_path` when given."""
   result["load_avg_end"] = os.getloadavg()
   result["other_processes_cpu_share"] = _other_share(busy0, own0)
   if json_path:
@@ -951,10 +962,7 @@ def run_training(sizes, *, steps: int = 100, every: int = 10, repeats: int = 3, 
   check_run_args(sizes, steps=steps, every=every, repeats=repeats, keep=keep)
   load0, busy0, own0 = os.getloadavg(), metrics_lib.host_cpu_seconds(), _own_cpu_s()
   disk = tempfile.mkdtemp(prefix="bench_checkpoint.", dir=disk_dir or None)
-  result: dict[str, Any] = dict(
-      machine=metrics_lib.machine_info(), orbax=ocp.__version__,
-      tensorstore=_version("tensorstore"), argv=sys.argv, repeats=repeats, disk_dir=disk,
-      disk_fs=fs_type(disk), huge_pages=hugepages.enabled(), load_avg_start=load0, sizes=[])
+  result = _started(repeats, disk, load0)
   try:
     for size in sizes:
       result["sizes"].append(measure_run(size, steps=steps, every=every, repeats=repeats,
@@ -962,12 +970,7 @@ def run_training(sizes, *, steps: int = 100, every: int = 10, repeats: int = 3, 
                                          step_seq=step_seq))
   finally:
     shutil.rmtree(disk, ignore_errors=True)
-  result["load_avg_end"] = os.getloadavg()
-  result["other_processes_cpu_share"] = _other_share(busy0, own0)
-  if json_path:
-    with open(json_path, "w") as f:
-      json.dump(result, f, indent=1)
-  return result
+  return _finished(result, busy0, own0, json_path)
 
 
 def _spread_s(xs, fmt: str = "{:.1f} s") -> str:
