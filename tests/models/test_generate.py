@@ -195,8 +195,8 @@ class GenerateTest(parameterized.TestCase):
   def test_a_mesh_that_does_not_divide_the_batch_is_one_line(self):
     _, prompts, lengths = _prompts(lengths=(5, 9, 1))
     mesh = mesh_lib.make_mesh("data=2,tensor=2", jax.devices()[:4])
-    with self.assertRaisesRegex(ValueError, r"^logical axis 'batch' \(dim 1 of shape \(2, 3, 15, 2, "
-                                r"8\)\) has size 3, not divisible by mesh axes data=2"):
+    with self.assertRaisesRegex(ValueError, r"^logical axis 'batch' \(dim 0 of shape \(3, 15, 2, 8\)\) "
+                                r"has size 3, not divisible by mesh axes data=2"):
       gen.generate(CFG, _params(CFG), prompts, lengths, max_new_tokens=NEW, mesh=mesh)
 
 
