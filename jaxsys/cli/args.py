@@ -11,12 +11,14 @@ import sys
 from absl import flags
 
 from jaxsys import configs
+from jaxsys import preemption
 from jaxsys.train import config_check
 
 
 def parse_flags(argv: list[str]) -> list[str]:
   """absl flag parsing; a missing config file, a config argument its file refuses, an
   unknown `--config.` field or an unparsable value is one line."""
+  preemption.pause_point("flags")
   _check_config_file(argv)
   try:
     return flags.FLAGS(argv)

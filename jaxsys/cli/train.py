@@ -14,7 +14,9 @@ out): faster CPU steps, and asynchronous checkpoint saves that do not stall the 
 
 Exit status: 0 when the run reached total_steps (it prints "done at step N"); 75
 (EX_TEMPFAIL) when SIGTERM stopped it early, after saving a checkpoint (it prints
-"preempted at step N"): run the same command again to resume. With several processes,
+"preempted at step N"), or, at any moment before the first step (imports, flags,
+compilation, the restore), at once, with nothing changed ("preempted before the first
+step", `jaxsys.preemption`): run the same command again to resume. With several processes,
 all of them stop at the same step and exit 75. Bad input exits 1 with one "error:" line;
 so does a write that fails (a full disk), naming what failed and the checkpoints left.
 Several processes (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID, or a
@@ -24,16 +26,17 @@ import os
 import sys
 import warnings
 
-from jaxsys import hugepages
-
-if __name__ == "__main__":  # before jax starts: glibc reads its tunables at exec only
-  hugepages.reexec_with_huge_pages()
+if __name__ == "__main__":  # python -m jaxsys.cli.train: SIGTERM handled before jax starts
+  from jaxsys.cli import scripts
+  scripts.train()
+  sys.exit()
 
 import jax  # pylint: disable=wrong-import-position
 from absl import app, flags, logging
 from ml_collections import config_flags
 
 from jaxsys import metrics as metrics_lib
+from jaxsys import preemption
 from jaxsys import storage
 from jaxsys.cli import args
 from jaxsys.train import config_check
@@ -45,7 +48,7 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "A config file's path 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints and metrics.")
 flags.mark_flags_as_required(["config", "workdir"])
 
-EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: stopped early by SIGTERM, run again to resume
+EXIT_PREEMPTED = preemption.EXIT_CODE  # EX_TEMPFAIL: stopped early by SIGTERM, run again
 
 _MULTI_PROCESS_ENV = ("JAX_COORDINATOR_ADDRESS", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE",
                       "TPU_WORKER_HOSTNAMES")
@@ -109,10 +112,10 @@ def main(argv):
 
 
 def run() -> None:
-  """The binary: absl's flags (config overrides included), then `main`."""
-  jax.config.config_with_absl()
-  app.run(main, flags_parser=args.parse_flags)
-
-
-if __name__ == "__main__":
-  run()
+  """The binary: absl's flags (config overrides included), then `main`. SIGTERM before the
+  first step exits 75 with one line (`jaxsys.preemption`; `scripts.train` installs that
+  before jax is imported)."""
+  with preemption.exits_preempted():
+    preemption.install()
+    jax.config.config_with_absl()
+    app.run(main, flags_parser=args.parse_flags)

@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxsys import flops as flops_lib
 from jaxsys import mesh as mesh_lib
 from jaxsys import metrics as metrics_lib
+from jaxsys import preemption
 from jaxsys.checkpoint import hf, layouts
 from jaxsys.checkpoint.lock import WorkdirLock
 from jaxsys.checkpoint.manager import Checkpointer, check_same_model, snapshot_dir
@@ -47,31 +48,54 @@ class NonFiniteLossError(FloatingPointError):
   """The loss or gradient norm became NaN or Inf; the run stops without saving."""
 
 
-@contextlib.contextmanager
-def _stop_requests() -> Iterator[Callable[[int], bool]]:
+class _Stop:
   """`stop(step)`, asked after every step: save and stop now? The same answer on every process.
 
-  One process: a SIGTERM handler sets a flag. Several: jax.distributed's preemption
-  service owns SIGTERM (it must stay enabled, as it is by default); a notice on any
-  process makes all of them stop at the step after the furthest one any has reached, so
-  no process enters the save (a collective) while another still runs a step's.
+  One process: a SIGTERM handler sets a flag; before the first step of this process was
+  launched there is nothing new to save, so SIGTERM then stops at once
+  (`preemption.Preempted`: the binary exits 75, "preempted before the first step"). Several:
+  jax.distributed's preemption service owns SIGTERM (it must stay enabled, as it is by
+  default); a notice on any process makes all of them stop at the step after the furthest
+  one any has reached, so no process enters the save (a collective) while another still
+  runs a step's.
   """
-  if jax.process_count() > 1:
-    yield multihost_utils.reached_preemption_sync_point
-    return
-  flag = [False]
 
-  def handler(signum, frame):
+  def __init__(self, sync: Callable[[int], bool] | None = None):
+    self._sync = sync
+    self.began = False  # a step of this process launched: SIGTERM now saves it
+    self.requested = False
+
+  def stepped(self) -> None:
+    if not self.began:
+      self.began = True
+      preemption.training_started()
+
+  def __call__(self, step: int) -> bool:
+    return self._sync(step) if self._sync is not None else self.requested
+
+  def on_sigterm(self, signum, frame) -> None:
+    del signum, frame
+    if not self.began:
+      preemption.stop_now()  # raises Preempted
     logging.warning("SIGTERM received: saving a checkpoint and stopping.")
-    flag[0] = True
+    self.requested = True
 
+
+@contextlib.contextmanager
+def _stop_requests() -> Iterator[_Stop]:
+  """A `_Stop` for the run, its SIGTERM handler in place until the run has closed (a
+  SIGTERM during the last save or the close then changes nothing)."""
+  if jax.process_count() > 1:
+    yield _Stop(multihost_utils.reached_preemption_sync_point)
+    return
+  stop = _Stop()
   try:
-    previous = signal.signal(signal.SIGTERM, handler)
+    previous = signal.signal(signal.SIGTERM, stop.on_sigterm)
   except ValueError:  # not the main thread (e.g. some notebook runners): no handler
-    yield lambda step: False
+    yield stop
     return
   try:
-    yield lambda step: flag[0]
+    yield stop
   finally:
     signal.signal(signal.SIGTERM, previous)
 
@@ -321,6 +345,7 @@ def _restore_at(parts: _Parts, ckpt: Checkpointer, latest: int):
   check_same_model(saved["model"], parts.meta["model"], ckpt.directory,
                    parts.run.allow_model_change)
   source = layouts.form_of(saved)
+  preemption.pause_point("restore")
   if source == parts.setup.view.form:  # any mesh: orbax reads the pieces into this run's shardings
     state, data_state = ckpt.restore(latest, parts.setup.saved_target())
   else:
@@ -422,12 +447,14 @@ class _Loop:
     self.profiler = profile_lib.Profiler(profile_lib.parse_steps(self.config.profile.steps),
                                          os.path.join(workdir, "profile"))
 
-  def run(self, stop: Callable[[int], bool]) -> bool:
+  def run(self, stop: _Stop) -> bool:
     """Steps to run.total_steps; True when `stop` ended the run early, after saving."""
     batches = iter(self.parts.train_loader)
+    preemption.pause_point("first_step")
     while self.step < self.config.total_steps:
       with self.profiler.step(self.step + 1, lambda: self.state):
         self._train_step(next(batches))
+      stop.stepped()  # compiled and launched: SIGTERM from here saves this step
       self._hooks()
       if self.step < self.config.total_steps and stop(self.step):
         if self.saved_step != self.step:
@@ -557,7 +584,8 @@ def train(run: RunConfig, workdir: str) -> dict[str, Any]:
     raise ValueError(f"checkpoint.snapshot_every={snapshot_every} needs one process (a RAM "
                      f"directory is local to its host), but this run has {jax.process_count()}; "
                      "set it to 0")
-  with lock:
+  with _stop_requests() as stop, lock:
+    preemption.pause_point("set_up")
     parts = _set_up(run, workdir)
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=run.keep_checkpoints)
     # The newest snapshot only, in RAM: it survives the process, not the machine.
@@ -570,8 +598,7 @@ def train(run: RunConfig, workdir: str) -> dict[str, Any]:
           c.remove_partial_saves()
       loop = _Loop(parts, _restore_or_init(parts, ckpts), ckpt, workdir, snapshots)
       try:
-        with _stop_requests() as stop:
-          preempted = loop.run(stop)
+        preempted = loop.run(stop)
       finally:
         loop.close()
     finally:
