@@ -23,6 +23,15 @@ fault_corruption.py: flipped bytes, a manifest emptied, deleted or short of an e
 loader position rewritten, a legacy step) and prints per kind how often the damaged step
 was refused, resumed from an earlier step, loaded with a warning or loaded wrong.
 
+With --preemption it SIGTERMs the train binary at each moment of start-up and of a resume
+instead (experiments/fault_preemption.py: a table of pause points and logged lines; exit 75
+with one line, nothing committed touched, an exact resume). With --bad_input it gives the
+binary each kind of bad input a user can (experiments/fault_bad_input.py: a table of a
+run.lock that is a directory, a dangling symlink in checkpoints/, unreadable checkpoint and
+config files, a config that does not parse, an override before --config, ...): one
+`error:` line each, exit 1, no traceback, nothing of the workdir changed. A new case of
+either is one row of its table.
+
 Each run is a child forked from this process once jax, orbax, jaxsys and tensorboardX are
 imported (a fresh interpreter spends about 2 s of a 3 s restart importing), on --devices
 simulated CPU devices; jax's persistent compilation cache in the workdir spares restarts
@@ -58,6 +67,11 @@ _JSON = flags.DEFINE_string("json", "", "Also write the crashes and checks here.
 _CORRUPTION = flags.DEFINE_boolean("corruption", False, "Damage checkpoints instead of killing "
                                    "runs (experiments/fault_corruption.py).")
 _TRIALS = flags.DEFINE_integer("trials", 2, "--corruption: trials of each kind of damage.")
+_PREEMPTION = flags.DEFINE_boolean("preemption", False, "SIGTERM the train binary at each "
+                                   "moment of start-up and resume instead "
+                                   "(experiments/fault_preemption.py).")
+_BAD_INPUT = flags.DEFINE_boolean("bad_input", False, "Give the train binary each kind of bad "
+                                  "input instead (experiments/fault_bad_input.py).")
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TMP = ".orbax-checkpoint-tmp"
@@ -355,6 +369,21 @@ def main(argv):
   # jax reads these when it is first imported, here: before any child is forked.
   os.environ["XLA_FLAGS"] = xla_flags.with_cpu_devices(_DEVICES.value)
   os.environ["JAX_PLATFORMS"] = "cpu"
+  if _PREEMPTION.value or _BAD_INPUT.value:  # the binary in processes of its own: no jax here
+    workdir = os.path.abspath(_WORKDIR.value)
+    if os.path.exists(workdir) and os.listdir(workdir):
+      sys.exit(f"error: --workdir {workdir} is not empty")
+    os.makedirs(workdir, exist_ok=True)
+    if _PREEMPTION.value:
+      from experiments import fault_preemption as table
+    else:
+      from experiments import fault_bad_input as table
+    result = table.run(workdir, _SOURCE.value)
+    print(table.summary(result))
+    if _JSON.value:
+      with open(_JSON.value, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=1)
+    return 1 if result["problems"] else 0
   import jax
   from jaxsys import metrics
   from jaxsys.train import loop  # noqa: F401  (imported once, here, for every child)

@@ -22,6 +22,7 @@ Example:
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import zlib
@@ -51,9 +52,14 @@ def _crc32(path: str) -> str:
   return f"{crc:08x}"
 
 
+def _raise(error: OSError) -> None:
+  raise error
+
+
 def _files(step_dir: str) -> list[str]:
+  """The step's files (relative paths); a directory that cannot be listed raises."""
   out = []
-  for root, _, names in os.walk(step_dir):
+  for root, _, names in os.walk(step_dir, onerror=_raise):
     for name in names:
       rel = os.path.relpath(os.path.join(root, name), step_dir)
       if rel not in (MANIFEST, MANIFEST + ".tmp"):
@@ -62,8 +68,16 @@ def _files(step_dir: str) -> list[str]:
 
 
 def _json(step_dir: str, rel: str):
-  with open(os.path.join(step_dir, rel), encoding="utf-8") as f:
+  path = os.path.join(step_dir, rel)
+  if os.path.lexists(path) and not os.path.isfile(path):  # never open a FIFO: it would block
+    raise IsADirectoryError(errno.EISDIR, "not a regular file", path)
+  with open(path, encoding="utf-8") as f:
     return json.load(f)
+
+
+def _unreadable(rel: str, error: OSError) -> str:
+  """What `problem` says of a file or directory it cannot read (e.g. chmod 000)."""
+  return f"{rel}: unreadable ({error.strerror or type(error).__name__})"
 
 
 def seal(step_dir: str) -> None:
@@ -90,9 +104,15 @@ def problem(step_dir: str) -> str | None:
       raise TypeError(type(listed).__name__)
   except FileNotFoundError:
     return _unsealed(step_dir)
-  except (OSError, ValueError, KeyError, TypeError) as e:
+  except OSError as e:
+    return _unreadable(MANIFEST, e)
+  except (ValueError, KeyError, TypeError) as e:
     return f"{MANIFEST}: unreadable ({type(e).__name__})"
-  return _files_problem(step_dir, listed) or _record_problem(step_dir)
+  try:
+    return _files_problem(step_dir, listed) or _record_problem(step_dir)
+  except OSError as e:  # a directory of the step that cannot be listed
+    rel = os.path.relpath(e.filename, step_dir) if e.filename else "a directory"
+    return _unreadable(rel, e)
 
 
 def _record_of(meta) -> dict | None:
@@ -128,12 +148,17 @@ def _files_problem(step_dir: str, listed: dict) -> str | None:
       return f"{MANIFEST}: unreadable (entry of {rel} is {entry!r})"
     size, crc = entry
     path = os.path.join(step_dir, rel)
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):
       return f"{rel}: missing"
-    if os.path.getsize(path) != size:
-      return f"{rel}: {os.path.getsize(path)} bytes, {size} when saved (truncated or overwritten)"
-    if _crc32(path) != crc:
-      return f"{rel}: checksum mismatch (the file changed after it was saved)"
+    if not os.path.isfile(path):
+      return f"{rel}: not a regular file (a directory, FIFO or broken link)"
+    try:
+      if os.path.getsize(path) != size:
+        return f"{rel}: {os.path.getsize(path)} bytes, {size} when saved (truncated or overwritten)"
+      if _crc32(path) != crc:
+        return f"{rel}: checksum mismatch (the file changed after it was saved)"
+    except OSError as e:
+      return _unreadable(rel, e)
   return None
 
 
@@ -143,7 +168,9 @@ def _record_problem(step_dir: str) -> str | None:
   for rel in (_META, _DATA):
     try:
       read[rel] = _json(step_dir, rel)
-    except (OSError, ValueError) as e:  # a missing one was unlisted too: else named above
+    except OSError as e:  # a missing one was unlisted too: else named above
+      return _unreadable(rel, e)
+    except ValueError as e:
       return f"{rel}: unreadable ({type(e).__name__})"
   saved = _record_of(read[_META])
   if saved is None:  # an older version's manifest: it verified, there is nothing more

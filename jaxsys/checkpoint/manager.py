@@ -13,6 +13,7 @@ position (`integrity.record`). A step is verified before anything of it is read.
 from __future__ import annotations
 
 import asyncio
+import errno
 import hashlib
 import os
 import shutil
@@ -52,6 +53,39 @@ def check_step(directory: str, step: int, problem: str | None, *, doing: str = "
                     doing)
   elif problem is not None:
     raise CorruptCheckpoint(corrupt_step(step, directory, problem) + hint)
+
+
+class BadCheckpointDir(ValueError):
+  """An entry of the checkpoint directory that no save or restore could use (a broken
+  link, a file where a step directory belongs): one line, at start-up."""
+
+
+def check_entries(directory: str) -> None:
+  """Refuses, naming it, what would make a later save or restore fail without saying
+  where: `directory`, or an entry of it named after a step (`10`, `10.corrupt`, orbax's
+  `10.orbax-checkpoint-tmp-*`), that is a dangling or looping symlink or not a directory
+  (`ln -s /nonexistent checkpoints/10` failed the save of step 10 with errno 20)."""
+  paths = [directory] if os.path.lexists(directory) else []
+  if os.path.isdir(directory):
+    paths += [os.path.join(directory, n) for n in sorted(os.listdir(directory))
+              if n.split(".", 1)[0].isdigit()]
+  for path in paths:
+    if os.path.isdir(path):
+      continue
+    valid = (f"every entry of {os.path.dirname(path)} named after a step must be a checkpoint "
+             "directory" if path != directory else "it must be a directory (or absent)")
+    if os.path.islink(path):
+      try:
+        os.stat(path)
+        why = "is not a directory"
+      except OSError as e:
+        why = "loops (too many levels of symbolic links)" if e.errno == errno.ELOOP else (
+            "does not exist")
+      raise BadCheckpointDir(f"{path} is a symbolic link to {os.readlink(path)!r}, which {why}; "
+                             f"{valid}: remove the link (or restore what it points to), then "
+                             "run again")
+    raise BadCheckpointDir(f"{path} is a file, not a directory; {valid}: move it away, then "
+                           "run again")
 
 
 # How the state's arrays are stored: uncompressed, in OCDBT data files of 64 MiB. orbax's
@@ -113,6 +147,7 @@ class Checkpointer:
   def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True,
                state_options: dict | None = None):
     self.directory = os.path.abspath(directory)
+    check_entries(self.directory)
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                            enable_async_checkpointing=async_save,
                                            temporary_path_class=_CommitWithChecksums)

@@ -1,7 +1,8 @@
 """The binaries' `--config` flag parsed: a config file or a packaged config, one-line errors.
 
-Every bad `--config` (a missing file, an argument its file refuses, an unknown
-`--config.` field, an unparsable value) ends the binary with one `error:` line.
+Every bad `--config` (a missing file, one that cannot be read or does not parse, an
+argument its file refuses, an unknown `--config.` field, an unparsable value, an override
+given before the file) ends the binary with one `error:` line.
 """
 import importlib.util
 import os
@@ -19,6 +20,7 @@ def parse_flags(argv: list[str]) -> list[str]:
   """absl flag parsing; a missing config file, a config argument its file refuses, an
   unknown `--config.` field or an unparsable value is one line."""
   preemption.pause_point("flags")
+  _check_order(argv)
   _check_config_file(argv)
   try:
     return flags.FLAGS(argv)
@@ -36,6 +38,17 @@ def parse_flags(argv: list[str]) -> list[str]:
                    f"fields of {'.'.join(path[:i]) or 'config'}: {valid}")
         node = node[key]
     raise
+
+
+def _check_order(argv: list[str]) -> None:
+  """A `--config.` override applies to the config `--config=` loads: it must come after it
+  (ml_collections' FlagOrderError, a traceback, otherwise)."""
+  first = next((i for i, a in enumerate(argv) if i and a.startswith("--config=")), None)
+  early = [a for i, a in enumerate(argv) if i and a.startswith("--config.")
+           and (first is None or i < first)]
+  if early and first is not None:
+    sys.exit(f"error: {early[0]} comes before {argv[first]}; overrides apply to the config "
+             f"that --config loads, so they must follow it: put --config=... first")
 
 
 def _check_config_file(argv: list[str]) -> None:
@@ -59,6 +72,17 @@ def _check_config_file(argv: list[str]) -> None:
     _load_config(spec)
   except ValueError as e:
     sys.exit(f"error: --config={spec}: {e}")
+  except SyntaxError as e:
+    sys.exit(f"error: --config={spec}: {e.filename or path} line {e.lineno}: {e.msg}; it must "
+             "be a Python file that defines get_config()")
+  except OSError as e:
+    sys.exit(f"error: --config={spec}: cannot read {path}: {e.strerror}; it must be a Python "
+             "file this user can read that defines get_config()")
+  except AttributeError as e:
+    if "get_config" not in str(e):
+      raise
+    sys.exit(f"error: --config={spec}: {path} defines no get_config(); a config file must "
+             "define get_config() returning an ml_collections ConfigDict")
 
 
 def _illegal_value(error: Exception) -> str:

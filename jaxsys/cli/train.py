@@ -89,10 +89,15 @@ def main(argv):
     logging.error("%s", e)
     sys.exit(f"error: {e}")
   except OSError as e:
-    if e.errno not in storage.NO_SPACE:
+    if e.errno in storage.NO_SPACE:
+      error = storage.WriteError(f"writing in --workdir {_WORKDIR.value}", e,
+                                 after=f"file {e.filename}" if e.filename else "")
+    elif e.filename:  # a file of the workdir that is not what a run makes (a directory, chmod 000)
+      error = (f"cannot use {e.filename}: {e.strerror} (errno {e.errno}); the files of "
+               f"--workdir {_WORKDIR.value} must be regular files and directories this user can "
+               "read and write")
+    else:
       raise
-    error = storage.WriteError(f"writing in --workdir {_WORKDIR.value}", e,
-                               after=f"file {e.filename}" if e.filename else "")
     logging.error("%s", error)
     sys.exit(f"error: {error}")
   if jax.process_index() == 0:

@@ -28,7 +28,7 @@ from jaxsys import metrics as metrics_lib
 from jaxsys import preemption
 from jaxsys.checkpoint import hf, layouts
 from jaxsys.checkpoint.lock import WorkdirLock
-from jaxsys.checkpoint.manager import Checkpointer, check_same_model, snapshot_dir
+from jaxsys.checkpoint.manager import Checkpointer, check_entries, check_same_model, snapshot_dir
 from jaxsys.checkpoint.reader import read_params
 from jaxsys.config import RunConfig
 from jaxsys.data.documents import DocumentLoader, make_document_loader
@@ -585,6 +585,7 @@ def train(run: RunConfig, workdir: str) -> dict[str, Any]:
                      f"directory is local to its host), but this run has {jax.process_count()}; "
                      "set it to 0")
   with _stop_requests() as stop, lock:
+    check_entries(os.path.join(workdir, "checkpoints"))  # before the set-up's seconds
     preemption.pause_point("set_up")
     parts = _set_up(run, workdir)
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=run.keep_checkpoints)
