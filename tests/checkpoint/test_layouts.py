@@ -105,6 +105,7 @@ KW = dict(log_every=1, eval_every=0, checkpoint_every=100, optimizer__schedule_s
     (dict(mesh="stage=4,tensor=2", pipeline__schedule="1f1b", pipeline__vocab_parallel=True),
      dict(mesh="data=-1"), dict(model__vocab_size=258, model__n_layers=4)),
 ], ids=["fsdp8_to_data2_tensor4", "pipelined_vocab_padded_to_plain"])
+@pytest.mark.slow
 def test_resume_under_another_layout_is_exact(make_config, tmp_path, a, b, extra):
   """N steps under layout A, resume under B, N more == 2N straight under A."""
   straight, legs = str(tmp_path / "straight"), str(tmp_path / "legs")
@@ -129,6 +130,7 @@ def _saved(workdir, step):
     return m.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))["state"]
 
 
+@pytest.mark.slow
 def test_one_model_to_diloco_replicas_and_back(make_config, tmp_path):
   """data=8 -> replica=4 x data=2 (DiLoCo) -> data=8, merging by the mean. Every replica
   starts as the saved model, its Adam moments too, with a fresh outer state; the first
@@ -168,6 +170,7 @@ def test_one_model_to_diloco_replicas_and_back(make_config, tmp_path):
   assert sorted(_losses(w)) == list(range(1, 13))
 
 
+@pytest.mark.slow
 def test_every_checkpoint_describes_its_layout(make_config, tmp_path):
   loop.train_and_evaluate(make_config(total_steps=2, mesh="replica=2,fsdp=4",
                                       optimizer__outer="noloco", **KW), str(tmp_path))

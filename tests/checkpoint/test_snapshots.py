@@ -10,6 +10,7 @@ import sys
 import time
 
 import numpy as np
+import pytest
 
 from jaxsys.checkpoint import integrity
 from jaxsys.checkpoint.manager import Checkpointer, snapshot_dir
@@ -37,6 +38,7 @@ def test_snapshot_dir_is_per_workdir(tmp_path):
   assert snapshot_dir("w", str(tmp_path / "ram")) == str(tmp_path / "ram")
 
 
+@pytest.mark.slow
 def test_sigkill_loses_at_most_the_steps_since_the_last_snapshot(small_corpus, tmp_path):
   work, ram = tmp_path / "run", tmp_path / "ram"
   snap = [f"--config.checkpoint.snapshot_dir={ram}", "--config.checkpoint.snapshot_every=1",

@@ -10,6 +10,8 @@ from absl.testing import flagsaver
 
 from conftest import binary_flags, import_binary
 
+pytestmark = pytest.mark.slow  # starts processes or trains end to end
+
 bench_attention = import_binary("bench_attention")
 
 needs_tokamax = pytest.mark.skipif(not bench_attention.tokamax_installed(),

@@ -1,8 +1,11 @@
 """experiments/bench_checkpoint.py on the tiny state, once: table structure, positive numbers."""
 import json
 import os
+import pytest
 
 from experiments import bench_checkpoint
+
+pytestmark = pytest.mark.slow  # starts processes or trains end to end
 
 
 def test_tiny_run(tmp_path):

@@ -6,6 +6,8 @@ import pytest
 from experiments import bench_context
 from jaxsys.kernels import attention_xla
 
+pytestmark = pytest.mark.slow  # starts processes or trains end to end
+
 
 def test_tiny_run(tmp_path, monkeypatch):
   # 4 x 8 tiles, so each 16-token shard is several tiles and the balance shows.

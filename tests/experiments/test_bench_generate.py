@@ -7,6 +7,8 @@ import pytest
 
 from conftest import import_binary
 
+pytestmark = pytest.mark.slow  # starts processes or trains end to end
+
 bench_generate = import_binary("bench_generate")
 
 needs_transformers = pytest.mark.skipif(

@@ -6,6 +6,8 @@ import pytest
 from experiments import bench_hdp
 from jaxsys.parallel import hdp_sim
 
+pytestmark = pytest.mark.slow  # starts processes or trains end to end
+
 
 def test_sim_part_tiny(tmp_path, capsys):
   chart, out = tmp_path / "hdp.png", tmp_path / "hdp.json"

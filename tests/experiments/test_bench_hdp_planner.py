@@ -1,7 +1,11 @@
 """experiments/bench_hdp_planner.py at tiny sizes: training's fit keeps a step in one
 schedule, the binary search in fewer plans than one per offered document, and the table
 shows every row."""
+import pytest
+
 from experiments import bench_hdp_planner
+
+pytestmark = pytest.mark.slow  # starts processes or trains end to end
 
 FITS = ("one schedule", "binary search", "one plan per document")
 

@@ -6,6 +6,8 @@ import pytest
 from experiments import bench_pipeline
 from jaxsys.parallel import schedules
 
+pytestmark = pytest.mark.slow  # starts processes or trains end to end
+
 
 def test_tiny_run(tmp_path):
   out, chart = tmp_path / "bench.json", tmp_path / "chart.png"

@@ -13,6 +13,8 @@ from experiments import bench_pipeline_wall
 from jaxsys.lab import link as link_lib
 from jaxsys.parallel import schedules
 
+pytestmark = pytest.mark.slow  # starts processes or trains end to end
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TINY = dict(d_model=16, n_layers=4, seq=8, vocab_size=64, repeats=1)
 

@@ -2,11 +2,14 @@
 import copy
 import subprocess
 import sys
+import pytest
 
 from conftest import import_binary
 
 bench_train = import_binary("bench_train")
 from jaxsys.configs import tiny_lm
+
+pytestmark = pytest.mark.slow  # starts processes or trains end to end
 
 
 def test_runs_summary_and_table():

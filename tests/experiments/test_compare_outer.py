@@ -18,6 +18,8 @@ from jaxsys.optim import outer as outer_lib
 from jaxsys.train import config_check
 from jaxsys.train.setup import make_setup
 
+pytestmark = pytest.mark.slow  # starts processes or trains end to end
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 

@@ -5,9 +5,12 @@ import os
 import pathlib
 import subprocess
 import sys
+import pytest
 
 from jaxsys import xla_flags
 from jaxsys.device_report import report
+
+pytestmark = pytest.mark.slow  # starts processes or trains end to end
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

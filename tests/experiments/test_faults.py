@@ -24,6 +24,8 @@ import forked_cli
 from jaxsys import metrics, storage
 from jaxsys.checkpoint import integrity
 
+pytestmark = pytest.mark.slow  # starts processes or trains end to end
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 

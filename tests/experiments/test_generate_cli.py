@@ -4,11 +4,14 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 import forked_cli
 from jaxsys.data import ByteTokenizer
 from jaxsys.models import generate
 from jaxsys.quant import evaluate
+
+pytestmark = pytest.mark.slow  # starts processes or trains end to end
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PROMPTS = ("--prompt=def main(", "--prompt=import os", "--prompt=class ", "--prompt=#")

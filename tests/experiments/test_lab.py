@@ -17,8 +17,9 @@ from jaxsys.lab import link, physics, run
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.skipif(bool(link.missing_privileges()),
-                                reason=f"the lab needs {link.missing_privileges()}")
+pytestmark = [pytest.mark.slow,  # starts processes
+              pytest.mark.skipif(bool(link.missing_privileges()),
+                                 reason=f"the lab needs {link.missing_privileges()}")]
 
 
 def _args(workdir, *extra):

@@ -5,6 +5,8 @@ import pytest
 
 from jaxsys.lab import link, run
 
+pytestmark = pytest.mark.slow  # starts processes or trains end to end
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 

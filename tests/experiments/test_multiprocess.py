@@ -9,10 +9,13 @@ import sys
 import time
 
 import numpy as np
+import pytest
 
 from jaxsys import xla_flags
 from jaxsys.checkpoint.manager import Checkpointer
 from jaxsys.lab.launch import free_port
+
+pytestmark = pytest.mark.slow  # starts processes
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

@@ -2,6 +2,9 @@
 import pathlib
 import subprocess
 import sys
+import pytest
+
+pytestmark = pytest.mark.slow  # starts processes or trains end to end
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

@@ -14,6 +14,8 @@ import pytest
 import forked_cli
 from jaxsys.checkpoint.manager import Checkpointer
 
+pytestmark = pytest.mark.slow  # starts processes or trains end to end
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 

@@ -11,6 +11,8 @@ from absl.testing import absltest, parameterized
 
 from attention_testing import (assert_matches_reference, inputs, packed_ids,
                                reference_value_and_grads, segment_kwargs, value_and_grads)
+import pytest
+
 from jaxsys.kernels import attention_pallas
 from jaxsys.kernels.attention_blocks import block_ranges
 from jaxsys.kernels.attention_pallas import default_blocks, pallas_attention
@@ -110,6 +112,7 @@ class PallasAttentionTest(parameterized.TestCase):
       t=st.integers(1, 40), cross=st.booleans(), s=st.integers(1, 40),
       groups=st.sampled_from([1, 2, 4]), causal=st.booleans(), packed=st.booleans(),
       block_q=st.sampled_from([16, 32]), seed=st.integers(0, 2**16))
+  @pytest.mark.slow
   def test_hypothesis_shapes(self, t, cross, s, groups, causal, packed, block_q, seed):
     s = s if cross else t
     rng = np.random.default_rng(seed)

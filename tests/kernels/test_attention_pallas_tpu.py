@@ -12,6 +12,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from attention_testing import (assert_matches_reference, inputs, packed_ids,
                                reference_value_and_grads, segment_kwargs, value_and_grads)
+import pytest
+
 from jaxsys.kernels import attention_pallas_tpu as tpu_attn
 from jaxsys.kernels.attention_blocks import block_ranges
 from jaxsys.kernels.attention_pallas_tpu import default_blocks, pallas_tpu_attention
@@ -63,13 +65,18 @@ class PallasTpuAttentionTest(parameterized.TestCase):
 
   @parameterized.named_parameters(
       dict(testcase_name="gqa1_causal_d128", groups=1, causal=True, d=128, b=1),
-      # Two batch rows with different layouts: per-row block ranges in SMEM.
-      dict(testcase_name="gqa2_noncausal_batch2", groups=2, causal=False, d=64, b=2,
-           interpret=SIMULATED),
       dict(testcase_name="gqa4_causal", groups=4, causal=True, d=64, b=1),
   )
   def test_packed_segments(self, groups, causal, d, b, interpret=GENERIC):
     # Random packed layouts with 1-token segments, spanning block boundaries.
+    self._packed_segments(groups, causal, d, b, interpret)
+
+  @pytest.mark.slow
+  def test_packed_segments_gqa2_noncausal_batch2(self):
+    # Two batch rows with different layouts: per-row block ranges in SMEM.
+    self._packed_segments(groups=2, causal=False, d=64, b=2, interpret=SIMULATED)
+
+  def _packed_segments(self, groups, causal, d, b, interpret):
     rng = np.random.default_rng(groups)
     ids = _packed_ids(rng, 300, b)
     q, k, v, ct = inputs(b, 300, 300, groups, 1, d, jnp.float32, seed=groups)
@@ -92,6 +99,7 @@ class PallasTpuAttentionTest(parameterized.TestCase):
     np.testing.assert_array_equal(np.asarray(out[0, empty]), 0.0)
     np.testing.assert_array_equal(np.asarray(dq[0, empty]), 0.0)
 
+  @pytest.mark.slow
   def test_default_blocks_odd_head_dim_shuffled_parallel_axes(self):
     # block_q / block_k None pick default_blocks; D=48 is padded inside to 128. A random
     # seed makes TPU interpret mode visit the "parallel" grid axes in a random order, and

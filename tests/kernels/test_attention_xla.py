@@ -8,6 +8,8 @@ from absl.testing import absltest, parameterized
 
 from attention_testing import (FAST_COMPILE, assert_matches_reference, inputs, packed_ids,
                                segment_kwargs)
+import pytest
+
 from jaxsys.kernels.attention import reference_attention
 from jaxsys.kernels import attention_xla
 from jaxsys.kernels.attention_xla import default_blocks, xla_attention
@@ -107,6 +109,7 @@ class XlaAttentionTest(parameterized.TestCase):
       group=st.sampled_from([1, 2, 4]), d=st.sampled_from([4, 8]), causal=st.booleans(),
       packed=st.booleans(), block_q=st.sampled_from([8, 16]), block_k=st.sampled_from([8, 16]),
       seed=st.integers(0, 2**16))
+  @pytest.mark.slow
   def test_random_shapes(self, t, s, hkv, group, d, causal, packed, block_q, block_k, seed):
     q, k, v, ct = inputs(2, t, s, hkv * group, hkv, d, seed=seed)
     segs = None

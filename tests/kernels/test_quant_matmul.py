@@ -15,6 +15,7 @@ import orbax.checkpoint as ocp
 from absl.testing import absltest, parameterized
 from hypothesis import given, settings, strategies as st
 from jax.sharding import NamedSharding, PartitionSpec as P
+import pytest
 
 from jaxsys.kernels import quant_matmul as qm
 
@@ -109,6 +110,7 @@ class PackingTest(parameterized.TestCase):
   @settings(max_examples=12, deadline=None)
   @given(k2=st.integers(1, 12), n=st.integers(1, 9), lead=st.integers(0, 2),
          seed=st.integers(0, 2**16))
+  @pytest.mark.slow
   def test_round_trip(self, k2, n, lead, seed):
     shape = (2,) * lead + (2 * k2, n)
     codes = np.random.default_rng(seed).integers(-8, 8, shape).astype(np.int8)

@@ -5,6 +5,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from absl.testing import absltest, parameterized
 from jax.sharding import PartitionSpec as P
 
@@ -144,8 +145,14 @@ class GenerateTest(parameterized.TestCase):
     more_likely = np.where(probs > chosen, probs, 0).sum(-1)
     self.assertTrue(np.all(more_likely < 0.5))
 
-  @parameterized.parameters(dict(scheme=None, impl="xla"), dict(scheme="w4a16", impl="pallas"))
-  def test_sharded_equals_unsharded(self, scheme, impl):
+  def test_sharded_equals_unsharded(self):
+    self._sharded_equals_unsharded(scheme=None, impl="xla")
+
+  @pytest.mark.slow
+  def test_sharded_quantized_pallas_equals_unsharded(self):
+    self._sharded_equals_unsharded(scheme="w4a16", impl="pallas")
+
+  def _sharded_equals_unsharded(self, scheme, impl):
     cfg = _cfg(attention_impl=impl)  # pallas: both kernels, under shard_map over the mesh
     params = _params(cfg)
     if scheme:

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
+import pytest
 
 from jaxsys import hlo_flops
 from jaxsys.models import transformer
@@ -93,6 +94,7 @@ class TransformerTest(parameterized.TestCase):
     np.testing.assert_allclose(out[:, :5], alone_a, atol=2e-5)
     np.testing.assert_allclose(out[:, 5:], alone_b, atol=2e-5)
 
+  @pytest.mark.slow
   def test_bf16_compute_f32_params(self):
     cfg = transformer.TransformerConfig(**{**CFG.__dict__, "dtype": "bfloat16"})
     params = transformer.init_params(cfg, jax.random.key(0))
@@ -127,6 +129,7 @@ class TransformerTest(parameterized.TestCase):
     self.assertEqual(set.union(*[t for _, t in _dots(jax.jit(grad).lower(p).as_text())]),
                      {"bf16"})
 
+  @pytest.mark.slow
   def test_remat_matches_and_saves_less(self):
     """Same gradients; the saved residuals shrink by what each policy must recompute, and
     the compiled backward recomputes exactly the matmuls the policy leaves out."""

@@ -233,6 +233,7 @@ def test_ring_bfloat16():
   _check(4, "zigzag", True, "single", 4, 2, dtype=jnp.bfloat16, tol=2e-2)
 
 
+@pytest.mark.slow
 def test_explicit_positions_equal_derived():
   """Passing the layout's global positions is the same as letting the ring derive them."""
   n, t = 4, 32

@@ -69,8 +69,14 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("vocab_parallel", [False, True])
-@pytest.mark.parametrize("mesh_spec,name,microbatches,virtual", CASES)
+# The fast tier runs these pairs of (case, vocab_parallel); the others are slow.
+FAST = {("stage=2,data=4", "interleaved_1f1b", False), ("stage=4,data=2", "gpipe", False),
+        ("stage=2,data=4", "eager_1f1b", False), ("stage=4,data=2", "1f1b", True)}
+
+
+@pytest.mark.parametrize("mesh_spec,name,microbatches,virtual,vocab_parallel", [
+    pytest.param(*case, vp, marks=() if (*case[:2], vp) in FAST else pytest.mark.slow)
+    for vp in (False, True) for case in CASES])
 def test_matches_unpipelined(mesh_spec, name, microbatches, virtual, vocab_parallel):
   cfg, params, batch, ref_loss, ref_grads = _reference(False)
   loss, grads = _run(cfg, params, batch, mesh_spec, name, microbatches, virtual, vocab_parallel)
@@ -88,6 +94,7 @@ def assert_close(tree, ref, rtol=1e-5):
     assert err < rtol, f"{jax.tree_util.keystr(path[0])}: relative error {err:.2e}"
 
 
+@pytest.mark.slow
 def test_interleaved_with_two_virtual_stages_on_four():
   """Interleaved 1F1B at p=4, v=2 (8 chunks of one layer, m=8): each stage runs two chunks
   that are p apart in the model (v=2 is exact at p=2 in CASES, with and without VP)."""
@@ -98,11 +105,13 @@ def test_interleaved_with_two_virtual_stages_on_four():
 
 
 @pytest.mark.parametrize("mesh_spec,tie,vocab_parallel,algorithm", [
-    ("stage=4,data=2", True, False, 2), ("stage=4,data=2", True, True, 1),
+    pytest.param("stage=4,data=2", True, False, 2, marks=pytest.mark.slow),
+    ("stage=4,data=2", True, True, 1),
     ("stage=4,data=2", True, True, 2),
     # VP over stage x tensor (untied with Algorithm 2: CASES).
-    ("stage=2,tensor=2,data=2", False, True, 1), ("stage=2,tensor=2,data=2", True, True, 1),
-    ("stage=2,tensor=2,data=2", True, True, 2)])
+    pytest.param("stage=2,tensor=2,data=2", False, True, 1, marks=pytest.mark.slow),
+    ("stage=2,tensor=2,data=2", True, True, 1),
+    pytest.param("stage=2,tensor=2,data=2", True, True, 2, marks=pytest.mark.slow)])
 def test_embeddings_and_vocab_algorithms(mesh_spec, tie, vocab_parallel, algorithm):
   cfg, params, batch, ref_loss, ref_grads = _reference(tie)
   loss, grads = _run(cfg, params, batch, mesh_spec, "1f1b", 4, vocab_parallel=vocab_parallel,
@@ -111,6 +120,7 @@ def test_embeddings_and_vocab_algorithms(mesh_spec, tie, vocab_parallel, algorit
   assert_close(grads, ref_grads)
 
 
+@pytest.mark.slow
 def test_remat_and_bf16_compute():
   """Residual slots hold whatever the chunk's vjp keeps: with remat only layer inputs."""
   cfg = dataclasses_replace(CFG, remat="full", dtype="bfloat16")
@@ -124,6 +134,7 @@ def test_remat_and_bf16_compute():
 
 
 @pytest.mark.parametrize("name,virtual", [("gpipe", 1), ("interleaved_1f1b", 2)])
+@pytest.mark.slow
 def test_executed_ticks_match_the_schedule(name, virtual):
   """The executor runs the fused ticks' actions (here the shorter lock step)."""
   cfg, params, batch, _, _ = _reference(False)
@@ -150,6 +161,7 @@ def test_executed_ticks_match_the_schedule(name, virtual):
     ("stage=2,data=4", "1f1b", 1, True), ("stage=2,data=4", "interleaved_1f1b", 2, True),
     ("stage=2,data=4", "zb_h1", 1, False), ("stage=2,data=4", "zbv", 2, True),
     ("stage=2,context=2,data=2", "zb_h1", 1, False)])
+@pytest.mark.slow
 def test_both_tick_shapes_exact(mesh_spec, name, virtual, vocab_parallel):
   """Fused and table ticks give the unpipelined loss and gradients; the compiled loop runs
   the shape's number of ticks, and the executor counts the shape's actions."""
@@ -190,6 +202,7 @@ def _temp_bytes(name, microbatches):
   return fn.lower(params, batch).compile().memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow
 def test_1f1b_memory_grows_with_stages_not_microbatches():
   one_f_one_b = [_temp_bytes("1f1b", m) for m in (4, 8, 16)]
   gpipe = _temp_bytes("gpipe", 16)
@@ -255,7 +268,9 @@ def _sliced_every_tick(hlo: str, ticks: int) -> int:
   return total
 
 
-@pytest.mark.parametrize("name,fused", [("gpipe", None), ("1f1b", None), ("1f1b", True)])
+@pytest.mark.parametrize("name,fused", [("gpipe", None),
+                                        pytest.param("1f1b", None, marks=pytest.mark.slow),
+                                        pytest.param("1f1b", True, marks=pytest.mark.slow)])
 def test_a_tick_copies_no_buffer(name, fused):
   """A tick copies no live buffer as big as one microbatch's activation, and slices out of
   its buffers, whatever runs, at most a few activations, however many
@@ -306,6 +321,7 @@ def _fsdp_step_collectives(cfg, mesh, layout, schedule, gather_once):
               outer.collective_bytes_from_hlo(hlo, 8, kind=k)) for k in kinds}
 
 
+@pytest.mark.slow
 def test_gather_once_moves_weights_once_a_step():
   """Pipeline x FSDP with `gather_once`: each stage's weights are all-gathered before the
   ticks and their gradients reduce-scattered after them, nothing over fsdp inside the loop

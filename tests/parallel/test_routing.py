@@ -144,6 +144,7 @@ def _assert_close(tree, ref, rtol=1e-5):
     assert err < rtol, f"{jax.tree_util.keystr(path[0])}: relative error {err:.2e}"
 
 
+@pytest.mark.slow
 def test_identity_routing_is_each_replicas_own_pipeline_and_model():
   """Random routing whose draws are all 0 == fixed routing == each replica's model alone,
   unpipelined (per-replica loss sums and gradients), with per-replica loss weights."""
@@ -164,6 +165,7 @@ def test_identity_routing_is_each_replicas_own_pipeline_and_model():
   _assert_close(grads_r, grads_ref)
 
 
+@pytest.mark.slow
 def test_random_routing_gradients_follow_the_route():
   """Loss per replica and gradients equal jax.grad of the losses through the route's replicas."""
   params_R, batch, shifts, weights = _inputs()
@@ -176,6 +178,7 @@ def test_random_routing_gradients_follow_the_route():
   _assert_close(grads, grads_ref)
 
 
+@pytest.mark.slow
 def test_random_routing_attributes_losses_to_their_rows():
   """Replicas with equal parameters: each microbatch's loss is the same on any route, so the
   routed losses per replica are the unrouted ones, and the replicas' summed gradients too."""
@@ -189,6 +192,7 @@ def test_random_routing_attributes_losses_to_their_rows():
   assert not np.allclose(grads["layers"]["wq"], grads_f["layers"]["wq"], rtol=1e-3)
 
 
+@pytest.mark.slow
 def test_bytes_match_the_compiled_program():
   """`setup.transfer_bytes` against the executors' HLO (ring rules): the tick's
   collective-permutes, and routing's extra bytes (shifts per tick, the batch gathered once)."""
@@ -227,6 +231,7 @@ def _four_replicas(name, microbatches, shifts):
           _routed_reference(params_R, batch, shifts, weights, microbatches, G))
 
 
+@pytest.mark.slow
 def test_four_replicas_with_odd_shifts_follow_the_route():
   """R=4 replicas of 2-stage 1F1B pipelines: microbatches shifted by 1, 2 or 3 replicas
   between chunks give jax.grad's losses and gradients through their route."""
@@ -237,6 +242,7 @@ def test_four_replicas_with_odd_shifts_follow_the_route():
   _assert_close(grads, grads_ref)
 
 
+@pytest.mark.slow
 def test_four_replicas_zero_bubble_follow_the_route():
   """Routed ZB-H1 at R=4: its input-gradient passes (BACKWARD_INPUT) send gradients back
   along each microbatch's route, shifted by 3 and 1 (where +k and -k differ), and the

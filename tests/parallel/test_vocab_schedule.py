@@ -105,7 +105,7 @@ def _same_tick_uses(hlo: str, stages: int, shape: str = r"f32\[{stages},\d+,3\]"
   return ops, carried
 
 
-@pytest.mark.parametrize("algorithm", [1, 2])
+@pytest.mark.parametrize("algorithm", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_statistics_all_reduce_is_carried_to_the_next_tick(algorithm):
   """In the compiled step, the S pass's all-reduce only reaches the loop's carried tuple
   (through its conditional's results): no compute of its own tick reads it; the T pass
@@ -186,7 +186,8 @@ def _step(mesh_spec, algorithm, microbatches, vocab_overlap=True, cfg=None,
 
 
 @pytest.mark.parametrize("mesh_spec,algorithm", [
-    ("stage=2,data=4", 1), ("stage=2,data=4", 2), ("stage=2,tensor=2,data=2", 1),
+    pytest.param("stage=2,data=4", 1, marks=pytest.mark.slow), ("stage=2,data=4", 2),
+    pytest.param("stage=2,tensor=2,data=2", 1, marks=pytest.mark.slow),
     ("stage=2,tensor=2,data=2", 2)])
 def test_overlap_matches_unpipelined(mesh_spec, algorithm):
   """1F1B with vocab_overlap: loss and gradients of the unpipelined model, Algorithms 1
@@ -207,7 +208,7 @@ def test_overlap_without_vocab_parallelism_is_refused():
     step(params, _batch())
 
 
-@pytest.mark.parametrize("algorithm", [1, 2])
+@pytest.mark.parametrize("algorithm", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_overlapped_all_reduces_are_carried(algorithm):
   """With vocab_overlap, the S pass's statistics all-reduce and the T pass's dh all-reduce
   (f32[16 tokens, 32]) each reach only the loop's carried tuple: nothing of their own tick

@@ -14,13 +14,13 @@ from tests.parallel.test_pipeline import _reference, _run, assert_close
 
 @pytest.mark.parametrize("mesh_spec,name,microbatches,virtual,n_layers,tie,vocab_parallel", [
     ("stage=4,data=2", "zb_h1", 4, 1, 4, False, False),
-    ("stage=4,data=2", "zb_h1", 8, 1, 4, False, True),
-    ("stage=2,tensor=2,data=2", "zb_h1", 4, 1, 4, True, True),  # VP over stage x tensor
+    pytest.param("stage=4,data=2", "zb_h1", 8, 1, 4, False, True, marks=pytest.mark.slow),
+    pytest.param("stage=2,tensor=2,data=2", "zb_h1", 4, 1, 4, True, True, marks=pytest.mark.slow),  # VP over stage x tensor
     # The V on 4 stages: chunks 0-3 down, 4-7 back up, the turn on stage 3, the head on 0.
     ("stage=4,data=2", "zbv", 4, 2, 8, False, False),
-    ("stage=4,tensor=2", "zbv", 8, 2, 8, False, True),
-    ("stage=2,data=4", "zbv", 4, 2, 4, True, False),
-    ("stage=2,data=4", "zbv", 4, 2, 4, True, True),
+    pytest.param("stage=4,tensor=2", "zbv", 8, 2, 8, False, True, marks=pytest.mark.slow),
+    pytest.param("stage=2,data=4", "zbv", 4, 2, 4, True, False, marks=pytest.mark.slow),
+    pytest.param("stage=2,data=4", "zbv", 4, 2, 4, True, True, marks=pytest.mark.slow),
 ])
 def test_matches_unpipelined(mesh_spec, name, microbatches, virtual, n_layers, tie,
                              vocab_parallel):
@@ -42,6 +42,7 @@ def test_forward_only_loss(name, virtual, vocab_parallel):
   np.testing.assert_allclose(fn(pipeline.to_stages(layout, params), batch), ref_loss, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_executed_ticks_match_the_schedule():
   """The executor runs the table's input- and weight-gradient branches where it says."""
   cfg, params, batch, _, _ = _reference(False)
@@ -55,6 +56,7 @@ def test_executed_ticks_match_the_schedule():
   assert counts[:, pipeline.BACKWARD].sum() == 0 and counts[:, pipeline.BACKWARD_WEIGHT].min() == 4
 
 
+@pytest.mark.slow
 def test_split_backward_does_the_work_once():
   """B (the input gradient and the cotangent chain) and W (the weight gradients' matmuls,
   from B's stash) together run the backward's matmuls once, each about half of them
@@ -124,6 +126,7 @@ def test_config_check(make_config, overrides, error):
   assert error in str(err.value) and "\n" not in str(err.value), str(err.value)
 
 
+@pytest.mark.slow
 def test_context_axis():
   """With the sequence split over `context` (ring attention's collectives inside each
   chunk; the executor's uniform ticks run every branch), B and W stay exact."""
@@ -133,6 +136,7 @@ def test_context_axis():
   assert_close(grads, ref_grads)
 
 
+@pytest.mark.slow
 def test_training_run_with_zbv(make_config, tmp_path):
   """A run configured with pipeline.schedule=zbv (the V over stage=2, VP, eval) trains as
   the unpipelined run does: same losses, validation loss and canonical parameters."""

@@ -21,6 +21,7 @@ def _run(*args):
                         capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_quant_eval_end_to_end(make_config, tmp_path):
   workdir = str(tmp_path / "run")
   config = make_config(total_steps=2, eval_every=2, checkpoint_every=2, eval_steps=2)

@@ -88,6 +88,7 @@ def test_an_inner_step_does_not_communicate(make_config):
   assert metrics["loss"].shape == (4,) and metrics["loss"].sharding.spec[0] == "replica"
 
 
+@pytest.mark.slow
 def test_resume_is_exact_with_an_average_in_flight(make_config, tmp_path):
   """Syncs every 3 steps; the 4 + 4 run stops with step 3's average in flight (landed
   into the checkpoint): 8 steps straight == 4, stop, restore, 4 more."""

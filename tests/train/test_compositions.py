@@ -169,6 +169,7 @@ def _step(config):
 
 
 @pytest.mark.parametrize("names,options", EXECUTED, ids=map(_ID, EXECUTED))
+@pytest.mark.slow
 def test_one_step_equals_the_step_without_them(names, options):
   config = _config(names, **options)
   assert compositions.refusal(config) is None
@@ -208,6 +209,7 @@ HDP_CASES = [(("hdp", "outer", "tensor"), {"optimizer__outer": "co2"}),
 
 
 @pytest.mark.parametrize("names,options", HDP_CASES, ids=map(_ID, HDP_CASES))
+@pytest.mark.slow
 def test_hdp_equals_data_parallelism_over_the_same_documents(names, options):
   """HDP (whole documents over rings; in each replica, one pool per replica; over pipelines,
   the micro-steps as microbatches): one step (and one outer sync) equals plain data

@@ -144,6 +144,7 @@ def test_local_program_and_final_reduce(per_rank):
   assert not any(local_sent.values())
 
 
+@pytest.mark.slow
 def test_static_step():
   run = load_run_config("stdlib", mesh="data=2,context=4", data__seq_len=STATIC_ROW,
                         data__batch_size=2 * STATIC_ACCUM,

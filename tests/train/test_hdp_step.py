@@ -6,6 +6,7 @@ import chex
 import jax
 import numpy as np
 from absl.testing import absltest, parameterized
+import pytest
 
 from jaxsys import mesh as mesh_lib
 from jaxsys.parallel import hdp, hdp_layout
@@ -61,6 +62,7 @@ class HDPStepTest(parameterized.TestCase):
   @parameterized.parameters(("lockstep", "data=8"), ("per_rank_wide", "data=8"),
                             ("lockstep", "data=2,fsdp=2,tensor=2"),
                             ("per_rank", "fsdp=2,tensor=2,data=2"))
+  @pytest.mark.slow
   def test_hdp_step_equals_single_device_step(self, schedule, spec):
     mesh = mesh_lib.make_mesh(spec)
     optimizer, state_sh, state = init(mesh)
@@ -168,6 +170,7 @@ class HDPStepTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, r"HDP regroups the batch axes .* \{'context': 2\}"):
       hdp_step.HDPStep(MODEL, optimizer, mesh, state_sh, TOKENS_PER_DEVICE)
 
+  @pytest.mark.slow
   def test_tensor_splits_and_fsdp_shards_in_the_compiled_programs(self):
     """Per device, against data=4 over the same 4 slots: tensor=2 halves a micro-step's
     FLOPs; fsdp=2 halves its accumulated gradients and the update's optimizer state."""

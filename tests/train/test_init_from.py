@@ -10,6 +10,8 @@ import pytest
 from jaxsys.checkpoint.manager import Checkpointer
 from jaxsys.train import loop
 
+pytestmark = pytest.mark.slow
+
 DILOCO = dict(mesh="replica=2,data=-1", optimizer__outer="diloco", optimizer__outer_sync_every=2)
 
 

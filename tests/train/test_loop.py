@@ -25,6 +25,7 @@ def _restore_params(workdir, step):
     return m.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))["state"]
 
 
+@pytest.mark.slow
 def test_trains_evaluates_and_checkpoints(make_config, tmp_path):
   config = make_config(total_steps=6, log_every=1, eval_every=3, checkpoint_every=3)
   result = loop.train_and_evaluate(config, str(tmp_path))
@@ -49,6 +50,7 @@ def test_trains_evaluates_and_checkpoints(make_config, tmp_path):
     ("data=-1", dict(data__variable_length=True, parallel__hdp=True, data__max_len=256,
                      data__truncate_long=True))],
     ids=["dp", "pipeline", "hdp"])
+@pytest.mark.slow
 def test_profile_holds_the_annotated_steps(make_config, tmp_path, mesh, extra):
   """profile.steps='2,3' of 4: a trace of steps 2 and 3 only (each annotated once), for
   TensorBoard (xplane) and Perfetto, and a device-memory profile after step 2."""
@@ -76,6 +78,7 @@ HDP = dict(data__variable_length=True, parallel__hdp=True, data__max_len=256,
     ("replica=2,data=-1,tensor=2", {**HDP, "data__max_len": 128, "optimizer__outer": "diloco",
                                     "optimizer__outer_sync_every": 2})],
     ids=["dp", "fsdp_tensor", "hdp_fsdp_tensor", "hdp_in_diloco_replicas"])
+@pytest.mark.slow
 def test_resume_is_exact(make_config, tmp_path, mesh, extra):
   """2N steps straight == N steps, stop, restore, N more: same losses and parameters.
   With HDP the whole-document loader resumes at its position too; in replicas, the outer
@@ -95,6 +98,7 @@ def test_resume_is_exact(make_config, tmp_path, mesh, extra):
                               _restore_params(straight, 6)["params"], atol=1e-6)
 
 
+@pytest.mark.slow
 def test_refuses_checkpoint_of_another_model(make_config, tmp_path):
   loop.train_and_evaluate(make_config(total_steps=2), str(tmp_path))
   before = sorted((p, os.path.getmtime(p)) for p in _files(tmp_path / "checkpoints"))
@@ -103,6 +107,7 @@ def test_refuses_checkpoint_of_another_model(make_config, tmp_path):
   assert sorted((p, os.path.getmtime(p)) for p in _files(tmp_path / "checkpoints")) == before
 
 
+@pytest.mark.slow
 def test_resume_with_other_numerics_refused_unless_allowed(make_config, tmp_path):
   """rope_theta keeps every shape but changes the function: refused in one line, or allowed."""
   loop.train_and_evaluate(make_config(total_steps=2, eval_every=0), str(tmp_path))
@@ -120,6 +125,7 @@ def test_resume_with_other_numerics_refused_unless_allowed(make_config, tmp_path
   assert set(saved) == {"step", "params", "opt_state"}  # no unused state (the old rng)
 
 
+@pytest.mark.slow
 def test_nan_stops_without_saving(make_config, tmp_path):
   """A run that diverges raises, and the last checkpoint before it stays the latest, intact."""
   loop.train_and_evaluate(make_config(total_steps=2, checkpoint_every=1), str(tmp_path))

@@ -28,6 +28,7 @@ def _saved_params(workdir, step):
     return m.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))["state"]
 
 
+@pytest.mark.slow
 def test_resume_under_another_schedule_and_stage_count(make_config, tmp_path):
   """8 steps unpipelined == 4 steps GPipe over 2 stages, then 4 more 1F1B over 4 stages with
   vocabulary parallelism: same losses, same saved (canonical) parameters."""
@@ -50,6 +51,7 @@ def test_resume_under_another_schedule_and_stage_count(make_config, tmp_path):
   chex.assert_trees_all_close(saved, ref, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_views_round_trip(make_config):
   """init_from's canonical parameters enter the stage view and come back unchanged."""
   config = make_config(mesh="stage=2,data=-1", pipeline__schedule="interleaved_1f1b",
@@ -77,6 +79,7 @@ def test_vocab_overlap_is_the_schedule_s(make_config, overlap):
   assert schedule.max_in_flight == 2 + 2 * overlap
 
 
+@pytest.mark.slow
 def test_outer_optimizer_over_pipelined_replicas_with_random_routing(make_config, tmp_path):
   """NoLoCo over two replicas of a two-stage 1F1B pipeline, randomly routed: 2 steps, stop,
   resume, 2 more (a sync at step 3, an eval at the end); the checkpoint holds the canonical

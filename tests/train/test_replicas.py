@@ -38,6 +38,7 @@ def _straight_and_in_two_legs(make_config, tmp_path, **kw):
   return rows(straight), rows(legs), _restore_state(straight, 8), _restore_state(legs, 8)
 
 
+@pytest.mark.slow
 def test_resume_is_exact_with_outer_state(make_config, tmp_path):
   """CO2 (the most outer state: anchor, previous anchor, pending average, momentum):
   8 steps straight == 4 steps, stop, restore, 4 more; syncs every 3 steps cross the stop."""
@@ -59,6 +60,7 @@ def test_resume_is_exact_with_outer_state(make_config, tmp_path):
   assert w.shape[0] == 4 and not np.allclose(w[0], w[1])
 
 
+@pytest.mark.slow
 def test_streaming_diloco_resumes_exactly_mid_overlap(make_config, tmp_path):
   """Streaming DiLoCo, 2 fragments of the 2-layer model, every 4 steps, each landing a step
   after it starts (fused into that step's program): 8 steps straight == 4, stop (fragment 1
@@ -133,6 +135,7 @@ def test_bad_config_one_line_error(make_config, tmp_path, overrides, message):
   assert not os.path.exists(tmp_path / "checkpoints")
 
 
+@pytest.mark.slow
 def test_data_parallel_logs_gradient_bytes(make_config, tmp_path):
   loop.train_and_evaluate(make_config(total_steps=2, eval_every=0, log_every=1), str(tmp_path))
   rows = _rows(str(tmp_path))

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
+import pytest
 
 from jaxsys import mesh as mesh_lib
 from jaxsys.config import OptimizerConfig
@@ -65,6 +66,7 @@ class TrainStepTest(parameterized.TestCase):
     np.testing.assert_allclose(losses, GOLDEN_LOSSES, rtol=2e-4)
 
   @parameterized.parameters("fsdp=8", "data=2,tensor=4", "data=2,fsdp=2,tensor=2")
+  @pytest.mark.slow
   def test_sharded_equals_single_device(self, spec):
     single_state, single_losses = run_steps("data=1", devices=jax.devices()[:1])
     state, losses = run_steps(spec)
@@ -78,6 +80,7 @@ class TrainStepTest(parameterized.TestCase):
   @parameterized.parameters(("data=2,context=4", "zigzag", "ring"),
                             ("data=2,context=4", "contiguous", "ring"),
                             ("fsdp=2,context=2,tensor=2", "zigzag", "all_gather"))
+  @pytest.mark.slow
   def test_context_parallel_equals_data_parallel(self, spec, layout, algorithm):
     """Attention over `context` (documents crossing shard boundaries) == plain DP."""
     dp_state, dp_losses = run_steps("data=8")
