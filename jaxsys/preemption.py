@@ -17,9 +17,10 @@ line of the main thread.
 A main thread inside a call that does not return to Python for long (an XLA compile, a
 restore's read) is not waited for beyond `grace_s` (JAXSYS_PREEMPT_GRACE_S, 10 s): a
 watchdog thread prints the line and exits 75 then, as a SIGKILL would end the process
-(every write of a run survives a SIGKILL). With several
-processes, jax.distributed's preemption service takes SIGTERM over when it starts
-(`jax.distributed.initialize`); the loop then stops every process at one step.
+(every write of a run survives a SIGKILL). With several processes, jax.distributed's
+preemption service takes SIGTERM over when it starts (`jax.distributed.initialize`); the
+loop then stops every process at one step. Not covered: the interpreter's own start-up
+before the binary's first line (tens of ms of CPU), and its teardown after a finished run.
 
 `pause_point(name)` marks a moment of start-up: with JAXSYS_TEST_PAUSE_AT=name the process
 announces "paused at <name>" on stderr and waits there for a signal (tests preempt each

@@ -68,7 +68,8 @@ def check_entries(directory: str) -> None:
   paths = [directory] if os.path.lexists(directory) else []
   if os.path.isdir(directory):
     paths += [os.path.join(directory, n) for n in sorted(os.listdir(directory))
-              if n.split(".", 1)[0].isdigit()]
+              if n.isdigit() or (n.split(".", 1)[0].isdigit() and (
+                  n.endswith(".corrupt") or ".orbax-checkpoint-tmp" in n))]
   for path in paths:
     if os.path.isdir(path):
       continue
