@@ -1,30 +1,41 @@
-r"""The HDP simulator's cost model against a measured ring-attention step over a real link.
+r"""The HDP simulator's cost model against measured ring-attention steps: compute fitted to
+whole steps, then checked on held-out mixes and over a real link.
 
-  python -m experiments.hdp_calibrate --bandwidths=50mbit,100mbit,none --out=/tmp/hdp_cal.json
+  python -m experiments.hdp_calibrate --bandwidths=100mbit,200mbit --out=/tmp/hdp_cal.json
 
-Fits jaxsys/parallel/hdp_sim.py's compute rates on this CPU (`fit_cost_model`, as
-`bench_hdp --part=sim` does), then trains a small MHA model (d 192, 2 layers, SwiGLU d_ff
-512 = 8/3 d, so its shape is hdp_sim.dense_params'; float32) with context parallelism over
-two processes of one CPU device each (`--config.mesh=context=2`: ring attention, zigzag,
-two 4096-token rows a step, one loaded by each process), joined by the network lab's link
-(jaxsys/lab; `--topology switched` by default: each process its own link of the rate each
-way, which is what the simulator's `link_bytes_per_s` is, one direction of one device's
-link). The corpus is 200 slices of 128 KB of the stdlib's text, so nearly every row is
-one document and the ring's attention is one causal 4096-token sequence a row (what the
-simulator counts for it).
+The model: a small MHA model (d 192, 2 layers, SwiGLU d_ff 512 = 8/3 d, so its shape is
+hdp_sim.dense_params'; float32, 256-byte vocabulary) trained with context parallelism
+(`--config.mesh=context=2`: zigzag ring attention). The corpus is 200 slices of 128 KB of
+the stdlib's text, so nearly every row is one document and the ring's attention is one
+causal sequence a row (what the simulator counts for it).
 
+Compute. The matmul and attention rates are first timed on this CPU by microbenchmarks
+(`hdp_sim.fit_cost_model(devices=2)`: both simulated devices of this process computing at
+once, as in a step). Then the same program runs on two devices of one process (the
+collectives in memory: compute alone) for each mix of rows x tokens in --fit_mixes and
+--heldout_mixes (different attention-to-matmul ratios and tokens a step), and
+`hdp_sim.fit_step_costs` fits --terms (default: the attention rate as the ring runs it,
+sec_per_element for the per-token work beside the matmuls, sec_per_step) to the fitted
+mixes' whole steps, the matmul rate kept from the microbenchmark and the head's matmul
+counted (CostModel.vocab_size). Each mix is predicted with the microbenchmark's rates
+alone (what the simulator counted before: attention and the layers' matmuls) and with the
+calibrated model; the held-out mixes were not fitted.
+
+Communication. The --lab_mix (one of the measured mixes) then runs over two processes of
+one CPU device each, joined by the network lab's link (jaxsys/lab; `--topology switched` by
+default: each process its own link of the rate each way, which is what the simulator's
+`link_bytes_per_s` is, one direction of one device's link), each pinned to its own core.
 Each case is predicted by the simulator's own static path (`hdp_sim.simulate_static` with
-two rows of seq_len on a ring of 2: ring member, its hops, the layout all-gather, the
-gradient all-reduce) with the link at the shaped rate's TCP payload rate (the rate less
-66 bytes of headers a 1448-byte segment, jaxsys.lab.physics), and for `none` the path's
-unshaped capacity (--unshaped_mbit, calibrated in docs/results/network_lab.md; not fitted
-here). A first case, `in-process`, runs the same program on two devices of one process
-(the collectives in memory): the compute alone, predicted with an unlimited link; each
-lab case's communication is its step less that. Two predictions (MODELS): the simulator
-as bench_hdp runs it (hops overlapped, every member sending at once) and as this backend
+the mix's rows on a ring of 2: ring member, its hops, the layout all-gather, the gradient
+all-reduce) with the calibrated compute and the link at the shaped rate's TCP payload
+rate (the rate less 66 bytes of headers a 1448-byte segment, jaxsys.lab.physics); for
+`none` the path's unshaped capacity (--unshaped_mbit, calibrated in
+docs/results/network_lab.md; not fitted here). Two link models (MODELS): the simulator as
+bench_hdp runs it (hops overlapped, every member sending at once) and as this backend
 runs a step (collectives in line, a collective-permute's two directions one after the
-other: CostModel(overlap=False, hop_exchange=2)).
-Needs root and iproute2 for the shaped links.
+other: CostModel(overlap=False, hop_exchange=2)). Each lab case's measured communication
+is its step less the in-process step of the same mix.
+Needs root and iproute2 for the shaped links (--bandwidths= skips them).
 """
 from __future__ import annotations
 
@@ -98,16 +109,19 @@ def payload_rate(bits_per_s: float) -> float:
   return bits_per_s / 8 * physics.MSS / (physics.MSS + link_lib.HEADER_BYTES)
 
 
-def cost_model(fit: hdp_sim.Fit, *, link_bytes_per_s: float, overlap: bool = True,
-               hop_exchange: float = 1.0, model: dict = MODEL) -> hdp_sim.CostModel:
-  """The fitted rates for the measured model: float32, MHA, compiled collectives, its
-  parameters' gradients all-reduced."""
+def cost_model(rates: hdp_sim.CostModel, *, link_bytes_per_s: float, overlap: bool = True,
+               hop_exchange: float = 1.0, model: dict = MODEL,
+               head: bool = False) -> hdp_sim.CostModel:
+  """`rates`' compute terms on the measured model: float32, MHA, compiled collectives, its
+  parameters' gradients all-reduced; head: count the vocabulary head's matmul (the
+  calibrated model does; the microbenchmark's rates alone, as the tables, do not)."""
   d, layers = model["d_model"], model["n_layers"]
   kv_dim = d * model["n_kv_heads"] // model["n_heads"]
   return dataclasses.replace(
-      fit.model, link_bytes_per_s=link_bytes_per_s, d_model=d, n_layers=layers, kv_dim=kv_dim,
+      rates, link_bytes_per_s=link_bytes_per_s, d_model=d, n_layers=layers, kv_dim=kv_dim,
       bytes_per_element=4, overlap=overlap, pad_compute=True, compiled=True,
-      params=hdp_sim.dense_params(d, layers, kv_dim, VOCAB), hop_exchange=hop_exchange)
+      params=hdp_sim.dense_params(d, layers, kv_dim, VOCAB), hop_exchange=hop_exchange,
+      vocab_size=VOCAB if head else rates.vocab_size)
 
 
 # The two models each case is predicted with: the simulator as its tables run it (hops
@@ -118,6 +132,20 @@ MODELS = {"simulator": dict(overlap=True, hop_exchange=1.0),
           "cpu_backend": dict(overlap=False, hop_exchange=2.0)}
 
 
+def parse_mix(text: str) -> tuple[int, int]:
+  """'2x4096' -> (2 rows, 4096 tokens a row)."""
+  rows, _, seq_len = text.partition("x")
+  if not (rows.isdigit() and seq_len.isdigit() and int(rows) > 0 and int(seq_len) > 0):
+    raise ValueError(f"mix {text!r}: must be ROWSxTOKENS, e.g. 2x4096")
+  return int(rows), int(seq_len)
+
+
+def measured_step(mix: str, seconds: float, ring: int = 2) -> hdp_sim.MeasuredStep:
+  """A mix's in-process step as the fit takes it: its rows, each one sequence, on a ring."""
+  rows, seq_len = parse_mix(mix)
+  return hdp_sim.MeasuredStep((seq_len,) * rows, seconds, seq_len // ring, ring=ring, name=mix)
+
+
 def predict(model: hdp_sim.CostModel, *, seq_len: int, ring: int = 2, rows: int = 2) -> dict:
   """Seconds of one step (`rows` rows of seq_len, one after another on a ring of `ring`:
   the program runs them as one batch, the same compute and bytes) by hdp_sim's static
@@ -126,9 +154,9 @@ def predict(model: hdp_sim.CostModel, *, seq_len: int, ring: int = 2, rows: int 
   kw = dict(num_devices=ring, tokens_per_device=seq_len // ring, max_len=seq_len)
   lengths = [seq_len] * rows
   whole = hdp_sim.simulate_static(lengths, model=model, **kw)
-  free = hdp_sim.simulate_static(lengths, model=dataclasses.replace(
-      model, link_bytes_per_s=1e30), **kw)
-  return dict(total_s=whole.time, compute_s=free.time, comm_s=whole.time - free.time,
+  free = hdp_sim.step_compute(model, hdp_sim.MeasuredStep(tuple(lengths), 1.0, seq_len // ring,
+                                                          ring=ring))
+  return dict(total_s=whole.time, compute_s=free, comm_s=whole.time - free,
               sent_bytes=float(sum(whole.sent.values())), sent=whole.sent)
 
 
@@ -155,9 +183,40 @@ def measure_in_process(args: tuple[str, ...], ring: int = 2) -> list[float]:
   return [t for _, t in run.step_times(args[-1].split("=", 1)[1])]
 
 
+def _spread(steps_s) -> dict:
+  return dict(measured_s=float(np.median(steps_s)),
+              measured_min_max_s=[float(np.min(steps_s)), float(np.max(steps_s))],
+              steps_s=[float(t) for t in steps_s])
+
+
+def compute_row(mix: str, role: str, steps_s, *, rates: hdp_sim.CostModel,
+                calibrated: hdp_sim.CostModel) -> dict:
+  """One in-process mix: measured (median) against the microbenchmark's rates alone and the
+  calibrated model (unlimited link)."""
+  row = dict(case=mix, role=role, **_spread(steps_s))
+  step = measured_step(mix, row["measured_s"])
+  for name, m in (("rates", rates), ("calibrated", calibrated)):
+    predicted = hdp_sim.step_compute(m, step)
+    row.update({f"{name}_s": predicted, f"error_{name}": predicted / row["measured_s"] - 1})
+  return row
+
+
+def compute_table(rows: list[dict]) -> str:
+  """Markdown: each in-process mix, fitted or held out, measured and predicted."""
+  lines = ["| mix (rows x tokens) | role | measured (s, median [min, max]) | predicted: "
+           "microbenchmark rates (s) | error | predicted: calibrated (s) | error |",
+           "|---|---|---|---:|---:|---:|---:|"]
+  for r in rows:
+    lo, hi = r["measured_min_max_s"]
+    lines.append(f"| {r['case']} | {r['role']} | {r['measured_s']:.3f} [{lo:.3f}, {hi:.3f}] | "
+                 f"{r['rates_s']:.3f} | {r['error_rates']:+.1%} | {r['calibrated_s']:.3f} | "
+                 f"{r['error_calibrated']:+.1%} |")
+  return "\n".join(lines)
+
+
 def table(rows: list[dict]) -> str:
-  """Markdown: each case's predictions (MODELS) and measurement, and their errors; then
-  compute and communication apart (measured compute: the in-process case's step)."""
+  """Markdown: each lab case's predictions (MODELS) and measurement, and their errors; then
+  compute and communication apart (measured compute: the in-process step of its mix)."""
   lines = ["| case | link (payload MB/s a device) | predicted: simulator (s) | predicted: "
            "CPU backend (s) | measured (s, median [min, max]) | error: simulator | error: CPU "
            "backend | compute predicted / measured (s) | communication: simulator / CPU "
@@ -178,19 +237,17 @@ def table(rows: list[dict]) -> str:
   return "\n".join(lines)
 
 
-def case_row(case: str, fit: hdp_sim.Fit, rate: float, steps_s, *, seq_len: int,
-             compiled_bytes: float | None = None, measured_compute_s: float | None = None
-             ) -> dict:
-  """One table row: each of MODELS' predictions at `rate` payload bytes/s against the
-  measured steps (median); with the measured compute, the measured communication is the
-  step less it."""
-  measured = float(np.median(steps_s))
+def case_row(case: str, model: hdp_sim.CostModel, rate: float, steps_s, *, seq_len: int,
+             rows: int = 2, compiled_bytes: float | None = None,
+             measured_compute_s: float | None = None) -> dict:
+  """One lab table row: `model` (its compute terms) under each of MODELS at `rate` payload
+  bytes/s against the measured steps (median); with the measured compute, the measured
+  communication is the step less it."""
   row = dict(case=case, link_MBps=rate / 1e6 if rate < 1e29 else float("inf"),
-             measured_s=measured,
-             measured_min_max_s=[float(np.min(steps_s)), float(np.max(steps_s))],
-             steps_s=[float(t) for t in steps_s], compiled_bytes=compiled_bytes)
+             compiled_bytes=compiled_bytes, **_spread(steps_s))
+  measured = row["measured_s"]
   for name, kw in MODELS.items():
-    p = predict(cost_model(fit, link_bytes_per_s=rate, **kw), seq_len=seq_len)
+    p = predict(cost_model(model, link_bytes_per_s=rate, **kw), seq_len=seq_len, rows=rows)
     row.update({f"{name}_s": p["total_s"], f"{name}_comm_s": p["comm_s"],
                 f"error_{name}": p["total_s"] / measured - 1})
     row.update(compute_s=p["compute_s"], sent_bytes=p["sent_bytes"], sent=p["sent"])
@@ -200,11 +257,19 @@ def case_row(case: str, fit: hdp_sim.Fit, rate: float, steps_s, *, seq_len: int,
   return row
 
 
-_BANDWIDTHS = flags.DEFINE_list("bandwidths", ["50mbit", "100mbit", "none"], "Lab link rates.")
+_BANDWIDTHS = flags.DEFINE_list("bandwidths", ["100mbit", "200mbit"],
+                                "Lab link rates (none: unshaped; empty: no lab cases).")
 _TOPOLOGY = flags.DEFINE_enum("topology", "switched", ["shared", "switched"], "The lab's network.")
 _UNSHAPED = flags.DEFINE_float("unshaped_mbit", None, "The unshaped path's rate (Mbit/s); "
                                "default network_lab.md's for the topology.")
-_SEQ_LEN = flags.DEFINE_integer("seq_len", 4096, "Tokens of the one row a step.")
+_FIT_MIXES = flags.DEFINE_list("fit_mixes", ["2x4096", "8x1024", "2x2048"],
+                               "In-process mixes (ROWSxTOKENS a row) the compute is fitted to.")
+_HELDOUT_MIXES = flags.DEFINE_list("heldout_mixes", ["4x2048", "16x512"],
+                                   "In-process mixes predicted, not fitted.")
+_LAB_MIX = flags.DEFINE_string("lab_mix", "2x4096", "The mix the lab cases run (one of the "
+                               "fitted or held-out mixes: its in-process step is their compute).")
+_TERMS = flags.DEFINE_list("terms", ["sec_per_attention_flop", "sec_per_element", "sec_per_step"],
+                           f"CostModel terms fitted to the whole steps (of {hdp_sim.STEP_TERMS}).")
 _STEPS = flags.DEFINE_integer("steps", 6, "Training steps a case (the first compiles).")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/hdp_calibrate", "Scratch directory (replaced).")
 _OUT = flags.DEFINE_string("out", "/tmp/hdp_calibrate.json", "Every number (JSON).")
@@ -213,41 +278,75 @@ _OUT = flags.DEFINE_string("out", "/tmp/hdp_calibrate.json", "Every number (JSON
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  start = time.perf_counter()
+  mixes = {**{m: "fitted" for m in _FIT_MIXES.value},
+           **{m: "held out" for m in _HELDOUT_MIXES.value}}
+  for mix in mixes:
+    parse_mix(mix)
+  if set(_FIT_MIXES.value) & set(_HELDOUT_MIXES.value):
+    raise app.UsageError(f"--fit_mixes and --heldout_mixes share "
+                         f"{sorted(set(_FIT_MIXES.value) & set(_HELDOUT_MIXES.value))}")
+  if _BANDWIDTHS.value and _LAB_MIX.value not in mixes:
+    raise app.UsageError(f"--lab_mix={_LAB_MIX.value}: must be one of the measured mixes "
+                         f"{sorted(mixes)} (its in-process step is the lab cases' compute)")
+  start, load_start = time.perf_counter(), os.getloadavg()[0]
+  # Both simulated devices time the microbenchmarks at once, as the in-process steps run.
+  os.environ["XLA_FLAGS"] = xla_flags.with_cpu_devices(2)
   corpus = make_corpus(os.path.join(_WORKDIR.value, "corpus"))
-  fit = hdp_sim.fit_cost_model()
-  print(f"fitted on this CPU: {fit.model.sec_per_attention_flop:.3e} s per attention FLOP, "
-        f"{fit.model.sec_per_linear_flop:.3e} s per linear FLOP (ratio "
-        f"{fit.model.sec_per_attention_flop / fit.model.sec_per_linear_flop:.2f}); load "
+  fit = hdp_sim.fit_cost_model(devices=2)
+  rates = cost_model(fit.model, link_bytes_per_s=1e30)
+  print(f"microbenchmarks (2 devices at once): {rates.sec_per_attention_flop:.3e} s per "
+        f"attention FLOP, {rates.sec_per_linear_flop:.3e} s per linear FLOP; load "
         f"{os.getloadavg()[0]:.2f}", flush=True)
-  args = lambda name: runner_args(os.path.join(_WORKDIR.value, name), corpus,
-                                  seq_len=_SEQ_LEN.value, steps=_STEPS.value)
-  compute = measure_in_process(args(IN_PROCESS))
-  compute_s = float(np.median(compute))
-  rows = [case_row(IN_PROCESS, fit, 1e30, compute, seq_len=_SEQ_LEN.value,
-                   measured_compute_s=compute_s)]
-  print(table(rows), flush=True)
+
+  def args(name: str, mix: str) -> tuple[str, ...]:
+    rows, seq_len = parse_mix(mix)
+    return runner_args(os.path.join(_WORKDIR.value, name), corpus, seq_len=seq_len,
+                       rows=rows, steps=_STEPS.value)
+
+  times = {}
+  for mix in mixes:
+    times[mix] = measure_in_process(args(f"{IN_PROCESS}-{mix}", mix))
+    print(f"in-process {mix}: {np.median(times[mix]):.3f} s a step", flush=True)
+  steps = [measured_step(m, float(np.median(times[m]))) for m in _FIT_MIXES.value]
+  step_fit = hdp_sim.fit_step_costs(steps, cost_model(rates, link_bytes_per_s=1e30, head=True),
+                                    _TERMS.value)
+  calibrated = step_fit.model
+  compute_rows = [compute_row(m, role, times[m], rates=rates, calibrated=calibrated)
+                  for m, role in mixes.items()]
+  print(compute_table(compute_rows), flush=True)
+  lab_rows = []
+  lab_rows_n, lab_len = parse_mix(_LAB_MIX.value)
+  compute_s = float(np.median(times[_LAB_MIX.value])) if _BANDWIDTHS.value else None
   for bw in _BANDWIDTHS.value:
     try:
-      s = measure_lab(bw, args(bw), _TOPOLOGY.value)
+      s = measure_lab(bw, args(bw, _LAB_MIX.value), _TOPOLOGY.value)
     except link_lib.LabError as e:
       raise SystemExit(f"error: {e}") from e
-    steps = [t for _, t in run.step_times(os.path.join(_WORKDIR.value, bw))]
+    lab_steps = [t for _, t in run.step_times(os.path.join(_WORKDIR.value, bw))]
     compiled = s.get("collective_bytes_per_step")
-    rows.append(case_row(f"lab {_TOPOLOGY.value} {bw}", fit,
-                         link_rate(bw, _TOPOLOGY.value, _UNSHAPED.value), steps,
-                         seq_len=_SEQ_LEN.value, measured_compute_s=compute_s,
-                         compiled_bytes=compiled / 2 if compiled else None))
-    rows[-1]["lab"] = s
-    print(table(rows[-1:]).splitlines()[-1], flush=True)
-  print(table(rows))
-  print(f"load {os.getloadavg()[0]:.2f}; total {time.perf_counter() - start:.0f} s")
+    lab_rows.append(case_row(f"lab {_TOPOLOGY.value} {bw}", calibrated,
+                             link_rate(bw, _TOPOLOGY.value, _UNSHAPED.value), lab_steps,
+                             seq_len=lab_len, rows=lab_rows_n, measured_compute_s=compute_s,
+                             compiled_bytes=compiled / 2 if compiled else None))
+    lab_rows[-1]["lab"] = s
+    print(table(lab_rows[-1:]).splitlines()[-1], flush=True)
+  if lab_rows:
+    print(table(lab_rows))
+  load_end = os.getloadavg()[0]
+  print(f"load {load_start:.2f} at the start, {load_end:.2f} at the end; total "
+        f"{time.perf_counter() - start:.0f} s")
+  terms = {t: getattr(calibrated, t) for t in hdp_sim.STEP_TERMS}
   with open(_OUT.value, "w") as f:
-    json.dump(dict(fit=dict(sec_per_attention_flop=fit.model.sec_per_attention_flop,
-                            sec_per_linear_flop=fit.model.sec_per_linear_flop,
-                            attention_r2=fit.attention_r2, linear_r2=fit.linear_r2),
-                   model=MODEL, topology=_TOPOLOGY.value, rows=rows), f, indent=1,
-              default=float)
+    json.dump(dict(date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), load_start=load_start,
+                   load_end=load_end, model=MODEL, vocab=VOCAB, topology=_TOPOLOGY.value,
+                   microbenchmark=dict(sec_per_attention_flop=rates.sec_per_attention_flop,
+                                       sec_per_linear_flop=rates.sec_per_linear_flop,
+                                       attention_r2=fit.attention_r2,
+                                       linear_r2=fit.linear_r2, devices=2),
+                   fitted_terms=list(step_fit.terms), calibrated=terms,
+                   fit_errors=dict(zip(_FIT_MIXES.value, step_fit.errors)),
+                   lab_mix=_LAB_MIX.value, compute_rows=compute_rows, lab_rows=lab_rows),
+              f, indent=1, default=float)
 
 
 if __name__ == "__main__":

@@ -153,6 +153,17 @@ class CostModel:
     and receives at once (each on its own link); 2 where the exchange runs one direction
     after the other, as XLA:CPU's collective-permute over gloo did across two processes
     (experiments/hdp_calibrate.py: the link busy for twice the hops' bytes / rate).
+  vocab_size, sec_per_element, sec_per_step: the compute beside attention and the layers'
+    matmuls, fitted to measured whole steps (`fit_step_costs`); 0 by default, which
+    leaves them out (every table that does not set them):
+    vocab_size: the output head's matmul, 2 d vocab_size FLOPs a token at the linear rate;
+    sec_per_element: the layers' other work (norms, activations, residual adds, rotary,
+      softmax bookkeeping, the embedding and loss beside the head), seconds per token and
+      d_model element per layer; like the matmuls, counted once forward and twice backward,
+      and not split over a tensor group;
+    sec_per_step: seconds a step spends whatever its tokens (the optimizer update,
+      dispatch, the host's work), added once a step with the pool's collectives
+      (`pool_sync`).
   """
   sec_per_attention_flop: float
   sec_per_linear_flop: float
@@ -169,6 +180,9 @@ class CostModel:
   fsdp: int = 1
   tensor_link_bytes_per_s: float | None = None
   hop_exchange: float = 1.0
+  vocab_size: int = 0
+  sec_per_element: float = 0.0
+  sec_per_step: float = 0.0
 
   def __post_init__(self):
     for name in ("sec_per_attention_flop", "sec_per_linear_flop", "link_bytes_per_s",
@@ -180,8 +194,14 @@ class CostModel:
       value = getattr(self, name)
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"CostModel.{name}={value!r}: must be an int >= 1")
-    if not isinstance(self.params, int) or self.params < 0:
-      raise ValueError(f"CostModel.params={self.params!r}: must be an int >= 0")
+    for name in ("params", "vocab_size"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value < 0:
+        raise ValueError(f"CostModel.{name}={value!r}: must be an int >= 0")
+    for name in ("sec_per_element", "sec_per_step"):
+      value = getattr(self, name)
+      if not value >= 0:
+        raise ValueError(f"CostModel.{name}={value!r}: must be >= 0")
     if self.kv_dim % self.tensor:
       raise ValueError(f"CostModel.tensor={self.tensor}: must divide kv_dim={self.kv_dim} "
                        f"(K/V heads split over the tensor group)")
@@ -194,14 +214,18 @@ class CostModel:
             * length * length) / self.tensor
 
   def linear(self, tokens):
-    """Forward seconds of one layer's matmuls (q, k, v, o and the MLP) over `tokens` tokens
-    on one device of a tensor group, and a third of a layer's share of the group's
-    all-reduces (every caller counts `linear` three times a layer: forward, backward)."""
+    """Forward seconds of one layer's matmuls (q, k, v, o and the MLP; a layer's share of
+    the head's) and other per-token work (sec_per_element) over `tokens` tokens on one
+    device of a tensor group, and a third of a layer's share of the group's all-reduces
+    (every caller counts `linear` three times a layer: forward, backward)."""
     # hdp's 24 d^2 counts k and v as d x d; GQA's are d x kv_dim.
     flops = (hdp.LINEAR_FLOPS_PER_TOKEN * self.d_model ** 2
-             - 4 * self.d_model * (self.d_model - self.kv_dim))
-    matmuls = self.sec_per_linear_flop * flops * np.asarray(tokens, np.float64) / self.tensor
-    return matmuls + self.tensor_allreduce(tokens) / (3 * self.n_layers)
+             - 4 * self.d_model * (self.d_model - self.kv_dim)
+             + 2 * self.d_model * self.vocab_size / self.n_layers)
+    tokens = np.asarray(tokens, np.float64)
+    matmuls = self.sec_per_linear_flop * flops * tokens / self.tensor
+    other = self.sec_per_element * self.d_model * tokens
+    return matmuls + other + self.tensor_allreduce(tokens) / (3 * self.n_layers)
 
   def tensor_bytes(self, tokens) -> float:
     """Bytes each device of a tensor group sends in a program's activation all-reduces
@@ -274,10 +298,11 @@ class CostModel:
     return self.gather_bytes() / self.link_bytes_per_s
 
   def pool_sync(self, slots: int) -> float:
-    """Seconds a step spends on the pool's own collectives: one gradient all-reduce over
-    the `slots` slots (PerRankHDPStep's, with fsdp too: all-reduced whole, then each slot
-    keeps its shard) and the parameters' gather over fsdp."""
-    return self.allreduce(slots) + self.gather()
+    """Seconds a step spends beside its micro-batches: the pool's own collectives (one
+    gradient all-reduce over the `slots` slots, PerRankHDPStep's, with fsdp too:
+    all-reduced whole, then each slot keeps its shard; the parameters' gather over fsdp)
+    and the fixed sec_per_step."""
+    return self.allreduce(slots) + self.gather() + self.sec_per_step
 
   def allreduce_bytes(self, devices: int) -> float:
     """Bytes each of `devices` sends in a ring all-reduce of the gradients."""
@@ -319,12 +344,12 @@ class CostModel:
     return self.n_layers * (forward + backward)
 
   def scaled(self, compute_speedup: float) -> CostModel:
-    """The same model on a device `compute_speedup` times faster; links unchanged."""
+    """The same model on a device `compute_speedup` times faster (every compute term,
+    sec_per_step too); links unchanged."""
     if not compute_speedup > 0:
       raise ValueError(f"compute_speedup={compute_speedup!r}: must be > 0")
     return dataclasses.replace(
-        self, sec_per_attention_flop=self.sec_per_attention_flop / compute_speedup,
-        sec_per_linear_flop=self.sec_per_linear_flop / compute_speedup)
+        self, **{name: getattr(self, name) / compute_speedup for name in STEP_TERMS})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -359,7 +384,7 @@ def _line_fit(flops, seconds):
 
 def fit_cost_model(*, lengths=(1024, 2048, 3072, 4096),
                    token_counts=(2048, 4096, 8192, 16384), heads: int = 4, head_dim: int = 64,
-                   repeats: int = 5,
+                   repeats: int = 5, devices: int = 1,
                    **model_kwargs) -> Fit:
   """Times this machine's attention (impl="xla", causal) and a [T, d] x [d, 4d] matmul.
 
@@ -368,25 +393,36 @@ def fit_cost_model(*, lengths=(1024, 2048, 3072, 4096),
   are dropped. Nothing is cached. `model_kwargs` go to CostModel (link, d_model, ...).
   The sizes keep every timing at milliseconds or more: smaller matmuls' slopes came out
   noisy (R^2 0.75 to 0.96) and implied more FLOP/s than the cores have.
+  devices: the first `devices` jax devices each run the op at once on their own shard
+  (the FLOPs above a device), so the rates are a device's while the others compute too,
+  as in a step over that many devices of one process (simulated CPU devices share the
+  cores).
   """
   import jax
   import jax.numpy as jnp
 
   from jaxsys.kernels import attention as attention_lib
 
+  if not 1 <= devices <= len(jax.devices()):
+    raise ValueError(f"fit_cost_model: devices={devices}: must be in [1, "
+                     f"{len(jax.devices())}] (the jax devices of this process)")
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]), ("d",))
+  split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"))
+  whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   d = heads * head_dim
   attn = jax.jit(lambda q, k, v: attention_lib.attention(q, k, v, causal=True, impl="xla"))
   key = jax.random.PRNGKey(0)
   a_flops, a_secs = [], []
   for length in lengths:
-    q = jax.random.normal(key, (1, length, heads, head_dim), jnp.float32)
+    q = jax.device_put(jax.random.normal(key, (devices, length, heads, head_dim), jnp.float32),
+                       split)
     a_secs.append(_min_time(attn, q, q, q, repeats=repeats))
     a_flops.append(hdp.ATTENTION_FLOPS_PER_PAIR * d * length * length)
   matmul = jax.jit(lambda x, w: x @ w)
-  w = jax.random.normal(key, (d, 4 * d), jnp.float32)
+  w = jax.device_put(jax.random.normal(key, (d, 4 * d), jnp.float32), whole)
   m_flops, m_secs = [], []
   for tokens in token_counts:
-    x = jax.random.normal(key, (tokens, d), jnp.float32)
+    x = jax.device_put(jax.random.normal(key, (devices * tokens, d), jnp.float32), split)
     m_secs.append(_min_time(matmul, x, w, repeats=repeats))
     m_flops.append(2 * tokens * d * 4 * d)
   a_slope, _, a_r2 = _line_fit(a_flops, a_secs)
@@ -397,6 +433,104 @@ def fit_cost_model(*, lengths=(1024, 2048, 3072, 4096),
   points = dict(attention=list(zip(a_flops, a_secs)), linear=list(zip(m_flops, m_secs)))
   model = CostModel(sec_per_attention_flop=a_slope, sec_per_linear_flop=m_slope, **model_kwargs)
   return Fit(model, a_r2, m_r2, points)
+
+
+# ------------------------------------------------------------- fits to measured steps
+
+# The CostModel fields that set compute (each time is linear in them): what
+# `fit_step_costs` may fit, and what `CostModel.scaled` divides.
+STEP_TERMS = ("sec_per_attention_flop", "sec_per_linear_flop", "sec_per_element",
+              "sec_per_step")
+# What a term's basis is computed with in place of 0 (the FLOP rates must be > 0).
+_NEGLIGIBLE = 1e-300
+
+
+@dataclasses.dataclass(frozen=True)
+class MeasuredStep:
+  """A measured training step of a static context-parallel mesh: `lengths` (each
+  sequence a row of ring * tokens_per_device tokens, or packed into such rows) on rings
+  of `ring` devices (one data group unless num_devices says more), its compute only (the
+  collectives in memory, or a link the model takes as unlimited); seconds a step."""
+  lengths: tuple[int, ...]
+  seconds: float
+  tokens_per_device: int
+  ring: int = 1
+  num_devices: int | None = None
+  name: str = ""
+
+  def __post_init__(self):
+    if not self.seconds > 0:
+      raise ValueError(f"MeasuredStep{' ' + self.name if self.name else ''}.seconds="
+                       f"{self.seconds!r}: must be > 0")
+
+
+def step_compute(model: CostModel, step: MeasuredStep) -> float:
+  """Seconds `model` gives `step` with an unlimited link: `simulate_static` (lock-step) of
+  its lengths, compute and the fixed per-step term."""
+  model = dataclasses.replace(model, link_bytes_per_s=1e300, tensor_link_bytes_per_s=None)
+  return simulate_static(list(step.lengths), num_devices=step.num_devices or step.ring,
+                         tokens_per_device=step.tokens_per_device,
+                         max_len=step.ring * step.tokens_per_device, model=model).time
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFit:
+  """`fit_step_costs`' model, the terms it fitted, and each step's relative error
+  (predicted / measured - 1)."""
+  model: CostModel
+  terms: tuple[str, ...]
+  errors: tuple[float, ...]
+
+
+def fit_step_costs(steps: Sequence[MeasuredStep], model: CostModel,
+                   terms: Sequence[str] = ("sec_per_attention_flop", "sec_per_element",
+                                           "sec_per_step")) -> StepFit:
+  """`model` with `terms` (of STEP_TERMS) fitted to measured whole steps; its other
+  fields kept.
+
+  Each step's predicted time (`step_compute`) is linear in the terms, so the fit is a
+  least-squares solve, non-negative, of relative errors. The steps must separate the terms:
+  at least as many as the terms, and mixes that vary what each term multiplies (attention
+  FLOPs against tokens: rows of different lengths; tokens a step against the fixed term:
+  different token counts). The matmul rate and sec_per_element both multiply tokens, so
+  one model's steps cannot fit both: keep the matmul rate measured (`fit_cost_model`)
+  and fit the rest.
+
+  Example:
+    steps = [MeasuredStep((4096,) * 2, 1.03, 2048, ring=2), ...]
+    calibrated = fit_step_costs(steps, fit_cost_model(devices=2).model).model
+  """
+  from scipy import optimize  # pylint: disable=import-outside-toplevel
+
+  terms = tuple(terms)
+  unknown = sorted(set(terms) - set(STEP_TERMS))
+  if unknown or not terms or len(set(terms)) != len(terms):
+    raise ValueError(f"fit_step_costs: terms={terms!r}: must be distinct names from "
+                     f"{STEP_TERMS}")
+  if len(steps) < len(terms):
+    raise ValueError(f"fit_step_costs: {len(steps)} measured steps cannot fit {len(terms)} "
+                     f"terms {terms}; measure at least {len(terms)}")
+  zero = {t: (_NEGLIGIBLE if t.endswith("_flop") else 0.0) for t in terms}
+  rest = dataclasses.replace(model, **zero)
+  base = np.array([step_compute(rest, s) for s in steps])
+  basis = np.array([[step_compute(dataclasses.replace(rest, **{t: 1.0}), s) for t in terms]
+                    for s in steps]) - base[:, None]
+  measured = np.array([s.seconds for s in steps])
+  scale = basis.max(axis=0)
+  if np.any(scale <= 0) or np.linalg.matrix_rank(basis / scale, tol=1e-9) < len(terms):
+    raise ValueError(f"fit_step_costs: the steps do not separate the terms {terms} (one is "
+                     f"absent from every step, or two grow together over them); vary rows' "
+                     f"lengths and tokens a step")
+  rates, _ = optimize.nnls(basis / scale / measured[:, None], 1.0 - base / measured)
+  rates = rates / scale
+  zeroed = [t for t, r in zip(terms, rates) if t.endswith("_flop") and not r > 0]
+  if zeroed:
+    raise RuntimeError(f"fit_step_costs: {zeroed} fitted to 0 (the measured steps grow "
+                       f"less with it than the rest of the model predicts); remeasure on a "
+                       f"quiet machine")
+  fitted = dataclasses.replace(model, **{t: float(r) for t, r in zip(terms, rates)})
+  errors = tuple(float(step_compute(fitted, s) / s.seconds - 1) for s in steps)
+  return StepFit(fitted, terms, errors)
 
 
 # ----------------------------------------------------------------------- length samples

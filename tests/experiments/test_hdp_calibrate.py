@@ -11,16 +11,21 @@ hdp_calibrate = import_binary("hdp_calibrate")
 from jaxsys.lab import link as link_lib, physics
 from jaxsys.parallel import hdp_sim
 
-FIT = hdp_sim.Fit(hdp_sim.CostModel(sec_per_attention_flop=2e-11, sec_per_linear_flop=1e-11),
-                  1.0, 1.0, {})
+pytestmark = pytest.mark.slow  # starts processes or trains end to end
+
+RATES = hdp_sim.CostModel(sec_per_attention_flop=2e-11, sec_per_linear_flop=1e-11)
 
 
 def test_cost_model_is_the_measured_model():
-  m = hdp_calibrate.cost_model(FIT, link_bytes_per_s=1e7)
+  m = hdp_calibrate.cost_model(RATES, link_bytes_per_s=1e7)
   assert (m.d_model, m.n_layers, m.kv_dim, m.bytes_per_element) == (192, 2, 192, 4)
   assert m.compiled and m.overlap and m.pad_compute
   # d 192, 2 layers of 12 d^2 + 2 d, untied 256-token embedding and head, a final norm.
   assert m.params == 2 * (12 * 192 ** 2 + 2 * 192) + 2 * 256 * 192 + 192 == 984_000
+  # The microbenchmark's rates alone leave the head out, as the tables do; the calibrated
+  # model counts it.
+  assert m.vocab_size == 0
+  assert hdp_calibrate.cost_model(RATES, link_bytes_per_s=1e7, head=True).vocab_size == 256
 
 
 @pytest.mark.parametrize("overlap,exchange", [(True, 1.0), (False, 1.0), (False, 2.0)])
@@ -30,7 +35,7 @@ def test_predict_by_hand(overlap, exchange):
   at c = 2 no backward K/V hop; h and g `exchange` times bytes / link), the row's layout
   all-gather; then the gradient all-reduce."""
   link = 1e7
-  m = hdp_calibrate.cost_model(FIT, link_bytes_per_s=link, overlap=overlap,
+  m = hdp_calibrate.cost_model(RATES, link_bytes_per_s=link, overlap=overlap,
                                hop_exchange=exchange)
   d, tokens = 192, 2048
   lin = 1e-11 * 24 * d * d * tokens
@@ -76,8 +81,8 @@ def test_runner_args_and_corpus(tmp_path):
 
 def test_case_row_and_table():
   rate = hdp_calibrate.link_rate("100mbit", "switched")
-  p = hdp_calibrate.predict(hdp_calibrate.cost_model(FIT, link_bytes_per_s=rate), seq_len=4096)
-  row = hdp_calibrate.case_row("lab switched 100mbit", FIT, rate, [0.5, p["total_s"], 9.0],
+  p = hdp_calibrate.predict(hdp_calibrate.cost_model(RATES, link_bytes_per_s=rate), seq_len=4096)
+  row = hdp_calibrate.case_row("lab switched 100mbit", RATES, rate, [0.5, p["total_s"], 9.0],
                                seq_len=4096, compiled_bytes=p["sent_bytes"],
                                measured_compute_s=1.0)
   assert row["error_simulator"] == pytest.approx(0.0)
@@ -87,3 +92,34 @@ def test_case_row_and_table():
   line = hdp_calibrate.table([row]).splitlines()[-1]
   assert line.startswith("| lab switched 100mbit | 11.96 |") and "| +0.0% |" in line
   assert line.endswith("| 1.000 |")
+
+
+def test_mixes():
+  assert hdp_calibrate.parse_mix("16x512") == (16, 512)
+  for bad in ("2*4096", "0x4096", "x4096", "2x"):
+    with pytest.raises(ValueError, match="ROWSxTOKENS"):
+      hdp_calibrate.parse_mix(bad)
+  step = hdp_calibrate.measured_step("8x1024", 0.5)
+  assert (step.lengths, step.tokens_per_device, step.ring, step.seconds) == (
+      (1024,) * 8, 512, 2, 0.5)
+
+
+def test_compute_rows_by_hand():
+  """An in-process mix's prediction is its rows' compute on a ring of 2: per row and layer
+  3 (Lin + 2 b) with the calibrated terms in Lin (head and sec_per_element) and once a
+  step sec_per_step; its error against the median."""
+  rates = hdp_calibrate.cost_model(RATES, link_bytes_per_s=1e30)
+  cal = dataclasses.replace(hdp_calibrate.cost_model(RATES, link_bytes_per_s=1e30, head=True),
+                            sec_per_element=1e-9, sec_per_step=0.1)
+  row = hdp_calibrate.compute_row("8x1024", "held out", [1.0, 2.0, 3.0], rates=rates,
+                                  calibrated=cal)
+  d, tokens = 192, 512
+  b = 2e-11 * 2 * d * 1024 ** 2 / 2 / 2
+  lin = 1e-11 * 24 * d * d * tokens
+  head = 1e-11 * 2 * d * 256 * tokens / 2 + 1e-9 * d * tokens
+  assert row["rates_s"] == pytest.approx(8 * 2 * 3 * (lin + 2 * b), rel=1e-9)
+  assert row["calibrated_s"] == pytest.approx(8 * 2 * 3 * (lin + head + 2 * b) + 0.1, rel=1e-9)
+  assert row["measured_s"] == 2.0 and row["measured_min_max_s"] == [1.0, 3.0]
+  assert row["error_calibrated"] == pytest.approx(row["calibrated_s"] / 2.0 - 1)
+  line = hdp_calibrate.compute_table([row]).splitlines()[-1]
+  assert line.startswith("| 8x1024 | held out | 2.000 [1.000, 3.000] |")
