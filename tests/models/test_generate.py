@@ -145,6 +145,28 @@ class GenerateTest(parameterized.TestCase):
     more_likely = np.where(probs > chosen, probs, 0).sum(-1)
     self.assertTrue(np.all(more_likely < 0.5))
 
+  def test_each_step_draws_from_fold_in_key_i(self):
+    """Step i's tokens are categorical(fold_in(key, i)) of its logits tempered, cut to the
+    top k and then to the nucleus, with the masks computed here in numpy."""
+    rows, prompts, lengths = _prompts()
+    key, t, top_k, top_p = jax.random.key(7), 0.8, 5, 0.9
+    out = gen.generate(CFG, _params(CFG), prompts, lengths, key, max_new_tokens=NEW,
+                       return_logits=True,
+                       sampling=gen.Sampling(temperature=t, top_k=top_k, top_p=top_p))
+    for i in range(NEW):
+      logits = np.asarray(out.logits[:, i], np.float32) / np.float32(t)
+      order = np.argsort(-logits, axis=-1, kind="stable")
+      ranked = np.take_along_axis(logits, order, -1)
+      probs = np.exp(ranked - ranked[:, :1])
+      probs[:, top_k:] = 0
+      probs /= probs.sum(-1, keepdims=True)
+      keep = np.zeros_like(ranked, bool)
+      keep[:, :top_k] = (np.cumsum(probs, -1) - probs)[:, :top_k] < top_p
+      masked = np.full_like(logits, -np.inf)
+      np.put_along_axis(masked, order, np.where(keep, ranked, -np.inf), -1)
+      want = jax.random.categorical(jax.random.fold_in(key, i), jnp.asarray(masked), axis=-1)
+      np.testing.assert_array_equal(out.tokens[:, i], want, err_msg=f"step {i}")
+
   def test_sharded_equals_unsharded(self):
     self._sharded_equals_unsharded(scheme=None, impl="xla")
 

@@ -90,8 +90,9 @@ def _reference(steps, *, sync_every, fragments, overlap_steps, mixing, lr=0.5, m
   return params
 
 
-@pytest.mark.parametrize("fragments,overlap_steps,mixing", [(4, 0, 0.0), (4, 3, 0.5)])
-@pytest.mark.slow
+# mixing 0.3: at 0.5 the two weights' roles could be swapped unseen.
+@pytest.mark.parametrize("fragments,overlap_steps,mixing", [
+    pytest.param(4, 0, 0.0, marks=pytest.mark.slow), (4, 3, 0.3)])
 def test_matches_the_step_by_step_reference(fragments, overlap_steps, mixing):
   # A mild outer step: with DiLoCo's 0.7 / 0.9 this toy problem amplifies float32 rounding
   # (the two sum in different orders) by ~2x a step after a dozen steps.

@@ -104,6 +104,28 @@ class HDPStepTest(parameterized.TestCase):
       self.assertEqual(sum(fn._cache_size() for fn in run._locals.values()),
                        len(expected["local"]))
 
+  def test_per_rank_step_equals_the_single_device_step(self):
+    """The fast tier's check of per-rank HDP's gradients (the slow test above runs the
+    others): a 1-layer model, documents on rings of 3 and 2 and short ones beside them, one
+    step equal to the single-device step on the same documents."""
+    model = dataclasses.replace(MODEL, n_layers=1)
+    mesh = mesh_lib.make_mesh("data=8")
+    optimizer, state_sh, state = init(mesh, model)
+    run = hdp_step.PerRankHDPStep(model, optimizer, mesh, state_sh, TOKENS_PER_DEVICE)
+    one = mesh_lib.make_mesh("data=1", jax.devices()[:1])
+    _, ref_sh, ref = init(one, model)
+    ref_fn = grads.jit_autodiff_step(model, optimizer, ref_sh, mesh_lib.batch_sharding(one))
+    docs = [d for d in documents(1) if len(d) - 1 <= 40]
+    state, metrics = run(state, {"tokens": docs})
+    ref, ref_metrics = ref_fn(ref, jax.device_put(single_device_batch(docs),
+                                                  mesh_lib.batch_sharding(one)))
+    lengths = [len(d) - 1 for d in docs]
+    planned = hdp_step.programs(run.plan(lengths), lengths, TOKENS_PER_DEVICE)["ring"]
+    self.assertLessEqual({2, 3}, {len(block) for block, _ in planned})
+    np.testing.assert_allclose(float(metrics["loss"]), float(ref_metrics["loss"]), rtol=1e-5)
+    chex.assert_trees_all_close(jax.device_get(state.params), jax.device_get(ref.params),
+                                atol=2e-5)
+
   def test_a_ring_program_compiles_once_per_shape_and_equals_its_block_compiled(self):
     """One document's ring of 2 on every block of 2 slots: one compiled ring program,
     loaded onto the other blocks, each block's sums those of the program compiled for it."""
