@@ -130,6 +130,7 @@ class RunConfig:
   pipeline: PipelineConfig
   checkpoint: CheckpointConfig
   profile: ProfileConfig
+  check_memory: bool = True  # refuse a run whose estimated memory exceeds the machine's
 
   def to_dict(self) -> dict[str, Any]:
     """The config file's nested form (what a checkpoint records as its config)."""

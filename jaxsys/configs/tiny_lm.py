@@ -74,6 +74,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Model fields that change the function but not the shapes (rope_theta, norm_eps, dtype),
   # comma-separated, that a resume or init_from may change; others differing are refused.
   c.allow_model_change = ""
+  # Before any work the run's memory is estimated from its shapes (parameters, optimizer
+  # state, gradients, one step's activations per device, the loaders' buffers;
+  # jaxsys/train/memory_estimate.py) and a run that cannot fit this machine is refused in
+  # one line; False skips that check (for a user who knows better).
+  c.check_memory = True
 
   placeholder = ml_collections.config_dict.placeholder  # None until set, typed for overrides
   c.model = ml_collections.ConfigDict(dict(

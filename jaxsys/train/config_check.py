@@ -29,6 +29,7 @@ from jaxsys.optim.inner import OPTIMIZERS
 from jaxsys.parallel import context, pipeline
 from jaxsys.train import comm_device
 from jaxsys.train import hdp_step
+from jaxsys.train import memory_estimate
 from jaxsys.train import replicas as replicas_lib
 
 
@@ -106,6 +107,7 @@ FIELDS: dict[str, Rule] = {
     "allow_model_change": Rule(
         lambda v: isinstance(v, str) and set(filter(None, map(str.strip, v.split(","))))
         <= set(NUMERIC_FIELDS), f"'' or a comma-separated subset of {', '.join(NUMERIC_FIELDS)}"),
+    "check_memory": BOOL,
     "init_from": Rule(lambda v: isinstance(v, str), "a run's workdir, 'hf:<dir>' (a Hugging Face "
                       "Llama checkpoint), or '' (random init)"),
     "model.vocab_size": integer(1),
@@ -350,7 +352,8 @@ RELATIONS: tuple[Relation, ...] = (
 ADDED_LATER: dict[str, Any] = {"profile.steps": "", "parallel.context_algorithm": "ring",
                                "parallel.context_gather_mib": 1024,
                                "optimizer.outer_comm_device": False, "model.vocab_tiles": 1,
-                               "model.remat_offload": "", "optimizer.accum_gather_once": False}
+                               "model.remat_offload": "", "optimizer.accum_gather_once": False,
+                               "check_memory": True}
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -458,8 +461,9 @@ def check_config(config, workdir: Any = None, devices=None) -> config_lib.RunCon
   relation, mesh axis or workdir.
 
   Builds the config's mesh (cheap: no compilation) over `devices` (default: all of jax's;
-  a TPU slice's to compile for it) to check what depends on it. `workdir=None` skips the
-  workdir check.
+  a TPU slice's to compile for it) to check what depends on it. With `check_memory` and
+  this machine's devices, refuses a run whose memory estimate (`memory_estimate`) cannot
+  fit them. `workdir=None` skips the workdir check.
   """
   values = hf.run_values(_field_values(config))  # init_from=hf:<dir>: its model and tokenizer
   twins = values["optimizer.outer_comm_device"] and values["optimizer.outer"] == "co2"
@@ -481,6 +485,10 @@ def check_config(config, workdir: Any = None, devices=None) -> config_lib.RunCon
                            microbatches=run.pipeline.microbatches,
                            virtual_stages=run.pipeline.virtual_stages,
                            vocab_overlap=run.pipeline.vocab_overlap)
+  # The run's memory from its shapes, against this machine's (not when compiling for
+  # another's devices: the compile report says whether it fits there).
+  if run.check_memory and devices is None:
+    memory_estimate.check(run, mesh)
   if workdir is not None:
     check_workdir(workdir)
   return run
