@@ -100,6 +100,18 @@ def _override_first(workdir, scratch, argv):
   return argv[:at] + ["--config.total_steps=4"] + argv[at:]
 
 
+def _ledger(how: str):
+  """Makes the checkpoints' ledger (jaxsys/checkpoint/ledger.py) unreadable or a directory."""
+  def action(workdir, scratch):
+    path = workdir / "checkpoints" / "ledger.jsonl"
+    if how == "chmod":
+      path.chmod(0)
+    else:
+      path.unlink()
+      path.mkdir()
+  return _do(action)
+
+
 def _metrics_dir(workdir, scratch):
   (workdir / "metrics.jsonl").mkdir()
 
@@ -128,6 +140,11 @@ CASES = {
         "unreadable (Permission denied)"), trained=True, unprivileged=True),
     "meta/metadata a directory": Case(_step_file("meta/metadata", "dir"), (
         "is corrupt: meta/metadata: not a regular file",), trained=True),
+    "checkpoints/ledger.jsonl unreadable": Case(_ledger("chmod"), (
+        "{workdir}/checkpoints/ledger.jsonl is unreadable (Permission denied)",),
+        trained=True, unprivileged=True),
+    "checkpoints/ledger.jsonl a directory": Case(_ledger("dir"), (
+        "{workdir}/checkpoints/ledger.jsonl is corrupt: not a regular file",), trained=True),
     "metrics.jsonl a directory": Case(_do(_metrics_dir), (
         "cannot use {workdir}/metrics.jsonl: Is a directory",)),
     "config file with a syntax error": Case(_config_file("def get_config(:\n  pass\n"), (

@@ -6,10 +6,12 @@ Trains configs/tiny_lm.py:size=test to step 4 with a checkpoint every step (step
 4 kept), and once to step 6 without damage (the reference). Each trial of each kind
 copies the 4-step run, damages its step 4 (seeded by --seed) and resumes it to step 6
 with checkpoint.on_corrupt=error; when that is refused, once more with
-on_corrupt=previous. Counted per kind: refused (the one `error:` line naming step 4),
+on_corrupt=previous. A new kind is one row of KINDS. Counted per kind: refused (the one `error:` line naming step 4),
 resumed from an earlier step (and every loss then equals the reference's), loaded with a
 warning (a step of a version before checksums: nothing to verify it by), loaded wrong
-(damaged step 4 taken as good, or a loss that differs from the reference's).
+(damaged step 4 taken as good, or a loss that differs from the reference's). "data
+flipped, manifest recomputed" verifies by the step's own checksums: the ledger beside the
+steps (jaxsys/checkpoint/ledger.py) refuses it.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import random
 import re
 import shutil
 
-from jaxsys.checkpoint import integrity  # files only: no jax
+from jaxsys.checkpoint import integrity, ledger  # files only: no jax
 
 STEP, END = 4, 6  # the step damaged, the step the resumed runs end at
 LEGACY_KIND = "legacy step (no manifest, no record)"
@@ -88,10 +90,23 @@ def _emptied(step_dir: str, rng: random.Random) -> str:
 
 
 def _legacy(step_dir: str, rng: random.Random) -> str:
+  """As a version before checksums saved it: no manifest, no record, and no ledger (a
+  ledger's entry for the step would tell the rewrite: test_ledger.py)."""
   del rng
   os.remove(os.path.join(step_dir, integrity.MANIFEST))
   _edit_json(os.path.join(step_dir, "meta", "metadata"), lambda m: m.pop(integrity.RECORD))
+  os.remove(ledger.path(os.path.dirname(step_dir)))
   return "as saved before checksums"
+
+
+def _resealed(step_dir: str, rng: random.Random) -> str:
+  """A byte of the largest state `d/` file flipped, then the manifest recomputed over the
+  files: the step vouches for itself; only the ledger outside it (integrity's) tells."""
+  rel = max(_files(step_dir, arrays_only=True),
+            key=lambda f: os.path.getsize(os.path.join(step_dir, f)))
+  flipped = _flip(step_dir, rel, rng)
+  integrity.seal(step_dir)
+  return f"{flipped}, manifest recomputed"
 
 
 def _deleted(step_dir: str, rng: random.Random) -> str:
@@ -107,6 +122,7 @@ KINDS = {
     'manifest {"crc32": {}} + flipped byte': _emptied,
     "manifest deleted": _deleted,
     "manifest lacks one entry (+ its byte)": _unlisted,
+    "data flipped, manifest recomputed": _resealed,
     "position rewritten, manifest redone": lambda d, rng: _position(d, rng, in_meta=False),
     "position + meta copy rewritten, redone": lambda d, rng: _position(d, rng, in_meta=True),
     LEGACY_KIND: _legacy,

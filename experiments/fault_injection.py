@@ -7,20 +7,22 @@ Trains configs/tiny_lm.py:size=test for --total_steps with a checkpoint every st
 then lets it finish; and trains the same config once without a kill in
 <workdir>/reference. Kill points (seeded by --seed): half land in a save cycle (a random
 moment after the save of a random later step has begun: orbax's background write, its
-commit, the checksums, the next step, the next save), one in four as such a save begins,
+commit, the checksums and ledger entry, the next step, the next save), one in four as such
+a save begins,
 and one in four in the start-up (a random moment before the first save of the run before
 began: restore, run.lock take-over, metrics rewrite).
 
 Checked after each kill: what the save in flight left (orbax's temporary directory: a
 step commits only with its checksums, so never a committed step without them); the
-newest committed step verifies; the next run takes over the dead run's run.lock and
+newest committed step verifies (its checksums, and its manifest against the ledger beside
+the steps: the entry is durable before the step commits); the next run takes over the dead run's run.lock and
 resumes from exactly that step, never unverified. At the end the crashed run's losses
 (metrics.jsonl, one row per step) must equal the reference's exactly. Prints one row per
 crash and a summary; exit status 1 when a check fails.
 
 With --corruption it damages checkpoints instead of killing runs (experiments/
-fault_corruption.py: flipped bytes, a manifest emptied, deleted or short of an entry, the
-loader position rewritten, a legacy step) and prints per kind how often the damaged step
+fault_corruption.py: flipped bytes, a manifest emptied, deleted or short of an entry, data
+flipped with the manifest recomputed, the loader position rewritten, a legacy step) and prints per kind how often the damaged step
 was refused, resumed from an earlier step, loaded with a warning or loaded wrong.
 
 With --preemption it SIGTERMs the train binary at each moment of start-up and of a resume
@@ -55,7 +57,7 @@ import traceback
 from absl import app, flags
 
 from jaxsys import xla_flags  # no jax
-from jaxsys.checkpoint import integrity  # files only: no jax
+from jaxsys.checkpoint import integrity, ledger  # files only: no jax
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for both runs: absent or empty.")
 _CRASHES = flags.DEFINE_integer("crashes", 20, "SIGKILLs before the run may finish.")
@@ -87,7 +89,7 @@ class Crash:
   pid: int
   left: str  # what the save in flight left on disk
   newest: int | None  # newest committed step after the kill
-  newest_problem: str | None  # integrity.problem of it: None (verifies), else what fails
+  newest_problem: str | None  # ledger.problem of it: None (verifies), else what fails
   lock_pid: int | None  # the pid run.lock names after the kill
   # Older steps failing their checksums: only ever one that orbax's max_to_keep was
   # deleting when the kill came (it deletes in place); never restored, deleted later.
@@ -241,12 +243,21 @@ def _crash_once(config, workdir: str, log_path: str, number: int, rng: random.Ra
     return None
   _kill(pid)
   killed_after = time.monotonic() - start
-  problems = {s: integrity.problem(os.path.join(ckpt_dir, str(s))) for s in _committed(ckpt_dir)}
+  problems = _problems(ckpt_dir)
   newest = max(problems, default=None)
   problem = problems.get(newest)
   older_bad = [f"{s}: {p}" for s, p in problems.items() if s != newest and p is not None]
   return Crash(number, label, killed_after, pid, _left(ckpt_dir, since_ns, problem, newest),
                newest, problem, _lock_pid(workdir), older_bad)
+
+
+def _problems(ckpt_dir: str) -> dict[int, str | None]:
+  """Each committed step's problem: its checksums, then its manifest against the ledger."""
+  try:
+    entries = ledger.read(ckpt_dir)
+  except ledger.CorruptLedger as e:
+    return {s: str(e) for s in _committed(ckpt_dir)}
+  return {s: ledger.problem(ckpt_dir, s, entries) for s in _committed(ckpt_dir)}
 
 
 def _losses(workdir: str) -> list[tuple[int, float]]:
@@ -292,9 +303,7 @@ def _check_end(crashed: str, reference: str, total_steps: int, code: int) -> lis
                f"(step, crashed, reference) {differ[:3]}")
   if os.path.exists(os.path.join(crashed, "run.lock")):
     out.append("run.lock remains after the last run")
-  ckpt_dir = os.path.join(crashed, "checkpoints")
-  for step in _committed(ckpt_dir):
-    problem = integrity.problem(os.path.join(ckpt_dir, str(step)))
+  for step, problem in _problems(os.path.join(crashed, "checkpoints")).items():
     if problem is not None:
       out.append(f"step {step} left by the last run does not verify: {problem}")
   return out

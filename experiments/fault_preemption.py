@@ -28,7 +28,7 @@ import sys
 import time
 
 from jaxsys import preemption  # no jax
-from jaxsys.checkpoint import integrity  # files only: no jax
+from jaxsys.checkpoint import ledger  # files only: no jax
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MID, END = 2, 4  # the resumes start from step MID; every run ends at END
@@ -129,8 +129,14 @@ def _check(row: dict, point: Point, workdir: pathlib.Path, before: dict[str, byt
     now = _files(ckpt / str(MID)) if (ckpt / str(MID)).is_dir() else {}
     if point.phase == "resume" and now != before:
       out.append(f"checkpoint step {MID}'s files changed")
-    for step in sorted(os.listdir(ckpt)):
-      problem = integrity.problem(str(ckpt / step)) if step.isdigit() else f"{step} left"
+    try:  # each step against its checksums and the ledger beside the steps
+      entries = ledger.read(str(ckpt))
+    except ledger.CorruptLedger as e:
+      out.append(str(e))
+      entries = None
+    for step in sorted(n for n in os.listdir(ckpt) if n != ledger.NAME):
+      problem = (ledger.problem(str(ckpt), int(step), entries) if step.isdigit()
+                 else f"{step} left")
       if problem:
         out.append(f"checkpoint {step}: {problem}")
   elif ckpt.exists() and os.listdir(ckpt):

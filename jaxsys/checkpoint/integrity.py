@@ -39,9 +39,12 @@ _META, _DATA = "meta/metadata", "data/metadata"
 _BLOCK = 8 << 20
 
 
-def record(step: int, data: dict) -> dict:
-  """What meta holds beside the model: the format, the step and a copy of the loader position."""
-  return {"format": FORMAT, "step": step, "data": data}
+def record(step: int, data: dict, ledger: str | None = None) -> dict:
+  """What meta holds beside the model: the format, the step, a copy of the loader position
+  and the name of the ledger the step is entered in (jaxsys.checkpoint.ledger: a step that
+  says so and is missing from a ledger that covers it is corrupt, not an older version's)."""
+  out = {"format": FORMAT, "step": step, "data": data}
+  return out if ledger is None else {**out, "ledger": ledger}
 
 
 def _crc32(path: str) -> str:

@@ -8,7 +8,10 @@ before anything is restored so a checkpoint of another model is refused).
 A step commits with its checksums: process 0 writes the manifest (`integrity.seal`:
 every file's CRC-32) into orbax's temporary directory, in orbax's background commit,
 just before the rename that commits the step; meta records the step and the loader
-position (`integrity.record`). A step is verified before anything of it is read.
+position (`integrity.record`). Then the manifest's sha256 is appended to the ledger
+beside the steps (`ledger`: `<directory>/ledger.jsonl`, hash-chained, fsynced), and only
+then is the step renamed into place. A step is verified, against its checksums and the
+ledger, before anything of it is read.
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ from orbax.checkpoint._src.metadata import checkpoint as orbax_metadata
 from orbax.checkpoint._src.path import async_path, atomicity
 
 from jaxsys import storage
-from jaxsys.checkpoint import integrity
+from jaxsys.checkpoint import integrity, ledger
 
 
 class CorruptCheckpoint(ValueError):
@@ -45,12 +48,16 @@ def corrupt_step(step: int, directory: str, problem: str) -> str:
 
 def check_step(directory: str, step: int, problem: str | None, *, doing: str = "restoring",
                hint: str = "") -> None:
-  """Raises CorruptCheckpoint for `step`'s `problem` (`integrity.problem`) unless it is None
-  or LEGACY; a legacy step passes with a warning that it is `doing` unverified (never sealed
-  after the fact: its files may have changed since its save)."""
+  """Raises CorruptCheckpoint for `step`'s `problem` (`ledger.problem`) unless it is None
+  or one of ledger.WARNINGS: a legacy step passes with a warning that it is `doing`
+  unverified (never sealed after the fact: its files may have changed since its save), a
+  step the ledger cannot vouch for (no ledger, or older than it) with a warning that says
+  so (one line: only the step restored is checked here)."""
   if problem == integrity.LEGACY:
     logging.warning("checkpoint step %d in %s: %s; %s it unverified", step, directory, problem,
                     doing)
+  elif problem in ledger.WARNINGS:
+    logging.warning("checkpoint step %d in %s: %s; %s it", step, directory, problem, doing)
   elif problem is not None:
     raise CorruptCheckpoint(corrupt_step(step, directory, problem) + hint)
 
@@ -135,6 +142,14 @@ class _CommitWithChecksums(atomicity.AtomicRenameTemporaryPath):
     await async_path.write_text(self._tmp_path / atomicity.COMMIT_SUCCESS_FILE,
                                 f"Checkpoint commit was successful to {self._final_path}")
     await asyncio.to_thread(integrity.seal, os.fspath(self._tmp_path))
+    # The ledger entry is durable (written and fsynced) before the rename: a committed step
+    # always has its entry. A crash between the two leaves an entry for a step that never
+    # committed: harmless (its temporary directory is removed at the next start, and a later
+    # save of that step appends a newer entry, the one checked). The reverse order would
+    # let a crash leave a committed step without its entry, which a resume could not tell
+    # from a step whose entry was removed to hide a rewrite.
+    await asyncio.to_thread(ledger.enter, os.fspath(self._tmp_path),
+                            os.fspath(self._final_path.parent), int(self._final_path.name))
     await async_path.rename(self._tmp_path, self._final_path)
 
 
@@ -170,22 +185,29 @@ class Checkpointer:
     return os.path.join(self.directory, str(step))
 
   def problem(self, step: int) -> str | None:
-    """None when `step` verifies against its checksums; else what fails (see integrity)."""
-    return integrity.problem(self.step_dir(step))
+    """None when `step` verifies against its checksums and the ledger; else what fails
+    (see integrity and ledger). A ledger whose chain does not verify raises
+    ledger.CorruptLedger."""
+    return ledger.problem(self.directory, step, ledger.read(self.directory))
 
   def restore_step(self, on_corrupt: str = "error") -> int | None:
-    """The step to resume from: the latest, if it verifies (or was saved by a version
-    before checksums: restored unverified, with a warning). A corrupt latest step stops
+    """The step to resume from: the latest, if it verifies against its checksums and the
+    ledger (or was saved by a version before checksums or before the ledger: restored
+    with a one-line warning). A ledger whose chain is broken stops with one line naming
+    the entry (ledger.CorruptLedger). A corrupt latest step stops
     with one line naming the file and the newest earlier step that verifies, or, with
     on_corrupt="previous", resumes from that step with a warning."""
+    # A ledger whose chain is broken refuses the run whatever on_corrupt says: it cannot
+    # tell a good step from a rewritten one (and a run appending to it would bury the break).
+    entries = ledger.read(self.directory)
     steps = sorted(self.all_steps(), reverse=True)
     if not steps:
       return None
     problems = {}
 
     def usable(step):
-      problems[step] = self.problem(step)
-      return problems[step] in (None, integrity.LEGACY)
+      problems[step] = ledger.problem(self.directory, step, entries)
+      return problems[step] is None or problems[step] in ledger.WARNINGS
     good = next((s for s in steps if usable(s)), None)
     if good == steps[0]:
       self._accept(good, problems[good])
@@ -245,7 +267,7 @@ class Checkpointer:
     system's reason and the committed steps, which a failed save never touches."""
     # The step and the loader position, twice: a position changed after the save fails
     # verification (integrity._record_problem) even with the manifest recomputed.
-    meta = {**meta, integrity.RECORD: integrity.record(step, data)}
+    meta = {**meta, integrity.RECORD: integrity.record(step, data, ledger=ledger.NAME)}
     args = ocp.args.Composite(
         state=ocp.args.PyTreeSave(state, ocdbt_target_data_file_size=self._file_bytes),
         data=ocp.args.JsonSave(data), meta=ocp.args.JsonSave(meta))

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxsys.checkpoint import integrity
+from jaxsys.checkpoint import ledger
 from jaxsys.checkpoint.manager import check_same_model, check_step
 from jaxsys.models import transformer
 
@@ -69,7 +69,7 @@ def read_params(path: str, step: int | None = None, *, expect_model: dict | None
     step = max(steps) if step is None else step
     if step not in steps:
       raise ValueError(f"{directory}: no checkpoint at step {step}; steps there: {sorted(steps)}")
-    check_step(directory, step, integrity.problem(os.path.join(directory, str(step))),
+    check_step(directory, step, ledger.problem(directory, step, ledger.read(directory)),
                doing="reading")
     meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     if expect_model is not None:

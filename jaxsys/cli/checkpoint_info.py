@@ -4,9 +4,13 @@ r"""What a run's checkpoints hold: each step, its layout, size and integrity.
   python -m experiments.checkpoint_info --workdir=/tmp/jaxsys_tiny
 
 One line per step directory: "verified" when the checksums written with it list every file
-and each matches (and its loader position is the one saved), "legacy, unverified" for a
-step saved before checksums, "CORRUPT: <file>: <what>" otherwise
-(`jaxsys/checkpoint/integrity.py`); its size, the model, and how its state is
+and each matches (and its loader position is the one saved), then whether the ledger beside
+the steps vouches for its manifest: "in ledger", "no ledger" (a run of a version before
+it, or the ledger deleted), "not in ledger (saved before it)"; "legacy, unverified" for a
+step saved before checksums; "CORRUPT: <file>: <what>" otherwise, e.g. "checksums.json
+differs from the ledger: ..." for a step rewritten with its manifest
+(`jaxsys/checkpoint/integrity.py`, `ledger.py`). A ledger whose chain does not verify is
+named in one line above the steps, which then show their own checksums only. Its size, the model, and how its state is
 laid out (one model, or replicas stacked on a leading axis, and the mesh it was saved
 under). Steps moved aside as corrupt and saves that never committed are listed too.
 Reads files only: no accelerator, nothing restored.
@@ -19,7 +23,7 @@ import sys
 
 from absl import app, flags
 
-from jaxsys.checkpoint import integrity
+from jaxsys.checkpoint import integrity, ledger
 from jaxsys.checkpoint.reader import checkpoints_dir
 
 
@@ -52,6 +56,18 @@ def _model(meta: dict) -> str:
   return f"d_model {m.get('d_model')}, {m.get('n_layers')} layers, vocab {m.get('vocab_size')}"
 
 
+def _status(directory: str, step: int, entries, broken: bool) -> str:
+  """The step's integrity, and what the ledger says of it."""
+  if broken:
+    bad = integrity.problem(os.path.join(directory, str(step)))
+    return ("verified, ledger broken" if bad is None else "legacy, unverified" if
+            bad == integrity.LEGACY else f"CORRUPT: {bad}")
+  bad = ledger.problem(directory, step, entries)
+  return {None: "verified, in ledger", ledger.NO_LEDGER: "verified, no ledger",
+          ledger.UNLEDGERED: "verified, not in ledger (saved before it)",
+          integrity.LEGACY: "legacy, unverified"}.get(bad, f"CORRUPT: {bad}")
+
+
 def describe(path: str) -> list[str]:
   """The report's lines for the run at `path` (its workdir or checkpoints dir)."""
   directory = checkpoints_dir(path)
@@ -60,6 +76,15 @@ def describe(path: str) -> list[str]:
   names = sorted(os.listdir(directory), key=lambda n: (not n.isdigit(), int(n) if n.isdigit()
                                                         else 0, n))
   lines = [f"{directory}:"]
+  try:
+    entries = ledger.read(directory)
+    lines.append(f"  {ledger.NAME}: " + ("absent: steps verified by their own checksums only"
+                                          if entries is None else
+                                          f"{len(entries)} entries, chain verifies"))
+    broken = False
+  except ledger.CorruptLedger as e:
+    entries, broken = None, True
+    lines.append(f"  BROKEN LEDGER: {e}")
   for name in names:
     full = os.path.join(directory, name)
     if not os.path.isdir(full):
@@ -70,9 +95,7 @@ def describe(path: str) -> list[str]:
               "a save that never committed" if ".orbax-checkpoint-tmp" in name else "not a step")
       lines.append(f"  {name:>10}  {size}  {kind}")
       continue
-    bad = integrity.problem(full)
-    status = ("verified" if bad is None else "legacy, unverified" if
-              bad == integrity.LEGACY else f"CORRUPT: {bad}")
+    status = _status(directory, int(name), entries, broken)
     try:
       with open(os.path.join(full, "meta", "metadata"), encoding="utf-8") as f:
         meta = json.load(f)
@@ -80,7 +103,7 @@ def describe(path: str) -> list[str]:
     except (OSError, ValueError) as e:
       about = f"meta unreadable ({type(e).__name__})"
     lines.append(f"  step {name:>5}  {size}  {status}; {about}")
-  if len(lines) == 1:
+  if len(lines) == 2:
     lines.append("  (no checkpoints)")
   return lines
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxsys import storage
-from jaxsys.checkpoint import integrity
+from jaxsys.checkpoint import integrity, ledger
 from jaxsys.checkpoint.manager import Checkpointer, CorruptCheckpoint
 
 
@@ -88,7 +88,8 @@ def test_every_committed_step_lists_every_file_and_records_its_position(tmp_path
       assert sorted(_manifest(step_dir)) == integrity._files(step_dir)
       assert ckpt.problem(step) is None
       assert ckpt.read_meta(step)[integrity.RECORD] == {
-          "format": integrity.FORMAT, "step": step, "data": _position(step)}
+          "format": integrity.FORMAT, "step": step, "data": _position(step),
+          "ledger": "ledger.jsonl"}
     assert ckpt.restore_step() == 2
     _, data = ckpt.restore(2, {"w": jnp.zeros((64, 64)), "b": jnp.zeros(8)})
     assert data == _position(2)
@@ -190,9 +191,15 @@ def test_a_deleted_manifest_is_corrupt_not_unverified(tmp_path):
 
 
 def _as_legacy(step_dir):
-  """A step as a version before checksums saved it: no manifest, no record in meta."""
+  """A step as a version before checksums saved it: no manifest, no record in meta, no
+  entry in the ledger (the others' entries chained anew)."""
   os.remove(os.path.join(step_dir, integrity.MANIFEST))
   _rewrite_json(os.path.join(step_dir, "meta", "metadata"), lambda m: m.pop(integrity.RECORD))
+  directory, step = os.path.split(os.path.normpath(step_dir))
+  kept = [e for e in ledger.read(directory) if e.step != int(step)]
+  os.remove(ledger.path(directory))
+  for entry in kept:
+    ledger.append(directory, entry.step, entry.manifest_sha256)
 
 
 def test_a_legacy_step_is_restored_with_a_warning_and_never_sealed(tmp_path, caplog):
@@ -309,7 +316,7 @@ def test_checkpoint_info_tells_verified_legacy_and_corrupt_apart(tmp_path):
   lines = checkpoint_info.describe(str(tmp_path))
   status = dict(re.match(r"\s*step\s+(\d+)\s+[\d.]+ MiB  (.*?); ", l).groups()
                 for l in lines if l.lstrip().startswith("step"))
-  assert status["1"] == "verified"
+  assert status["1"] == "verified, in ledger"
   assert status["2"] == "legacy, unverified"
   assert status["3"].startswith(f"CORRUPT: {integrity.MANIFEST}: lists 0 of the step's ")
   assert status["4"].startswith(f"CORRUPT: {integrity.MANIFEST}: missing, though")

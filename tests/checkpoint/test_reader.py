@@ -9,7 +9,7 @@ import jax
 import numpy as np
 from absl.testing import absltest, parameterized
 
-from jaxsys.checkpoint import integrity, reader
+from jaxsys.checkpoint import integrity, ledger, reader
 from jaxsys.checkpoint.manager import Checkpointer, check_same_model
 from jaxsys.models import transformer
 
@@ -84,8 +84,11 @@ class ReaderTest(parameterized.TestCase):
     meta["model"]["d_ff"] = 48
     with open(path, "w") as f:
       json.dump(meta, f)
-    # As if saved so (an edit after the save fails its checksum: test_integrity.py).
+    # As if saved so (an edit after the save fails its checksum: test_integrity.py, and
+    # the ledger: test_ledger.py).
     integrity.seal(os.path.join(self.workdir, "checkpoints", "1"))
+    ledger.enter(os.path.join(self.workdir, "checkpoints", "1"),
+                 os.path.join(self.workdir, "checkpoints"), 1)
     with self.assertRaisesRegex(ValueError, r"checkpoint step 1 in .* does not match the model "
                                             r"in its meta .* is \(1, 32, 16\) there but the "
                                             r"meta's model gives \(1, 48, 16\)$"):

@@ -22,7 +22,7 @@ import pytest
 
 import forked_cli
 from jaxsys import metrics, storage
-from jaxsys.checkpoint import integrity
+from jaxsys.checkpoint import integrity, ledger
 
 pytestmark = pytest.mark.slow  # starts processes or trains end to end
 
@@ -101,15 +101,20 @@ def test_sigkill_at_random_points_resumes_from_committed_steps(small_corpus, tmp
   assert read(crashed) == read(reference) and len(read(reference)) == 28
   ckpt = crashed / "checkpoints"
   assert not (crashed / "run.lock").exists()
+  entries = ledger.read(str(ckpt))  # its chain verifies
   for step_dir in ckpt.iterdir():
+    if step_dir.name == ledger.NAME:
+      continue
     assert step_dir.name.isdigit(), step_dir  # no half-written save left at the end
-    assert integrity.problem(str(step_dir)) is None, step_dir
+    # Its checksums, and its manifest against the ledger (entered before each commit).
+    assert ledger.problem(str(ckpt), int(step_dir.name), entries) is None, step_dir
 
 
 def test_damaged_checkpoints_are_refused_on_real_runs(small_corpus, tmp_path):
   """--corruption, one trial of each kind: every damaged step 4 refused in one line, then
-  resumed from step 3 with the undamaged run's losses; the legacy step loaded with a
-  warning; none loaded wrong."""
+  resumed from step 3 with the undamaged run's losses (data flipped with the manifest
+  recomputed too: by the ledger); the legacy step loaded with a warning; none loaded
+  wrong."""
   t0 = time.monotonic()
   proc = subprocess.run([sys.executable, "-m", "experiments.fault_injection",
                          f"--workdir={tmp_path / 'runs'}", "--corruption", "--trials=1",
@@ -117,8 +122,8 @@ def test_damaged_checkpoints_are_refused_on_real_runs(small_corpus, tmp_path):
                         cwd=ROOT, capture_output=True, text=True, timeout=600)
   print(proc.stdout, f"\n{time.monotonic() - t0:.1f} s")
   assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
-  rows = {l[:40].strip(): l[40:].split() for l in proc.stdout.splitlines()[1:9]}
-  assert len(rows) == 8 and rows.pop("legacy step (no manifest, no record)") == ["1", "0", "0",
+  rows = {l[:40].strip(): l[40:].split() for l in proc.stdout.splitlines()[1:10]}
+  assert len(rows) == 9 and "data flipped, manifest recomputed" in rows and rows.pop("legacy step (no manifest, no record)") == ["1", "0", "0",
                                                                                  "1", "0"]
   assert all(r == ["1", "1", "1", "0", "0"] for r in rows.values()), proc.stdout
 
@@ -168,7 +173,7 @@ def test_a_save_on_a_full_disk_stops_in_one_line(two_checkpoints, small_corpus, 
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"resumed from {workdir / 'checkpoints'} at step 4" in proc.stderr
     assert _loss_steps(workdir) == list(range(1, 9))
-    assert sorted(os.listdir(workdir / "checkpoints")) == ["6", "8"]
+    assert sorted(os.listdir(workdir / "checkpoints")) == ["6", "8", ledger.NAME]
   finally:
     if disk == "small tmpfs":
       subprocess.run(["umount", "-l", str(workdir)], check=False)

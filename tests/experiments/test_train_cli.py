@@ -201,5 +201,6 @@ def test_a_corrupt_checkpoint_is_refused_or_skipped(four_steps, small_corpus, tm
   assert lines[0] == f"{tmp_path / 'checkpoints'}:"
   steps = [l for l in lines if l.lstrip().startswith("step")]
   assert [l.split()[1] for l in steps] == ["2", "4", "6"]
-  assert all("verified; d_model" in l and "one model, mesh data=-1" in l for l in steps)
+  assert all("verified, in ledger; d_model" in l and "one model, mesh data=-1" in l
+             for l in steps)
   assert any("4.corrupt" in l and "moved aside as corrupt" in l for l in lines)

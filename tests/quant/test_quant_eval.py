@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from jaxsys import xla_flags
-from jaxsys.checkpoint import integrity
+from jaxsys.checkpoint import integrity, ledger
 from jaxsys.quant import evaluate
 from jaxsys.train import loop
 
@@ -66,10 +66,12 @@ def test_quant_eval_end_to_end(make_config, tmp_path):
   bad["model"]["d_ff"] = 96
   with open(meta, "w") as f:
     json.dump(bad, f)
-  # Edited after the save, it fails its checksum; as if saved so, its shapes disagree.
+  # Edited after the save, it fails its checksum; as if saved so (sealed and entered in the
+  # ledger), its shapes disagree.
   with pytest.raises(ValueError, match=r"checkpoint step 2 in .* is corrupt: meta/metadata: "):
     evaluate.load_run(workdir)
   integrity.seal(os.path.join(workdir, "checkpoints", "2"))
+  ledger.enter(os.path.join(workdir, "checkpoints", "2"), os.path.join(workdir, "checkpoints"), 2)
   with pytest.raises(ValueError, match=r"checkpoint step 2 in .* does not match the model in its "
                                        r"meta .*'d_ff': 96") as e:
     evaluate.load_run(workdir)
