@@ -48,6 +48,8 @@ import json
 import os
 import re
 
+from absl import logging
+
 from jaxsys.checkpoint import integrity
 
 NAME = "ledger.jsonl"
@@ -160,6 +162,8 @@ def _head(f, where: str) -> str:
     if b"\n" not in tail and start:
       raise CorruptLedger(f"{where} is corrupt: its last {_TAIL} bytes hold no line end")
     tail = tail[:tail.rfind(b"\n") + 1]
+    logging.warning("%s: cutting off its last %d bytes, a line without its end (an append "
+                    "that a crash interrupted: never an entry)", where, size - start - len(tail))
     f.truncate(start + len(tail))
   lines = tail.split(b"\n")[:-1]
   if not lines:
@@ -232,7 +236,7 @@ def problem(directory: str, step: int, entries: list[Entry] | None) -> str | Non
   if found == integrity.LEGACY:
     return found
   if entries and step >= entries[0].step and _entered(step_dir):
-    return (f"not in {NAME} (its {len(entries)} entries run from step {entries[0].step}), "
+    return (f"not in {NAME} (which runs from step {entries[0].step} to {entries[-1].step}), "
             f"though meta/metadata records that the step was entered in it (the ledger lost "
             "the entry, or the step was copied from another run)")
   return UNLEDGERED

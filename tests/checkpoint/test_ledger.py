@@ -219,7 +219,7 @@ def test_a_committed_step_without_its_entry_is_refused(tmp_path):
   _flip_and_reseal(tmp_path / "2")
   (tmp_path / ledger.NAME).write_bytes(_lines(tmp_path)[0])
   with pytest.raises(CorruptCheckpoint, match=r"^checkpoint step 2 .* is corrupt: not in "
-                     r"ledger.jsonl \(its 1 entries run from step 1\), though meta/metadata "
+                     r"ledger.jsonl \(which runs from step 1 to 1\), though meta/metadata "
                      r"records that the step was entered in it .*; step 1 verifies"):
     _restore_step(tmp_path)
   assert _restore_step(tmp_path, "previous") == 1
