@@ -90,6 +90,13 @@ def _defined_flags(module: str) -> dict[str, tuple]:
   tree = ast.parse((ROOT / (module.replace(".", "/") + ".py")).read_text())
   binary = [n.module for n in tree.body if isinstance(n, ast.ImportFrom)
             and (n.module or "").startswith("jaxsys.cli.")]
+  if any(isinstance(n, ast.ImportFrom) and n.module == "jaxsys.cli"
+         and [a.name for a in n.names] == ["scripts"] for n in tree.body):
+    # scripts.<name>() runs jaxsys.cli.<name>
+    called = [n.func.attr for n in ast.walk(tree) if isinstance(n, ast.Call)
+              and isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name)
+              and n.func.value.id == "scripts"]
+    binary = [f"jaxsys.cli.{called[0]}"]
   if binary:  # a wrapper of a packaged binary: that binary's flags
     return _defined_flags(binary[0])
   constants = {}

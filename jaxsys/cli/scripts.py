@@ -1,15 +1,12 @@
 """Console-script entry points (`[project.scripts]` in pyproject.toml)."""
-from jaxsys import hugepages, preemption
+from jaxsys import preemption
+from jaxsys.cli import start
 
 
 def train() -> None:
-  """`jaxsys-train`: SIGTERM exits 75 from here on (`jaxsys.preemption`); re-executed with
-  huge pages before jax starts, then the trainer."""
+  """`jaxsys-train`: `start.before_jax`, then the trainer."""
   with preemption.exits_preempted():
-    preemption.install()
-    with preemption.blocked_across_exec():  # a SIGTERM meanwhile reaches the new image
-      hugepages.reexec_with_huge_pages()
-    preemption.pause_point("imports")
+    start.before_jax()
     from jaxsys.cli import train as binary  # pylint: disable=import-outside-toplevel
     binary.run()
 

@@ -26,10 +26,9 @@ import os
 import sys
 import warnings
 
-if __name__ == "__main__":  # python -m jaxsys.cli.train: SIGTERM handled before jax starts
-  from jaxsys.cli import scripts
-  scripts.train()
-  sys.exit()
+if __name__ == "__main__":  # python -m jaxsys.cli.train (the network lab's runner)
+  from jaxsys.cli import start
+  start.before_jax()
 
 import jax  # pylint: disable=wrong-import-position
 from absl import app, flags, logging
@@ -124,3 +123,7 @@ def run() -> None:
     preemption.install()
     jax.config.config_with_absl()
     app.run(main, flags_parser=args.parse_flags)
+
+
+if __name__ == "__main__":
+  run()

@@ -1,9 +1,9 @@
-"""experiments/bench_hdp.py --part=sim at tiny sizes: runs, prints the table, draws."""
+"""experiments/bench_hdp.py's library (jaxsys.bench.hdp, hdp_real) at tiny sizes: runs, prints the table, draws."""
 import json
 
 import pytest
 
-from experiments import bench_hdp
+from jaxsys.bench import hdp as bench_hdp
 from jaxsys.parallel import hdp_sim
 
 pytestmark = pytest.mark.slow  # starts processes or trains end to end
@@ -96,7 +96,7 @@ def test_draw_schedule_spans_the_schedule():
 
 def test_real_part_tiny():
   """Five layouts of the same documents train to the same loss; HDP pads least."""
-  from experiments import hdp_real
+  from jaxsys.bench import hdp_real
   rows = hdp_real.real_part(size="test", tokens_per_device=128, max_len=1024, batch_steps=2,
                             batches=1, log=lambda *_: None)
   by = {r["layout"]: r for r in rows}

@@ -1,9 +1,9 @@
-"""experiments/bench_pipeline.py at the tiniest size: timed bubbles, executed counts, JSON keys."""
+"""experiments/bench_pipeline.py's library (jaxsys.bench.pipeline) at the tiniest size: timed bubbles, executed counts, JSON keys."""
 import json
 
 import pytest
 
-from experiments import bench_pipeline
+from jaxsys.bench import pipeline as bench_pipeline
 from jaxsys.parallel import schedules
 
 pytestmark = pytest.mark.slow  # starts processes or trains end to end

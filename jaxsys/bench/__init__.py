@@ -1,0 +1,1 @@
+"""Measurement libraries behind the benchmarks in experiments/ and the notebooks."""
