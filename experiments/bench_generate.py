@@ -32,7 +32,8 @@ import jax
 import numpy as np
 from absl import app, flags
 
-from jaxsys.checkpoint import hf, hf_runs
+from jaxsys.checkpoint import hf
+from jaxsys.cli import hf_runs
 from jaxsys.models import generate, transformer
 
 MISSING = "error: bench_generate needs transformers and torch: pip install -e '.[hf]'"

@@ -16,7 +16,8 @@ import jax
 import numpy as np
 from absl import app, flags
 
-from jaxsys.checkpoint import hf, hf_runs
+from jaxsys.checkpoint import hf
+from jaxsys.cli import hf_runs
 from jaxsys.models import transformer
 
 _OUT = flags.DEFINE_string("out", "/tmp/hf_check", "Directory for the checkpoints written.")

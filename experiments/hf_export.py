@@ -7,14 +7,14 @@ The latest (or --step) checkpoint's parameters (replica 0's for a replica run), 
 --quantize round-to-nearest quantized and dequantized (what the quantized model computes
 with float activations), and the run's tokenizer (byte, its cached BPE, or its hf one):
 safetensors + config.json + tokenizer.json that `transformers.AutoModelForCausalLM`
-loads unchanged (jaxsys/checkpoint/hf_runs.py, hf.py).
+loads unchanged (jaxsys/cli/hf_runs.py, hf.py).
 """
 import sys
 
 from absl import app, flags
 
 from jaxsys import metrics as metrics_lib
-from jaxsys.checkpoint import hf_runs
+from jaxsys.cli import hf_runs
 from jaxsys.train import config_check
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Workdir of a training run (experiments.train).")

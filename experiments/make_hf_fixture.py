@@ -29,7 +29,7 @@ import sysconfig
 import numpy as np
 from absl import app, flags
 
-from jaxsys.checkpoint import hf_runs
+from jaxsys.cli import hf_runs
 
 _OUT = flags.DEFINE_string("out", "tests/data/hf_fixture", "Directory the fixture is written to.")
 _NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 8, "Greedy tokens generated per prompt.")

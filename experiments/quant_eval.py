@@ -21,7 +21,7 @@ from ml_collections import config_flags
 
 from jaxsys import configs
 from jaxsys import metrics as metrics_lib
-from jaxsys.checkpoint import hf_runs
+from jaxsys.cli import hf_runs
 from jaxsys.cli import args
 from jaxsys.quant import evaluate
 from jaxsys.train import config_check

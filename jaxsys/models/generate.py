@@ -42,7 +42,6 @@ from jaxsys.kernels import sharded
 from jaxsys.kernels.backends import IMPLS
 from jaxsys.kernels.qweight import QWeight
 from jaxsys.models import transformer
-from jaxsys.quant import rules as quant_rules
 
 PADDINGS = ("right", "left")
 CACHE_AXES = ("batch", None, "kv_heads", "head_dim")  # logical axes of a layer's cache
@@ -305,7 +304,7 @@ def shard_params(cfg: transformer.TransformerConfig, params: dict[str, Any], mes
           mesh, mesh_lib.logical_to_partition_spec(logical, mesh, shape=w.shape)))
     name = path[-1].key
     lead = 1 if path[0].key == "layers" else 0
-    out_axes = [a for a in logical[lead + quant_rules.LAYER_WEIGHTS.get(name, 1):]
+    out_axes = [a for a in logical[lead + transformer.LAYER_MATMULS.get(name, 1):]
                 if a not in (None, "head_dim")]
     spec = mesh_lib.logical_to_partition_spec(
         (*logical[:lead], None, out_axes[0] if out_axes else None), mesh)

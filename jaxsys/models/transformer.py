@@ -35,6 +35,8 @@ from jaxsys.models.matmul import matmul
 # zero-fill plus a dynamic-slice copy per layer and step (about 8% of a CPU step of the
 # tiny config); deeper stacks keep the loop so compile time stays flat in depth.
 UNROLL_MAX_LAYERS = 8
+# The layer's matmul weights and how many leading (input) dims each one contracts.
+LAYER_MATMULS = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_down": 1}
 
 
 

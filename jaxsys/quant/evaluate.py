@@ -23,6 +23,7 @@ from jaxsys import stats
 from jaxsys.checkpoint.reader import read_params
 from jaxsys.config import RunConfig
 from jaxsys.data.loader import make_loader
+from jaxsys.models import transformer
 from jaxsys.quant import ptq, qwix_baseline
 from jaxsys.quant import rules as rules_lib
 from jaxsys.train import config_check, loop
@@ -81,7 +82,7 @@ def qwix_eval_step(graphdef, state, batch, *, token_bytes) -> dict[str, jax.Arra
 
 
 def _bf16_bytes(params) -> int:
-  return sum(2 * math.prod(params["layers"][n].shape) for n in rules_lib.LAYER_WEIGHTS)
+  return sum(2 * math.prod(params["layers"][n].shape) for n in transformer.LAYER_MATMULS)
 
 
 def evaluate_table(run: Run, workdir: str, *, rows=DEFAULT_ROWS, calib_batches: int = 8,

@@ -35,7 +35,7 @@ _ACT_SCHEMES = ("w8a8_int8", "w8a8_fp8")  # schemes that quantize their input ac
 def matrix(name: str, w: jax.Array, stacked: bool) -> jax.Array:
   """The [..., K, N] view of a weight: its input dims flattened into K, output dims into N."""
   lead = 1 if stacked else 0
-  n_in = rules_lib.LAYER_WEIGHTS.get(name, 1)
+  n_in = transformer.LAYER_MATMULS.get(name, 1)
   k = math.prod(w.shape[lead:lead + n_in])
   return w.reshape(*w.shape[:lead], k, -1)
 

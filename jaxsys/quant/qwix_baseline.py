@@ -29,7 +29,6 @@ import numpy as np
 from flax import nnx
 
 from jaxsys.models import transformer
-from jaxsys.quant import rules as rules_lib
 from jaxsys.quant.ptq import matrix
 
 # Our scheme -> qwix (weight_qtype, act_qtype, whether K is tiled in groups of group_size).
@@ -58,12 +57,12 @@ class QwixLayer(nnx.Module):
   def __init__(self, p: dict[str, jax.Array]):
     self.attn_norm = nnx.Param(p["attn_norm"])
     self.mlp_norm = nnx.Param(p["mlp_norm"])
-    for name in rules_lib.LAYER_WEIGHTS:
+    for name in transformer.LAYER_MATMULS:
       setattr(self, name, QwixDense(matrix(name, p[name], stacked=False)))
 
   def __call__(self, x_BTD, positions_BT, segment_ids_BT, cfg, attention_fn):
     p = {"attn_norm": self.attn_norm.get_value(), "mlp_norm": self.mlp_norm.get_value(),
-         **{name: getattr(self, name) for name in rules_lib.LAYER_WEIGHTS}}
+         **{name: getattr(self, name) for name in transformer.LAYER_MATMULS}}
     return transformer.block(p, x_BTD, positions_BT, segment_ids_BT, cfg, attention_fn)
 
 
@@ -105,7 +104,7 @@ def qwix_rules(scheme: str, group_size: int = 128):
     raise ValueError(f"qwix_rules: scheme={scheme!r} is not known; choose one of {sorted(SCHEMES)}")
   weight, act, tiled = SCHEMES[scheme]
   tile = group_size if tiled else None
-  names = "|".join(rules_lib.LAYER_WEIGHTS)
+  names = "|".join(transformer.LAYER_MATMULS)
   return [qwix.QtRule(module_path=rf"layers/\d+/({names})", weight_qtype=weight, act_qtype=act,
                       tile_size=tile)]
 
@@ -123,7 +122,7 @@ def weight_bytes(model: nnx.Module) -> int:
   """Storage of the layer matmul weights: qwix's codes at their bit width plus scales."""
   total = 0
   for layer in model.layers:
-    for name in rules_lib.LAYER_WEIGHTS:
+    for name in transformer.LAYER_MATMULS:
       for leaf in jax.tree.leaves(getattr(layer, name).kernel):
         bits = jnp.iinfo(leaf.dtype).bits if jnp.issubdtype(leaf.dtype, jnp.integer) \
             else jnp.finfo(leaf.dtype).bits

@@ -14,9 +14,7 @@ import dataclasses
 import re
 
 from jaxsys.kernels import quant_matmul
-
-# Layer matmul weights and how many leading (input) dims each one contracts.
-LAYER_WEIGHTS = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_down": 1}
+from jaxsys.models.transformer import LAYER_MATMULS
 # Weights outside the layer stack that a rule may quantize (left float by default).
 OTHER_WEIGHTS = ("embedding", "unembedding")
 
@@ -51,7 +49,7 @@ def scheme_for(path: str, rules) -> Rule | None:
 
 def default_rules(scheme: str, *, group_size: int = 128, head: bool = False) -> tuple[Rule, ...]:
   """Every layer matmul in `scheme`; embedding and LM head float unless `head`."""
-  names = "|".join(LAYER_WEIGHTS)
+  names = "|".join(LAYER_MATMULS)
   rules = [Rule(rf"layers/({names})", scheme, group_size)]
   if head:
     rules.append(Rule("unembedding", scheme, group_size))
@@ -60,7 +58,7 @@ def default_rules(scheme: str, *, group_size: int = 128, head: bool = False) -> 
 
 def quantizable_paths(params) -> list[str]:
   """Paths of the matmul weights present in a transformer parameter dict."""
-  paths = [f"layers/{n}" for n in LAYER_WEIGHTS if n in params.get("layers", {})]
+  paths = [f"layers/{n}" for n in LAYER_MATMULS if n in params.get("layers", {})]
   return paths + [n for n in OTHER_WEIGHTS if n in params]
 
 

@@ -16,7 +16,8 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from jaxsys import mesh as mesh_lib
-from jaxsys.checkpoint import hf, hf_runs
+from jaxsys.checkpoint import hf
+from jaxsys.cli import hf_runs
 from jaxsys.data import tokenizer as tokenizer_lib
 from jaxsys.models import transformer
 
@@ -270,7 +271,7 @@ def test_init_from_hf_takes_model_and_tokenizer(make_config, tmp_path):
 
 
 def test_quant_eval_loads_hf(make_config):
-  from jaxsys.checkpoint import hf_runs  # pylint: disable=import-outside-toplevel
+  from jaxsys.cli import hf_runs  # pylint: disable=import-outside-toplevel
   directory = FIXTURE["tied"]
   run = hf_runs.ptq_run(make_config(), f"hf:{directory}")
   assert run.config.model == hf.model_config(directory, run.config.model)
@@ -304,7 +305,7 @@ def test_run_starts_from_hf_and_exports(trained_run, tmp_path):
   """The run saves the checkpoint's parameters and trains on its tokenizer; exported
   (hf_runs.export_run, experiments/hf_export.py's), float and --quantize=w4a16, it re-imports
   to the same (dequantized) parameters with the fixture's tokenizer."""
-  from jaxsys.checkpoint import hf_runs  # pylint: disable=import-outside-toplevel
+  from jaxsys.cli import hf_runs  # pylint: disable=import-outside-toplevel
   workdir, params = trained_run
   directory = FIXTURE["tied"]
   chex.assert_trees_all_equal(params, jax.device_get(hf.load(directory)[1]))
@@ -326,7 +327,7 @@ def test_run_starts_from_hf_and_exports(trained_run, tmp_path):
 @pytest.mark.slow  # the training run of test_run_starts_from_hf_and_exports
 def test_run_export_loads_in_transformers(trained_run, tmp_path):
   """The exported run (float and w4a16) in transformers: its logits, its tokenizer's ids."""
-  from jaxsys.checkpoint import hf_runs  # pylint: disable=import-outside-toplevel
+  from jaxsys.cli import hf_runs  # pylint: disable=import-outside-toplevel
   workdir, params = trained_run
   directory = FIXTURE["tied"]
   out = str(tmp_path / "export")

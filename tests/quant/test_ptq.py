@@ -70,7 +70,7 @@ class PtqTest(parameterized.TestCase):
       ("w8a8_int8", "smoothquant", 0.0150), ("w4a16", "rtn", 0.1359), ("w4a16", "gptq", 0.1540))
   def test_logits_close_to_float(self, scheme, method, expected):
     q = self._quantized(scheme, method)
-    for name in rules.LAYER_WEIGHTS:
+    for name in transformer.LAYER_MATMULS:
       w = q["layers"][name]
       self.assertIsInstance(w, qm.QWeight)
       self.assertEqual(w.scheme, scheme)

@@ -24,10 +24,10 @@ class RulesTest(parameterized.TestCase):
   def test_assign_on_model_params(self):
     params = jax.eval_shape(lambda: transformer.init_params(CFG, jax.random.key(0)))
     got = rules.assign(params, rules.default_rules("w8a8_fp8"))
-    self.assertEqual(sorted(got), sorted(f"layers/{n}" for n in rules.LAYER_WEIGHTS))
+    self.assertEqual(sorted(got), sorted(f"layers/{n}" for n in transformer.LAYER_MATMULS))
     # Norm scales are never candidates, even for a catch-all rule; the head is opt-in.
     got = rules.assign(params, (rules.Rule(".*", "w8a8_int8"),))
-    self.assertEqual(sorted(got), sorted([f"layers/{n}" for n in rules.LAYER_WEIGHTS]
+    self.assertEqual(sorted(got), sorted([f"layers/{n}" for n in transformer.LAYER_MATMULS]
                                          + ["embedding", "unembedding"]))
     got = rules.assign(params, rules.default_rules("w4a16", head=True))
     self.assertIn("unembedding", got)
