@@ -571,7 +571,7 @@ def pipeline_loss(cfg: transformer.TransformerConfig, schedule: Schedule, layout
   return loss[0]
 
 
-def _replica_microbatches(batch: Batch, replicas: int, n: int) -> Batch:
+def _microbatches_by_replica(batch: Batch, replicas: int, n: int) -> Batch:
   """[B, ...] -> [replicas, n, B/(replicas n), ...]: each replica's contiguous rows, split."""
   by_replica = jax.tree.map(lambda x: x.reshape(replicas, x.shape[0] // replicas, *x.shape[1:]),
                             batch)
@@ -596,7 +596,7 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
   uniform_ticks = dict(mesh.shape).get("context", 1) > 1
   _, attention_fn = transformer.default_inputs(cfg, batch["inputs"], None, attention_fn)
   R, routed, scaled = replicas, shifts is not None, weights is not None
-  mbs = _replica_microbatches(batch, R, schedule.microbatches)  # [R, M, Bm, T]
+  mbs = _microbatches_by_replica(batch, R, schedule.microbatches)  # [R, M, Bm, T]
   # `data` is manual too where each microbatch's rows divide over it: each data shard sums
   # its own gradients over the ticks and they are all-reduced once, after the last tick.
   # Left automatic, XLA all-reduces the gradients of every backward and every head (m times

@@ -177,13 +177,13 @@ def routed_pipeline(model_cfg: transformer.TransformerConfig, schedule: pipeline
       def body(carry, a_mb):
         return jax.tree.map(jnp.add, carry, one(*a_mb)), None
       zeros = (jnp.zeros((replicas,)), jax.tree.map(jnp.zeros_like, params))
-      mbs = _replica_microbatches(batch, replicas, accum_steps)
+      mbs = _microbatches_keeping_replicas(batch, replicas, accum_steps)
       (losses, grads), _ = jax.lax.scan(body, zeros, (jnp.arange(accum_steps), mbs))
     return losses, counts, grads
   return replica_grad_fn
 
 
-def _replica_microbatches(batch: Batch, replicas: int, n: int) -> Batch:
+def _microbatches_keeping_replicas(batch: Batch, replicas: int, n: int) -> Batch:
   """[B, ...] -> [n, B/n, ...] where microbatch i holds rows i, i+n, ... of every replica's
   block, so replica r's rows stay its own in every microbatch."""
   def split(x):
