@@ -25,7 +25,9 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-AXIS_NAMES: tuple[str, ...] = ("replica", "data", "stage", "fsdp", "context", "tensor")
+# The mesh's axis names, defined here only; modules name them as mesh.DATA etc.
+REPLICA, DATA, STAGE, FSDP, CONTEXT, TENSOR = "replica", "data", "stage", "fsdp", "context", "tensor"
+AXIS_NAMES: tuple[str, ...] = (REPLICA, DATA, STAGE, FSDP, CONTEXT, TENSOR)
 
 MeshSpec = Union[str, Sequence[tuple[str, int]], Mapping[str, int]]
 Rules = Sequence[tuple[str, Union[str, tuple[str, ...], None]]]

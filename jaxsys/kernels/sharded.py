@@ -29,7 +29,7 @@ from jaxsys.kernels import backends
 
 # Replicas of the outer optimizers run under `jax.vmap(spmd_axis_name="replica")`, which
 # puts the vmapped dim on this axis; a kernel's own dims must not use it too.
-_VMAPPED_AXES = ("replica",)
+_VMAPPED_AXES = (mesh_lib.REPLICA,)
 
 
 def under_mesh(fn: Callable, mesh) -> Callable:

@@ -264,7 +264,7 @@ class DecoderLayers(nnx.Module):
 
 # The residual stream's sharding between layers: rows over these mesh axes, tokens over
 # `context`. (`replica` is left to vmap: a replica run's layers see one replica's rows.)
-RESIDUAL_AXES = (("data", "fsdp"), ("context",), ())
+RESIDUAL_AXES = ((mesh_lib.DATA, mesh_lib.FSDP), (mesh_lib.CONTEXT,), ())
 
 
 def shard_residual(x_BTD):

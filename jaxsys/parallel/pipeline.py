@@ -77,10 +77,10 @@ __all__ = ["make_schedule", "Schedule", "Layout", "to_stages", "from_stages",
            "pipeline_loss_and_grads", "pipeline_loss", "replica_loss_and_grads",
            "split_microbatches"]
 
-AXIS = "stage"
-TENSOR_AXIS = "tensor"  # automatic in the executor; VP takes it by hand around its layers
-DATA_AXIS = "data"  # the batch axis the executor splits by hand (see _execute)
-FSDP_AXIS = "fsdp"  # automatic, or by hand where the weights are gathered once a step
+AXIS = mesh_lib.STAGE
+TENSOR_AXIS = mesh_lib.TENSOR  # automatic in the executor; VP takes it by hand around its layers
+DATA_AXIS = mesh_lib.DATA  # the batch axis the executor splits by hand (see _execute)
+FSDP_AXIS = mesh_lib.FSDP  # automatic, or by hand where the weights are gathered once a step
 SCHEDULES = ("none", *schedules.SCHEDULES)
 VOCAB_PARAMS = ("embedding", "unembedding")
 

@@ -31,7 +31,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-AXIS = "replica"
+from jaxsys import mesh as mesh_lib
+
+AXIS = mesh_lib.REPLICA
 ROUTINGS = ("fixed", "random")
 # The routing draws' own stream of the seed, so they are independent of NoLoCo's pairings
 # (which fold the same seed with the sync count).

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxsys import mesh as mesh_lib
 from jaxsys.config import RunConfig
 from jaxsys.kernels import sharded
 from jaxsys.models import transformer
@@ -59,10 +60,10 @@ def _context_split(view: Mesh) -> step_lib.ContextSplit | None:
 
 
 # The mesh axes that split the batch: their devices are the pool's slots.
-SLOT_AXES = ("data", "fsdp")
+SLOT_AXES = (mesh_lib.DATA, mesh_lib.FSDP)
 # The mesh axes a slot may span: each slot is a group that shards the model over them
 # (`tensor`), or a pipeline over its stages (`stage`).
-KEPT_AXES = ("stage", "tensor")
+KEPT_AXES = (mesh_lib.STAGE, mesh_lib.TENSOR)
 
 
 class Pool:

@@ -48,7 +48,7 @@ def init_train_state(model_cfg: transformer.TransformerConfig, optimizer: optax.
   return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
 
 
-REPLICA_AXIS = "replica"
+REPLICA_AXIS = mesh_lib.REPLICA
 
 
 def state_shardings(abstract_state: TrainState, model_cfg: transformer.TransformerConfig,
