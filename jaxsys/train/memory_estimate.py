@@ -11,8 +11,9 @@ host holds besides:
     backward without remat, one layer's with it) and the embedding and output layer whole;
   - activations of one step: the tokens a device holds at once (rows of one microbatch
     over the batch axes, its `context` share of the sequence; a pipeline stage's
-    `Schedule.peak_activations` microbatches; HDP's `data.seq_len` a micro-step) x its
-    layers x what `model.remat` keeps of a layer (below), plus one layer's backward;
+    `Schedule.peak_activations` microbatches, see PIPELINE_CARRY; HDP's `data.seq_len` a
+    micro-step) x its layers x what `model.remat` keeps of a layer (below), plus one
+    rematerialized layer's backward where it outgrows the logits (it runs after them);
   - the logits: every token's row of the vocabulary (its `tensor`, stage and
     `model.vocab_tiles` share), kept in the compute dtype with float32 probabilities;
   - the batch; and on the host, the loaders' batches in flight (prefetch buffers).
@@ -20,13 +21,14 @@ host holds besides:
 What a layer keeps, in elements a token (D model width, F the MLP's, Q = heads x head
 dim, KV = K/V heads x head dim; heads and F split over `tensor`), by `model.remat`:
 `none` 8 D + 3 Q + 2 KV + 5 F (every intermediate, as XLA:CPU's compiled steps keep them:
-fitted to the tiny, small, GPT-2 and Llama-3-1B presets within 10%), `minimal` 2 D + 2 Q
+fitted to the tiny, small, GPT-2 and Llama-3-1B presets), `minimal` 2 D + 2 Q
 + 2 KV + 2 F, `dots` 3 D + Q + 2 KV + 2 F, `qkv` D + Q + 2 KV, `full` D. Measured on
 XLA:CPU, two compiler habits the estimate follows there: a bfloat16 step's activations
 take float32's room (its dots run in float32: tiny at bf16 64.6 MB of temporaries, at f32
 70.9 MB), and remat saves nothing in an unrolled stack (<= `UNROLL_MAX_LAYERS` layers:
 tiny, remat=full 66.1 MB against none's 70.9 MB), so there every policy counts as `none`.
-The estimate against the compiled programs: docs/results/training.md#memory-before-any-work.
+The estimate against the compiled programs: docs/results/training.md, "Memory before
+any work".
 
 `check(run, mesh)` refuses, in one line, a run whose estimate exceeds `limit(mesh)`:
 a GPU's or TPU's `bytes_limit` a device (and the host's available memory for the host's
@@ -55,6 +57,11 @@ from jaxsys.train import setup as setup_lib
 # (see the module doc): Q, KV and F split over `tensor`.
 KEPT = {"none": (8, 3, 2, 5), "minimal": (2, 2, 2, 2), "dots": (3, 1, 2, 2),
         "qkv": (1, 1, 2, 0), "full": (1, 0, 0, 0)}
+# A pipeline stage's activations: its residual buffer (`Ticks.res_slots` microbatches,
+# `Schedule.peak_activations`) is the executor's loop carry, and a tick's chunk works beside
+# it: (x buffer, + x one microbatch's chunk), fitted to XLA:CPU's compiled GPipe and 1F1B
+# steps of the tiny model (2 and 4 stages, 4 and 8 microbatches) within 20%.
+PIPELINE_CARRY = (1.5, 2)
 _LOGITS_F32 = 4  # bytes a vocabulary entry a token in float32: the loss's probabilities
 _BATCH_BYTES = 4 * len(BATCH_FIELDS)  # a token of the batch: inputs, targets, ..., 4 bytes each
 
@@ -123,12 +130,6 @@ def _shard_bytes(tree, shardings) -> float:
   return total
 
 
-def _shards(mesh: Mesh, logical: str) -> int:
-  entry = mesh_lib.logical_to_partition_spec((logical,), mesh)[0]
-  axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
-  return math.prod(mesh.shape[a] for a in axes)
-
-
 def activation_itemsize(run: RunConfig, platform: str) -> int:
   """Bytes an activation element takes: the compute dtype's, float32's on XLA:CPU (which
   runs bfloat16 dots in float32 and keeps their operands so)."""
@@ -146,17 +147,16 @@ def kept_per_token(run: RunConfig, policy: str, tensor: int) -> float:
 def _tokens_and_layers(run: RunConfig, mesh: Mesh, schedule) -> tuple[float, float, float, int]:
   """(tokens whose activations a device holds at once, layers it runs, tokens of one
   microbatch on it (the logits' rows), layers of one unrolled-or-scanned stack)."""
-  shape = dict(mesh.shape)
-  seq = run.data.seq_len / shape.get("context", 1)
   if run.parallel.hdp:  # one micro-step of data.seq_len tokens on each device
     return float(run.data.seq_len), run.model.n_layers, float(run.data.seq_len), \
         run.model.n_layers
-  rows = run.data.batch_size / run.optimizer.grad_accum_steps / _shards(mesh, "batch")
+  # One microbatch's rows and tokens on a device: the batch's sharding over the mesh.
+  rows, seq = mesh_lib.batch_sharding(mesh).shard_shape(
+      (run.data.batch_size // run.optimizer.grad_accum_steps, run.data.seq_len))
   if schedule is None:
     return rows * seq, run.model.n_layers, rows * seq, run.model.n_layers
-  stages = shape.get("stage", 1)
   per_micro = rows / run.pipeline.microbatches * seq
-  layers = run.model.n_layers / stages
+  layers = run.model.n_layers / dict(mesh.shape).get("stage", 1)
   return (per_micro * schedule.peak_activations, layers, per_micro,
           int(layers // schedule.virtual_stages))
 
@@ -188,11 +188,19 @@ def estimate(run: RunConfig, mesh: Mesh, setup: setup_lib.Setup | None = None) -
         m.n_layers * tensor)
     held = layers if policy == "none" else min(layers, 2)  # in use and the next, gathered
     device["weights gathered for compute"] = (held * per_layer + head) * act
-  device["activations"] = tokens * (layers * kept_per_token(run, policy, tensor)
-                                    + (one_layer if policy != "none" else 0)) * act
   vocab_share = tensor * (shape.get("stage", 1) if run.pipeline.vocab_parallel else 1)
-  device["logits"] = (micro_tokens * m.vocab_size / m.vocab_tiles / vocab_share
-                      * (2 * act + _LOGITS_F32))
+  logits = (micro_tokens * m.vocab_size / m.vocab_tiles / vocab_share
+            * (2 * act + _LOGITS_F32))
+  kept = kept_per_token(run, policy, tensor)
+  working = one_layer if policy != "none" else 0  # a rematerialized layer's backward
+  if setup.schedule is None:  # the backward's layers run after the logits are spent
+    device["activations"] = (tokens * layers * kept * act
+                             + max(0.0, tokens * working * act - logits))
+  else:  # a stage's residual buffer, a loop carry (see PIPELINE_CARRY), and a tick's chunk
+    chunk = micro_tokens * (layers / setup.schedule.virtual_stages * kept + working)
+    device["activations"] = (PIPELINE_CARRY[0] * tokens * layers * kept
+                             + PIPELINE_CARRY[1] * chunk) * act
+  device["logits"] = logits
   device["batch"] = tokens_of_batch(run, mesh) * _BATCH_BYTES
   return Estimate(device, {"loader buffers": loader_bytes(run)},
                   local=len([d for d in mesh.devices.flat
@@ -204,7 +212,8 @@ def tokens_of_batch(run: RunConfig, mesh: Mesh) -> float:
   """Tokens of the step's batch one device holds."""
   if run.parallel.hdp:
     return hdp_step.micro_steps_per_step(run, mesh.devices.size) * run.data.seq_len
-  return run.data.batch_size * run.data.seq_len / mesh.devices.size
+  return math.prod(mesh_lib.batch_sharding(mesh).shard_shape((run.data.batch_size,
+                                                              run.data.seq_len)))
 
 
 def loader_bytes(run: RunConfig) -> float:
@@ -253,9 +262,12 @@ def _terms(terms: dict[str, float]) -> str:
                    if v >= 0.005 * sum(terms.values()))
 
 
-_HELP = ("shrink the model, data.batch_size or data.seq_len, raise optimizer.grad_accum_steps "
-         "or model.vocab_tiles, set model.remat=full, shard over more devices (mesh fsdp, "
-         "tensor, stage), or set --config.check_memory=false to run anyway")
+def _help(run: RunConfig) -> str:
+  """What would need less memory, less what the run already does."""
+  remat = "" if run.model.remat == "full" else "set model.remat=full, "
+  return (f"shrink the model, data.batch_size or data.seq_len, raise "
+          f"optimizer.grad_accum_steps or model.vocab_tiles, {remat}shard over more devices "
+          "(mesh fsdp, tensor, stage), or set --config.check_memory=false to run anyway")
 
 
 def refusal(run: RunConfig, est: Estimate, lim: Limit) -> str | None:
@@ -275,14 +287,14 @@ def refusal(run: RunConfig, est: Estimate, lim: Limit) -> str | None:
     return (f"{named}the run needs about {human(need)} of this host's memory: "
             f"{est.local} CPU devices x {human(est.device_bytes)} ({_terms(est.device)}) + "
             f"{_terms(est.host)}, and this host has {human(lim.host)} ({lim.where}); "
-            f"{_HELP}")
+            f"{_help(run)}")
   if est.device_bytes > lim.device:
     return (f"{named}the run needs about {human(est.device_bytes)} of device memory a device "
             f"({_terms(est.device)}) and this device has {human(lim.device)} ({lim.where}); "
-            f"{_HELP}")
+            f"{_help(run)}")
   if est.host_bytes > lim.host:
     return (f"{named}the run needs about {human(est.host_bytes)} of host memory "
-            f"({_terms(est.host)}) and this host has {human(lim.host)} available; {_HELP}")
+            f"({_terms(est.host)}) and this host has {human(lim.host)} available; {_help(run)}")
   return None
 
 

@@ -102,13 +102,18 @@ class TermsTest(parameterized.TestCase):
     self.assertEqual(two.device["activations"], one.device["activations"] / 2)
 
   def test_pipeline_holds_its_stage_layers_and_in_flight_microbatches(self):
-    flat = _estimate(dict(mesh="data=4,stage=2", model__n_layers=4))
-    piped = _estimate(dict(mesh="data=4,stage=2", model__n_layers=4, pipeline__schedule="gpipe",
-                           pipeline__microbatches=4))
-    self.assertAlmostEqual(piped.device["parameters"] / flat.device["parameters"], 0.5,
+    base = dict(mesh="data=4,stage=2", model__n_layers=4, pipeline__microbatches=4)
+    flat = _estimate(dict(mesh="data=4,stage=2", model__n_layers=4))  # 4 layers, 4 rows
+    gpipe = _estimate(dict(base, pipeline__schedule="gpipe"))
+    one_f1b = _estimate(dict(base, pipeline__schedule="1f1b"))
+    self.assertAlmostEqual(gpipe.device["parameters"] / flat.device["parameters"], 0.5,
                            delta=0.2)  # the layers split, the embedding whole
-    # GPipe holds all 4 microbatches of its 2 layers: half the unpipelined 4 layers' rows.
-    self.assertEqual(piped.device["activations"], flat.device["activations"] / 2)
+    # A stage: 2 of the 4 layers; GPipe keeps all 4 microbatches (of 1 row), 1F1B 2.
+    microbatch_chunk = flat.device["activations"] / 2 / 4
+    carry, chunks = me.PIPELINE_CARRY
+    self.assertEqual(gpipe.device["activations"], (carry * 4 + chunks) * microbatch_chunk)
+    self.assertEqual(one_f1b.device["activations"], (carry * 2 + chunks) * microbatch_chunk)
+    self.assertEqual(gpipe.device["logits"], flat.device["logits"] / 4)  # one microbatch
 
   def test_bfloat16_takes_float32_room_on_cpu(self):
     self.assertEqual(_estimate(dict(model__dtype="bfloat16")).device["activations"],
@@ -184,12 +189,16 @@ def test_the_binary_refuses_in_one_line_before_any_work(override, tmp_path):
   assert list(tmp_path.iterdir()) == []
 
 
-# The presets as shipped (each on 8 CPU devices: tiny_lm data=8, llama3 fsdp=8, remat none),
-# and two with remat=full (a scanned stack: the policy counts).
+# The presets as shipped (each on 8 CPU devices: tiny_lm data=8, llama3 fsdp=8, remat none);
+# two with remat=full (a scanned stack: the policy counts), a pipeline and replicas.
 PRESETS = {"tiny": (tiny_lm, "tiny", {}), "small": (tiny_lm, "small", {}),
            "gpt2": (llama3, "gpt2", {}), "llama3-1b": (llama3, "1b", {}),
-           "gpt2 remat=full": (llama3, "gpt2", {"remat": "full"}),
-           "llama3-1b remat=full": (llama3, "1b", {"remat": "full"})}
+           "gpt2 remat=full": (llama3, "gpt2", {"model.remat": "full"}),
+           "llama3-1b remat=full": (llama3, "1b", {"model.remat": "full"}),
+           "tiny 1f1b": (tiny_lm, "tiny", {"mesh": "data=4,stage=2", "pipeline.schedule": "1f1b",
+                                           "pipeline.microbatches": 4}),
+           "tiny diloco": (tiny_lm, "tiny", {"mesh": "replica=2,data=4",
+                                             "optimizer.outer": "diloco"})}
 
 
 def compiled_bytes(run) -> int:
@@ -201,12 +210,17 @@ def compiled_bytes(run) -> int:
           + m.temp_size_in_bytes)
 
 
-@pytest.mark.slow  # 4 compiles of 9-17 s
+@pytest.mark.slow  # compiles of 9-20 s each
 @pytest.mark.parametrize("name", list(PRESETS))
 def test_estimate_within_1_5x_of_the_compiled_step(name):
-  module, size, model = PRESETS[name]
+  module, size, overrides = PRESETS[name]
   config = module.get_config(size)
-  config.model.update(model)
+  for path, value in overrides.items():
+    *groups, field = path.split(".")
+    node = config
+    for group in groups:
+      node = node[group]
+    node[field] = value
   run = config_check.parse(config)
   est = me.estimate(run, mesh_lib.make_mesh(run.mesh)).device_bytes
   compiled = compiled_bytes(run)
