@@ -59,8 +59,8 @@ KEPT = {"none": (8, 3, 2, 5), "minimal": (2, 2, 2, 2), "dots": (3, 1, 2, 2),
         "qkv": (1, 1, 2, 0), "full": (1, 0, 0, 0)}
 # A pipeline stage's activations: its residual buffer (`Ticks.res_slots` microbatches,
 # `Schedule.peak_activations`) is the executor's loop carry, and a tick's chunk works beside
-# it: (x buffer, + x one microbatch's chunk), fitted to XLA:CPU's compiled GPipe and 1F1B
-# steps of the tiny model (2 and 4 stages, 4 and 8 microbatches) within 20%.
+# it: (times the buffer, times one microbatch's chunk), fitted to XLA:CPU's compiled GPipe
+# and 1F1B steps of the tiny model (2 and 4 stages, 4 and 8 microbatches: 0.99-1.17x).
 PIPELINE_CARRY = (1.5, 2)
 _LOGITS_F32 = 4  # bytes a vocabulary entry a token in float32: the loss's probabilities
 _BATCH_BYTES = 4 * len(BATCH_FIELDS)  # a token of the batch: inputs, targets, ..., 4 bytes each
@@ -85,7 +85,7 @@ def fields_of(term: str) -> tuple[str, ...]:
 @dataclasses.dataclass(frozen=True)
 class Estimate:
   """Bytes by term: `device` one device holds at the step's peak, `host` its host holds
-  besides; `devices` of the mesh share each host (`local`), on `platform`."""
+  besides; `local`: the mesh's devices on this host, of `platform`."""
   device: dict[str, float]
   host: dict[str, float]
   local: int
