@@ -154,6 +154,13 @@ class RefusalTest(parameterized.TestCase):
     config.check_memory = False
     self.assertFalse(config_check.check_config(config).check_memory)
 
+  def test_the_cpu_limit_is_the_hosts_available_memory(self):
+    lim = me.limit(mesh_lib.make_mesh("data=8"))
+    self.assertIsNone(lim.device)  # the simulated devices are the host's memory
+    with open("/proc/meminfo", encoding="ascii") as f:
+      total = next(float(l.split()[1]) * 1024 for l in f if l.startswith("MemTotal:"))
+    self.assertBetween(lim.host, 1e6, total)
+
   def test_a_saved_config_without_the_field_is_checked(self):
     values = load_test_config("stdlib").to_dict()
     del values["check_memory"]
