@@ -156,11 +156,11 @@ CASES = {
     "--config.x=... before --config=...": Case(_override_first, (
         "--config.total_steps=4 comes before --config=configs/tiny_lm.py:size=test",
         "put --config=... first")),
-    "--config.model.d_model=1000000000 (memory)": Case(
+    "--config.model.d_model=1000000000": Case(
         lambda w, s, argv: argv + ["--config.model.d_model=1000000000"], (
             "model.d_model=1000000000", "of this host's memory", "Adam moments",
             "--config.check_memory=false")),
-    "--config.data.batch_size=1000000000000 (memory)": Case(
+    "--config.data.batch_size=1000000000000": Case(
         lambda w, s, argv: argv + ["--config.data.batch_size=1000000000000"], (
             "data.batch_size=1000000000000", "of this host's memory", "activations",
             "loader buffers", "--config.check_memory=false")),
