@@ -145,6 +145,26 @@ class GenerateTest(parameterized.TestCase):
     more_likely = np.where(probs > chosen, probs, 0).sum(-1)
     self.assertTrue(np.all(more_likely < 0.5))
 
+  def test_the_decode_loop_carries_no_stacked_layer_array(self):
+    """The weights and caches enter the loop one array a layer: the loop's state holds no
+    [layers, ...] stack that each step would slice a layer out of (a copy of every layer's
+    weights each step on XLA:CPU, docs/results/generation.md)."""
+    cfg = _cfg(n_layers=3)
+    params = _params(cfg)
+    _, prompts, lengths = _prompts()
+    fn = gen._compiled(cfg, NEW, prompts.shape[1] + NEW, gen.Sampling(), None, "auto", False,
+                       None)
+    text = fn.lower(params, prompts, lengths, jax.random.key(0)).compile().as_text()
+    tokens = f"s32[{prompts.shape[0]},{NEW}]"  # the decode loop's output buffer
+    (state,) = [line.split(" while(")[0] for line in text.splitlines()
+                if " while(" in line and tokens in line.split(" while(")[0]]
+    shape = lambda dims: f"[{','.join(map(str, dims))}]"
+    layers = params["layers"]
+    self.assertFalse([k for k, w in layers.items() if shape(w.shape) in state], state[:400])
+    self.assertIn(shape(layers["w_up"].shape[1:]), state)  # each layer's own weight
+    self.assertEqual(state.count(shape((prompts.shape[0], prompts.shape[1] + NEW, 2, 8))),
+                     2 * cfg.n_layers)  # each layer's own K and V cache
+
   def test_each_step_draws_from_fold_in_key_i(self):
     """Step i's tokens are categorical(fold_in(key, i)) of its logits tempered, cut to the
     top k and then to the nucleus, with the masks computed here in numpy."""
