@@ -257,6 +257,27 @@ def case_row(case: str, model: hdp_sim.CostModel, rate: float, steps_s, *, seq_l
   return row
 
 
+def derived_7b(calibrated: hdp_sim.CostModel, tokens: int = 32768) -> dict:
+  """*Derived*: the share the calibrated per-token terms (the head's matmul, sec_per_element
+  scaled with d_model) add to a device's compute of one `tokens`-token sequence (a layer's
+  matmuls and attention, forward and backward alike) for the tables' 7B-class model (d
+  4096, 32 layers, vocabulary 32000), MHA and GQA, at this CPU's fitted rates. Not
+  sec_per_step: the fixed cost of this 0.98M-parameter model's steps does not scale to 7B."""
+  out = {}
+  for name, kv_dim in (("MHA", 4096), ("GQA", 1024)):
+    plain = dataclasses.replace(calibrated, d_model=4096, n_layers=32, kv_dim=kv_dim,
+                                vocab_size=0, sec_per_element=0.0, tensor=1)
+    full = dataclasses.replace(plain, vocab_size=hdp_sim.VOCAB_SIZE,
+                               sec_per_element=calibrated.sec_per_element)
+    base = float(plain.linear(tokens) + plain.attention(tokens))
+    head = float(dataclasses.replace(plain, vocab_size=hdp_sim.VOCAB_SIZE).linear(tokens)
+                 - plain.linear(tokens))
+    other = float(full.linear(tokens) + full.attention(tokens)) - base - head
+    out[name] = dict(head=head / base, element=other / base, matmul_share=float(
+        plain.linear(tokens)) / base)
+  return out
+
+
 _BANDWIDTHS = flags.DEFINE_list("bandwidths", ["100mbit", "200mbit"],
                                 "Lab link rates (none: unshaped; empty: no lab cases).")
 _TOPOLOGY = flags.DEFINE_enum("topology", "switched", ["shared", "switched"], "The lab's network.")
@@ -314,6 +335,11 @@ def main(argv):
   compute_rows = [compute_row(m, role, times[m], rates=rates, calibrated=calibrated)
                   for m, role in mixes.items()]
   print(compute_table(compute_rows), flush=True)
+  derived = derived_7b(calibrated)
+  print(f"calibrated: {', '.join(f'{t} {getattr(calibrated, t):.4g}' for t in step_fit.terms)}; "
+        f"derived for the 7B-class model at 32K tokens: " + "; ".join(
+            f"{k} head +{v['head']:.1%}, per-token work +{v['element']:.1%}"
+            for k, v in derived.items()), flush=True)
   lab_rows = []
   lab_rows_n, lab_len = parse_mix(_LAB_MIX.value)
   compute_s = float(np.median(times[_LAB_MIX.value])) if _BANDWIDTHS.value else None
@@ -345,7 +371,8 @@ def main(argv):
                                        linear_r2=fit.linear_r2, devices=2),
                    fitted_terms=list(step_fit.terms), calibrated=terms,
                    fit_errors=dict(zip(_FIT_MIXES.value, step_fit.errors)),
-                   lab_mix=_LAB_MIX.value, compute_rows=compute_rows, lab_rows=lab_rows),
+                   derived_7b=derived, lab_mix=_LAB_MIX.value, compute_rows=compute_rows,
+                   lab_rows=lab_rows),
               f, indent=1, default=float)
 
 

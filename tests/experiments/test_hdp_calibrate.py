@@ -123,3 +123,16 @@ def test_compute_rows_by_hand():
   assert row["error_calibrated"] == pytest.approx(row["calibrated_s"] / 2.0 - 1)
   line = hdp_calibrate.compute_table([row]).splitlines()[-1]
   assert line.startswith("| 8x1024 | held out | 2.000 [1.000, 3.000] |")
+
+
+def test_derived_7b_by_hand():
+  """The head adds 2 d V / n_layers FLOPs a token a layer at the matmul rate, and
+  sec_per_element d seconds a token a layer, to a layer's 24 d^2 (MHA) matmul FLOPs and
+  its 2 d L^2 attention FLOPs of one L-token sequence."""
+  cal = dataclasses.replace(RATES, sec_per_element=1e-9)
+  out = hdp_calibrate.derived_7b(cal, tokens=1024)
+  d, L = 4096, 1024
+  base = 1e-11 * 24 * d * d * L + 2e-11 * 2 * d * L * L
+  assert out["MHA"]["head"] == pytest.approx(1e-11 * 2 * d * 32000 / 32 * L / base)
+  assert out["MHA"]["element"] == pytest.approx(1e-9 * d * L / base)
+  assert out["GQA"]["element"] > out["MHA"]["element"]  # fewer matmul FLOPs with GQA
