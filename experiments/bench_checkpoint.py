@@ -401,7 +401,7 @@ def replicas_to_one_model(setup, state, one_target, directory: str, *, repeats: 
   stack = lambda tree, mesh: dict(tree, **{k: layouts.stacked_target(tree[k], REPLICAS, mesh)
                                            for k in ("params", "opt_state")})
   mesh = jax.tree.leaves(state)[0].sharding.mesh
-  saved = stack(fields(setup.saved_target()), mesh)
+  saved = stack(fields(setup.saved), mesh)
   one = fields(one_target)
   read = stack(one, jax.tree.leaves(one_target)[0].sharding.mesh)
   shardings = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
@@ -482,7 +482,7 @@ def measure_size(size: str, *, repeats: int, disk_dir: str, shm_dir: str | None,
   jax.block_until_ready(state)
   nbytes = state_bytes(state)
   n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(setup.abstract.params))
-  batch = setup.device_batch(packing.random_packed_batch(
+  batch = setup.batch_fn(packing.random_packed_batch(
       8, step_seq, docs_per_row=2, vocab_size=model_cfg.vocab_size))
   for _ in range(2):  # compile + warm up
     state, _ = setup.train_fn(state, batch)
@@ -539,7 +539,7 @@ def measure_size(size: str, *, repeats: int, disk_dir: str, shm_dir: str | None,
     # 3. Loads: same layout and resharded (the hook); each option variant's checkpoint.
     saved = ckpts["async_disk"]
     saved_step = saved.latest_step()
-    same_target = setup.saved_target()
+    same_target = setup.saved
     try:
       reshard_mesh = mesh_lib.make_mesh(reshard_spec)
       other_target = state_lib.with_shardings(setup.abstract, state_lib.state_shardings(
@@ -904,7 +904,7 @@ def measure_run(size: str, *, steps: int, every: int, repeats: int, keep: int, d
   model_cfg = model_config(size)
   setup = train_setup(model_cfg, mesh_lib.make_mesh(mesh_spec), step_seq)
   state0 = random_state(setup)
-  batch = setup.device_batch(packing.random_packed_batch(
+  batch = setup.batch_fn(packing.random_packed_batch(
       8, step_seq, docs_per_row=2, vocab_size=model_cfg.vocab_size))
   fresh = jax.jit(lambda s: jax.tree.map(jnp.copy, s), out_shardings=setup.state_sh)
   state = fresh(state0)

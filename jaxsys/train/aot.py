@@ -155,7 +155,7 @@ def compile_run(run: RunConfig, slice_: chips.Slice
     programs = [_compile("train step", setup.train_fn.lower(state, _batch(run, setup.batch_sh)),
                          slice_)]
   params = jax.eval_shape(setup.eval_params, state.params)  # the eval step lays them out
-  programs.append(_compile("eval step", setup.jit_eval_step(jnp.ones(run.data.vocab_size)).lower(
+  programs.append(_compile("eval step", setup.eval_fn(jnp.ones(run.data.vocab_size)).lower(
       params, _batch(run, setup.batch_sh)), slice_))
   if setup.sync_fn is not None:
     programs.append(_compile("outer sync", setup.sync_fn.lower(state), slice_))

@@ -300,11 +300,11 @@ def _set_up(run: RunConfig, workdir: str) -> _Parts:
   _log_setup(run, setup)
   meta = {"model": dataclasses.asdict(run.model), "config": run.to_dict()}
   if setup.outer is not None:
-    meta["outer"] = {"view": "replica", "name": setup.outer.name, "replicas": setup.replicas,
+    meta["outer"] = {"view": "replica", "name": setup.outer.name, "replicas": setup.view.replicas,
                      "sync_every": setup.outer.sync_every}
-  meta["layout"] = layouts.describe(setup.saved_target(), setup.view,
+  meta["layout"] = layouts.describe(setup.saved, setup.view,
                                     transformer.param_axes(run.model), setup.run_view)
-  return _Parts(run, train_loader, val, setup, setup.jit_eval_step(val.token_bytes), meta)
+  return _Parts(run, train_loader, val, setup, setup.eval_fn(val.token_bytes), meta)
 
 
 def _log_setup(run: RunConfig, setup: setup_lib.Setup) -> None:
@@ -323,9 +323,9 @@ def _log_setup(run: RunConfig, setup: setup_lib.Setup) -> None:
                    ". idle):\n%s", setup.schedule.chart())
   if setup.outer is not None:
     logging.info("outer optimizer %s over %d replicas, sync every %d steps, %d bytes sent per "
-                 "replica per round (at most %d at once)", setup.outer.name, setup.replicas,
-                 setup.outer.sync_every, setup.outer.bytes_per_sync(comm.synced, setup.replicas),
-                 setup.outer.peak_bytes_per_sync(comm.synced, setup.replicas))
+                 "replica per round (at most %d at once)", setup.outer.name, setup.view.replicas,
+                 setup.outer.sync_every, setup.outer.bytes_per_sync(comm.synced, setup.view.replicas),
+                 setup.outer.peak_bytes_per_sync(comm.synced, setup.view.replicas))
 
 
 def _restore_or_init(parts: _Parts, ckpts: list[Checkpointer]):
@@ -347,7 +347,7 @@ def _restore_at(parts: _Parts, ckpt: Checkpointer, latest: int):
   source = layouts.form_of(saved)
   preemption.pause_point("restore")
   if source == parts.setup.view.form:  # any mesh: orbax reads the pieces into this run's shardings
-    state, data_state = ckpt.restore(latest, parts.setup.saved_target())
+    state, data_state = ckpt.restore(latest, parts.setup.saved)
   else:
     state, data_state = _restore_converted(parts, ckpt, latest, source)
   parts.train_loader.set_state(data_state)
@@ -385,7 +385,7 @@ def _restore_converted(parts: _Parts, ckpt: Checkpointer, step: int, source: lay
     layouts.check_regroup(source.replicas, target.replicas)
   except ValueError as e:
     raise ValueError(f"cannot resume step {step} in {ckpt.directory}: {e}") from None
-  one = setup.one_target()
+  one = setup.one
   mesh = setup.mesh
   read = {"step": one.step, **{k: layouts.stacked_target(getattr(one, k), source.replicas, mesh)
                                for k in ("params", "opt_state")}}
@@ -396,7 +396,7 @@ def _restore_converted(parts: _Parts, ckpt: Checkpointer, step: int, source: lay
                                         source, target, how)
     return setup.assemble(got["step"], params, opt_state)
   state = jax.jit(convert, out_shardings=jax.tree.map(lambda x: x.sharding,
-                                                      setup.saved_target()))(got)
+                                                      setup.saved))(got)
   logging.warning("checkpoint step %d was saved as %s, this run trains %s: %s", step, source,
                   target, "replicas merged by " + how if source.replicas > target.replicas
                   else "parameters and inner optimizer state copied, outer state fresh")
@@ -470,7 +470,7 @@ class _Loop:
   def _train_step(self, batch) -> None:
     """One step (with a deferred sync fused in), keeping at most two steps in flight."""
     setup = self.parts.setup
-    batch = setup.device_batch(batch)
+    batch = setup.batch_fn(batch)
     if self.sync_due and self.fused is not None:
       self.state, m = self.fused(self.state, batch)
       self.sync_due = False

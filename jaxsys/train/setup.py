@@ -60,7 +60,7 @@ class Comm:
   reductions_per_step: Callable[[], float] = lambda: 1.0
 
   def outer_after(self, steps: int) -> int:
-    return self.outer.bytes_after(self.synced, self.replicas, steps) if self.outer else 0
+    return self.outer.bytes_after(self.synced, self.view.replicas, steps) if self.outer else 0
 
   def after(self, steps: int) -> float:
     """Bytes sent after `steps` steps, every collective counted."""
@@ -68,7 +68,7 @@ class Comm:
     return steps * inner + self.outer_after(steps)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Setup:
   """What a run steps, evaluates and saves, whatever it composes."""
   model_cfg: transformer.TransformerConfig
@@ -79,7 +79,9 @@ class Setup:
   abstract: TrainState  # the trained view, abstract
   state_sh: TrainState  # its shardings
   saved: TrainState  # the saved form, abstract with shardings: what a checkpoint restores into
-  one: TrainState  # one canonical model's state, abstract with shardings
+  # One canonical model's state, abstract with shardings: what another run's checkpoint
+  # converts through.
+  one: TrainState
   batch_sh: NamedSharding
   train_fn: Callable  # (state, batch) -> (state, metrics)
   sync_fn: Callable | None  # state -> state: the outer sync
@@ -99,19 +101,6 @@ class Setup:
     """Shardings of one canonical model's parameters (init_from reads into them)."""
     return _shardings(self.one.params)
 
-  @property
-  def replicas(self) -> int:
-    return self.view.replicas
-
-  def device_batch(self, batch):
-    return self.batch_fn(batch)
-
-  def jit_eval_step(self, token_bytes) -> Callable:
-    return self.eval_fn(token_bytes)
-
-  def comm_bytes(self, steps: int) -> int:
-    return self.comm.after(steps)
-
   @functools.cached_property
   def _to_view(self):
     return jax.jit(self.view.to_view, out_shardings=self.state_sh)
@@ -126,13 +115,6 @@ class Setup:
   def from_saved(self, state: TrainState) -> TrainState:
     return self._to_view(state)
 
-  def saved_target(self) -> TrainState:
-    return self.saved
-
-  def one_target(self) -> TrainState:
-    """One model's canonical state: what another run's checkpoint converts through."""
-    return self.one
-
   def assemble(self, step, params, opt_state) -> TrainState:
     """The saved form from converted canonical parts (inside a jit); an outer state fresh."""
     if self.outer is None:
@@ -142,7 +124,7 @@ class Setup:
   def _from_one(self, step, params) -> TrainState:
     """The trained view of one canonical model's `params` with fresh optimizer states."""
     return self.view.to_view(_saved_of_one(step, params, self.optimizer, self.outer,
-                                           self.replicas))
+                                           self.view.replicas))
 
   def init_state(self, seed: int) -> TrainState:
     """The canonical fresh state of `seed` in the run's view: the same numbers on any layout."""
@@ -365,10 +347,13 @@ def make_setup(run: RunConfig, mesh: Mesh, loader=None) -> Setup:
     run_view["pipeline"] = {"schedule": run.pipeline.schedule, "stages": layout.stages,
                             "virtual": layout.virtual, "padded_vocab": layout.padded_vocab,
                             "saved": "canonical: stage view and vocabulary padding undone"}
-  return Setup(model_cfg, optimizer, outer, view, mesh, abstract, state_sh,
-               state_lib.with_shardings(saved, saved_sh), state_lib.with_shardings(one, one_sh),
-               batch_sh, train_fn, sync_fn, sync_train_fn, eval_fn, eval_params, batch_fn, comm,
-               run_view, schedule, run.pipeline.routing, off_device_sync)
+  return Setup(model_cfg=model_cfg, optimizer=optimizer, outer=outer, view=view, mesh=mesh,
+               abstract=abstract, state_sh=state_sh,
+               saved=state_lib.with_shardings(saved, saved_sh),
+               one=state_lib.with_shardings(one, one_sh), batch_sh=batch_sh, train_fn=train_fn,
+               sync_fn=sync_fn, sync_train_fn=sync_train_fn, eval_fn=eval_fn,
+               eval_params=eval_params, batch_fn=batch_fn, comm=comm, run_view=run_view,
+               schedule=schedule, routing=run.pipeline.routing, off_device_sync=off_device_sync)
 
 
 def _saved_of_one(step, params, optimizer, outer, replicas: int) -> TrainState:

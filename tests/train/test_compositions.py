@@ -145,7 +145,7 @@ def test_compiles_or_refuses_naming_fields(names, options):
   flops, _, setup, state, batch = _compiled(config)
   if setup.schedule is not None:  # the schedule's forwards: an executor of its own
     params = jax.eval_shape(setup.eval_params, state.params)
-    setup.jit_eval_step(np.ones(256)).lower(params, batch).compile(FAST_COMPILE)
+    setup.eval_fn(np.ones(256)).lower(params, batch).compile(FAST_COMPILE)
   if setup.sync_fn is not None:
     setup.sync_fn.lower(state).compile(FAST_COMPILE)
   if setup.schedule is None:
@@ -161,7 +161,7 @@ def _reference_step(names: tuple[str, ...], outer_options: tuple) -> tuple:
 def _step(config):
   """Loss, and the saved-form state after one step (and one outer sync)."""
   setup = _setup(config)
-  state, metrics = setup.train_fn(setup.init_state(0), setup.device_batch(_batch(config)))
+  state, metrics = setup.train_fn(setup.init_state(0), setup.batch_fn(_batch(config)))
   if setup.sync_fn is not None:
     state = setup.sync_fn(state)
   return (float(grads.replica_totals(jax.device_get(metrics))["loss"]),
@@ -220,7 +220,7 @@ def test_hdp_equals_data_parallelism_over_the_same_documents(names, options):
   # Rings and local slots in one step, a few cell sizes: each over-pipeline program costs
   # seconds to trace and compile (15 documents of 15 lengths took twice as long, same paths).
   lengths = [60, 61, 30, 31, 29, 28, 3, 2]
-  batch = setup.device_batch({"tokens": _documents(lengths)})
+  batch = setup.batch_fn({"tokens": _documents(lengths)})
   parts = [part["tokens"] for part in batch.get("pools", [batch])]
   assert all(parts) and sum(map(len, parts)) == len(lengths)  # every document, every pool
   state, metrics = setup.train_fn(setup.init_state(0), batch)
@@ -229,7 +229,7 @@ def test_hdp_equals_data_parallelism_over_the_same_documents(names, options):
 
   reference = _setup(compositions.apply(config, {
       "parallel.hdp": False, "data.variable_length": False, "pipeline.schedule": "none",
-      "pipeline.vocab_parallel": False, "mesh": "replica=2,data=4" if setup.replicas else "data=8"}))
+      "pipeline.vocab_parallel": False, "mesh": "replica=2,data=4" if setup.view.replicas else "data=8"}))
   rows = 8 // len(parts) * -(-max(map(len, parts)) // (8 // len(parts)))
   ref_batch = jax.device_put(_one_row_each(parts, rows, max(lengths)), reference.batch_sh)
   ref_state, ref_metrics = reference.train_fn(reference.init_state(0), ref_batch)
