@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import math
 import re
@@ -30,6 +31,28 @@ REPLICA, DATA, STAGE, FSDP, CONTEXT, TENSOR = "replica", "data", "stage", "fsdp"
 AXIS_NAMES: tuple[str, ...] = (REPLICA, DATA, STAGE, FSDP, CONTEXT, TENSOR)
 
 MeshSpec = Union[str, Sequence[tuple[str, int]], Mapping[str, int]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Degrees:
+  """A mesh's parallel degrees, one per axis name (1 where the mesh lacks the axis): the
+  one description of how far a mesh splits each way, built once from it (`degrees`)."""
+  replica: int = 1
+  data: int = 1
+  stage: int = 1
+  fsdp: int = 1
+  context: int = 1
+  tensor: int = 1
+
+  @property
+  def batch_shards(self) -> int:
+    """How many ways one replica's batch is split: data x fsdp."""
+    return self.data * self.fsdp
+
+
+def degrees(mesh) -> Degrees:
+  """The parallel degrees of a Mesh or AbstractMesh (an empty one: all 1)."""
+  return Degrees(**{a: n for a, n in dict(mesh.shape).items() if a in AXIS_NAMES})
 Rules = Sequence[tuple[str, Union[str, tuple[str, ...], None]]]
 
 DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (

@@ -4,12 +4,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxsys import mesh as mesh_lib
+
 
 def splits_sequence() -> bool:
   """Whether the mesh traced under splits the sequence: a `context` axis of size > 1 that
   the compiler lays out (not one a `shard_map` around this code has made manual)."""
   mesh = jax.sharding.get_abstract_mesh()
-  return (not mesh.empty and dict(mesh.shape).get("context", 1) > 1
+  return (not mesh.empty and mesh_lib.degrees(mesh).context > 1
           and "context" not in mesh.manual_axes)
 
 

@@ -219,7 +219,7 @@ def _compute_layout(cfg: TransformerConfig, p: dict[str, jax.Array]) -> dict[str
   (wo, wk, wv at `fsdp=64`: 1 GiB more a step for Llama-3-8B than MaxText's 2 passes).
   Unchanged without a mesh or inside `shard_map` (see `shard_residual`)."""
   mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or mesh.manual_axes or dict(mesh.shape).get("fsdp", 1) == 1:
+  if mesh.empty or mesh.manual_axes or mesh_lib.degrees(mesh).fsdp == 1:
     return p
   axes = param_axes(cfg)["layers"]
   whole = (("embed", None),) + mesh_lib.DEFAULT_RULES  # the first rule of a name wins

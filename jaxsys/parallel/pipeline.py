@@ -357,7 +357,7 @@ class _VocabLayers:
   def __init__(self, cfg, layout: Layout, algorithm: int, mesh, head_stage: int):
     self.cfg, self.layout, self.algorithm = cfg, layout, algorithm
     self.last = head_stage
-    tensor = dict(mesh.shape).get(TENSOR_AXIS, 1)
+    tensor = mesh_lib.degrees(mesh).tensor
     if layout.vocab_parallel and layout.tensor not in (1, tensor):
       raise ValueError(f"the layout splits the vocabulary over tensor={layout.tensor}, the mesh "
                        f"has tensor={tensor}: build the Layout with tensor={tensor} (or 1, over "
@@ -593,7 +593,7 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
   XLA:CPU), so then every stage runs the forward and the backward each tick and keeps the
   one its schedule says ("uniform ticks": correct, at up to twice a tick's compute).
   """
-  uniform_ticks = dict(mesh.shape).get("context", 1) > 1
+  uniform_ticks = mesh_lib.degrees(mesh).context > 1
   _, attention_fn = transformer.default_inputs(cfg, batch["inputs"], None, attention_fn)
   R, routed, scaled = replicas, shifts is not None, weights is not None
   mbs = _microbatches_by_replica(batch, R, schedule.microbatches)  # [R, M, Bm, T]
@@ -601,12 +601,12 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
   # its own gradients over the ticks and they are all-reduced once, after the last tick.
   # Left automatic, XLA all-reduces the gradients of every backward and every head (m times
   # a step) inside the ticks' branches.
-  shards = dict(mesh.shape).get(DATA_AXIS, 1)
+  shards = mesh_lib.degrees(mesh).data
   data = DATA_AXIS if shards > 1 and mbs["inputs"].shape[2] % shards == 0 else None
   # Gathered once, `fsdp` is manual like `data`: each device runs its own rows on the whole
   # stage's weights and sums its own gradients; left automatic, XLA gathers each chunk's
   # weights and reduces its gradients inside every tick that runs it.
-  fsdp = dict(mesh.shape).get(FSDP_AXIS, 1)
+  fsdp = mesh_lib.degrees(mesh).fsdp
   gathered = _fsdp_dims(cfg, layout, mesh) if gather_once and fsdp > 1 else None
   if gathered is not None and mbs["inputs"].shape[2] % (fsdp * (shards if data else 1)):
     raise ValueError(f"gather_once: a microbatch's {mbs['inputs'].shape[2]} rows do not divide "

@@ -481,7 +481,7 @@ def check_config(config, workdir: Any = None, devices=None) -> config_lib.RunCon
   if run.parallel.hdp:  # the pools' own checks (the order of their axes)
     hdp_step.slots(mesh)
   if run.pipeline.schedule != "none":  # the schedule's own checks (e.g. 1f1b's m >= p)
-    pipeline.make_schedule(run.pipeline.schedule, stages=dict(mesh.shape).get("stage", 1),
+    pipeline.make_schedule(run.pipeline.schedule, stages=mesh_lib.degrees(mesh).stage,
                            microbatches=run.pipeline.microbatches,
                            virtual_stages=run.pipeline.virtual_stages,
                            vocab_overlap=run.pipeline.vocab_overlap)

@@ -156,7 +156,7 @@ def _tokens_and_layers(run: RunConfig, mesh: Mesh, schedule) -> tuple[float, flo
   if schedule is None:
     return rows * seq, run.model.n_layers, rows * seq, run.model.n_layers
   per_micro = rows / run.pipeline.microbatches * seq
-  layers = run.model.n_layers / dict(mesh.shape).get("stage", 1)
+  layers = run.model.n_layers / mesh_lib.degrees(mesh).stage
   return (per_micro * schedule.peak_activations, layers, per_micro,
           int(layers // schedule.virtual_stages))
 

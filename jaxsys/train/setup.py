@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any, Callable
 
 import jax
@@ -147,12 +146,12 @@ def make_layout(run: RunConfig, mesh) -> pipeline.Layout | None:
   """The pipeline's stage layout of `run` on `mesh`; None without a pipeline."""
   if run.pipeline.schedule == "none":
     return None
-  stages = dict(mesh.shape).get(pipeline.AXIS, 1)
+  stages = mesh_lib.degrees(mesh).stage
   virtual = run.pipeline.virtual_stages
   pipeline.check_layout(stages, virtual, run.model.n_layers)
   return pipeline.Layout(stages=stages, virtual=virtual, vocab_size=run.model.vocab_size,
                          vocab_parallel=run.pipeline.vocab_parallel,
-                         tensor=dict(mesh.shape).get(pipeline.TENSOR_AXIS, 1))
+                         tensor=mesh_lib.degrees(mesh).tensor)
 
 
 def _gradient_fn(run: RunConfig, mesh, view: layouts.View, schedule, context_split, param_sh):
@@ -205,7 +204,7 @@ def _staged(sharding) -> tuple[int, ...]:
 
 def _stage_share(params, param_sh, mesh):
   """One device's share of `params` along `stage`: what it holds of a pipeline's leaves."""
-  stages = mesh.shape.get(pipeline.AXIS, 1)
+  stages = mesh_lib.degrees(mesh).stage
 
   def share(x, sh):
     shape = [n // stages if i in _staged(sh) else n for i, n in enumerate(x.shape)]
@@ -218,8 +217,8 @@ def _grads_bytes(params, param_sh, mesh) -> int:
   (ring; fsdp's reduce-scatter plus all-gather moves the same): its share of a stage; in a
   pipeline, also summing over `stage` the gradients of the leaves every stage holds whole
   (the final norm; the embedding and head without vocabulary parallelism)."""
-  shards = math.prod(mesh.shape.get(a, 1) for a in ("data", "fsdp"))
-  stages = mesh.shape.get(pipeline.AXIS, 1)
+  shards = mesh_lib.degrees(mesh).batch_shards
+  stages = mesh_lib.degrees(mesh).stage
   whole = [x for x, sh in zip(jax.tree.leaves(params), jax.tree.leaves(param_sh))
            if not _staged(sh)]
   return ((outer_lib.ring_allreduce_bytes(outer_lib.tree_bytes(
@@ -240,18 +239,17 @@ def transfer_bytes(model_cfg, schedule: pipeline.Schedule, mesh: Mesh, batch_siz
   vocabulary parallelism every microbatch's embedding and output layer also communicate
   over `stage` and `tensor` (`vocab.bytes_per_microbatch`).
   """
-  shape = dict(mesh.shape)
-  replicas = shape.get(replicas_lib.AXIS, 1)
-  shards = math.prod(shape.get(a, 1) for a in ("data", "fsdp"))
-  rows = batch_size // replicas // shards  # of one replica, on one device
-  tokens = seq_len // shape.get("context", 1)
+  degrees = mesh_lib.degrees(mesh)
+  replicas = degrees.replica
+  rows = batch_size // replicas // degrees.batch_shards  # of one replica, on one device
+  tokens = seq_len // degrees.context
   activation = (rows // schedule.microbatches * tokens * model_cfg.d_model
                 * jnp.dtype(model_cfg.dtype).itemsize)
   moves = 1 + (routing.hops(replicas) if routed else 0)
   gather = (replicas - 1) * rows * tokens * 4 * 5 if routed else 0
   head = (schedule.microbatches * vocab.bytes_per_microbatch(
-      rows // schedule.microbatches * tokens, model_cfg.d_model, shape[pipeline.AXIS],
-      jnp.dtype(model_cfg.dtype).itemsize, tensor=shape.get(pipeline.TENSOR_AXIS, 1))
+      rows // schedule.microbatches * tokens, model_cfg.d_model, degrees.stage,
+      jnp.dtype(model_cfg.dtype).itemsize, tensor=degrees.tensor)
           if vocab_parallel else 0)
   return 2 * moves * activation, gather + head
 

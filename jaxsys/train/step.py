@@ -11,6 +11,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxsys import mesh as mesh_lib
 from jaxsys.kernels import sharded
 from jaxsys.kernels.attention_inputs import segment_pair
 from jaxsys.models import transformer
@@ -145,7 +146,7 @@ def compiler_options(model_cfg: transformer.TransformerConfig, mesh) -> dict[str
 
 def context_split_of(mesh, layout: str, algorithm: str = "ring") -> ContextSplit | None:
   """The split of a mesh with a `context` axis larger than 1, else None (no split)."""
-  return ContextSplit(layout, algorithm) if dict(mesh.shape).get("context", 1) > 1 else None
+  return ContextSplit(layout, algorithm) if mesh_lib.degrees(mesh).context > 1 else None
 
 
 def jit_eval_step(model_cfg, param_sh: Any, batch_sh: NamedSharding, token_bytes,
