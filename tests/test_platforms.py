@@ -119,6 +119,9 @@ def test_a_run_s_first_line_is_its_own(small_corpus, tmp_path):
   proc = subprocess.run(
       [sys.executable, "-m", "experiments.train", "--config=configs/tiny_lm.py:size=test",
        "--config.total_steps=1", "--config.eval_every=0", "--config.checkpoint_every=0",
+       # a schedule that decays (the config check builds it, before the run's first line;
+       # one step of warm-up and no decay is optax's own warning line)
+       "--config.optimizer.warmup_steps=1", "--config.optimizer.schedule_steps=4",
        f"--config.data.source={small_corpus}", "--config.data.num_threads=0",
        f"--workdir={tmp_path}"],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
