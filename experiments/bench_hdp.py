@@ -12,43 +12,9 @@ and by a static mesh packing them, through the same executor (jaxsys/bench/hdp_r
 it prints micro-steps, padding waste, per-micro-step imbalance and step time.
 (The script sets 8 simulated CPU devices itself when XLA_FLAGS does not name a count.)
 
---part=sim (jaxsys/bench/hdp.py): the cost-model simulation (jaxsys/parallel/hdp_sim.py) at 8..1024 devices,
-every collective counted as jaxsys's executors compile them (compiled=True). The compute
-rates are fitted on this machine's CPU (attention impl="xla" and a matmul, about 10 s),
-or given (--rates, e.g. those experiments/hdp_calibrate fitted and checked against a
-measured ring step); each global batch holds devices * tokens_per_device * batch_steps *
-fill tokens drawn from one length distribution (the stdlib's byte lengths, or a long
-tail shaped like ByteScale's data); every seed draws another batch. The simulated model
-is 7B-class (d 4096, 32 layers, bf16, hdp_sim.dense_params: 6.70B parameters MHA, 5.90B
-GQA) with its K/V as MHA (kv_dim 4096) or GQA (8 K/V heads of 128: kv_dim 1024). The
-machines:
-  cpu:   the fitted CPU rates, --link_gbps (default 100 GB/s) links (0: left out);
-  accel@<GB/s>: the same rates scaled so the matmuls run at --accel_tflops, attention
-         keeping its fitted cost relative to the matmuls (or each of --attention_ratios),
-         one setting per --accel_link_gbps (default 25, 100, 450 GB/s: a 200 Gb/s
-         InfiniBand port, a 800 Gb/s one, NVLink-class).
-A link figure is one direction of one device's link, for ring hops and all-reduces alike.
-HDP is per-rank (jaxsys/parallel/hdp_schedule.py balancing the simulator's own estimate,
-hdp_sim.ScheduleCost, its rings widened where that ends sooner; timed as
-jaxsys/train/hdp_step.py's PerRankHDPStep runs it). The static baselines:
-  - one data x context mesh (rings of c_max, for the longest sequence) on FFD-packed rows,
-    dealt three ways (lock-step, per-group accumulation, longest processing time first:
-    hdp_sim.STATIC_SCHEDULES); "best static mesh" is the best of the three per batch;
-  - two-pool: rings of c_max only for sequences over tokens_per_device, plain data
-    parallelism (no context parallelism) for the rest, token-packed rows dealt LPT;
-  - balanced: the same pools, the short sequences packed by cost over the data-parallel
-    devices (Zeppelin-style); both two-pool layouts split the devices per batch
-    (hdp_sim.simulate_two_pool);
-"strongest" is the fastest of all of them per batch. Beside HDP (in --out's JSON, the
-last column of the table): tight rings (widen=False, training's default), a schedule
-planned without the rings' own all-reduces ("blind"), and an executor that does not
-exist yet with one all-reduce a step ("once", hdp_sim.ALLREDUCES); --per_rank picks which.
-It prints a markdown table (median [min, max] over seeds) and draws the chart.
-With --tensor=t (and --fsdp=f) the model is sharded: the N devices are N/t slots, each a
-tensor group of t (its activation all-reduces on --tensor_link_gbps links), the
-parameters sharded over f slots (-1: all of them; ZeRO across HDP ranks) and gathered once
-a step; HDP plans the slots, each holding --tokens_per_device tokens, and a batch holds
-N/t * tokens_per_device * batch_steps * fill tokens. The static meshes get the same slots.
+--part=sim: the cost-model simulation at 8..1024 devices against static layouts; what it
+simulates, the machines and the baselines are described in jaxsys/bench/hdp.py. It prints
+a markdown table (median [min, max] over seeds) and draws the chart.
 """
 from __future__ import annotations
 

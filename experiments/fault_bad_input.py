@@ -70,6 +70,15 @@ def _link(target: str):
   return _do(action)
 
 
+def _spoil(path, how: str) -> None:
+  """`path` made unreadable ("chmod") or replaced by a directory ("dir")."""
+  if how == "chmod":
+    path.chmod(0)
+  else:
+    path.unlink()
+    path.mkdir()
+
+
 def _step_file(rel: str, how: str):
   """Makes `rel` of step 2 unreadable ("chmod") or a directory ("dir")."""
   def action(workdir, scratch):
@@ -77,11 +86,7 @@ def _step_file(rel: str, how: str):
     if rel == "largest d/ file":
       path = max((p for p in (workdir / "checkpoints" / "2").rglob("*")
                   if p.is_file() and p.parent.name == "d"), key=lambda p: p.stat().st_size)
-    if how == "chmod":
-      path.chmod(0)
-    else:
-      path.unlink()
-      path.mkdir()
+    _spoil(path, how)
   return _do(action)
 
 
@@ -103,12 +108,7 @@ def _override_first(workdir, scratch, argv):
 def _ledger(how: str):
   """Makes the checkpoints' ledger (jaxsys/checkpoint/ledger.py) unreadable or a directory."""
   def action(workdir, scratch):
-    path = workdir / "checkpoints" / "ledger.jsonl"
-    if how == "chmod":
-      path.chmod(0)
-    else:
-      path.unlink()
-      path.mkdir()
+    _spoil(workdir / "checkpoints" / "ledger.jsonl", how)
   return _do(action)
 
 
