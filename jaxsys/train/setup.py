@@ -59,7 +59,7 @@ class Comm:
   reductions_per_step: Callable[[], float] = lambda: 1.0
 
   def outer_after(self, steps: int) -> int:
-    return self.outer.bytes_after(self.synced, self.view.replicas, steps) if self.outer else 0
+    return self.outer.bytes_after(self.synced, self.replicas, steps) if self.outer else 0
 
   def after(self, steps: int) -> float:
     """Bytes sent after `steps` steps, every collective counted."""
