@@ -70,12 +70,19 @@ def test_shift_moves_rows_when_stage_groups_shift_differently():
     np.testing.assert_array_equal(out[:, s], np.roll(x[:, s], k))
 
 
+def _on_host(tree):
+  """`tree` as numpy arrays: a reference jitted on them runs on one device, with no
+  collective of XLA's choosing between it and what it checks."""
+  return jax.tree.map(np.asarray, tree)
+
+
 def _routed_reference(params_R, batch, shifts, weights, microbatches, chunks):
   """(loss of replica r's rows [R], gradients of sum_r weights[r] * loss[r]), each microbatch
   through the chunks of the replicas its route visits; plain jax, no pipeline, no collective."""
   R = jax.tree.leaves(params_R)[0].shape[0]
-  route = jnp.asarray(routing.routes(shifts, R))
-  (_, values), grads = _reference_fn(microbatches, chunks)(params_R, batch, route, weights)
+  route = routing.routes(shifts, R)
+  (_, values), grads = _reference_fn(microbatches, chunks)(
+      *_on_host((params_R, batch, route, weights)))
   return values, grads
 
 
@@ -138,9 +145,9 @@ def _inputs():
 
 def _assert_close(tree, ref, rtol=1e-5):
   """Every leaf within rtol of the reference leaf's largest magnitude."""
-  for path, a, b in zip(jax.tree_util.tree_flatten_with_path(ref)[0], jax.tree.leaves(tree),
-                        jax.tree.leaves(ref)):
-    err = float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
+  for path, a, b in zip(jax.tree_util.tree_flatten_with_path(ref)[0],
+                        jax.tree.leaves(_on_host(tree)), jax.tree.leaves(_on_host(ref))):
+    err = float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
     assert err < rtol, f"{jax.tree_util.keystr(path[0])}: relative error {err:.2e}"
 
 
@@ -156,9 +163,9 @@ def test_identity_routing_is_each_replicas_own_pipeline_and_model():
   def per_replica(params, rows, w):  # the unpipelined replica step's summed loss
     loss = jnp.sum(step_lib.token_losses(CFG, params, rows))
     return w * loss, loss
-  rows = jax.tree.map(lambda x: x.reshape(R, -1, *x.shape[1:]), batch)
+  rows = jax.tree.map(lambda x: x.reshape(R, -1, *x.shape[1:]), _on_host(batch))
   grads_ref, loss_ref = jax.jit(jax.vmap(jax.grad(per_replica, has_aux=True)))(
-      params_R, rows, weights)
+      *_on_host((params_R, rows, weights)))
   np.testing.assert_allclose(loss_f, loss_ref, rtol=1e-5)
   np.testing.assert_allclose(loss_r, loss_ref, rtol=1e-5)
   _assert_close(grads_f, grads_ref)
@@ -186,7 +193,7 @@ def test_random_routing_attributes_losses_to_their_rows():
   loss, grads = _executor(True)[0](same, batch, shifts, weights)
   loss_f, grads_f = _executor(False)[0](same, batch, shifts, weights)
   np.testing.assert_allclose(loss, loss_f, rtol=1e-5)
-  summed = lambda tree: jax.tree.map(lambda x: jnp.sum(x, axis=0), tree)
+  summed = lambda tree: jax.tree.map(lambda x: np.sum(x, axis=0), _on_host(tree))
   _assert_close(summed(grads), summed(grads_f))
   assert not np.allclose(grads["layers"]["wq"], grads_f["layers"]["wq"], rtol=1e-3)
 
