@@ -10,7 +10,7 @@ devices share the cores).
 
 1. Costs, measured in each process on its own core (wall time, median of --repeats after a
    warm-up; every process's recorded, the slowest's used): the executor's own chunk programs
-   (`pipeline._Chunk`: forward F, backward B, and the zero-bubble split into B_in and W) on
+   (`pipeline.chunk.Chunk`: forward F, backward B, and the zero-bubble split into B_in and W) on
    one microbatch, and a send to the next stage (one `ppermute` of a microbatch's
    activation, timed as the per-iteration cost of a loop of them, so dispatch is not in it).
 2. Predicted: `schedules.timed` of each schedule under those costs, in the ticks the
@@ -94,7 +94,7 @@ def measure_costs(cfg: transformer.TransformerConfig, layers_per_chunk: int, seq
   params = jax.device_put(transformer.init_params(cfg, jax.random.key(0))["layers"], device)
   mb = jax.device_put(_batch(1, seq, cfg.vocab_size), device)
   _, attention_fn = transformer.default_inputs(cfg, mb["inputs"], None, None)
-  chunk = pipeline._Chunk(cfg, attention_fn)
+  chunk = pipeline.chunk.Chunk(cfg, attention_fn)
   x = jax.device_put(jax.random.normal(jax.random.key(1), (1, seq, cfg.d_model), cfg.dtype),
                      device)
   forward = jax.jit(chunk.forward)
@@ -163,7 +163,7 @@ def rows(names, stages: int, microbatches, *, d_model: int, n_layers: int, seq: 
       layout = pipeline.Layout(stages=stages, virtual=v, vocab_size=vocab_size,
                                vocab_parallel=False)
       staged = pipeline.to_stages(layout, params)
-      staged = _placed(staged, mesh, pipeline._param_specs(layout, staged))
+      staged = _placed(staged, mesh, pipeline.layout.param_specs(layout, staged))
       step = jax.jit(lambda p, b, schedule=schedule, layout=layout:
                      pipeline.pipeline_loss_and_grads(cfg, schedule, layout, p, b, mesh=mesh))
       measured = _wall(step, staged, batch, repeats=repeats)

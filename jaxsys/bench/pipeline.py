@@ -18,7 +18,7 @@ the parts and `tables` prints them:
    `cost_analysis` counts a while loop's body ONCE (whatever the trip count) and a
    conditional as its costliest branch, so the whole pipelined program's number says
    nothing about executed work (it is recorded as `xla_whole_program_flops`). Instead the
-   chunk forward and backward (the executor's own `_Chunk`) are compiled on their own for
+   chunk forward and backward (the executor's own `chunk.Chunk`) are compiled on their own for
    their per-call FLOPs and multiplied by the executed counts; useful = the cost analysis
    of the unpipelined forward + backward of all layers on the same per-device rows, divided
    by p. Each device gets one row per microbatch (a microbatch is 8/p rows split over
@@ -124,7 +124,7 @@ def chunk_flops(cfg, layers_per_chunk: int, rows: int, seq: int) -> dict[str, fl
   """
   mb = _abstract_batch(rows, seq)
   _, attention_fn = transformer.default_inputs(cfg, mb["inputs"], None, None)
-  chunk = pipeline._Chunk(cfg, attention_fn)  # the executor's own forward/backward
+  chunk = pipeline.chunk.Chunk(cfg, attention_fn)  # the executor's own forward/backward
   x = jax.ShapeDtypeStruct((rows, seq, cfg.d_model), jnp.dtype(cfg.dtype))
   # The residual bytes of one slot are those of the whole chunk (scanned or not).
   res_bytes = sum(int(np.prod(r.shape)) * r.dtype.itemsize

@@ -133,7 +133,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       # steps after its collective starts, mixed into the local parameters as
       # (1 - outer_mixing) global + outer_mixing local (jaxsys/optim/streaming.py)
       outer_fragments=1, outer_overlap_steps=0, outer_mixing=0.0))
-  # Pipeline parallelism over the mesh's `stage` axis (jaxsys/parallel/pipeline.py): none,
+  # Pipeline parallelism over the mesh's `stage` axis (jaxsys/parallel/pipeline/): none,
   # gpipe, 1f1b or interleaved_1f1b, e.g. --config.mesh=stage=4,data=2
   # --config.pipeline.schedule=1f1b --config.pipeline.microbatches=8
   # --config.pipeline.vocab_parallel=true (embedding and output layer split over stage x tensor;

@@ -382,7 +382,7 @@ def test_vocab_layer_bytes_per_device(mesh_spec, vocab_parallel, shards, make_co
   def vocab_bytes(sharding_tree, abstract_tree):
     total = 0
     for path, sh in jax.tree_util.tree_flatten_with_path(sharding_tree)[0]:
-      if pipeline._kind(path) in pipeline.VOCAB_PARAMS:
+      if pipeline.layout.leaf_kind(path) in pipeline.VOCAB_PARAMS:
         leaf = functools.reduce(lambda t, k: t[k.key] if hasattr(k, "key") else getattr(t, k.name),
                                 path, abstract_tree)
         total += np.prod(sh.shard_shape(leaf.shape)) * leaf.dtype.itemsize
@@ -468,7 +468,7 @@ def test_residual_slots_hold_no_weights():
   params = transformer.init_params(CFG, jax.random.key(0))["layers"]
 
   def stored_bytes(rows):
-    chunk = pipeline._Chunk(CFG, functools.partial(transformer.local_attention, impl="xla"))
+    chunk = pipeline.chunk.Chunk(CFG, functools.partial(transformer.local_attention, impl="xla"))
     x = jax.ShapeDtypeStruct((rows, 16, CFG.d_model), jnp.float32)
     mb = {k: jax.ShapeDtypeStruct((rows, 16), jnp.int32) for k in ("positions", "segment_ids")}
     return sum(r.size * r.dtype.itemsize for r in chunk.residual_shapes(params, x, mb))

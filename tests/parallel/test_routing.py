@@ -96,7 +96,7 @@ def _reference_fn(microbatches, chunks):
     R = route.shape[2]
     _, attention_fn = transformer.default_inputs(CFG, batch["inputs"], None, None)
     mbs = jax.tree.map(lambda x: x.swapaxes(0, 1),  # [M, R, rows, T]
-                       pipeline._microbatches_by_replica(batch, R, microbatches))
+                       pipeline.layout.microbatches_by_replica(batch, R, microbatches))
     x = per_mb(lambda e, t: transformer.embed(CFG, e, t))(
         params_R["embedding"][route[:, 0]], mbs["inputs"])
     for g in range(chunks):

@@ -68,7 +68,7 @@ def test_split_backward_does_the_work_once():
   x = jax.random.normal(jax.random.key(1), (2, 32, cfg.d_model))
   mb = {"positions": jnp.tile(jnp.arange(32), (2, 1)), "segment_ids": jnp.ones((2, 32), jnp.int32)}
   _, attention_fn = transformer.default_inputs(cfg, mb["positions"], None, None)
-  chunk = pipeline._Chunk(cfg, attention_fn)
+  chunk = pipeline.chunk.Chunk(cfg, attention_fn)
   y, res = chunk.forward(params, x, mb)
   dy = jax.random.normal(jax.random.key(2), y.shape)
   dparams, dx = chunk.backward(params, res, dy, mb)

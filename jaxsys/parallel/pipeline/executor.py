@@ -1,57 +1,5 @@
-"""Pipeline parallelism: one SPMD executor that runs any schedule over the `stage` mesh axis.
-
-The layout is a view of the model's stacked layers: `[layers, ...]` reshaped to
-`[virtual, stage, layers/chunk, ...]`, so global chunk g = virtual * stages + stage
-holds layers g*chunk .. (g+1)*chunk - 1 and lives on stage g % stages (`to_stages`,
-`from_stages`; no data moves for `virtual=1`). A schedule (`schedules.py`) is data: for
-every tick and stage, forward, backward or idle, with the buffer slots each action reads
-and writes; the executor runs it as `schedule.executed`, the table's ticks or the same
-order fused into ticks of a backward-type action and a forward (`schedules.Ticks`).
-`pipeline_loss_and_grads` walks the ticks in one `lax.scan` inside a `jax.shard_map` over
-`stage` (data/fsdp/tensor stay automatic within each stage):
-
-  arrivals -> (VP: T pass) -> embed phase -> compute (one switch over the tick's action
-  combinations: idle, forward, backward, or backward then forward; a backward's chunk
-  gradients then added to their sum by a two-way conditional of its own) -> head phase
-  (VP: S pass) -> embed-gradient phase -> ppermute activations to stage+1, gradients to
-  stage-1
-
-A forward keeps its chunk's `jax.vjp` residuals in a slot of a buffer of
-`Ticks.res_slots` entries (1F1B: `stages`, GPipe: `microbatches`): only residuals that
-depend on the microbatch (`dependence.py`); the weight-only ones (the weights, reshaped
-weights) the backward recomputes from the live weights. Zero-bubble schedules (ZB-H1,
-ZBV) split the backward into an input-gradient pass B and a weight-gradient pass W: the
-chunk's backward jaxpr unzipped by partial evaluation (`_Chunk._split`), B handing W the
-cotangents it needs in a stash slot; a schedule whose chunks do not sit where the layout
-keeps them (ZBV's V) gets them by one ppermute per virtual row a step.
-
-The head (final norm, output layer, cross-entropy) and the input embedding run in phases
-all stages join, on the ticks the schedule says, so vocabulary parallelism (`vocab.py`:
-both split over `stage`, or over `stage` x `tensor` where the layout has a tensor size)
-runs inside the schedule rather than after it. Training with VP, the head is the paper's
-S and T passes on the ticks the schedule gives them (`Ticks.vocab_s_microbatch`,
-`vocab_t_microbatch`): the S pass (broadcast, logits, statistics, their all-reduce) at the
-end of the tick of the last chunk's forward, the T pass (loss, dh and its all-reduce, dw)
-at the start of the next tick, so the statistics' all-reduce is carried in the loop state
-from one tick to the next instead of feeding the same tick's T pass, and the head stage's
-backward still runs on the T pass's tick. With the schedule's `vocab_overlap` (1F1B) each
-pass runs beside the lanes of a tick of its own, the S pass the tick after the head's and
-the T pass the one after, both all-reduces' results carried to the next tick: the dh one
-becomes the head stage's gradient arrival there (through the final norm's backward).
-Without VP the first and last stage own the (replicated) vocabulary layers and the other
-stages skip those phases. Evaluation (`pipeline_loss`) runs the schedule's forwards only.
-
-Loss and gradients are those of the summed token loss; the caller divides once by the
-token count, so the step equals the unpipelined one.
-
-`replica_loss_and_grads` runs R such pipelines at once, one per replica of a `replica` x
-`stage` mesh (parameters [R, ...], the shard_map manual over both axes). With fixed
-routing they are independent; with `shifts` (`routing.py`, NoLoCo's random routing) each
-chunk boundary moves a microbatch's activation to another replica's next stage, and its
-gradient back along the same path. Every replica then holds the whole batch's small
-integer arrays, so the chunk, head and embedding that meet a microbatch read its
-positions, targets and mask from the replica it started on; its loss is counted there.
-"""
+"""The executor: one `lax.scan` over a schedule's ticks inside a `jax.shard_map` over
+`stage` (see the package's docstring), and the entry points that run it."""
 from __future__ import annotations
 
 import dataclasses
@@ -61,454 +9,20 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src.interpreters import partial_eval as pe
-from jax.extend import core as jax_core
 from jax.sharding import PartitionSpec as P
 
 from jaxsys import mesh as mesh_lib
 from jaxsys.models import transformer
-from jaxsys.parallel import dependence, routing, schedules, vocab
+from jaxsys.parallel import routing, schedules
+from jaxsys.parallel.pipeline.chunk import Chunk
+from jaxsys.parallel.pipeline.head import VocabLayers
+from jaxsys.parallel.pipeline.layout import (AXIS, DATA_AXIS, FSDP_AXIS, VOCAB_PARAMS, Batch,
+                                             Layout, fsdp_dims, microbatches_by_replica,
+                                             param_specs)
 from jaxsys.parallel.schedules import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, IDLE,
-                                       KINDS, Schedule, make_schedule)
+                                       KINDS, Schedule)
 
 _SENDS_GRAD = (BACKWARD, BACKWARD_INPUT)  # the backward kinds that send an input gradient
-
-__all__ = ["make_schedule", "Schedule", "Layout", "to_stages", "from_stages",
-           "pipeline_loss_and_grads", "pipeline_loss", "replica_loss_and_grads",
-           "split_microbatches"]
-
-AXIS = mesh_lib.STAGE
-TENSOR_AXIS = mesh_lib.TENSOR  # automatic in the executor; VP takes it by hand around its layers
-DATA_AXIS = mesh_lib.DATA  # the batch axis the executor splits by hand (see _execute)
-FSDP_AXIS = mesh_lib.FSDP  # automatic, or by hand where the weights are gathered once a step
-SCHEDULES = ("none", *schedules.SCHEDULES)
-VOCAB_PARAMS = ("embedding", "unembedding")
-
-Batch = dict[str, jax.Array]
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-  """How the canonical parameters are viewed for a pipeline of `stages` x `virtual` chunks.
-
-  `tensor`: the size of the mesh's `tensor` axis, over which vocabulary parallelism also
-  splits the vocabulary (stages x tensor shards); 1 splits it over `stage` alone.
-  """
-  stages: int
-  virtual: int
-  vocab_size: int
-  vocab_parallel: bool
-  tensor: int = 1
-
-  @property
-  def chunks(self) -> int:
-    return self.stages * self.virtual
-
-  @property
-  def vocab_axes(self) -> tuple[str, ...]:
-    """The mesh axes VP splits the vocabulary over, the first major (`vocab.py`)."""
-    return (AXIS, TENSOR_AXIS) if self.tensor > 1 else (AXIS,)
-
-  @property
-  def padded_vocab(self) -> int:
-    return (vocab.padded_vocab(self.vocab_size, self.stages * self.tensor) if self.vocab_parallel
-            else self.vocab_size)
-
-  def leaf_to_stages(self, name: str, x):
-    """One canonical leaf (named by its last key) in the pipeline view."""
-    if name == "layers":
-      return x.reshape(self.virtual, self.stages, x.shape[0] // self.chunks, *x.shape[1:])
-    pad = self.padded_vocab - self.vocab_size
-    if name == "embedding" and pad:
-      return jnp.pad(x, ((0, pad), (0, 0)))
-    if name == "unembedding" and pad:
-      return jnp.pad(x, ((0, 0), (0, pad)))
-    return x
-
-  def leaf_from_stages(self, name: str, x):
-    """The inverse of `leaf_to_stages`: the canonical leaf, vocabulary padding dropped."""
-    if name == "layers":
-      return x.reshape(x.shape[0] * x.shape[1] * x.shape[2], *x.shape[3:])
-    if name == "embedding":
-      return x[:self.vocab_size]
-    if name == "unembedding":
-      return x[:, :self.vocab_size]
-    return x
-
-  def logical_axes(self, axes: dict[str, Any]) -> dict[str, Any]:
-    """The parameters' logical axes in the pipeline view (`stage` names the stage dim)."""
-    out = dict(axes)
-    out["layers"] = {k: (None, "stage", *a) for k, a in axes["layers"].items()}
-    return out
-
-  def rules(self, rules):
-    """Logical rules of the view: with vocabulary parallelism the vocab dim splits over
-    `vocab_axes` (stage, or stage x tensor)."""
-    return ((("vocab", self.vocab_axes),) if self.vocab_parallel else ()) + tuple(rules)
-
-
-def _kind(path) -> str:
-  """'layers' for a stacked-layer leaf, else the parameter's own name."""
-  keys = [getattr(k, "key", None) for k in path]
-  return "layers" if "layers" in keys else str(keys[-1])
-
-
-def to_stages(layout: Layout, params):
-  """Canonical parameters (or any tree of the same keys, such as Adam's moments) -> the view."""
-  return jax.tree_util.tree_map_with_path(lambda p, x: layout.leaf_to_stages(_kind(p), x), params)
-
-
-def from_stages(layout: Layout, params):
-  return jax.tree_util.tree_map_with_path(lambda p, x: layout.leaf_from_stages(_kind(p), x), params)
-
-
-def check_layout(stages: int, virtual: int, n_layers: int) -> None:
-  if n_layers % (stages * virtual):
-    raise ValueError(f"model.n_layers={n_layers} does not split into {stages} stages x "
-                     f"pipeline.virtual_stages={virtual} chunks; use n_layers a multiple of "
-                     f"{stages * virtual} or another stage axis / virtual_stages")
-
-
-# ---------------------------------------------------------------------------
-# The executor
-# ---------------------------------------------------------------------------
-
-
-def split_microbatches(batch: Batch, n: int) -> Batch:
-  """[B, ...] -> [n, B/n, ...], microbatch i taking rows i, i+n, ... so each stays evenly sharded."""
-  return jax.tree.map(lambda x: x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1), batch)
-
-
-def _take(tree, i):
-  return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), tree)
-
-
-def _put(tree, i, value):
-  return jax.tree.map(lambda x, v: jax.lax.dynamic_update_index_in_dim(x, v, i, 0), tree, value)
-
-
-def _put_if(pred, tree, i, value):
-  """`value` into slot i of `tree` where `pred`, else `tree` as it is: a two-way
-  conditional updates the loop's buffer in place, with no spare slot to write to when
-  nothing is (a 10 MiB residual slot at d 256, 2 layers, 128 tokens)."""
-  return jax.lax.cond(pred, lambda t, v: _put(t, i, v), lambda t, v: t, tree, value)
-
-
-def _zeros_of(shapes):
-  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-
-
-def _backwards(kinds) -> bool:
-  """Whether a lane running `kinds` runs any backward-type action."""
-  return any(k != FORWARD for k in kinds)
-
-
-def _accumulate(pred, fn, x, acc):
-  """fn(x, acc) -> (results, acc + what fn adds) where pred, else (zeros, acc): the sum is
-  made inside the conditional, so a tick that adds nothing adds no zeros (issue 28: the
-  vocabulary layers' zero gradients added every tick were 64 MiB a tick at d 256)."""
-  skip = lambda x, acc: (_zeros_of(jax.eval_shape(fn, x, acc)[0]), acc)
-  return jax.lax.cond(pred, fn, skip, x, acc)
-
-
-def _trash(slot, size: int):
-  """Slot -1 (nothing to write) goes to the extra last entry, so writes need no branch."""
-  return jnp.where(slot < 0, size, slot)
-
-
-class _Chunk:
-  """A chunk's forward with its vjp residuals split off, and the backward that consumes them.
-
-  Only residuals that depend on the microbatch are stored; those that are functions of
-  the weights alone (the weights themselves, reshaped or transposed weights) are
-  recomputed by the backward from the live weights, so a residual slot never holds a
-  copy of the stage's weights.
-  """
-
-  def __init__(self, cfg: transformer.TransformerConfig, attention_fn: Callable):
-    self.cfg, self.attention_fn = cfg, attention_fn
-    self._stored: dict[Any, list[int]] = {}
-    self._splits: dict[Any, _Split] = {}
-
-  def apply(self, params, x, mb: Batch):
-    return transformer.apply_layers(self.cfg, params, x, mb["positions"], mb["segment_ids"],
-                                    self.attention_fn)
-
-  def _vjp(self, params, x, mb: Batch):
-    y, vjp_fn = jax.vjp(lambda params, x: self.apply(params, x, mb), params, x)
-    leaves, treedef = jax.tree.flatten(vjp_fn)
-    return y, leaves, treedef
-
-  def _residuals(self, params, x, mb: Batch):
-    return self._vjp(params, x, mb)[1]
-
-  def _stored_indices(self, params, x, mb: Batch) -> list[int]:
-    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (params, x, mb))
-    key = (jax.tree.structure(shapes), tuple((a.shape, a.dtype) for a in jax.tree.leaves(shapes)))
-    if key not in self._stored:  # one analysis per argument shapes, not per call
-      data = dependence.depends_on(self._residuals, shapes, (False, True, True))
-      self._stored[key] = [i for i, d in enumerate(data) if d]
-    return self._stored[key]
-
-  def residual_shapes(self, params, x, mb: Batch):
-    """Shapes of the residuals a forward stores."""
-    leaves = jax.eval_shape(self._residuals, params, x, mb)
-    return [leaves[i] for i in self._stored_indices(params, x, mb)]
-
-  def forward(self, params, x, mb: Batch):
-    y, leaves, _ = self._vjp(params, x, mb)
-    return y, [leaves[i] for i in self._stored_indices(params, x, mb)]
-
-  def backward(self, params, residuals, dy, mb: Batch):
-    # A fresh trace gives the vjp's structure and the weight-only residuals from the live
-    # weights; the rest of its forward is dead code, which XLA removes.
-    x = jnp.zeros_like(dy)
-    _, leaves, treedef = self._vjp(params, x, mb)
-    for i, r in zip(self._stored_indices(params, x, mb), residuals):
-      leaves[i] = r
-    return jax.tree.unflatten(treedef, leaves)(dy)
-
-  def _split(self, params, residuals, dy, mb: Batch) -> "_Split":
-    """The backward unzipped in two by data dependence (jax's partial evaluation, as
-    `jax.linearize` splits a function): the residuals the input gradient does not read
-    (the matmul inputs only weight gradients need) are 'unknown', so every operation that
-    reads them, each weight gradient's matmul, goes to W, and the rest, the input
-    gradient and the whole cotangent chain, to B, which hands W the cotangents it needs
-    (the stash). B + W does the backward's work once: no op runs in both."""
-    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
-                          (params, residuals, dy, mb))
-    leaves, tree = jax.tree.flatten(shapes)
-    key = (tree, tuple((a.shape, a.dtype) for a in leaves))
-    if key not in self._splits:
-      n_params, n_res = len(jax.tree.leaves(params)), len(residuals)
-
-      def flat_backward(*flat):
-        p, r, d, m = jax.tree.unflatten(tree, flat)
-        dparams, dx = self.backward(p, r, d, m)
-        return [dx, *jax.tree.leaves(dparams)]
-      closed = jax.make_jaxpr(flat_backward)(*leaves)
-      n_out = len(closed.out_avals)
-      # The backward's fresh forward trace is dead code: drop it before splitting.
-      jaxpr, _ = pe.dce_jaxpr(closed.jaxpr, [True] * n_out, instantiate=True)
-      _, for_dx = pe.dce_jaxpr(jaxpr, [True] + [False] * (n_out - 1))
-      weight_only = [n_params <= i < n_params + n_res and not used
-                     for i, used in enumerate(for_dx)]
-      known, unknown, out_unknown, stash = pe.partial_eval_jaxpr_nounits(
-          jax_core.ClosedJaxpr(jaxpr, closed.consts), weight_only, False)
-      assert not out_unknown[0], "the input gradient reads no weight-only residual"
-      self._splits[key] = _Split(weight_only, out_unknown, known, unknown,
-                                 [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in stash])
-    return self._splits[key]
-
-  def stash_shapes(self, params, residuals, dy, mb: Batch):
-    """Shapes of what B hands W (held from B to W, one entry per held output gradient)."""
-    return self._split(params, residuals, dy, mb).stash
-
-  def backward_input(self, params, residuals, dy, mb: Batch):
-    """Zero-bubble B: (input gradient, the weight gradients B computes (zeros where W
-    does), the stash for W)."""
-    split = self._split(params, residuals, dy, mb)
-    flat = jax.tree.leaves((params, residuals, dy, mb))
-    outs = jax_core.jaxpr_as_fun(split.known)(
-        *[x for x, w in zip(flat, split.weight_only) if not w])
-    n_known = split.out_unknown.count(False)
-    known, stash = iter(outs[:n_known]), list(outs[n_known:])
-    values = [None if u else next(known) for u in split.out_unknown]
-    return values[0], split.dparams(params, values[1:]), stash
-
-  def backward_weight(self, params, residuals, dy, stash, mb: Batch):
-    """Zero-bubble W: the weight gradients B left, from B's stash and the residuals only
-    they read (zeros where B computed them). `dy` only names the split (W never reads it)."""
-    split = self._split(params, residuals, dy, mb)
-    flat = jax.tree.leaves((params, residuals, dy, mb))
-    outs = iter(jax_core.jaxpr_as_fun(split.unknown)(
-        *stash, *[x for x, w in zip(flat, split.weight_only) if w]))
-    values = [next(outs) if u else None for u in split.out_unknown]
-    return split.dparams(params, values[1:])
-
-
-@dataclasses.dataclass(frozen=True)
-class _Split:
-  """A chunk backward unzipped into B (`known`) and W (`unknown`) jaxprs (see _Chunk._split)."""
-  weight_only: list[bool]  # per flat (params, residuals, dy, mb) input: read by W alone
-  out_unknown: list[bool]  # per output (dx, *dparams leaves): computed by W
-  known: Any
-  unknown: Any
-  stash: list[jax.ShapeDtypeStruct]
-
-  def dparams(self, params, leaves):
-    """The params-shaped gradient from its leaves, zeros where None."""
-    like = jax.tree.leaves(params)
-    return jax.tree.unflatten(jax.tree.structure(params), [
-        jnp.zeros(p.shape, p.dtype) if x is None else x for p, x in zip(like, leaves)])
-
-
-class _VocabLayers:
-  """Input embedding and head (final norm, output layer, summed cross-entropy) per microbatch.
-
-  Replicated: stage 0 embeds, the head's stage (the last chunk's: the last stage, or
-  stage 0 in a V) runs the head; others skip (per-device branch). Vocabulary-parallel:
-  every stage runs its vocab shard and one collective joins them. Over stage x tensor,
-  `tensor` (automatic in the executor) is taken by hand around the vocab functions, so
-  each device runs its own 1 / (stages x tensor) of the vocabulary and their collectives
-  span both axes; the broadcasts of hidden states stay over `stage`.
-  """
-
-  def __init__(self, cfg, layout: Layout, algorithm: int, mesh, head_stage: int):
-    self.cfg, self.layout, self.algorithm = cfg, layout, algorithm
-    self.last = head_stage
-    tensor = mesh_lib.degrees(mesh).tensor
-    if layout.vocab_parallel and layout.tensor not in (1, tensor):
-      raise ValueError(f"the layout splits the vocabulary over tensor={layout.tensor}, the mesh "
-                       f"has tensor={tensor}: build the Layout with tensor={tensor} (or 1, over "
-                       f"stage alone)")
-    self.axes = layout.vocab_axes
-    self.shard_size = layout.padded_vocab // (layout.stages * layout.tensor)
-
-  def _by_hand(self, fn, in_specs, out_specs):
-    """`fn` (vocab.py's, over `self.axes`) where every one of those axes is manual: with
-    `tensor` among them, in a shard_map over `tensor` (specs name it alone; `stage` and the
-    executor's other manual axes stay manual inside)."""
-    if TENSOR_AXIS not in self.axes:
-      return fn
-    # check_vma=False as the executor's: its values carry no varying-axes types to check.
-    return jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs, axis_names={TENSOR_AXIS},
-                         check_vma=False)
-
-  @staticmethod
-  def _split(name: str) -> P:
-    """The `tensor` spec of a vocab weight: its vocabulary dim split."""
-    return P(TENSOR_AXIS) if name == "embedding" else P(None, TENSOR_AXIS)
-
-  def embed(self, params, tokens, stage):
-    cfg = self.cfg
-    if self.layout.vocab_parallel:
-      fn = self._by_hand(
-          functools.partial(vocab.embed, axis=self.axes, dtype=jnp.dtype(cfg.dtype)),
-          (self._split("embedding"), P()), P())
-      return fn(params["embedding"], tokens)
-    return jax.lax.cond(stage == 0, lambda: transformer.embed(cfg, params["embedding"], tokens),
-                        lambda: jnp.zeros(tokens.shape + (cfg.d_model,), cfg.dtype))
-
-  def embed_grad(self, params, dx, tokens, stage):
-    """Gradient of the embedding (replicated: on stage 0 only; else the local shard)."""
-    if self.layout.vocab_parallel:
-      dx = vocab.broadcast_from(dx, 0, axis=AXIS)
-      fn = self._by_hand(functools.partial(vocab.embed_grad, vocab_shard_size=self.shard_size,
-                                           axis=self.axes),
-                         (P(), P()), self._split("embedding"))
-      return fn(dx, tokens)
-    _, vjp = jax.vjp(lambda e: transformer.embed(self.cfg, e, tokens), params["embedding"])
-    return jax.lax.cond(stage == 0, lambda: vjp(dx)[0],
-                        lambda: jnp.zeros_like(params["embedding"]))
-
-  def _head_params(self, params):
-    names = ("final_norm", "embedding" if self.cfg.tie_embeddings else "unembedding")
-    return {k: params[k] for k in names}
-
-  def loss(self, params, y, mb: Batch, stage):
-    """The head's loss sum alone (evaluation)."""
-    cfg = self.cfg
-    head_params = self._head_params(params)
-    if not self.layout.vocab_parallel:
-      return jax.lax.cond(stage == self.last,
-                          lambda: self._loss_sum(head_params, y, mb),
-                          lambda: jnp.zeros((), jnp.float32))
-    h = transformer.rms_norm(vocab.broadcast_from(y, self.last, axis=AXIS),
-                             head_params["final_norm"], cfg.norm_eps)
-    # Algorithm 1 computes the input gradient after the loss; unused here, XLA drops it.
-    return self._output_layer(head_params, h, mb, algorithm=1)[1]
-
-  def _output_layer(self, head_params, h, mb: Batch, algorithm: int):
-    """(output weight's name, loss sum, dh, d weight shard) of the vocab-parallel output layer."""
-    cfg = self.cfg
-    name = "embedding" if cfg.tie_embeddings else "unembedding"
-    output_layer = vocab.output_layer_tied if cfg.tie_embeddings else vocab.output_layer
-    fn = self._by_hand(functools.partial(output_layer, vocab_size=cfg.vocab_size, axis=self.axes,
-                                         algorithm=algorithm, dtype=jnp.dtype(cfg.dtype)),
-                       (P(), self._split(name), P(), P()), (P(), P(), self._split(name)))
-    return name, *fn(h, head_params[name], mb["targets"], mb["loss_mask"])
-
-  def _loss_sum(self, head_params, y, mb: Batch):
-    """The head's summed cross-entropy (`transformer.head_losses`, as the unpipelined loss)."""
-    losses = transformer.head_losses(self.cfg, y, head_params["final_norm"],
-                                     head_params.get("embedding"), head_params.get("unembedding"),
-                                     mb["targets"])
-    return jnp.sum(losses * mb["loss_mask"])
-
-  def head(self, params, y, mb: Batch, stage):
-    """Replicated: (loss sum, d loss / d y, gradients of the head's parameters) for one
-    microbatch, on the head's stage (zeros elsewhere)."""
-    head_params = self._head_params(params)
-
-    def loss(hp, y):
-      return self._loss_sum(hp, y, mb)
-
-    def run():
-      value, (dhp, dy) = jax.value_and_grad(loss, argnums=(0, 1))(head_params, y)
-      return value, dy, dhp
-    skip = lambda: jax.tree.map(jnp.zeros_like, (jnp.zeros((), jnp.float32), y, head_params))
-    return jax.lax.cond(stage == self.last, run, skip)
-
-  def _output_weight(self):
-    """The name of the output layer's weight, and the output weight [D, Vs] of its shard
-    (tied: the embedding shard transposed and scaled, `transformer.unembed`)."""
-    if not self.cfg.tie_embeddings:
-      return "unembedding", lambda weight: weight
-    return "embedding", lambda weight: weight.T * weight.shape[1] ** -0.5
-
-  def _pass_kw(self) -> dict[str, Any]:
-    return dict(vocab_size=self.cfg.vocab_size, axis=self.axes, algorithm=self.algorithm,
-                dtype=jnp.dtype(self.cfg.dtype))
-
-  def head_s(self, params, y, mb: Batch):
-    """Vocabulary-parallel S pass of one microbatch on every stage: the head stage's hidden
-    state broadcast and normed, the shard's statistics all-reduced. Returns what its T pass
-    reads (`head_t`), which a later tick runs: the collective's result is carried to it."""
-    name, as_output = self._output_weight()
-    y = vocab.broadcast_from(y, self.last, axis=AXIS)
-    h = transformer.rms_norm(y, params["final_norm"], self.cfg.norm_eps)
-
-    def s_pass(h, weight, targets):
-      stats, kept = vocab.output_s_pass(h, as_output(weight), targets, **self._pass_kw())
-      return stats, jax.tree.map(lambda x: x[None], kept)  # one row per tensor shard
-    fn = self._by_hand(s_pass, (P(), self._split(name), P()), (P(), P(TENSOR_AXIS)))
-    stats, kept = fn(h, params[name], mb["targets"])
-    return {"y": y, "stats": stats, "kept": kept}
-
-  def head_t(self, params, carried, mb: Batch, stage):
-    """Vocabulary-parallel T pass of `head_s`'s results: (loss sum, d loss / d y, gradients
-    of the head's parameters), as `head`."""
-    value, dh, dw = self.head_t_pass(params, carried, mb)
-    dy, dnorm = self.head_dy(params, carried["y"], dh, stage)
-    return value, dy, {**dw, **dnorm}
-
-  def head_t_pass(self, params, carried, mb: Batch):
-    """The T pass up to its last all-reduce: (loss sum, d loss / d h, {output weight's
-    name: its shard's gradient}); `head_dy` turns d loss / d h into d loss / d y."""
-    cfg = self.cfg
-    name, as_output = self._output_weight()
-    h = transformer.rms_norm(carried["y"], params["final_norm"], cfg.norm_eps)
-
-    def t_pass(h, weight, targets, mask, stats, kept):
-      value, dh, dw = vocab.output_t_pass(h, as_output(weight), targets, mask, stats,
-                                          jax.tree.map(lambda x: x[0], kept), **self._pass_kw())
-      if cfg.tie_embeddings:  # the output weight's gradient as the embedding's
-        dw = (dw.T * weight.shape[1] ** -0.5).astype(weight.dtype)
-      return value, dh, dw
-    split = self._split(name)
-    fn = self._by_hand(t_pass, (P(), split, P(), P(), P(), P(TENSOR_AXIS)), (P(), P(), split))
-    value, dh, dw = fn(h, params[name], mb["targets"], mb["loss_mask"], carried["stats"],
-                       carried["kept"])
-    return value, dh, {name: dw}
-
-  def head_dy(self, params, y, dh, stage):
-    """(d loss / d y, {"final_norm": its gradient}) from the T pass's d loss / d h."""
-    h, norm_vjp = jax.vjp(lambda y, s: transformer.rms_norm(y, s, self.cfg.norm_eps), y,
-                          params["final_norm"])
-    dy, dnorm = norm_vjp(dh.astype(h.dtype))
-    # Every stage computed the same norm gradient: keep one copy, the sum over stages adds them.
-    return dy, {"final_norm": jnp.where(stage == self.last, dnorm, 0.0)}
 
 
 def pipeline_loss_and_grads(cfg: transformer.TransformerConfig, schedule: Schedule,
@@ -530,7 +44,7 @@ def pipeline_loss_and_grads(cfg: transformer.TransformerConfig, schedule: Schedu
   `fused`: run the schedule's fused ticks (True), its table's one-action ticks (False), or
   `schedule.executed`, the shorter in lock step (None).
   """
-  loss, grads, counts = _execute(cfg, schedule, layout, params, batch, mesh=mesh, train=True,
+  loss, grads, counts = execute(cfg, schedule, layout, params, batch, mesh=mesh, train=True,
                                  vocab_algorithm=vocab_algorithm, attention_fn=attention_fn,
                                  gather_once=gather_once, fused=fused)
   return (loss[0], grads, counts) if with_counts else (loss[0], grads)
@@ -554,7 +68,7 @@ def replica_loss_and_grads(cfg: transformer.TransformerConfig, schedule: Schedul
   if dict(mesh.shape).get(routing.AXIS) != replicas:
     raise ValueError(f"parameters of {replicas} replicas need a mesh with replica={replicas}, "
                      f"not {dict(mesh.shape)}")
-  loss, grads, _ = _execute(cfg, schedule, layout, params, batch, mesh=mesh, train=True,
+  loss, grads, _ = execute(cfg, schedule, layout, params, batch, mesh=mesh, train=True,
                             vocab_algorithm=vocab_algorithm, attention_fn=attention_fn,
                             replicas=replicas, shifts=shifts, weights=weights,
                             gather_once=gather_once)
@@ -565,20 +79,13 @@ def pipeline_loss(cfg: transformer.TransformerConfig, schedule: Schedule, layout
                   batch: Batch, *, mesh, attention_fn: Callable | None = None,
                   gather_once: bool = False) -> jax.Array:
   """The summed token loss of `batch`, forward only (evaluation), by `schedule.forward_only()`."""
-  loss, _, _ = _execute(cfg, schedule.forward_only(), layout, params, batch, mesh=mesh,
+  loss, _, _ = execute(cfg, schedule.forward_only(), layout, params, batch, mesh=mesh,
                         train=False, vocab_algorithm=1, attention_fn=attention_fn,
                         gather_once=gather_once)
   return loss[0]
 
 
-def _microbatches_by_replica(batch: Batch, replicas: int, n: int) -> Batch:
-  """[B, ...] -> [replicas, n, B/(replicas n), ...]: each replica's contiguous rows, split."""
-  by_replica = jax.tree.map(lambda x: x.reshape(replicas, x.shape[0] // replicas, *x.shape[1:]),
-                            batch)
-  return jax.vmap(lambda b: split_microbatches(b, n))(by_replica)
-
-
-def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, mesh, train: bool,
+def execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, mesh, train: bool,
              vocab_algorithm: int, attention_fn, replicas: int = 1, shifts=None, weights=None,
              gather_once: bool = False, fused: bool | None = None):
   """Runs `schedule`'s ticks (`fused` as in pipeline_loss_and_grads); without `train` only
@@ -588,13 +95,13 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
   pipeline). `replicas` > 1: params carry a leading [R] dim, the `replica` axis is manual.
   """
   _, attention_fn = transformer.default_inputs(cfg, batch["inputs"], None, attention_fn)
-  mbs = _microbatches_by_replica(batch, replicas, schedule.microbatches)  # [R, M, Bm, T]
+  mbs = microbatches_by_replica(batch, replicas, schedule.microbatches)  # [R, M, Bm, T]
   plan = _Plan.of(cfg, schedule, layout, mesh, train=train, replicas=replicas,
                   routed=shifts is not None, scaled=weights is not None,
                   rows_per_microbatch=mbs["inputs"].shape[2], gather_once=gather_once,
                   fused=fused)
-  vl = _VocabLayers(cfg, layout, vocab_algorithm, mesh, schedule.head_stage)
-  chunk = _Chunk(cfg, attention_fn)
+  vl = VocabLayers(cfg, layout, vocab_algorithm, mesh, schedule.head_stage)
+  chunk = Chunk(cfg, attention_fn)
   R = replicas
   offsets = (routing.offsets(jnp.asarray(shifts, jnp.int32), R) if plan.routed
              else jnp.zeros((schedule.microbatches, layout.chunks), jnp.int32))
@@ -603,11 +110,11 @@ def _execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, m
   def per_stage(params, mbs, offsets, weights):
     return _Stage(plan, chunk, vl, params, mbs, offsets, weights).run()
 
-  param_specs = _param_specs(layout, params, R > 1, plan.gathered)
+  specs = param_specs(layout, params, R > 1, plan.gathered)
   mbs_spec = P(routing.AXIS if R > 1 and not plan.routed else None, None,
                plan.rows or None)  # [R, M, Bm, T]
-  fn = jax.shard_map(per_stage, mesh=mesh, in_specs=(param_specs, mbs_spec, P(), P()),
-                     out_specs=(P(), param_specs if train else None, P(AXIS)),
+  fn = jax.shard_map(per_stage, mesh=mesh, in_specs=(specs, mbs_spec, P(), P()),
+                     out_specs=(P(), specs if train else None, P(AXIS)),
                      axis_names={AXIS} | ({routing.AXIS} if R > 1 else set()) | set(plan.rows),
                      # Per-stage branches mix stage-varying and uniform values everywhere;
                      # the executor's collectives are explicit, none is differentiated.
@@ -668,7 +175,7 @@ class _Plan:
     # Gathered once, `fsdp` is manual like `data`: each device runs its own rows on the
     # whole stage's weights and sums its own gradients; left automatic, XLA gathers each
     # chunk's weights and reduces its gradients inside every tick that runs it.
-    gathered = (_fsdp_dims(cfg, layout, mesh) if gather_once and degrees.fsdp > 1 else None)
+    gathered = (fsdp_dims(cfg, layout, mesh) if gather_once and degrees.fsdp > 1 else None)
     if gathered is not None and rows_per_microbatch % (
         degrees.fsdp * (degrees.data if data else 1)):
       raise ValueError(f"gather_once: a microbatch's {rows_per_microbatch} rows do not divide "
@@ -757,7 +264,7 @@ class _Stage:
   """One stage's program inside the executor's shard_map: its parameters and microbatches,
   the tick the scan runs, and the sums it returns."""
 
-  def __init__(self, plan: _Plan, chunk: _Chunk, vl: "_VocabLayers", params, mbs, offsets,
+  def __init__(self, plan: _Plan, chunk: Chunk, vl: "VocabLayers", params, mbs, offsets,
                weights):
     self.plan, self.chunk, self.vl = plan, chunk, vl
     self.mbs, self.offsets, self.weights = mbs, offsets, weights
@@ -769,7 +276,7 @@ class _Stage:
       params = jax.tree.map(lambda x, d: x if d < 0 else jax.lax.all_gather(
           x, FSDP_AXIS, axis=d, tiled=True), params, plan.gathered)
     layers = jax.tree.map(lambda x: x[:, 0], params["layers"])  # [virtual, chunk, ...]
-    self.layers = _move_rows(layers, plan.moves)
+    self.layers = move_rows(layers, plan.moves)
     self.vocab_params = {k: v for k, v in params.items() if k != "layers"}
     Bm, T = mbs["inputs"].shape[2:]
     self.act = jax.ShapeDtypeStruct((Bm, T, plan.cfg.d_model), jnp.dtype(plan.cfg.dtype))
@@ -817,7 +324,7 @@ class _Stage:
     if not plan.train:
       return loss, None, c.counts[None]
     layer_grads = jax.tree.map(lambda x: x[:, None],
-                               _move_rows(c.layer_grads, plan.moves, back=True))
+                               move_rows(c.layer_grads, plan.moves, back=True))
     vocab_grads = {k: (v if plan.layout.vocab_parallel and k in VOCAB_PARAMS
                        else jax.lax.psum(v, AXIS)) for k, v in c.vocab_grads.items()}
     grads = {**vocab_grads, "layers": layer_grads}
@@ -1122,7 +629,7 @@ def _plus(acc, grads):
   return {k: v + grads[k] if k in grads else v for k, v in acc.items()}
 
 
-def _move_rows(layers, moves, back: bool = False):
+def move_rows(layers, moves, back: bool = False):
   """Each virtual row of `layers` ([virtual, ...] on every stage) moved across `stage` by
   its (source, destination) pairs (None: stays); `back` moves it home."""
   rows = []
@@ -1137,34 +644,38 @@ def _move_rows(layers, moves, back: bool = False):
   return jax.tree.map(lambda *xs: jnp.stack(xs), *rows)
 
 
-def _param_specs(layout: Layout, params, replicas: bool = False, gathered=None):
-  """shard_map specs over `stage` (and a leading `replica` dim): layers on their stage dim,
-  vocab layers when parallel (their split over `tensor` too, an automatic axis here, is
-  taken by `_VocabLayers`); with `gathered` (`_fsdp_dims`), each leaf's `fsdp` dim too."""
-  lead = 1 if replicas else 0
-
-  def spec(path, x, d=-1):
-    kind = _kind(path)
-    dims = [routing.AXIS] * lead + [None] * (x.ndim - lead)
-    if kind == "layers":
-      dims[lead + 1] = AXIS
-    elif layout.vocab_parallel and kind in VOCAB_PARAMS:
-      dims[lead + (kind == "unembedding")] = AXIS
-    if d >= 0:
-      dims[lead + d] = FSDP_AXIS
-    return P(*dims)
-  if gathered is None:
-    return jax.tree_util.tree_map_with_path(spec, params)
-  return jax.tree_util.tree_map_with_path(spec, params, gathered)
+def _take(tree, i):
+  return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), tree)
 
 
-def _fsdp_dims(cfg: transformer.TransformerConfig, layout: Layout, mesh):
-  """Each stage-view parameter's dim split over `fsdp` on `mesh` (-1: none), by the same
-  rules and mapping that place the run's parameters."""
-  rules = layout.rules(mesh_lib.DEFAULT_RULES)
+def _put(tree, i, value):
+  return jax.tree.map(lambda x, v: jax.lax.dynamic_update_index_in_dim(x, v, i, 0), tree, value)
 
-  def dim(axes):
-    spec = mesh_lib.logical_to_partition_spec(axes, mesh, rules)
-    return next((i for i, entry in enumerate(spec) if entry == FSDP_AXIS), -1)
-  return jax.tree.map(dim, layout.logical_axes(transformer.param_axes(cfg)),
-                      is_leaf=lambda x: isinstance(x, tuple))
+
+def _put_if(pred, tree, i, value):
+  """`value` into slot i of `tree` where `pred`, else `tree` as it is: a two-way
+  conditional updates the loop's buffer in place, with no spare slot to write to when
+  nothing is (a 10 MiB residual slot at d 256, 2 layers, 128 tokens)."""
+  return jax.lax.cond(pred, lambda t, v: _put(t, i, v), lambda t, v: t, tree, value)
+
+
+def _zeros_of(shapes):
+  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+def _backwards(kinds) -> bool:
+  """Whether a lane running `kinds` runs any backward-type action."""
+  return any(k != FORWARD for k in kinds)
+
+
+def _accumulate(pred, fn, x, acc):
+  """fn(x, acc) -> (results, acc + what fn adds) where pred, else (zeros, acc): the sum is
+  made inside the conditional, so a tick that adds nothing adds no zeros (issue 28: the
+  vocabulary layers' zero gradients added every tick were 64 MiB a tick at d 256)."""
+  skip = lambda x, acc: (_zeros_of(jax.eval_shape(fn, x, acc)[0]), acc)
+  return jax.lax.cond(pred, fn, skip, x, acc)
+
+
+def _trash(slot, size: int):
+  """Slot -1 (nothing to write) goes to the extra last entry, so writes need no branch."""
+  return jnp.where(slot < 0, size, slot)

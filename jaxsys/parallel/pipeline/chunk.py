@@ -1,0 +1,143 @@
+"""A chunk of layers as the executor runs it: the forward with its vjp residuals split off,
+the backward that consumes them, and the zero-bubble split of that backward into an
+input-gradient pass B and a weight-gradient pass W."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax._src.interpreters import partial_eval as pe
+from jax.extend import core as jax_core
+
+from jaxsys.models import transformer
+from jaxsys.parallel import dependence
+from jaxsys.parallel.pipeline.layout import Batch
+
+
+class Chunk:
+  """A chunk's forward with its vjp residuals split off, and the backward that consumes them.
+
+  Only residuals that depend on the microbatch are stored; those that are functions of
+  the weights alone (the weights themselves, reshaped or transposed weights) are
+  recomputed by the backward from the live weights, so a residual slot never holds a
+  copy of the stage's weights.
+  """
+
+  def __init__(self, cfg: transformer.TransformerConfig, attention_fn: Callable):
+    self.cfg, self.attention_fn = cfg, attention_fn
+    self._stored: dict[Any, list[int]] = {}
+    self._splits: dict[Any, _Split] = {}
+
+  def apply(self, params, x, mb: Batch):
+    return transformer.apply_layers(self.cfg, params, x, mb["positions"], mb["segment_ids"],
+                                    self.attention_fn)
+
+  def _vjp(self, params, x, mb: Batch):
+    y, vjp_fn = jax.vjp(lambda params, x: self.apply(params, x, mb), params, x)
+    leaves, treedef = jax.tree.flatten(vjp_fn)
+    return y, leaves, treedef
+
+  def _residuals(self, params, x, mb: Batch):
+    return self._vjp(params, x, mb)[1]
+
+  def _stored_indices(self, params, x, mb: Batch) -> list[int]:
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (params, x, mb))
+    key = (jax.tree.structure(shapes), tuple((a.shape, a.dtype) for a in jax.tree.leaves(shapes)))
+    if key not in self._stored:  # one analysis per argument shapes, not per call
+      data = dependence.depends_on(self._residuals, shapes, (False, True, True))
+      self._stored[key] = [i for i, d in enumerate(data) if d]
+    return self._stored[key]
+
+  def residual_shapes(self, params, x, mb: Batch):
+    """Shapes of the residuals a forward stores."""
+    leaves = jax.eval_shape(self._residuals, params, x, mb)
+    return [leaves[i] for i in self._stored_indices(params, x, mb)]
+
+  def forward(self, params, x, mb: Batch):
+    y, leaves, _ = self._vjp(params, x, mb)
+    return y, [leaves[i] for i in self._stored_indices(params, x, mb)]
+
+  def backward(self, params, residuals, dy, mb: Batch):
+    # A fresh trace gives the vjp's structure and the weight-only residuals from the live
+    # weights; the rest of its forward is dead code, which XLA removes.
+    x = jnp.zeros_like(dy)
+    _, leaves, treedef = self._vjp(params, x, mb)
+    for i, r in zip(self._stored_indices(params, x, mb), residuals):
+      leaves[i] = r
+    return jax.tree.unflatten(treedef, leaves)(dy)
+
+  def _split(self, params, residuals, dy, mb: Batch) -> "_Split":
+    """The backward unzipped in two by data dependence (jax's partial evaluation, as
+    `jax.linearize` splits a function): the residuals the input gradient does not read
+    (the matmul inputs only weight gradients need) are 'unknown', so every operation that
+    reads them, each weight gradient's matmul, goes to W, and the rest, the input
+    gradient and the whole cotangent chain, to B, which hands W the cotangents it needs
+    (the stash). B + W does the backward's work once: no op runs in both."""
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                          (params, residuals, dy, mb))
+    leaves, tree = jax.tree.flatten(shapes)
+    key = (tree, tuple((a.shape, a.dtype) for a in leaves))
+    if key not in self._splits:
+      n_params, n_res = len(jax.tree.leaves(params)), len(residuals)
+
+      def flat_backward(*flat):
+        p, r, d, m = jax.tree.unflatten(tree, flat)
+        dparams, dx = self.backward(p, r, d, m)
+        return [dx, *jax.tree.leaves(dparams)]
+      closed = jax.make_jaxpr(flat_backward)(*leaves)
+      n_out = len(closed.out_avals)
+      # The backward's fresh forward trace is dead code: drop it before splitting.
+      jaxpr, _ = pe.dce_jaxpr(closed.jaxpr, [True] * n_out, instantiate=True)
+      _, for_dx = pe.dce_jaxpr(jaxpr, [True] + [False] * (n_out - 1))
+      weight_only = [n_params <= i < n_params + n_res and not used
+                     for i, used in enumerate(for_dx)]
+      known, unknown, out_unknown, stash = pe.partial_eval_jaxpr_nounits(
+          jax_core.ClosedJaxpr(jaxpr, closed.consts), weight_only, False)
+      assert not out_unknown[0], "the input gradient reads no weight-only residual"
+      self._splits[key] = _Split(weight_only, out_unknown, known, unknown,
+                                 [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in stash])
+    return self._splits[key]
+
+  def stash_shapes(self, params, residuals, dy, mb: Batch):
+    """Shapes of what B hands W (held from B to W, one entry per held output gradient)."""
+    return self._split(params, residuals, dy, mb).stash
+
+  def backward_input(self, params, residuals, dy, mb: Batch):
+    """Zero-bubble B: (input gradient, the weight gradients B computes (zeros where W
+    does), the stash for W)."""
+    split = self._split(params, residuals, dy, mb)
+    flat = jax.tree.leaves((params, residuals, dy, mb))
+    outs = jax_core.jaxpr_as_fun(split.known)(
+        *[x for x, w in zip(flat, split.weight_only) if not w])
+    n_known = split.out_unknown.count(False)
+    known, stash = iter(outs[:n_known]), list(outs[n_known:])
+    values = [None if u else next(known) for u in split.out_unknown]
+    return values[0], split.dparams(params, values[1:]), stash
+
+  def backward_weight(self, params, residuals, dy, stash, mb: Batch):
+    """Zero-bubble W: the weight gradients B left, from B's stash and the residuals only
+    they read (zeros where B computed them). `dy` only names the split (W never reads it)."""
+    split = self._split(params, residuals, dy, mb)
+    flat = jax.tree.leaves((params, residuals, dy, mb))
+    outs = iter(jax_core.jaxpr_as_fun(split.unknown)(
+        *stash, *[x for x, w in zip(flat, split.weight_only) if w]))
+    values = [next(outs) if u else None for u in split.out_unknown]
+    return split.dparams(params, values[1:])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Split:
+  """A chunk backward unzipped into B (`known`) and W (`unknown`) jaxprs (see Chunk._split)."""
+  weight_only: list[bool]  # per flat (params, residuals, dy, mb) input: read by W alone
+  out_unknown: list[bool]  # per output (dx, *dparams leaves): computed by W
+  known: Any
+  unknown: Any
+  stash: list[jax.ShapeDtypeStruct]
+
+  def dparams(self, params, leaves):
+    """The params-shaped gradient from its leaves, zeros where None."""
+    like = jax.tree.leaves(params)
+    return jax.tree.unflatten(jax.tree.structure(params), [
+        jnp.zeros(p.shape, p.dtype) if x is None else x for p, x in zip(like, leaves)])
