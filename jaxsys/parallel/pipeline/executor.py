@@ -175,16 +175,17 @@ class _Plan:
     # Gathered once, `fsdp` is manual like `data`: each device runs its own rows on the
     # whole stage's weights and sums its own gradients; left automatic, XLA gathers each
     # chunk's weights and reduces its gradients inside every tick that runs it.
-    # With vocabulary parallelism and `context`, XLA's SPMD partitioner aborts the process
-    # (a CHECK in spmd_partitioner_util.cc, no error) partitioning the head while `fsdp`
-    # is automatic beside `context` in the stage-manual region: gathered once, it compiles.
-    forced = layout.vocab_parallel and degrees.context > 1 and degrees.fsdp > 1
+    # XLA's SPMD partitioner aborts the process (a CHECK in spmd_partitioner_util.cc, no
+    # error) partitioning a stage's program where `fsdp` is automatic beside `tensor`, or
+    # beside `context` with vocabulary parallelism: gathered once (fsdp manual), it compiles.
+    forced = degrees.fsdp > 1 and (degrees.tensor > 1 or (
+        degrees.context > 1 and layout.vocab_parallel))
     gathered = (fsdp_dims(cfg, layout, mesh) if (gather_once or forced) and degrees.fsdp > 1
                 else None)
     if gathered is not None and rows_per_microbatch % (
         degrees.fsdp * (degrees.data if data else 1)):
       why = ("gather_once" if gather_once else
-             "vocabulary parallelism with context and fsdp (its weights gathered once)")
+             "a pipeline over fsdp with tensor or context (its weights gathered once)")
       raise ValueError(f"{why}: a microbatch's {rows_per_microbatch} rows do not divide "
                        f"over fsdp={degrees.fsdp}" + (f" x data={degrees.data}" if data else ""))
     ticks = schedule.executed if fused is None else (schedule.fused if fused else schedule.unfused)
