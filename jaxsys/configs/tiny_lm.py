@@ -146,7 +146,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # 2506.10911; jaxsys/train/grads.py routed_pipeline).
   # gather_once (with an fsdp axis): each stage's weights all-gathered once a step and its
   # gradients reduce-scattered once, not in every tick; costs the stage's whole weights and
-  # gradients on each of its devices.
+  # gradients on each of its devices. Always so beside tensor (or context with
+  # vocab_parallel): XLA's partitioner aborts on those stages' programs otherwise.
   # Context parallelism: a `context` mesh axis > 1 splits every sequence over it and runs
   # context-parallel attention (jaxsys/parallel/context.py), e.g. --config.mesh=data=2,context=4;
   # context_layout zigzag evens the causal work, contiguous is the naive order;
