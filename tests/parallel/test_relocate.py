@@ -91,10 +91,12 @@ class ProgramsTest(absltest.TestCase):
     self.assertEqual((programs.cache_loads, programs.compiles, programs.relocations), (1, 1, 1))
 
   def test_refuses_arguments_the_program_does_not_take(self):
+    # A size no other test compiles: at 16 this compile, cached, served another worker's
+    # first block from the persistent cache, one relocation fewer there (a flaky count).
     mesh = mesh_of(BLOCKS[0])
-    compiled = ring(mesh).lower(*inputs(mesh, 16, 0)).compile()
+    compiled = ring(mesh).lower(*inputs(mesh, 8, 0)).compile()
     with self.assertRaisesRegex(TypeError, "not the program's"):
-      relocate.Source(compiled, mesh, inputs(mesh, 16, 0)[:2])
+      relocate.Source(compiled, mesh, inputs(mesh, 8, 0)[:2])
 
 
 if __name__ == "__main__":
