@@ -402,14 +402,16 @@ class _Stage:
       self.add_head(c, rows["head_microbatch"], rows["head_slot"],
                     functools.partial(vl.head if plan.train else vl.loss, vocab_params),
                     c.head_in)
-    self.send_forward(c, at)
+    c.arrive_f, c.arrive_f_back = self.send(c.send_f, at.get("forward"), +1,
+                                            c.arrive_f_back is not None)
     if plan.train:
       emb_grad_mb = rows["embed_grad_microbatch"]
       _, embedding = _accumulate(emb_grad_mb >= 0, lambda dx0, acc: ({}, acc + vl.embed_grad(
           vocab_params, dx0, self.microbatch(emb_grad_mb, 0)["inputs"], self.stage)), c.dx0,
                                  c.vocab_grads["embedding"])
       c.vocab_grads = dict(c.vocab_grads, embedding=embedding)
-      self.send_backward(c, at)
+      c.arrive_b, c.arrive_b_back = self.send(c.send_b, at.get("backward"), -1,
+                                              c.arrive_b_back is not None)
     return c, None
 
   # Messages between stages.
@@ -431,23 +433,16 @@ class _Stage:
           ("grad_recv", c.arrive_b), ("grad_recv_back", c.arrive_b_back),
           ("grad_recv_self", c.send_b)))
 
-  def send_forward(self, c: _Carry, at):
+  def send(self, value, sent, step: int, both_ways: bool):
+    """`value` to the stage `step` on (+1: activations, -1: gradients) and, where the
+    schedule sends both ways, to the one `step` back: (arrival, other arrival or None).
+    Routed, it first moves to the replica that runs its microbatch's chunk g + step
+    (`sent`: the lane's (kind, microbatch, chunk))."""
     plan, p = self.plan, self.plan.stages
-    send = c.send_f
-    if plan.routed:  # on to the replica that runs the microbatch's next chunk
-      send = routing.shift(send, self.shift(*at["forward"], +1), plan.R)
-    c.arrive_f = jax.lax.ppermute(send, AXIS, [(i, (i + 1) % p) for i in range(p)])
-    if c.arrive_f_back is not None:
-      c.arrive_f_back = jax.lax.ppermute(send, AXIS, [(i, (i - 1) % p) for i in range(p)])
-
-  def send_backward(self, c: _Carry, at):
-    plan, p = self.plan, self.plan.stages
-    send = c.send_b
-    if plan.routed:  # back to the replica that ran the microbatch's previous chunk
-      send = routing.shift(send, self.shift(*at["backward"], -1), plan.R)
-    c.arrive_b = jax.lax.ppermute(send, AXIS, [(i, (i - 1) % p) for i in range(p)])
-    if c.arrive_b_back is not None:
-      c.arrive_b_back = jax.lax.ppermute(send, AXIS, [(i, (i + 1) % p) for i in range(p)])
+    if plan.routed:
+      value = routing.shift(value, self.shift(*sent, step), plan.R)
+    ring = lambda d: jax.lax.ppermute(value, AXIS, [(i, (i + d) % p) for i in range(p)])
+    return ring(step), ring(-step) if both_ways else None
 
   # The lanes' actions.
 
