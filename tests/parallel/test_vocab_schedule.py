@@ -219,3 +219,45 @@ def test_overlapped_all_reduces_are_carried(algorithm):
     ops, carried = _same_tick_uses(hlo, stages=2, shape=shape)
     assert carried, shape
     assert ops <= _CARRY_OPS, (shape, sorted(ops))
+
+
+# Each tick's vocabulary conditionals hold shard_map collectives, which all get channel 1.
+
+_CHANNEL_1 = re.compile(r"\b(all-reduce|collective-permute|all-gather|reduce-scatter|all-to-all)"
+                        r"\(.*\bchannel_id=1\b")
+
+
+def _channel_1_conditionals(hlo: str):
+  """The loop body's conditionals holding a channel-1 collective (in any computation they
+  call), and for each its ancestors in the body: what it reads, through any chain."""
+  comps, _ = hlo_flops.computations(hlo)
+  graph, entry = _graph(hlo)
+  body, = next(i for i in graph[entry].values() if i[1] == "while")[3]
+
+  def holds(comp, seen=()):
+    return comp not in seen and (any(_CHANNEL_1.search(line) for line in comps[comp]) or any(
+        holds(sub, (*seen, comp)) for i in graph[comp].values() for sub in i[3]))
+
+  def ancestors(name):
+    found, todo = set(), list(graph[body][name][2])
+    while todo:
+      if (n := todo.pop()) not in found:
+        found.add(n)
+        todo += graph[body][n][2]
+    return found
+  return {n: ancestors(n) for n, i in graph[body].items()
+          if i[1] == "conditional" and any(holds(b) for b in i[3])}
+
+
+@pytest.mark.parametrize("vocab_overlap", [False, True])
+def test_vocabulary_conditionals_run_one_at_a_time_on_cpu(vocab_overlap):
+  """XLA:CPU starts a device's independent conditionals at once; with every shard_map
+  collective on channel 1, devices could then meet in different ones' all-reduces (a
+  rendezvous abort in CI; or wrong sums). In the compiled step each conditional holding
+  one reads, through some chain, what every earlier one gives. (Give each its predicate
+  alone, and the embedding's conditional no longer waits for the T pass's.)"""
+  conds = _channel_1_conditionals(_step_hlo(2, vocab_overlap=vocab_overlap))
+  assert len(conds) >= 4, sorted(conds)
+  unordered = [(a, b) for a in conds for b in conds
+               if a < b and a not in conds[b] and b not in conds[a]]
+  assert not unordered, unordered

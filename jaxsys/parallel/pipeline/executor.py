@@ -152,6 +152,7 @@ class _Plan:
   moves: tuple  # per virtual row: its (source, destination) stage pairs, None: stays
   split: bool  # backward split into input and weight passes
   vocab_passes: bool  # training with VP: the head in S and T passes
+  in_turn: bool  # VP on XLA:CPU: the vocabulary conditionals run one at a time (_Stage.in_turn)
   overlap: bool  # vocab_overlap: those passes on ticks of their own, beside the lanes
 
   @property
@@ -239,7 +240,8 @@ class _Plan:
         split=schedule.split_backward,
         # Training with VP splits the head into S and T passes on consecutive ticks
         # (schedules.py), or with vocab_overlap on ticks of their own beside the lanes.
-        vocab_passes=train and layout.vocab_parallel, overlap=overlap)
+        vocab_passes=train and layout.vocab_parallel, overlap=overlap,
+        in_turn=layout.vocab_parallel and mesh.devices.flat[0].platform == "cpu")
 
 
 @jax.tree_util.register_dataclass
@@ -266,6 +268,7 @@ class _Carry:
   vocab_dh: Any = None  # vocab_overlap: the T pass's d loss / d h, for the next tick
   arrive_f_back: Any = None  # a V's way back: from stage s + 1
   arrive_b_back: Any = None  # and from stage s - 1
+  turn: Any = None  # in_turn: how many vocabulary conditionals ran (the next one waits for it)
 
 
 class _Stage:
@@ -365,6 +368,8 @@ class _Stage:
       c.vocab_grads = jax.tree.map(jnp.zeros_like, self.vocab_params)
       if plan.split:
         c.stash = [buffer(plan.ticks.grad_slots, s, trash=False) for s in self.stash_shapes]
+    if plan.in_turn:
+      c.turn = jnp.zeros((), jnp.int32)
     if plan.vocab_passes:
       c.vocab_s = _zeros_of(self.vocab_s_shapes)
     if plan.overlap:
@@ -390,10 +395,10 @@ class _Stage:
       self.add_head(c, rows["vocab_t_microbatch"], rows["vocab_t_slot"],
                     functools.partial(vl.head_t, vocab_params), c.vocab_s)
     emb_mb = rows["embed_microbatch"]
-    c.x0 = jax.lax.cond(
+    c.x0 = self.in_turn(c)(
         emb_mb >= 0,
-        lambda: vl.embed(vocab_params, self.microbatch(emb_mb, 0)["inputs"], self.stage),
-        lambda: c.x0)
+        lambda x0: vl.embed(vocab_params, self.microbatch(emb_mb, 0)["inputs"], self.stage),
+        lambda x0: x0, c.x0)
     at = self.compute(c, mine)
     c.counts = c.counts.at[IDLE].add(jnp.all(mine["kind"] == IDLE).astype(jnp.int32))
     if plan.vocab_passes and not plan.overlap:  # the S pass: its all-reduce goes to the next tick
@@ -408,7 +413,7 @@ class _Stage:
       emb_grad_mb = rows["embed_grad_microbatch"]
       _, embedding = _accumulate(emb_grad_mb >= 0, lambda dx0, acc: ({}, acc + vl.embed_grad(
           vocab_params, dx0, self.microbatch(emb_grad_mb, 0)["inputs"], self.stage)), c.dx0,
-                                 c.vocab_grads["embedding"])
+                                 c.vocab_grads["embedding"], self.in_turn(c))
       c.vocab_grads = dict(c.vocab_grads, embedding=embedding)
       c.arrive_b, c.arrive_b_back = self.send(c.send_b, at.get("backward"), -1,
                                               c.arrive_b_back is not None)
@@ -590,7 +595,8 @@ class _Stage:
       dhp, dy = self.weighed(head_mb, dhp, dy)
       return {"loss": self.loss_row(head_mb, value), "dy": dy}, _plus(acc, dhp)
     out, vocab_grads = _accumulate(head_mb >= 0, head, x,
-                                   {} if c.vocab_grads is None else c.vocab_grads)
+                                   {} if c.vocab_grads is None else c.vocab_grads,
+                                   self.in_turn(c))
     c.loss = c.loss + out["loss"]
     if train:
       c.vocab_grads = vocab_grads
@@ -603,7 +609,8 @@ class _Stage:
       dy, dnorm = self.vl.head_dy(self.vocab_params, pending["y"], pending["dh"], self.stage)
       dnorm, dy = self.weighed(pending["mb"], dnorm, dy)
       return {"dy": dy}, _plus(acc, dnorm)
-    out, c.vocab_grads = _accumulate(slot >= 0, arrive, c.vocab_dh, c.vocab_grads)
+    out, c.vocab_grads = _accumulate(slot >= 0, arrive, c.vocab_dh, c.vocab_grads,
+                                     self.in_turn(c))
     self.to_head_inbox(c, slot, out["dy"])
 
   def t_pass_alone(self, c: _Carry, t_mb):
@@ -614,17 +621,36 @@ class _Stage:
                                           self.microbatch(t_mb, self.plan.chunks - 1))
       dw, _ = self.weighed(t_mb, dw)
       return {"loss": self.loss_row(t_mb, value), "dh": dh}, _plus(acc, dw)
-    out, c.vocab_grads = _accumulate(t_mb >= 0, t_pass, c.vocab_s, c.vocab_grads)
+    out, c.vocab_grads = _accumulate(t_mb >= 0, t_pass, c.vocab_s, c.vocab_grads,
+                                     self.in_turn(c))
     c.loss = c.loss + out["loss"]
     c.vocab_dh = {"dh": out["dh"].astype(self.act.dtype), "y": c.vocab_s["y"], "mb": t_mb}
 
   def s_pass(self, c: _Carry, s_mb):
     """The S pass of microbatch `s_mb` (-1: none) on the head's last output: what the next
     tick's T pass reads."""
-    return jax.lax.cond(
+    return self.in_turn(c)(
         s_mb >= 0, lambda y: self.vl.head_s(self.vocab_params, y,
-                                            self.microbatch(s_mb, self.plan.chunks - 1)),
+                                               self.microbatch(s_mb, self.plan.chunks - 1)),
         lambda y: _zeros_of(self.vocab_s_shapes), c.head_in)
+
+  def in_turn(self, c: _Carry):
+    """A lax.cond that, on XLA:CPU, starts once the last one in_turn gave is done.
+
+    With VP these conditionals hold collectives, and shard_map gives every collective the
+    same channel. XLA:CPU starts a device's independent conditionals at once, so devices
+    could meet in different ones' all-reduces: wrong sums, or a rendezvous abort (seen in
+    CI, a 1F1B VP run). A count threaded through them orders them: each predicate reads
+    the last one's, which only its end gives.
+    """
+    def cond(pred, fn, skip, *operands):
+      if c.turn is None:
+        return jax.lax.cond(pred, fn, skip, *operands)
+      counted = lambda f: lambda turn, *xs: (f(*xs), turn + 1)
+      pred = pred & (c.turn >= 0)  # pred itself, but only known once the last one is done
+      out, c.turn = jax.lax.cond(pred, counted(fn), counted(skip), c.turn, *operands)
+      return out
+    return cond
 
 
 def _plus(acc, grads):
@@ -671,12 +697,12 @@ def _backwards(kinds) -> bool:
   return any(k != FORWARD for k in kinds)
 
 
-def _accumulate(pred, fn, x, acc):
+def _accumulate(pred, fn, x, acc, cond=jax.lax.cond):
   """fn(x, acc) -> (results, acc + what fn adds) where pred, else (zeros, acc): the sum is
   made inside the conditional, so a tick that adds nothing adds no zeros (issue 28: the
   vocabulary layers' zero gradients added every tick were 64 MiB a tick at d 256)."""
   skip = lambda x, acc: (_zeros_of(jax.eval_shape(fn, x, acc)[0]), acc)
-  return jax.lax.cond(pred, fn, skip, x, acc)
+  return cond(pred, fn, skip, x, acc)
 
 
 def _trash(slot, size: int):
