@@ -28,7 +28,8 @@ from jaxsys.data import tokenizer as tokenizer_lib
 from jaxsys.kernels.backends import IMPLS
 from jaxsys.kernels.quant_matmul import SCHEMES
 from jaxsys.models import generate
-from jaxsys.quant import evaluate, ptq, rules
+from jaxsys.cli import quant_runs
+from jaxsys.quant import ptq, rules
 from jaxsys.train import config_check
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Workdir of a training run (experiments.train).")
@@ -96,7 +97,7 @@ def main(argv):
   try:
     sampling = _check_flags()
     mesh = mesh_lib.make_mesh(_MESH.value) if _MESH.value else None
-    run = evaluate.load_run(_WORKDIR.value, _STEP.value)
+    run = quant_runs.load_run(_WORKDIR.value, _STEP.value)
     cfg, params = run.config.model, run.params
     tokenizer = _tokenizer(run.config.data, _WORKDIR.value)
     prompts, lengths = generate.pad_prompts([tokenizer.encode(p) for p in _PROMPT.value])

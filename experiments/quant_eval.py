@@ -23,7 +23,7 @@ from jaxsys import configs
 from jaxsys import metrics as metrics_lib
 from jaxsys.cli import hf_runs
 from jaxsys.cli import args
-from jaxsys.quant import evaluate
+from jaxsys.cli import quant_runs
 from jaxsys.train import config_check
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Workdir of a training run (experiments.train).")
@@ -55,18 +55,18 @@ def main(argv):
       error = flag.value is not None and rule.error(f"--{flag.name}", flag.value)
       if error:
         raise ValueError(error)
-    wanted = evaluate.DEFAULT_ROWS if _ROWS.value is None else evaluate.parse_rows(_ROWS.value)
+    wanted = quant_runs.DEFAULT_ROWS if _ROWS.value is None else quant_runs.parse_rows(_ROWS.value)
     if _INIT_FROM.value is None:
-      run = evaluate.load_run(_WORKDIR.value, _STEP.value)
+      run = quant_runs.load_run(_WORKDIR.value, _STEP.value)
     else:
       run = hf_runs.ptq_run(_CONFIG.value, _INIT_FROM.value)
       os.makedirs(_WORKDIR.value, exist_ok=True)
   except ValueError as e:
     sys.exit(f"error: {e}")
-  rows = evaluate.evaluate_table(run, _WORKDIR.value, rows=wanted, calib_batches=_CALIB.value,
+  rows = quant_runs.evaluate_table(run, _WORKDIR.value, rows=wanted, calib_batches=_CALIB.value,
                                  group_size=_GROUP.value, alpha=_ALPHA.value,
                                  eval_steps=_EVAL_STEPS.value)
-  table = evaluate.markdown(rows)
+  table = quant_runs.markdown(rows)
   batches = len(rows[0]["batch_loss_sums"])
   header = (f"{_WORKDIR.value} step {run.step}: val bits/byte over {batches} batches "
             f"({batches * run.config.data.batch_size * run.config.data.seq_len:,} token "

@@ -4,7 +4,7 @@ r"""Will it fit: a table of real model sizes compiled for TPU slices and GPUs, o
   python -m experiments.will_it_fit --search --config=llama3:size=8b --topology=v5p-128 \
       --override=model.remat=full --out=/tmp/search             # rank the layouts
 
-The rows and how each is compiled: `jaxsys/train/will_it_fit.py`. `--search` compiles every
+The rows and how each is compiled: `jaxsys/bench/will_it_fit.py`. `--search` compiles every
 fsdp x tensor x stage mesh (1F1B with vocabulary parallelism) the model can take on the
 slice and ranks those that fit by their step's lower bound. Writes `<out>.md` and
 `<out>.json`.
@@ -14,7 +14,7 @@ import json
 
 from absl import app, flags
 
-from jaxsys.train import will_it_fit as fit
+from jaxsys.bench import will_it_fit as fit
 
 _OUT = flags.DEFINE_string("out", "/tmp/jaxsys_will_it_fit", "Writes <out>.md and <out>.json.")
 _TIMEOUT = flags.DEFINE_integer("timeout", 900, "Seconds one row may compile.")

@@ -1,4 +1,5 @@
-"""The import graph among jaxsys modules, function-local imports included, has no cycle."""
+"""The import graph among jaxsys modules, function-local imports included: no cycle, and no
+import up the layers of docs/design.md."""
 import ast
 import pathlib
 
@@ -67,6 +68,27 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
   return None
 
 
+# jaxsys's packages and top-level modules, lowest first (docs/design.md, "Layers"). A module
+# imports from its own layer or the ones below; within a layer, the acyclicity test orders.
+LAYERS = (
+    ("platforms", "xla_flags", "hugepages", "storage", "stats", "chips", "flops", "hlo_flops",
+     "preemption", "metrics", "mesh"),
+    ("kernels",),
+    ("models",),
+    ("config",),
+    ("data", "optim", "parallel", "quant", "checkpoint"),
+    ("train",),
+    ("cli", "bench", "device_report", "lab", "configs", "notebook"),
+)
+
+
+def upward_imports(graph: dict[str, set[str]], layers=LAYERS) -> list[str]:
+  """Every `a -> b` where b's layer is above a's ('jaxsys.x.y' is in x's layer)."""
+  level = {name: i for i, names in enumerate(layers) for name in names}
+  of = lambda module: level[module.split(".")[1]] if "." in module else -1
+  return sorted(f"{a} -> {b}" for a, deps in graph.items() for b in deps if of(b) > of(a))
+
+
 class ImportGraphTest(absltest.TestCase):
 
   def test_finds_a_planted_cycle(self):
@@ -78,6 +100,18 @@ class ImportGraphTest(absltest.TestCase):
     graph = import_graph()
     self.assertIn("jaxsys.kernels.attention", graph["jaxsys.models.transformer"])
     self.assertIn("jaxsys.kernels.quant_matmul", graph["jaxsys.models.transformer"])
+
+  def test_finds_a_planted_upward_import(self):
+    graph = {"jaxsys.models.m": {"jaxsys.mesh", "jaxsys.train.t"}, "jaxsys.train.t": set(),
+             "jaxsys.mesh": set()}
+    self.assertEqual(upward_imports(graph), ["jaxsys.models.m -> jaxsys.train.t"])
+
+  def test_every_module_has_a_layer(self):
+    named = {name for names in LAYERS for name in names}
+    self.assertEqual({m.split(".")[1] for m in import_graph() if "." in m} - named, set())
+
+  def test_no_import_runs_up_the_layers(self):
+    self.assertEqual(upward_imports(import_graph()), [])
 
   def test_package_is_acyclic(self):
     cycle = find_cycle(import_graph())

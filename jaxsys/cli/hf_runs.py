@@ -4,7 +4,7 @@ run PTQ quantizes (the library side of experiments/hf_export.py and quant_eval.p
 Example::
 
   export_run("/tmp/jaxsys_tiny", "/tmp/tiny_hf", quantize="w4a16")
-  run = ptq_run(tiny_lm.get_config(), "hf:/ckpt/SmolLM-135M")  # -> evaluate.evaluate_table
+  run = ptq_run(tiny_lm.get_config(), "hf:/ckpt/SmolLM-135M")  # -> quant_runs.evaluate_table
 """
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ import jax
 from jaxsys.checkpoint import hf
 from jaxsys.checkpoint.reader import checkpoints_dir, read_params
 from jaxsys.data import tokenizer as tokenizer_lib
-from jaxsys.quant import evaluate, ptq
+from jaxsys.cli import quant_runs
+from jaxsys.quant import ptq
 from jaxsys.quant import rules as rules_lib
 from jaxsys.train import config_check
 
@@ -43,8 +44,8 @@ def export_run(workdir: str, out: str, *, step: int | None = None, quantize: str
                  max_position_embeddings=data.seq_len)
 
 
-def ptq_run(config, spec: str) -> evaluate.Run:
-  """The `evaluate.Run` of a Hugging Face checkpoint: `config` (a training config) with
+def ptq_run(config, spec: str) -> quant_runs.Run:
+  """The `quant_runs.Run` of a Hugging Face checkpoint: `config` (a training config) with
   init_from=`spec` ('hf:<dir>', so the model and tokenizer are the checkpoint's), step 0."""
   if hf.parse_spec(spec) is None:
     raise ValueError(f"--init_from={spec!r} is invalid; it must be 'hf:<dir>' (a Hugging Face "
@@ -53,7 +54,7 @@ def ptq_run(config, spec: str) -> evaluate.Run:
   config.init_from = spec
   run = config_check.check_config(config)
   _, params = hf.load(hf.parse_spec(spec), run.model)
-  return evaluate.Run(run, jax.device_get(params), 0)
+  return quant_runs.Run(run, jax.device_get(params), 0)
 
 
 def randomize_torch_llama(model, seed: int):

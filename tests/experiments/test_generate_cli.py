@@ -9,7 +9,7 @@ import pytest
 import forked_cli
 from jaxsys.data import ByteTokenizer
 from jaxsys.models import generate
-from jaxsys.quant import evaluate
+from jaxsys.cli import quant_runs
 
 pytestmark = pytest.mark.slow  # starts processes or trains end to end
 
@@ -42,7 +42,7 @@ def test_generate_from_a_trained_run(small_corpus, tmp_path, tmp_path_factory):
   # The greedy run prints the library's continuation.
   assert code == 0, err[-3000:]
   # The library's greedy continuation of the same checkpoint, prompt by prompt.
-  run = evaluate.load_run(str(tmp_path))
+  run = quant_runs.load_run(str(tmp_path))
   for i, prompt in enumerate(p.split("=", 1)[1] for p in PROMPTS):
     ids, n = generate.pad_prompts([list(prompt.encode())])
     out = generate.generate(run.config.model, run.params, ids, n, max_new_tokens=12)

@@ -1,8 +1,8 @@
-"""jaxsys/train/will_it_fit (experiments/will_it_fit's rows): the layouts its search tries and how a row's failure reads."""
+"""jaxsys/bench/will_it_fit (experiments/will_it_fit's rows): the layouts its search tries and how a row's failure reads."""
 import pytest
 
 from jaxsys.configs import llama3
-from jaxsys.train import will_it_fit
+from jaxsys.bench import will_it_fit
 
 
 @pytest.mark.parametrize("size,topology", [("8b", "v5p-128"), ("gpt2", "v5e-8"), ("1b", "h100-16")])

@@ -8,7 +8,7 @@ import pytest
 
 from jaxsys import xla_flags
 from jaxsys.checkpoint import integrity, ledger
-from jaxsys.quant import evaluate
+from jaxsys.cli import quant_runs
 from jaxsys.train import loop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -69,19 +69,19 @@ def test_quant_eval_end_to_end(make_config, tmp_path):
   # Edited after the save, it fails its checksum; as if saved so (sealed and entered in the
   # ledger), its shapes disagree.
   with pytest.raises(ValueError, match=r"checkpoint step 2 in .* is corrupt: meta/metadata: "):
-    evaluate.load_run(workdir)
+    quant_runs.load_run(workdir)
   integrity.seal(os.path.join(workdir, "checkpoints", "2"))
   ledger.enter(os.path.join(workdir, "checkpoints", "2"), os.path.join(workdir, "checkpoints"), 2)
   with pytest.raises(ValueError, match=r"checkpoint step 2 in .* does not match the model in its "
                                        r"meta .*'d_ff': 96") as e:
-    evaluate.load_run(workdir)
+    quant_runs.load_run(workdir)
   assert "\n" not in str(e.value)
 
 
 def test_bad_arguments(tmp_path):
   with pytest.raises(ValueError, match=r"--workdir=.*: no checkpoints directory"):
-    evaluate.load_run(str(tmp_path))
+    quant_runs.load_run(str(tmp_path))
   with pytest.raises(ValueError, match=r"--rows item 'w4a16:awq': want scheme:method"):
-    evaluate.parse_rows("w4a16:awq")
-  assert evaluate.parse_rows("w4a16:gptq+act_order,w8a8_fp8:qwix") == (
+    quant_runs.parse_rows("w4a16:awq")
+  assert quant_runs.parse_rows("w4a16:gptq+act_order,w8a8_fp8:qwix") == (
       ("w4a16", "gptq", {"act_order": True}), ("w8a8_fp8", "qwix", {}))
