@@ -29,6 +29,7 @@ over n = --devices devices; it prints three markdown tables and writes every num
 """
 from __future__ import annotations
 
+from jaxsys import comm_bytes
 from jaxsys import xla_flags
 
 xla_flags.default_cpu_devices(8)
@@ -45,7 +46,6 @@ from absl import app, flags
 from jax.sharding import PartitionSpec as P
 
 from jaxsys.kernels.attention_xla import xla_attention
-from jaxsys.optim import outer
 from jaxsys.parallel import context
 from jaxsys.train import aot
 
@@ -106,7 +106,7 @@ def memory(n: int, shapes) -> dict:
       continue  # it splits the heads over the devices: both counts must divide by n
     compiled = _compiled(n, "zigzag", shapes, algorithm)
     mem, hlo = compiled.memory_analysis(), compiled.as_text()
-    sent = {kind: outer.collective_bytes_from_hlo(hlo, n, trips=True, kind=kind)
+    sent = {kind: comm_bytes.collective_bytes_from_hlo(hlo, n, trips=True, kind=kind)
             for kind in aot.COLLECTIVES}
     out[algorithm] = dict(temp_bytes=int(mem.temp_size_in_bytes),
                           ratio=mem.temp_size_in_bytes / single.temp_size_in_bytes,

@@ -29,6 +29,7 @@ from ml_collections import config_flags
 
 import numpy as np
 
+from jaxsys import comm_bytes
 from jaxsys import mesh as mesh_lib
 from jaxsys import metrics as metrics_lib
 from jaxsys import stats
@@ -80,7 +81,7 @@ def summarize(name: str, config, workdir: str, wall_s: float | None, scored: dic
   run = config_check.parse(config)
   params = jax.eval_shape(lambda: transformer.init_params(run.model, jax.random.key(0)))
   k = outer_lib.num_workers(run.mesh)
-  step_bytes = outer_lib.ring_allreduce_bytes(outer_lib.tree_bytes(params), k)
+  step_bytes = comm_bytes.ring_allreduce_bytes(comm_bytes.tree_bytes(params), k)
   dp_bytes = run.total_steps * step_bytes
   o = run.outer
   outer = replicas_lib.make_outer_optimizer(o)

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
+from jaxsys import comm_bytes
 from jaxsys import hlo_flops
-from jaxsys.optim import outer
 
 # A custom call whose backend_config JSON is printed over several lines, two of which
 # begin with `}` (as tokamax's splash kernels print theirs): inserted at the top of a loop
@@ -53,12 +53,12 @@ def _with_call_in_loop_body(text: str) -> str:
 def test_an_instruction_over_several_lines_ends_no_computation():
   text, dot, gathered = _loop_hlo()
   assert hlo_flops.dot_flops(text) == 5 * dot
-  assert outer.collective_bytes_from_hlo(text, 8, trips=True) == 5 * gathered
+  assert comm_bytes.collective_bytes_from_hlo(text, 8, trips=True) == 5 * gathered
   patched = _with_call_in_loop_body(text)
   assert patched.count('"implicit": true') >= 1
   # Every instruction after the call still counts, every trip.
   assert hlo_flops.dot_flops(patched) == 5 * dot
-  assert outer.collective_bytes_from_hlo(patched, 8, trips=True) == 5 * gathered
+  assert comm_bytes.collective_bytes_from_hlo(patched, 8, trips=True) == 5 * gathered
   bodies, _ = hlo_flops.computations(patched)
   (call,) = [l for lines in bodies.values() for l in lines if "tpu_custom_call" in l]
   assert call.endswith('"implicit": true }')
@@ -80,7 +80,7 @@ def test_a_computation_may_end_with_attributes():
   bodies, entry = hlo_flops.computations(patched)
   assert entry is not None and "fused_computation.clone" in bodies
   assert hlo_flops.dot_flops(patched) == 5 * dot
-  assert outer.collective_bytes_from_hlo(patched, 8, trips=True) == 5 * gathered
+  assert comm_bytes.collective_bytes_from_hlo(patched, 8, trips=True) == 5 * gathered
 
 
 def _conv(labels: str, lhs: tuple, rhs: tuple, out: tuple) -> str:

@@ -72,7 +72,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 # imports from its own layer or the ones below; within a layer, the acyclicity test orders.
 LAYERS = (
     ("platforms", "xla_flags", "hugepages", "storage", "stats", "chips", "flops", "hlo_flops",
-     "preemption", "metrics", "mesh"),
+     "comm_bytes", "preemption", "metrics", "mesh"),
     ("kernels",),
     ("models",),
     ("config",),

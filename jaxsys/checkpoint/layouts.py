@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxsys import mesh as mesh_lib
 from jaxsys.parallel import pipeline
 
 MERGES = ("mean", "replica0")
@@ -125,8 +126,8 @@ def stacked_target(tree, replicas: int, mesh):
   share of its own piece (never the whole array)."""
   if not replicas:
     return tree
-  size = dict(mesh.shape).get("replica", 0)
-  axis = "replica" if size and replicas % size == 0 else None
+  size = dict(mesh.shape).get(mesh_lib.REPLICA, 0)
+  axis = mesh_lib.REPLICA if size and replicas % size == 0 else None
 
   def one(x):
     spec = tuple(x.sharding.spec)

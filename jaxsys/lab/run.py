@@ -214,13 +214,13 @@ def _train_rows(workdir: str, since: float) -> list[dict]:
 def compiled_collective_bytes(hlo_dir: str, devices: int) -> dict[str, int]:
   """Bytes one device sends in one run of each step program XLA dumped into `hlo_dir`
   (`STEP_MODULE`), by the program's name: {"train_step": ..., "sync": ...}."""
-  from jaxsys.optim import outer  # pylint: disable=import-outside-toplevel
+  from jaxsys import comm_bytes  # pylint: disable=import-outside-toplevel
   sent = {}
   for path in sorted(glob.glob(os.path.join(hlo_dir, "*after_optimizations.txt"))):
     found = STEP_MODULE.search(os.path.basename(path))
     if found:
       with open(path) as f:
-        sent[found.group(1)] = outer.collective_bytes_from_hlo(f.read(), devices, trips=True)
+        sent[found.group(1)] = comm_bytes.collective_bytes_from_hlo(f.read(), devices, trips=True)
   return sent
 
 

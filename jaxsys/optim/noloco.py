@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxsys import comm_bytes
 from jaxsys.optim import outer as outer_lib
 
 
@@ -153,7 +154,7 @@ def noloco(*, sync_every: int, outer_lr: float = 0.7, outer_momentum: float = 0.
     if num_replicas <= 1:
       return 0
     # n-1 collective-permutes of theta (or of phi - theta and phi) in float32
-    return (group_size - 1) * outer_lib.tree_bytes(params, jnp.float32) * (1 if same else 2)
+    return (group_size - 1) * comm_bytes.tree_bytes(params, jnp.float32) * (1 if same else 2)
 
   return outer_lib.OuterOptimizer(
       "noloco", sync_every, init, sync, bytes_per_sync,

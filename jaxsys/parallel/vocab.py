@@ -67,6 +67,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxsys import mesh as mesh_lib
+
 # A mesh axis name, or a tuple of them (lax.psum and axis_index take either).
 Axes = str | tuple[str, ...]
 
@@ -113,14 +115,14 @@ def _psum_one_source(x, axis: Axes):
   return lax.bitcast_convert_type(lax.psum(lax.bitcast_convert_type(x, bits), axis), x.dtype)
 
 
-def broadcast_from(x, source_index: int, *, axis: Axes = "stage"):
+def broadcast_from(x, source_index: int, *, axis: Axes = mesh_lib.STAGE):
   """`x` of stage `source_index`, on every stage (one psum of the masked value)."""
   # where, not multiply: a non-source stage's x may hold inf or nan.
   return _psum_one_source(jnp.where(lax.axis_index(axis) == source_index, x, jnp.zeros_like(x)),
                           axis)
 
 
-def embed(embedding_shard_VsD, tokens_BT, *, axis: Axes = "stage", dtype=jnp.float32):
+def embed(embedding_shard_VsD, tokens_BT, *, axis: Axes = mesh_lib.STAGE, dtype=jnp.float32):
   """Token embeddings [B, T, D] in `dtype` on every shard, from each one's vocabulary rows."""
   local, inside = _local_ids(tokens_BT, embedding_shard_VsD.shape[0], axis)
   rows = jnp.take(embedding_shard_VsD, local, axis=0).astype(dtype)
@@ -128,7 +130,7 @@ def embed(embedding_shard_VsD, tokens_BT, *, axis: Axes = "stage", dtype=jnp.flo
   return _psum_one_source(jnp.where(inside[..., None], rows, jnp.zeros_like(rows)), axis)
 
 
-def embed_grad(dx_BTD, tokens_BT, *, vocab_shard_size: int, axis: Axes = "stage"):
+def embed_grad(dx_BTD, tokens_BT, *, vocab_shard_size: int, axis: Axes = mesh_lib.STAGE):
   """Gradient [Vs, D] (float32) of this embedding shard; dx is the same on all shards."""
   local, inside = _local_ids(tokens_BT, vocab_shard_size, axis)
   dx = jnp.where(inside[..., None], dx_BTD.astype(jnp.float32), 0.0)
@@ -161,7 +163,7 @@ def _shard_inputs(h_BTD, w_shard_DVs, targets_BT, vocab_size: int, axis: Axes, d
   return h_BTD.reshape(-1, d).astype(dtype), w_shard_DVs.astype(dtype), onehot, local, owns
 
 
-def output_s_pass(h_BTD, w_shard_DVs, targets_BT, *, vocab_size: int, axis: Axes = "stage",
+def output_s_pass(h_BTD, w_shard_DVs, targets_BT, *, vocab_size: int, axis: Axes = mesh_lib.STAGE,
                   algorithm: int = 2, dtype=jnp.float32):
   """The S pass and barrier C1: (stats [P, M, 3], the values this shard keeps for the T pass).
 
@@ -196,7 +198,7 @@ def output_s_pass(h_BTD, w_shard_DVs, targets_BT, *, vocab_size: int, axis: Axes
 
 
 def output_t_pass(h_BTD, w_shard_DVs, targets_BT, mask_BT, stats, kept, *, vocab_size: int,
-                  axis: Axes = "stage", algorithm: int = 2, dtype=jnp.float32):
+                  axis: Axes = mesh_lib.STAGE, algorithm: int = 2, dtype=jnp.float32):
   """The T pass of `output_s_pass`'s results: (loss_sum, dh_BTD, dw_shard_DVs), with
   Algorithm 1's T-pass matmul before and Algorithm 2's rescale before barrier C2 (dh)."""
   b, t, d = h_BTD.shape
@@ -225,7 +227,7 @@ def output_t_pass(h_BTD, w_shard_DVs, targets_BT, mask_BT, stats, kept, *, vocab
 
 
 def output_layer(h_BTD, w_shard_DVs, targets_BT, mask_BT, *, vocab_size: int,
-                 axis: Axes = "stage", algorithm: int = 2, dtype=jnp.float32):
+                 axis: Axes = mesh_lib.STAGE, algorithm: int = 2, dtype=jnp.float32):
   """Output projection + cross-entropy, forward and backward: (loss_sum, dh_BTD, dw_shard_DVs).
 
   h is the final-normed hidden state (identical on every stage), w_shard this stage's
@@ -240,7 +242,7 @@ def output_layer(h_BTD, w_shard_DVs, targets_BT, mask_BT, *, vocab_size: int,
 
 
 def output_layer_tied(h_BTD, embedding_shard_VsD, targets_BT, mask_BT, *, vocab_size: int,
-                      axis: Axes = "stage", algorithm: int = 2, dtype=jnp.float32):
+                      axis: Axes = mesh_lib.STAGE, algorithm: int = 2, dtype=jnp.float32):
   """`output_layer` with the tied weight embedding.T * d_model**-0.5.
 
   Returns (loss_sum, dh_BTD, d_embedding_shard_VsD); add `embed_grad` of the input side

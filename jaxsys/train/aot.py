@@ -19,12 +19,11 @@ import re
 import jax
 import jax.numpy as jnp
 
-from jaxsys import chips, flops as flops_lib, hlo_flops
+from jaxsys import chips, comm_bytes, flops as flops_lib, hlo_flops
 from jaxsys import mesh as mesh_lib
 from jaxsys.config import RunConfig
 from jaxsys.data.packing import FIELDS
 from jaxsys.models import transformer
-from jaxsys.optim import outer as outer_lib
 from jaxsys.train import comm_device
 from jaxsys.train.setup import Setup, make_setup
 
@@ -99,7 +98,7 @@ def measure(name: str, compiled, slice_: chips.Slice) -> Program:
   memory, cost = compiled.memory_analysis(), compiled.cost_analysis() or {}
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   hlo = compiled.as_text()
-  sent = {kind: outer_lib.collective_bytes_from_hlo(hlo, len(slice_.devices), trips=True,
+  sent = {kind: comm_bytes.collective_bytes_from_hlo(hlo, len(slice_.devices), trips=True,
                                                     kind=kind) for kind in COLLECTIVES}
   return Program(name, slice_, memory.argument_size_in_bytes, memory.output_size_in_bytes,
                  memory.alias_size_in_bytes, memory.temp_size_in_bytes,

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxsys import mesh as mesh_lib
 from jaxsys.kernels import sharded
 from jaxsys.models import transformer
 from jaxsys.parallel import pipeline, routing
@@ -95,7 +96,8 @@ class GatherOnce:
     """For parameters laid out as `param_sh` (NamedShardings)."""
     def whole(sharding):
       def drop(entry):
-        names = tuple(n for n in sharded._names(entry) if n != "fsdp")  # pylint: disable=protected-access
+        names = sharded._names(entry)  # pylint: disable=protected-access
+        names = tuple(n for n in names if n != mesh_lib.FSDP)
         return None if not names else names[0] if len(names) == 1 else names
       return jax.sharding.NamedSharding(sharding.mesh,
                                         jax.sharding.PartitionSpec(*map(drop, sharding.spec)))

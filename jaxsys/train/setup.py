@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxsys import comm_bytes
 from jaxsys import mesh as mesh_lib
 from jaxsys.checkpoint import layouts
 from jaxsys.config import RunConfig
@@ -221,9 +222,9 @@ def _grads_bytes(params, param_sh, mesh) -> int:
   stages = mesh_lib.degrees(mesh).stage
   whole = [x for x, sh in zip(jax.tree.leaves(params), jax.tree.leaves(param_sh))
            if not _staged(sh)]
-  return ((outer_lib.ring_allreduce_bytes(outer_lib.tree_bytes(
+  return ((comm_bytes.ring_allreduce_bytes(comm_bytes.tree_bytes(
       _stage_share(params, param_sh, mesh)), shards) if shards > 1 else 0)
-          + (outer_lib.ring_allreduce_bytes(outer_lib.tree_bytes(whole), stages)
+          + (comm_bytes.ring_allreduce_bytes(comm_bytes.tree_bytes(whole), stages)
              if stages > 1 and whole else 0))
 
 

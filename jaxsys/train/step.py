@@ -56,7 +56,7 @@ def token_losses(cfg: transformer.TransformerConfig, params, batch: Batch,
 LAID_OUT = "laid_out"
 
 
-def context_parallel(batch: Batch, split: ContextSplit, axis: str = "context"
+def context_parallel(batch: Batch, split: ContextSplit, axis: str = mesh_lib.CONTEXT
                      ) -> tuple[Batch, Callable]:
   """The batch reordered into `split.layout` over mesh axis `axis`, and its attention_fn.
 
@@ -71,7 +71,7 @@ def context_parallel(batch: Batch, split: ContextSplit, axis: str = "context"
   return laid, context_attention_fn(split, axis)
 
 
-def context_attention_fn(split: ContextSplit = ContextSplit("zigzag"), axis: str = "context"
+def context_attention_fn(split: ContextSplit = ContextSplit("zigzag"), axis: str = mesh_lib.CONTEXT
                          ) -> Callable:
   """An attention_fn for the model: `split.algorithm` over mesh axis `axis`.
 

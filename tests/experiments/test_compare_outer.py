@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import forked_cli
+from jaxsys import comm_bytes
 from jaxsys import mesh as mesh_lib
 from jaxsys.models import transformer
 from jaxsys.optim import outer as outer_lib
@@ -66,8 +67,8 @@ def test_two_rows_from_a_warm_start(small_corpus, tmp_path):
   assert diloco["comm_bytes"] == 2 * diloco_sync  # 2 syncs in 4 steps
   assert diloco["peak_bytes_per_sync"] == diloco_sync
   assert dp["peak_bytes_per_sync"] == dp["comm_bytes"] / 4
-  assert diloco["dp_bytes_same_k"] == 4 * outer_lib.ring_allreduce_bytes(
-      outer_lib.tree_bytes(_params()), 4)
+  assert diloco["dp_bytes_same_k"] == 4 * comm_bytes.ring_allreduce_bytes(
+      comm_bytes.tree_bytes(_params()), 4)
   # Every 2 steps DiLoCo all-reduces what DP all-reduces every step (float32 deltas of the
   # same parameters over the same 4 workers): 2x fewer bytes, from the compiled sync above.
   assert diloco["bytes_reduction"] == pytest.approx(2.0, rel=1e-3)
@@ -117,7 +118,7 @@ def _compiled_bytes(name: str) -> int:
     compiled = setup.train_fn.lower(setup.abstract, batch).compile()
   else:
     compiled = setup.sync_fn.lower(setup.abstract).compile()
-  return outer_lib.collective_bytes_from_hlo(compiled.as_text(), outer_lib.num_workers(config.mesh))
+  return comm_bytes.collective_bytes_from_hlo(compiled.as_text(), outer_lib.num_workers(config.mesh))
 
 
 @pytest.fixture(scope="module")

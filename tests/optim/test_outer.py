@@ -12,6 +12,7 @@ import optax
 from absl.testing import absltest, parameterized
 from jax.sharding import Mesh, PartitionSpec as P
 
+from jaxsys import comm_bytes
 from jaxsys import optim
 from jaxsys.train import config_check, replicas
 from jaxsys.optim.noloco import peer_groups, round_index
@@ -222,7 +223,7 @@ class NoLoCoTest(parameterized.TestCase):
     outer = optim.noloco(sync_every=1)
     p = _stack(_params())
     hlo = _shard_sync(outer).lower(p, jax.vmap(outer.init)(p)).compile().as_text()
-    ops = [op for op, _ in outer_lib.collective_ops_from_hlo(hlo)]
+    ops = [op for op, _ in comm_bytes.collective_ops_from_hlo(hlo)]
     self.assertEqual(set(ops), {"collective-permute"})
     self.assertNotIn("all-reduce", hlo)
     self.assertRegex(hlo, r"conditional\(.*branch_computations=\{[^,}]+, [^,}]+, [^,}]+\}")
@@ -395,7 +396,7 @@ class BytesTest(parameterized.TestCase):
     params = _params()
     p = _stack(params)
     hlo = _shard_sync(outer).lower(p, jax.vmap(outer.init)(p)).compile().as_text()
-    self.assertEqual(outer_lib.collective_bytes_from_hlo(hlo, R), outer.bytes_per_sync(params, R))
+    self.assertEqual(comm_bytes.collective_bytes_from_hlo(hlo, R), outer.bytes_per_sync(params, R))
 
   @parameterized.parameters(
       ("replica_groups={{0,2,4,6},{1,3,5,7}}", 4), ("replica_groups=[4,2]<=[8]", 2),
@@ -405,7 +406,7 @@ class BytesTest(parameterized.TestCase):
   def test_group_sizes_in_each_of_xla_s_spellings(self, groups, want):
     hlo = ("ENTRY %main (x: f32[8]) -> f32[8] {\n"
            f"  ROOT %ar = f32[8]{{0}} all-reduce(f32[8]{{0}} %x), {groups}, to_apply=%add\n}}")
-    self.assertEqual(outer_lib.collective_bytes_from_hlo(hlo, 8), 2 * (want - 1) * 32 // want)
+    self.assertEqual(comm_bytes.collective_bytes_from_hlo(hlo, 8), 2 * (want - 1) * 32 // want)
 
   @parameterized.parameters(("replica=4,data=2", 4), ("replica=2 x data=-1", 2), ("data=-1", 8),
                             ("data=2,fsdp=2,tensor=2", 4), ("replica=1,data=2,tensor=4", 2))

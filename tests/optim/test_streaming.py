@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
+from jaxsys import comm_bytes
 from jaxsys import optim
-from jaxsys.optim import outer as outer_lib
 from jaxsys.optim import streaming
 
 R, AX, LAYERS = 4, "replica", 4
@@ -133,7 +133,7 @@ def test_peak_bytes_per_sync_matches_the_compiled_hlo():
 
   def hlo_bytes(outer):
     state = jax.vmap(outer.init)(stacked)
-    return outer_lib.collective_bytes_from_hlo(
+    return comm_bytes.collective_bytes_from_hlo(
         _shard_sync(outer).lower(stacked, state).compile().as_text(), R)
   peak = stream.peak_bytes_per_sync(params, R)
   assert hlo_bytes(stream) == peak  # the conditional's largest branch: one fragment

@@ -8,11 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxsys import comm_bytes
 from jaxsys import hlo_flops
 from jaxsys import mesh as mesh_lib
 from jaxsys.data import packing
 from jaxsys.models import transformer
-from jaxsys.optim import outer
 from jaxsys.parallel import pipeline
 from jaxsys.train import step as step_lib
 from jaxsys.train import config_check
@@ -229,8 +229,8 @@ def _copied_per_tick(hlo: str, ticks: int) -> int:
     for line in lines:
       copy = _COPY.search(line)
       if copy and not _FILL.search(defs.get(copy[2], "")):
-        total += outer._shape_bytes(copy[1])
-      branches = outer._BRANCHES.search(line)
+        total += comm_bytes._shape_bytes(copy[1])
+      branches = comm_bytes._BRANCHES.search(line)
       if branches:
         names = (re.findall(r"%?([\w.\-]+)", branches[1]) if branches[1]
                  else branches.group(2, 3))
@@ -264,7 +264,7 @@ def _sliced_every_tick(hlo: str, ticks: int) -> int:
     # A fused dynamic-update-slice writes one slot in place (its shape is the buffer's).
     if op[2] == "dynamic-slice" or (" dynamic-slice(" in fused
                                     and " dynamic-update-slice(" not in fused):
-      total += outer._shape_bytes(op[1])
+      total += comm_bytes._shape_bytes(op[1])
   return total
 
 
@@ -317,8 +317,8 @@ def _fsdp_step_collectives(cfg, mesh, layout, schedule, gather_once):
       cfg, schedule, layout, p, b, mesh=mesh, gather_once=gather_once)).lower(
           params, batch).compile().as_text()
   kinds = ("all-gather", "all-reduce", "reduce-scatter")
-  return {k: (outer.collective_bytes_from_hlo(hlo, 8, trips=True, kind=k),
-              outer.collective_bytes_from_hlo(hlo, 8, kind=k)) for k in kinds}
+  return {k: (comm_bytes.collective_bytes_from_hlo(hlo, 8, trips=True, kind=k),
+              comm_bytes.collective_bytes_from_hlo(hlo, 8, kind=k)) for k in kinds}
 
 
 @pytest.mark.slow

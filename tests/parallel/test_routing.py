@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from jaxsys import comm_bytes
 from jaxsys import mesh as mesh_lib
 from jaxsys.data import packing
 from jaxsys.models import transformer
-from jaxsys.optim import outer as outer_lib
 from jaxsys.parallel import pipeline, routing
 from jaxsys.train import setup as setup_lib
 from jaxsys.train import step as step_lib
@@ -210,10 +210,10 @@ def test_bytes_match_the_compiled_program():
       for routed in (False, True))
   assert once_f == 0 and tick_r == 2 * tick_f  # two replicas: one more hop each way
   hlo_f, hlo_r = _executor(False)[1], _executor(True)[1]
-  permutes = lambda hlo: sum(b for op, b in outer_lib.collective_ops_from_hlo(hlo)
+  permutes = lambda hlo: sum(b for op, b in comm_bytes.collective_ops_from_hlo(hlo)
                              if op == "collective-permute")
   assert (permutes(hlo_f), permutes(hlo_r)) == (tick_f, tick_r)  # all in the tick's body
-  extra = outer_lib.collective_bytes_from_hlo(hlo_r, 8) - outer_lib.collective_bytes_from_hlo(
+  extra = comm_bytes.collective_bytes_from_hlo(hlo_r, 8) - comm_bytes.collective_bytes_from_hlo(
       hlo_f, 8)
   assert extra == tick_r - tick_f + once_r
 

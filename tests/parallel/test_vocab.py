@@ -11,7 +11,7 @@ import optax
 from absl.testing import absltest, parameterized
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxsys.optim import outer as outer_lib
+from jaxsys import comm_bytes
 from jaxsys.parallel import vocab
 
 B, T, D, V, STAGES = 2, 8, 16, 250, 4
@@ -204,7 +204,7 @@ class BytesTest(parameterized.TestCase):
                        in_specs=(P(axes), P(None, axes), P(), P(), P(), P()),
                        out_specs=(P(), P(), P(None, axes), P(axes)))
     hlo = jax.jit(fn).lower(emb, w, targets, targets, mask, h).compile().as_text()
-    self.assertEqual(outer_lib.collective_bytes_from_hlo(hlo, STAGES),
+    self.assertEqual(comm_bytes.collective_bytes_from_hlo(hlo, STAGES),
                      vocab.bytes_per_microbatch(B * T, D, STAGES, itemsize=4, train=train,
                                                 tensor=tensor))
 

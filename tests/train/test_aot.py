@@ -9,10 +9,10 @@ import jax
 import pytest
 
 from conftest import load_test_config, needs_cuda_plugin, needs_libtpu
+from jaxsys import comm_bytes
 from jaxsys import chips, hlo_flops
 from jaxsys import mesh as mesh_lib
 from jaxsys.models import transformer
-from jaxsys.optim import outer
 from jaxsys.train import aot, config_check
 from jaxsys.train.setup import make_setup
 
@@ -156,7 +156,7 @@ def test_fsdp_moves_weights_not_activations():
   params = jax.tree.leaves(setup.abstract.params)
   n = sum(x.size for x in params)
   gather_pass, grads = n * 2 * 7 / 8, n * 4 * 2 * 7 / 8  # bf16 all-gather, f32 all-reduce
-  sent = outer.collective_bytes_from_hlo(text, 8, trips=True)
+  sent = comm_bytes.collective_bytes_from_hlo(text, 8, trips=True)
   assert sent <= 1.25 * (3 * gather_pass + grads), sent / (3 * gather_pass + grads)
   # No collective moves an array larger than the largest parameter (XLA may combine
   # several gradients into one tuple all-reduce: each of its arrays is checked).
@@ -269,7 +269,7 @@ def test_accumulation_gathers_the_weights_once():
     # The weights' gathers, not the token ids' (a few KB a microbatch, in every step).
     floats = "\n".join(line for line in text.splitlines()
                        if " all-gather" not in line or "s32[" not in line.split(" all-gather")[0])
-    return outer.collective_bytes_from_hlo(floats, 8, trips=True, kind="all-gather"), (
+    return comm_bytes.collective_bytes_from_hlo(floats, 8, trips=True, kind="all-gather"), (
         weights * 7 / 8)
 
   (each, one_pass), (once, _) = gathered(False), gathered(True)
@@ -300,7 +300,7 @@ def test_64_chip_fsdp_gathers_are_all_gathers(monkeypatch):
     # keeps the gathered copy); the embedding is looked up where it lies.
     layers = sum(x.size for k, x in params["layers"].items() if not k.endswith("norm"))
     must = (2 * layers + params["unembedding"].size) * 2 * 63 / 64
-    return {k: outer.collective_bytes_from_hlo(text, 64, trips=True, kind=k)
+    return {k: comm_bytes.collective_bytes_from_hlo(text, 64, trips=True, kind=k)
             for k in ("all-gather", "all-reduce")}, one_pass, must
 
   torus, one_pass, must = sent()

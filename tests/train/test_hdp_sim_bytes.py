@@ -31,10 +31,10 @@ import numpy as np
 import pytest
 
 from conftest import load_run_config
+from jaxsys import comm_bytes
 from jaxsys import mesh as mesh_lib
 from jaxsys.data.packing import FIELDS
 from jaxsys.models import transformer
-from jaxsys.optim import outer
 from jaxsys.parallel import hdp_schedule, hdp_sim
 from jaxsys.train import aot, hdp_step
 from jaxsys.train import setup as setup_lib
@@ -58,9 +58,9 @@ def _sent(compiled, devices: int) -> dict[str, int]:
   """Bytes each device sends, by kind; "collective-permute" split into the f32 blocks
   (K, V, dK, dV), "keys" (s32) and "layout" (permutes that lay a batch out)."""
   hlo = compiled.as_text()
-  sent = {kind: outer.collective_bytes_from_hlo(hlo, devices, trips=True, kind=kind)
+  sent = {kind: comm_bytes.collective_bytes_from_hlo(hlo, devices, trips=True, kind=kind)
           for kind in aot.COLLECTIVES}
-  permutes = lambda lines: outer.collective_bytes_from_hlo("\n".join(lines), devices,
+  permutes = lambda lines: comm_bytes.collective_bytes_from_hlo("\n".join(lines), devices,
                                                            trips=True, kind="collective-permute")
   ring = [line for line in hlo.splitlines() if not _IN_PLACE.search(line)]
   sent["layout"] = sent.pop("collective-permute") - permutes(ring)

@@ -6,12 +6,12 @@ import jax
 import numpy as np
 import pytest
 
+from jaxsys import comm_bytes
 from jaxsys import mesh as mesh_lib
 from jaxsys import metrics as metrics_lib
 from jaxsys.checkpoint.manager import Checkpointer
 from jaxsys.data import packing
 from jaxsys.models import transformer
-from jaxsys.optim import outer as outer_lib
 from jaxsys.train import config_check
 from jaxsys.train import loop
 from jaxsys.train.setup import make_setup
@@ -106,7 +106,7 @@ def test_outer_optimizer_over_pipelined_replicas_with_random_routing(make_config
   b, t = config.data.batch_size, config.data.seq_len
   batch = {k: jax.ShapeDtypeStruct((b, t), np.float32 if k == "loss_mask" else np.int32,
                                     sharding=setup.batch_sh) for k in packing.FIELDS}
-  sent = lambda fn, *args: outer_lib.collective_bytes_from_hlo(
+  sent = lambda fn, *args: comm_bytes.collective_bytes_from_hlo(
       fn.lower(*args).compile().as_text(), 8, trips=True)
   step, sync = sent(setup.train_fn, state, batch), sent(setup.sync_fn, state)
   logged = np.diff([0] + [r["comm_bytes"] for r in rows])
