@@ -20,6 +20,9 @@ devices share the cores).
    --repeats after a warm-up). measured - predicted, over the ticks, is what a tick costs
    beyond its actions and sends: the executor's own per-tick work (the embedding and head
    phases, the switch, slot reads and writes) and whatever the prediction misses.
+4. The tick's own work, measured: the same step with no layers in its chunks (every action
+   then costs next to nothing; the sends, embedding, head, slot writes and switch stay),
+   less the sends the lock step counts. "With it" adds it to the lock-step prediction.
 
 A small vocabulary (--vocab_size) keeps the head and embedding out of the comparison; the
 schedule's costs have no term for them. The host needs p cores with nothing else on them.
@@ -124,6 +127,19 @@ def _send_seconds(mesh, shape, dtype, *, repeats: int, sends: int = 64) -> float
   return _wall(fn, x, repeats=repeats) / sends
 
 
+def _step_seconds(cfg, params, schedule, batch, mesh, *, repeats: int) -> float:
+  """Wall seconds of one `pipeline_loss_and_grads` step of the first cfg.n_layers layers of
+  `params` (0: a step of the ticks alone)."""
+  layout = pipeline.Layout(stages=schedule.stages, virtual=schedule.virtual_stages,
+                           vocab_size=cfg.vocab_size, vocab_parallel=False)
+  params = dict(params, layers=jax.tree.map(lambda x: x[:cfg.n_layers], params["layers"]))
+  staged = pipeline.to_stages(layout, params)
+  staged = _placed(staged, mesh, pipeline.layout.param_specs(layout, staged))
+  step = jax.jit(lambda p, b: pipeline.pipeline_loss_and_grads(cfg, schedule, layout, p, b,
+                                                               mesh=mesh))
+  return _wall(step, staged, batch, repeats=repeats)
+
+
 def _every_process(costs: dict[str, float]) -> dict[str, list[float]]:
   """Each cost as every process measured it on its own core, in process order."""
   names = sorted(costs)
@@ -160,22 +176,28 @@ def rows(names, stages: int, microbatches, *, d_model: int, n_layers: int, seq: 
                               backward_weight=v * c["backward_weight"])
       schedule = pipeline.make_schedule(name, stages=stages, microbatches=m, virtual_stages=v)
       timing = schedules.timed(schedule, costs)
-      layout = pipeline.Layout(stages=stages, virtual=v, vocab_size=vocab_size,
-                               vocab_parallel=False)
-      staged = pipeline.to_stages(layout, params)
-      staged = _placed(staged, mesh, pipeline.layout.param_specs(layout, staged))
-      step = jax.jit(lambda p, b, schedule=schedule, layout=layout:
-                     pipeline.pipeline_loss_and_grads(cfg, schedule, layout, p, b, mesh=mesh))
-      measured = _wall(step, staged, batch, repeats=repeats)
+      step = lambda n: _step_seconds(dataclasses.replace(cfg, n_layers=n), params, schedule,
+                                     batch, mesh, repeats=repeats)
+      measured = step(n_layers)
+      # The tick's own work, measured: the same step with no layers in its chunks (its
+      # actions cost ~nothing; the sends, embedding, head, slot writes and switch stay),
+      # less the sends the lock step already counts.
+      empty = step(0)
+      ns = 1e-9  # the actions at a nanosecond each (Costs takes no zero): the sends alone
+      sends = schedules.timed(schedule, dataclasses.replace(
+          costs, forward=ns, backward=ns, backward_input=ns, backward_weight=ns)).lockstep
+      calibrated = timing.lockstep + empty - sends
       ticks = schedule.executed.ticks
       out.append(dict(schedule=name, virtual=v, microbatches=m, ticks=ticks,
                       shape="fused" if schedule.executed is schedule.fused else "table",
                       predicted_lockstep=timing.lockstep, predicted_async=timing.asynchronous,
                       measured=measured, ratio=measured / timing.lockstep,
                       per_tick_extra=(measured - timing.lockstep) / ticks,
-                      lockstep_bubble=timing.lockstep_bubble))
-      _log(f"{name} m={m}: predicted {timing.lockstep * 1e3:.1f} ms, measured "
-           f"{measured * 1e3:.1f} ms")
+                      lockstep_bubble=timing.lockstep_bubble, measured_empty=empty,
+                      tick_work=(empty - sends) / ticks, predicted_calibrated=calibrated,
+                      ratio_calibrated=measured / calibrated))
+      _log(f"{name} m={m}: predicted {timing.lockstep * 1e3:.1f} ms (with the tick's work "
+           f"{calibrated * 1e3:.1f}), measured {measured * 1e3:.1f} ms")
   return {"stages": stages, "processes": jax.process_count(), "d_model": d_model,
           "n_layers": n_layers, "seq": seq, "vocab_size": vocab_size, "repeats": repeats,
           "costs": {str(k): v for k, v in costs_by_chunk.items()}, "rows": out}
@@ -183,13 +205,15 @@ def rows(names, stages: int, microbatches, *, d_model: int, n_layers: int, seq: 
 
 def table(result: dict) -> str:
   lines = ["| schedule | m | ticks | predicted lock step (ms) | measured (ms) "
-           "| measured / predicted | extra a tick (ms) | predicted async (ms) |",
-           "|---|---:|---|---:|---:|---:|---:|---:|"]
+           "| measured / predicted | extra a tick (ms) | tick's work (ms) "
+           "| with it: predicted (ms) | measured / predicted | predicted async (ms) |",
+           "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
   for r in result["rows"]:
     lines.append(f"| {r['schedule']} | {r['microbatches']} | {r['shape']} {r['ticks']} | "
                  f"{r['predicted_lockstep'] * 1e3:.1f} | {r['measured'] * 1e3:.1f} | "
                  f"{r['ratio']:.3f} | {r['per_tick_extra'] * 1e3:.2f} | "
-                 f"{r['predicted_async'] * 1e3:.1f} |")
+                 f"{r['tick_work'] * 1e3:.2f} | {r['predicted_calibrated'] * 1e3:.1f} | "
+                 f"{r['ratio_calibrated']:.3f} | {r['predicted_async'] * 1e3:.1f} |")
   ms = lambda xs: "/".join(f"{x * 1e3:.2f}" for x in xs)
   costs = "; ".join(f"{k} layers a chunk: " + ", ".join(f"{n} {ms(v)}" for n, v in c.items())
                     for k, c in result["costs"].items())

@@ -32,6 +32,9 @@ def _check(result, names):
     assert r["predicted_async"] <= r["predicted_lockstep"] * (1 + 1e-12)
     assert r["measured"] > 0 and r["ratio"] == pytest.approx(
         r["measured"] / r["predicted_lockstep"])
+    # The step with no layers (the ticks' own work) ran, and its time joins the prediction.
+    assert r["measured_empty"] > 0 and r["ratio_calibrated"] == pytest.approx(
+        r["measured"] / r["predicted_calibrated"])
 
 
 def test_tiny_run_in_one_process():
