@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxsys import mesh as mesh_lib
-from jaxsys.optim.outer import collective_ops_from_hlo
+from jaxsys.comm_bytes import collective_ops_from_hlo
 from jaxsys.train import comm_device
 from jaxsys.train import config_check
 from jaxsys.train.setup import make_setup
