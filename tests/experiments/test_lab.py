@@ -81,7 +81,9 @@ def test_a_slower_link_costs_what_its_bytes_predict(tmp_path):
   assert shared == pytest.approx((wire_s - switched_wire_s) / slow, rel=0.35)  # ~0.36 s
   steps = [json.loads(l) for l in (tmp_path / "slow" / "lab/steps.jsonl").open()]
   assert [r["step"] for r in steps] == [2, 3]
-  assert all(r["comm_s"] > 0.5 * r["step_time_s"] for r in steps)  # the link is the step
+  # The link holds each step for at least most of its payload's wire time (load on the
+  # machine only adds to a step's compute, so no share of the step is asserted).
+  assert all(r["comm_s"] > 0.5 * wire_s / slow for r in steps)
 
 
 def _lab(workdir, *extra, bandwidth="20mbit", processes=2):

@@ -407,7 +407,7 @@ class _Stage:
       self.add_head(c, rows["head_microbatch"], rows["head_slot"],
                     functools.partial(vl.head if plan.train else vl.loss, vocab_params),
                     c.head_in)
-    c.arrive_f, c.arrive_f_back = self.send(c.send_f, at.get("forward"), +1,
+    c.arrive_f, c.arrive_f_back = self.send(c, c.send_f, at.get("forward"), +1,
                                             c.arrive_f_back is not None)
     if plan.train:
       emb_grad_mb = rows["embed_grad_microbatch"]
@@ -415,7 +415,7 @@ class _Stage:
           vocab_params, dx0, self.microbatch(emb_grad_mb, 0)["inputs"], self.stage)), c.dx0,
                                  c.vocab_grads["embedding"], self.in_turn(c))
       c.vocab_grads = dict(c.vocab_grads, embedding=embedding)
-      c.arrive_b, c.arrive_b_back = self.send(c.send_b, at.get("backward"), -1,
+      c.arrive_b, c.arrive_b_back = self.send(c, c.send_b, at.get("backward"), -1,
                                               c.arrive_b_back is not None)
     return c, None
 
@@ -438,16 +438,24 @@ class _Stage:
           ("grad_recv", c.arrive_b), ("grad_recv_back", c.arrive_b_back),
           ("grad_recv_self", c.send_b)))
 
-  def send(self, value, sent, step: int, both_ways: bool):
+  def send(self, c: _Carry, value, sent, step: int, both_ways: bool):
     """`value` to the stage `step` on (+1: activations, -1: gradients) and, where the
     schedule sends both ways, to the one `step` back: (arrival, other arrival or None).
     Routed, it first moves to the replica that runs its microbatch's chunk g + step
-    (`sent`: the lane's (kind, microbatch, chunk))."""
+    (`sent`: the lane's (kind, microbatch, chunk)). In turn with the vocabulary
+    conditionals where those are (a conditional that always runs): its permutes share
+    their channel with every other send's."""
     plan, p = self.plan, self.plan.stages
-    if plan.routed:
-      value = routing.shift(value, self.shift(*sent, step), plan.R)
-    ring = lambda d: jax.lax.ppermute(value, AXIS, [(i, (i + d) % p) for i in range(p)])
-    return ring(step), ring(-step) if both_ways else None
+
+    def move(value):
+      if plan.routed:
+        value = routing.shift(value, self.shift(*sent, step), plan.R)
+      ring = lambda d: jax.lax.ppermute(value, AXIS, [(i, (i + d) % p) for i in range(p)])
+      return ring(step), ring(-step) if both_ways else None
+    if c.turn is None:
+      return move(value)
+    nothing = lambda v: (jnp.zeros_like(v), jnp.zeros_like(v) if both_ways else None)
+    return self.in_turn(c)(jnp.bool_(True), move, nothing, value)
 
   # The lanes' actions.
 
