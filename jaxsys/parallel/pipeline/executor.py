@@ -152,7 +152,7 @@ class _Plan:
   moves: tuple  # per virtual row: its (source, destination) stage pairs, None: stays
   split: bool  # backward split into input and weight passes
   vocab_passes: bool  # training with VP: the head in S and T passes
-  in_turn: bool  # VP on XLA:CPU: the vocabulary conditionals run one at a time (_Stage.in_turn)
+  in_turn: bool  # VP on XLA:CPU: the vocabulary conditionals and the sends run one at a time
   overlap: bool  # vocab_overlap: those passes on ticks of their own, beside the lanes
 
   @property
@@ -268,7 +268,7 @@ class _Carry:
   vocab_dh: Any = None  # vocab_overlap: the T pass's d loss / d h, for the next tick
   arrive_f_back: Any = None  # a V's way back: from stage s + 1
   arrive_b_back: Any = None  # and from stage s - 1
-  turn: Any = None  # in_turn: how many vocabulary conditionals ran (the next one waits for it)
+  turn: Any = None  # in_turn: how many of those ran this step (the next one waits for it)
 
 
 class _Stage:
