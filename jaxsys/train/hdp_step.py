@@ -16,11 +16,12 @@ the slots into `data = S/c, context = c` and keep `stage` and `tensor`, so every
 reads the parameters where they are. With `fsdp` the pool trains as ZeRO-2 does
 (ByteScale's HDP with ZeRO): the parameters are gathered once a step for its micro-steps,
 the gradients accumulate reduce-scattered over `fsdp`, and the update runs on the shards.
-Over pipelines (`PipelinedHDPStep`) the micro-steps are the schedule's microbatches, m to a
+Over pipelines (`Pipelined`) the micro-steps are the schedule's microbatches, m to a
 program.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable
 
@@ -126,15 +127,27 @@ def _on_mesh(shardings, mesh: Mesh, spec_fn=lambda spec: spec):
   return jax.tree.map(lambda s: NamedSharding(mesh, spec_fn(s.spec)), shardings)
 
 
-class _HDPBase:
-  """What the executors share: the pool, the accumulator and the optimizer update."""
+@dataclasses.dataclass(frozen=True)
+class Pipelined:
+  """Pools of pipelines: each slot spans `stage` (with `tensor`), and a program runs
+  `schedule`'s m microbatches, m of the plan's micro-batches, over its view: ring attention
+  inside the stages (the executor's uniform ticks) where the view has context > 1."""
+  schedule: pipeline.Schedule
+  layout: pipeline.Layout
+  vocab_algorithm: int = 2
+  gather_once: bool = False
 
-  # Micro-steps one program runs (the pipeline's microbatches, for a pipelined pool).
-  microbatches = 1
+
+class _HDPBase:
+  """What the executors share: the pool, a view's gradient function (the model's, or a
+  pipeline's with `pipelined`), the accumulator and the optimizer update."""
 
   def __init__(self, model_cfg, optimizer, mesh: Mesh, state_sh: TrainState,
-               tokens_per_device: int):
+               tokens_per_device: int, pipelined: Pipelined | None = None):
     self.pool = Pool(mesh)
+    self.pipelined = pipelined
+    # Micro-steps one program runs: the pipeline's microbatches, for a pool of pipelines.
+    self.microbatches = 1 if pipelined is None else pipelined.schedule.microbatches
     # Every program's devices in the pool's order; the state stays on its own mesh (the
     # same shards on the same devices, rewrapped without a copy on the way in and out).
     self.model_cfg, self.optimizer, self.mesh = model_cfg, optimizer, self.pool.mesh
@@ -189,7 +202,12 @@ class _HDPBase:
 
   def _grad_fn(self, view: Mesh) -> grads.GradFn:
     """The gradient function of a micro-step over `view`."""
-    return grads.autodiff(self.model_cfg, _context_split(view))
+    split, p = _context_split(view), self.pipelined
+    if p is None:
+      return grads.autodiff(self.model_cfg, split)
+    return grads.pipelined(self.model_cfg, p.schedule, p.layout, view,
+                           vocab_algorithm=p.vocab_algorithm, context_split=split,
+                           gather_once=p.gather_once)
 
   def __call__(self, state: TrainState, batch: dict[str, Any]):
     docs = batch["tokens"]
@@ -224,7 +242,8 @@ def _zero_sums(params):
 
 class HDPStep(_HDPBase):
   """Lock-step HDP: (state, document batch) -> (state, metrics) over `hdp.plan`'s
-  micro-steps, each one program over the pool's `data = N/c, context = c` view."""
+  micro-steps, each one program over the pool's `data = N/c, context = c` view (over pools
+  of pipelines, m micro-steps to a program over the view of c, their largest ring)."""
 
   def __init__(self, *args, **kwargs):
     super().__init__(*args, **kwargs)
@@ -300,30 +319,6 @@ class HDPStep(_HDPBase):
       acc = fn(params, _put(fields, batch_sh), acc)
     # Every program all-reduces its gradients over the pool once.
     return self._finish(state, acc, count, reductions=float(count))
-
-
-class _OverPipelines:
-  """Pools of pipelines: each slot spans `stage` (with `tensor`), and a program runs
-  `schedule`'s m microbatches, m of the plan's micro-batches, over its view: ring attention
-  inside the stages (the executor's uniform ticks) where the view has context > 1."""
-
-  def __init__(self, *args, schedule: pipeline.Schedule, layout: pipeline.Layout,
-               vocab_algorithm: int = 2, gather_once: bool = False, **kwargs):
-    self.schedule, self.layout, self.vocab_algorithm = schedule, layout, vocab_algorithm
-    self.gather_once = gather_once
-    self.microbatches = schedule.microbatches
-    super().__init__(*args, **kwargs)
-
-  def _grad_fn(self, view: Mesh) -> grads.GradFn:
-    return grads.pipelined(self.model_cfg, self.schedule, self.layout, view,
-                           vocab_algorithm=self.vocab_algorithm,
-                           context_split=_context_split(view), gather_once=self.gather_once)
-
-
-class PipelinedHDPStep(_OverPipelines, HDPStep):
-  """Lock-step HDP over pools of pipelines: the plan's micro-steps are the microbatches, m
-  to a program over the `stage, data = S/c, context = c` view of c, the largest ring
-  among them (the plain kernels where c = 1)."""
 
 
 def _put(fields: dict[str, np.ndarray], sharding) -> dict[str, jax.Array]:
@@ -443,13 +438,22 @@ class PerRankHDPStep(_HDPBase):
 
   def _run_batches(self, sched: hdp_schedule.Schedule, docs) -> dict[tuple, list]:
     """The rings' micro-batches by their run of slots and cell: {(block, cell): each
-    packed [1, c * cell], in the schedule's order}."""
+    packed [1, c * cell], in the schedule's order}. A pool of pipelines also runs each
+    slot's local micro-batches so, as runs of one slot (a pipeline is no local program):
+    every run pipelines its micro-batches of a cell, m to a program, at its own pace."""
     out: dict[tuple, list] = {}
     for ring in sched.rings:
       c = len(ring.devices)
       _, fields = hdp_layout.pack_step(ring.entries(), docs, num_devices=c,
                                        tokens_per_device=ring.cell, view=c)
       out.setdefault((ring.devices, ring.cell), []).append(fields)
+    if self.pipelined is not None:
+      for size, local in sorted(self._local_batches(sched, docs).items()):
+        for d, batches in enumerate(local):
+          for batch in batches:
+            _, fields = hdp_layout.pack_step([(i, (0,)) for i in batch], docs, num_devices=1,
+                                             tokens_per_device=size)
+            out.setdefault(((d,), size), []).append(fields)
     return out
 
   def _run_sums(self, params, runs: dict[tuple, list]) -> tuple[dict, float]:
@@ -497,7 +501,10 @@ class PerRankHDPStep(_HDPBase):
     return _put(fields, stacked), _put({"n": counts}, stacked)["n"]
 
   def _run_locals(self, params, sched: hdp_schedule.Schedule, docs) -> list:
-    """Per local micro-batch size, every device's local sums [S, ...] (one program each)."""
+    """Per local micro-batch size, every device's local sums [S, ...] (one program each;
+    none for a pool of pipelines, whose local micro-batches are runs)."""
+    if self.pipelined is not None:
+      return []
     return [self.local_program(k)(params, *self._local_inputs(k, size, local, docs))
             for size, local in sorted(self._local_batches(sched, docs).items())
             for k in [_axis(local)]]
@@ -527,25 +534,6 @@ class PerRankHDPStep(_HDPBase):
           zeros.shape, zeros.sharding, [shards[s.device] for s in zeros.addressable_shards])
 
     return jax.tree.map(stack, self._stacked_zeros(params), *block_sums.values())
-
-
-class PipelinedPerRankHDPStep(_OverPipelines, PerRankHDPStep):
-  """Per-rank HDP over pools of pipelines: a slot's local micro-batches are runs of its own
-  (one slot, no ring), so every run of slots, a ring or one slot, pipelines its micro-batches
-  of a cell size m to a program over its devices, each run at its own pace."""
-
-  def _run_batches(self, sched: hdp_schedule.Schedule, docs) -> dict[tuple, list]:
-    out = super()._run_batches(sched, docs)
-    for size, local in sorted(self._local_batches(sched, docs).items()):
-      for d, batches in enumerate(local):
-        for batch in batches:
-          _, fields = hdp_layout.pack_step([(i, (0,)) for i in batch], docs, num_devices=1,
-                                           tokens_per_device=size)
-          out.setdefault(((d,), size), []).append(fields)
-    return out
-
-  def _run_locals(self, params, sched: hdp_schedule.Schedule, docs) -> list:
-    return []
 
 
 def _axis(local) -> int:
@@ -651,15 +639,15 @@ def make_executor(run: RunConfig, optimizer, mesh, state_sh: TrainState,
   """The HDP step of `run` on `mesh`: one pool (`Pool`), data.seq_len tokens per slot, or
   one per replica (`ReplicaPools`) when the mesh has a `replica` axis; pools of pipelines
   running `schedule` over the stage view `layout` when given."""
+  pipelined = None if layout is None else Pipelined(
+      schedule, layout, vocab_algorithm=run.pipeline.vocab_algorithm,
+      gather_once=run.pipeline.gather_once)
+
   def executor(mesh, state_sh):
-    args = (run.model, optimizer, mesh, state_sh, run.data.seq_len)
-    per_rank = run.parallel.hdp_schedule == "per_rank"
-    kwargs = dict(widen=run.parallel.hdp_widen_rings) if per_rank else {}
-    if layout is None:
-      return (PerRankHDPStep if per_rank else HDPStep)(*args, **kwargs)
-    return (PipelinedPerRankHDPStep if per_rank else PipelinedHDPStep)(
-        *args, schedule=schedule, layout=layout, vocab_algorithm=run.pipeline.vocab_algorithm,
-        gather_once=run.pipeline.gather_once, **kwargs)
+    args = (run.model, optimizer, mesh, state_sh, run.data.seq_len, pipelined)
+    if run.parallel.hdp_schedule == "per_rank":
+      return PerRankHDPStep(*args, widen=run.parallel.hdp_widen_rings)
+    return HDPStep(*args)
   if REPLICA not in mesh.axis_names:
     return executor(mesh, state_sh)
   return ReplicaPools(executor, mesh, state_sh)
