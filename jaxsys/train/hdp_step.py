@@ -156,8 +156,6 @@ class _HDPBase:
     # The parameters as each micro-step reads them: whole on every slot (gathered over fsdp).
     self.gathered_sh = _on_mesh(self.params_sh, self.mesh, lambda spec: _without(spec, "fsdp"))
     self._gather_jit = jax.jit(lambda p: p, out_shardings=self.gathered_sh)
-    # Gradient all-reduces run (in units of one over the whole pool), for comm_bytes.
-    self.steps_run, self.reductions_run = 0, 0.0
     rep = NamedSharding(self.mesh, P())
     self._acc_sh = (rep, rep, self.params_sh)
     self._zeros_jit = jax.jit(_zero_sums, out_shardings=self._acc_sh)
@@ -225,15 +223,12 @@ class _HDPBase:
     acc = jax.eval_shape(_zero_sums, state.params)  # shapes: each program lays them out
     return [self._update.lower(state, acc), fn.lower(acc[2], batch, acc)]
 
-  def reductions_per_step(self) -> float:
-    """Pool-wide gradient all-reduces per step so far, on average (1 before any step)."""
-    return self.reductions_run / self.steps_run if self.steps_run else 1.0
-
   def _finish(self, state, acc, micro_batches: int, reductions: float):
+    """The update, and the step's metrics: `grad_reductions`, the gradient all-reduces it
+    ran in units of one over the whole pool (the loop's comm_bytes)."""
     state, metrics = self._update(state, _on(acc, self._update_acc_sh))
-    self.steps_run += 1
-    self.reductions_run += reductions
-    return state, {**metrics, "micro_steps": jnp.asarray(micro_batches)}
+    return state, {**metrics, "micro_steps": jnp.asarray(micro_batches),
+                   "grad_reductions": np.float32(reductions)}  # a host value
 
 
 def _zero_sums(params):
@@ -681,7 +676,6 @@ class ReplicaPools:
     self.meshes = replica_meshes(mesh)
     self.replica_sh = [_replica_shardings(state_sh, m) for m in self.meshes]
     self.pools = [executor(m, sh) for m, sh in zip(self.meshes, self.replica_sh)]
-    self._combine = jax.jit(_combine_metrics, out_shardings=NamedSharding(mesh, P()))
 
   @staticmethod
   def batch_of(parts: list[dict]) -> dict:
@@ -690,9 +684,6 @@ class ReplicaPools:
   @property
   def num_devices(self) -> int:
     return sum(pool.num_devices for pool in self.pools)
-
-  def reductions_per_step(self) -> float:
-    return float(np.mean([pool.reductions_per_step() for pool in self.pools]))
 
   def lower(self, state: TrainState, c: int = 2) -> list:
     """Replica 0's update and ring programs (every replica's are the same on its devices)."""
@@ -720,15 +711,17 @@ class ReplicaPools:
       opt_states.append(one.opt_state)
       metrics.append(m)
     micro_steps = max(int(m.pop("micro_steps")) for m in metrics)  # host values: no wait
+    reductions = np.mean([m.pop("grad_reductions") for m in metrics], dtype=np.float32)
     state = state.replace(step=_stack(steps, self.state_sh.step, lead=False),
                           params=jax.tree.map(lambda sh, *x: _stack(x, sh), self.state_sh.params,
                                               *params),
                           opt_state=jax.tree.map(lambda sh, *x: _stack(x, sh),
                                                  self.state_sh.opt_state, *opt_states))
+    # Per replica [R], as `grads.replica_step`'s: `grads.replica_totals` combines them.
     per_replica = NamedSharding(self.mesh, P(REPLICA))
-    metrics = self._combine({k: _stack([m[k] for m in metrics], per_replica)
-                             for k in metrics[0]})
-    return state, {**metrics, "micro_steps": jnp.asarray(micro_steps)}
+    metrics = {k: _stack([m[k] for m in metrics], per_replica) for k in metrics[0]}
+    return state, {**metrics, "micro_steps": jnp.asarray(micro_steps),
+                   "grad_reductions": reductions}
 
 
 def _replica_shardings(state_sh: TrainState, mesh: Mesh) -> TrainState:
@@ -754,13 +747,6 @@ def _stack(leaves, sharding, lead: bool = True):
   shards = [s.data[None] if lead else s.data for x in leaves for s in x.addressable_shards]
   shape = ((sharding.mesh.shape[REPLICA],) if lead else ()) + leaves[0].shape
   return jax.make_array_from_single_device_arrays(shape, sharding, shards)
-
-
-def _combine_metrics(m: dict[str, jax.Array]) -> dict[str, jax.Array]:
-  """Every replica's step metrics [R] as one step's: the loss over all their tokens."""
-  tokens = jnp.sum(m["tokens"])
-  return {"loss": jnp.sum(m["loss"] * m["tokens"]) / jnp.maximum(tokens, 1.0),
-          "grad_norm": jnp.sqrt(jnp.mean(jnp.square(m["grad_norm"]))), "tokens": tokens}
 
 
 HDPExecutor = HDPStep | PerRankHDPStep | ReplicaPools

@@ -439,6 +439,9 @@ class _Loop:
     self.writer = metrics_lib.MetricWriter(workdir, resume_step=self.step)
     self.progress = metrics_lib.Progress(self.config.total_steps, self.step)
     self.pending: list[tuple[int, dict]] = []  # step metrics still on device
+    # HDP's gradient all-reduces (`grad_reductions`, with replicas their mean) over the
+    # steps logged: their sum and count, for comm_bytes (once a micro-step in lock step).
+    self.reductions = [0.0, 0]
     # A sync deferred to the next step (CO2): fused into its program, or launched on the
     # communication twins just before it; run on its own before an eval or a save.
     self.sync_due = False
@@ -519,6 +522,10 @@ class _Loop:
   def _log(self) -> None:
     """Fetches pending metrics (a non-finite loss stops the run here) and writes a row."""
     steps, metrics = zip(*self.pending)
+    for m in metrics:  # a host value: never fetched
+      if "grad_reductions" in m:
+        self.reductions[0] += float(m.pop("grad_reductions"))
+        self.reductions[1] += 1
     fetched = [(s, grads.replica_totals(m)) for s, m in zip(steps, _to_host(list(metrics)))]
     self.pending.clear()
     _check_finite_metrics(fetched, self.ckpt)
@@ -536,7 +543,8 @@ class _Loop:
     """Bytes one device has sent so far, every collective; with an outer optimizer also
     its syncs' alone (what crosses the replicas' slow links)."""
     comm = self.parts.setup.comm
-    out = {"comm_bytes": float(comm.after(self.step))}
+    total, steps = self.reductions
+    out = {"comm_bytes": float(comm.after(self.step, total / steps if steps else 1.0))}
     if comm.outer is not None:
       out["outer_bytes"] = float(comm.outer_after(self.step))
     return out

@@ -55,16 +55,16 @@ class Comm:
   outer: outer_lib.OuterOptimizer | None = None
   synced: Any = None
   replicas: int = 0
-  # HDP: pool-wide gradient all-reduces per step so far (one per micro-step in lock-step;
-  # with fsdp an upper bound: each is a reduce-scatter, plus one gather of the parameters).
-  reductions_per_step: Callable[[], float] = lambda: 1.0
 
   def outer_after(self, steps: int) -> int:
     return self.outer.bytes_after(self.synced, self.replicas, steps) if self.outer else 0
 
-  def after(self, steps: int) -> float:
-    """Bytes sent after `steps` steps, every collective counted."""
-    inner = self.grads_per_step * self.reductions_per_step() + self.pipeline_per_step
+  def after(self, steps: int, reductions_per_step: float = 1.0) -> float:
+    """Bytes sent after `steps` steps, every collective counted; `reductions_per_step`:
+    gradient all-reduces a step, on average (HDP's `grad_reductions` metric: one per
+    micro-step in lock-step; with fsdp an upper bound, each a reduce-scatter plus one
+    gather of the parameters)."""
+    inner = self.grads_per_step * reductions_per_step + self.pipeline_per_step
     return steps * inner + self.outer_after(steps)
 
 
@@ -321,7 +321,6 @@ def make_setup(run: RunConfig, mesh: Mesh, loader=None) -> Setup:
     train_fn = hdp_step.make_executor(run, optimizer, mesh, state_sh, schedule, layout)
     batch_fn = hdp_step.Planner(train_fn, loader, hdp_step.micro_steps_per_step(
         run, train_fn.num_devices))
-    comm = dataclasses.replace(comm, reductions_per_step=train_fn.reductions_per_step)
     if outer is not None:  # its micro-steps are many programs: the sync runs on its own
       sync_fn = replicas_lib.jit_sync(outer, mesh, view, state_sh, opts)
   elif outer is None:

@@ -246,6 +246,8 @@ def test_hdp_equals_data_parallelism_over_the_same_documents(names, options):
   ref_batch = jax.device_put(_one_row_each(parts, rows, max(lengths)), reference.batch_sh)
   ref_state, ref_metrics = reference.train_fn(reference.init_state(0), ref_batch)
   ref_inner = jax.device_get(reference.to_saved(ref_state))
+  # Both per replica with replicas ([R]): the run's totals combine them alike.
+  metrics = grads.replica_totals(jax.device_get(metrics))
   assert float(metrics["tokens"]) == sum(lengths)
   ref_loss = grads.replica_totals(jax.device_get(ref_metrics))["loss"]
   np.testing.assert_allclose(float(metrics["loss"]), float(ref_loss), rtol=1e-5)

@@ -85,6 +85,12 @@ class HDPStepTest(parameterized.TestCase):
       np.testing.assert_allclose(float(metrics["loss"]), float(ref_metrics["loss"]), rtol=1e-5)
       self.assertEqual(float(metrics["tokens"]), sum(lengths))
     self.assertGreater(int(metrics["micro_steps"]), 1)
+    # comm_bytes' count: lock step all-reduces over the pool once a micro-step; per rank once
+    # at the end, plus each ring's share of one over the pool (these plans have rings).
+    if schedule == "lockstep":
+      self.assertEqual(float(metrics["grad_reductions"]), int(metrics["micro_steps"]))
+    else:
+      self.assertGreater(float(metrics["grad_reductions"]), 1.0)
     chex.assert_trees_all_close(jax.device_get(state.params), jax.device_get(ref.params),
                                 atol=2e-5)
     if schedule == "lockstep":
