@@ -9,6 +9,9 @@ Writes, under --out:
             generation_config.json, tokenizer.json, tokenizer_config.json
   tied/     the same with tie_word_embeddings, head_dim 16 != hidden / heads, more
             embedding rows than the tokenizer has ids, and bfloat16 safetensors
+  llama3/   float32, untied, with Llama 3.x's `llama3` rope scaling (factor 8 over an
+            original context of 128, so the head dim's 8 frequencies fall in all three
+            of its bands: kept, ramped and slowed)
   expected.json  versions; per prompt: its text, the ids transformers' tokenizer gives
             (AutoTokenizer on the directory), and per model the greedy continuation of
             `model.generate(do_sample=False)` (ids and text) and the smallest gap between
@@ -44,6 +47,13 @@ MODELS = {
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                  rope_theta=500_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
                  dtype="bfloat16", shard=None, seed=1),
+    "llama3": dict(vocab_size=280, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                   num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                   rope_parameters=dict(rope_type="llama3", rope_theta=500_000.0, factor=8.0,
+                                        low_freq_factor=1.0, high_freq_factor=4.0,
+                                        original_max_position_embeddings=128),
+                   rms_norm_eps=1e-5, tie_word_embeddings=False, dtype="float32", shard=None,
+                   seed=2),
 }
 TOKENIZER_VOCAB = 280  # 256 bytes, <s>, </s> and 22 merges
 PROMPTS = ["def fib(n):", "import os", "x", "héllo wörld"]

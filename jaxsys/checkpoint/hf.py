@@ -46,7 +46,7 @@ ARCHITECTURES = ("LlamaForCausalLM",)
 # Fields of the model config the checkpoint decides; the run keeps dtype, param_dtype,
 # attention_impl, remat and vocab_tiles.
 ARCH_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
-               "rope_theta", "norm_eps", "tie_embeddings")
+               "rope_theta", "rope_scaling", "norm_eps", "tie_embeddings")
 _WHY_NOT = {
     "Qwen2ForCausalLM": "its q/k/v_proj biases: jaxsys.models.transformer has no attention biases",
     "MistralForCausalLM": "sliding-window attention is not implemented",
@@ -83,21 +83,35 @@ def read_config(directory: str) -> dict[str, Any]:
     raise ValueError(f"{path} is not valid JSON ({e.msg} at line {e.lineno})") from None
 
 
-def _rope(hf: dict[str, Any], where: str) -> float:
-  """rope_theta, refusing any frequency scaling (transformers 4's rope_scaling + rope_theta
-  or 5's rope_parameters)."""
+def _rope(hf: dict[str, Any], where: str) -> tuple[float, str]:
+  """(rope_theta, model.rope_scaling) of transformers 4's rope_scaling + rope_theta or 5's
+  rope_parameters; a frequency scaling jaxsys does not compute is refused in one line."""
   params = hf.get("rope_parameters") or {}
-  scaling = hf.get("rope_scaling") or {}
-  for field, d in (("rope_parameters", params), ("rope_scaling", scaling)):
+  spec = ""
+  for field, d in (("rope_parameters", params), ("rope_scaling", hf.get("rope_scaling") or {})):
     kind = d.get("rope_type", d.get("type", "default"))
-    if kind not in (None, "default"):
-      raise ValueError(f"{where} {field}.rope_type={kind!r} is not supported; valid: 'default' "
-                       "(or none): jaxsys.models.transformer.rope has no frequency scaling")
+    if kind in (None, "default"):
+      continue
+    keys = transformer.ROPE_SCALING_KEYS.get(kind)
+    if keys is None or any(k not in d for k in keys):
+      raise ValueError(f"{where} {field}.rope_type={kind!r} is not supported; valid: 'default', "
+                       + ", ".join(f"{k!r} (with {', '.join(v)})"
+                                   for k, v in transformer.ROPE_SCALING_KEYS.items()))
+    spec = f"{kind}:" + ",".join(f"{k}={_number(d[k])}" for k in keys)
+    try:
+      transformer.parse_rope_scaling(spec)
+    except ValueError as e:
+      raise ValueError(f"{where} {field}: {e}") from None
   factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
   if factor != 1.0:
     raise ValueError(f"{where} partial_rotary_factor={factor!r} is not supported; valid: 1.0 "
                      "(rope rotates every head dim)")
-  return float(params.get("rope_theta", hf.get("rope_theta", 10_000.0)))
+  return float(params.get("rope_theta", hf.get("rope_theta", 10_000.0))), spec
+
+
+def _number(value) -> str:
+  """A config.json number as model.rope_scaling writes it (8192, not 8192.0)."""
+  return str(int(value)) if float(value).is_integer() else repr(float(value))
 
 
 def model_fields(directory: str) -> dict[str, Any]:
@@ -128,11 +142,12 @@ def model_fields(directory: str) -> dict[str, Any]:
 
   d, heads = int(need("hidden_size")), int(need("num_attention_heads"))
   head_dim = int(hf.get("head_dim") or d // heads)
+  theta, scaling = _rope(hf, where)
   return dict(
       vocab_size=int(need("vocab_size")), d_model=d, n_layers=int(need("num_hidden_layers")),
       n_heads=heads, n_kv_heads=int(hf.get("num_key_value_heads") or heads),
       head_dim=None if head_dim * heads == d else head_dim,
-      d_ff=int(need("intermediate_size")), rope_theta=_rope(hf, where),
+      d_ff=int(need("intermediate_size")), rope_theta=theta, rope_scaling=scaling,
       norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
       tie_embeddings=False)  # a tied checkpoint imports untied: see the module docstring
 
@@ -364,14 +379,18 @@ def hf_config(cfg: transformer.TransformerConfig, *, dtype: str | None = None,
               max_position_embeddings: int = 4096) -> dict[str, Any]:
   """config.json of `cfg` for `LlamaForCausalLM` (transformers 4 and 5 read it)."""
   theta = float(cfg.rope_theta)
+  kind, scaling = transformer.parse_rope_scaling(cfg.rope_scaling)
+  scaling = {k: int(v) if k == "original_max_position_embeddings" else v
+             for k, v in scaling.items()}
   return {
       "architectures": ["LlamaForCausalLM"], "model_type": "llama",
       "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
       "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layers,
       "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
       "head_dim": cfg.hd, "hidden_act": "silu", "rms_norm_eps": float(cfg.norm_eps),
-      "rope_theta": theta, "rope_scaling": None,
-      "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+      "rope_theta": theta,
+      "rope_scaling": {"rope_type": kind, **scaling} if scaling else None,
+      "rope_parameters": {"rope_type": kind, "rope_theta": theta, **scaling},
       "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
       "max_position_embeddings": int(max_position_embeddings),
       "bos_token_id": bos_token_id, "eos_token_id": eos_token_id,

@@ -367,7 +367,9 @@ SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "h
                 "tie_embeddings", "param_dtype")
 # Fields that keep the shapes but change the function the parameters compute: a resume or
 # init_from with another value only when the run names the field in `allow_model_change`.
-NUMERIC_FIELDS = ("rope_theta", "norm_eps", "dtype")
+NUMERIC_FIELDS = ("rope_theta", "rope_scaling", "norm_eps", "dtype")
+# Fields added after checkpoints were first written, with what their absence means.
+ADDED_LATER = {"rope_scaling": ""}
 
 
 def _differences(fields, saved: dict, current: dict) -> str:
@@ -386,6 +388,7 @@ def check_same_model(saved: dict, current: dict, directory: str,
     detail = _differences(diff, saved, current)
     raise ValueError(f"checkpoint in {directory} is of a different model: {detail}; "
                      "use another --workdir or a matching --config")
+  saved = {**ADDED_LATER, **saved}
   diff = [k for k in NUMERIC_FIELDS if saved.get(k) != current.get(k) and k not in allow]
   if diff:
     detail = _differences(diff, saved, current)

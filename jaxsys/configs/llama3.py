@@ -7,7 +7,8 @@
 
 Sizes: `1b` and `3b` (Llama 3.2, tied embeddings), `8b` and `70b` (Llama 3.1), from the
 models' published `config.json`: d_model, layers, heads, kv heads, d_ff, vocabulary
-128,256, RoPE theta 500,000, RMSNorm eps 1e-5. `gpt2`: GPT-2 small's width, depth, heads,
+128,256, RoPE theta 500,000 with the `llama3` frequency scaling (factor 32 for 3.2, 8 for
+3.1), RMSNorm eps 1e-5. `gpt2`: GPT-2 small's width, depth, heads,
 tied embeddings and (padded) vocabulary in this Llama-style block, SwiGLU's d_ff chosen
 for GPT-2's 124M parameters. All compute in bf16 over float32 parameters and optimizer
 state; `--config.model.remat=full` recomputes the forward in the backward (`minimal`: keep
@@ -30,6 +31,11 @@ SIZES = {
     "8b": (4096, 32, 32, 8, 14336, 128256, False, 8192, 128),
     "70b": (8192, 80, 64, 8, 28672, 128256, False, 8192, 128),
 }
+# The published rope_scaling (Llama 3.2: factor 32; 3.1: factor 8); GPT-2 has none.
+_LLAMA3_ROPE = ("llama3:factor={},low_freq_factor=1,high_freq_factor=4,"
+                "original_max_position_embeddings=8192")
+ROPE_SCALING = {"gpt2": "", "1b": _LLAMA3_ROPE.format(32), "3b": _LLAMA3_ROPE.format(32),
+                "8b": _LLAMA3_ROPE.format(8), "70b": _LLAMA3_ROPE.format(8)}
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -40,7 +46,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   d_model, layers, heads, kv, d_ff, vocab, tied, seq_len, batch = SIZES[size]
   c = tiny_lm.get_config("size=test")
   c.model.update(dict(vocab_size=vocab, d_model=d_model, n_layers=layers, n_heads=heads,
-                      n_kv_heads=kv, d_ff=d_ff, rope_theta=500_000.0, norm_eps=1e-5,
+                      n_kv_heads=kv, d_ff=d_ff, rope_theta=500_000.0,
+                      rope_scaling=ROPE_SCALING[size], norm_eps=1e-5,
                       tie_embeddings=tied, dtype="bfloat16", param_dtype="float32"))
   # A global batch of about 1M tokens (128 x 8192), as Llama 3's pre-training began with.
   c.data.update(dict(seq_len=seq_len, batch_size=batch, max_len=4 * seq_len))

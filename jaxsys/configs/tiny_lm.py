@@ -71,8 +71,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # attention_impl, remat and vocab_tiles stay the run's) and its tokenizer.json becomes
   # data.tokenizer (unless that is set to another "hf:<dir>"); see jaxsys/checkpoint/hf.py.
   c.init_from = ""
-  # Model fields that change the function but not the shapes (rope_theta, norm_eps, dtype),
-  # comma-separated, that a resume or init_from may change; others differing are refused.
+  # Model fields that change the function but not the shapes (rope_theta, rope_scaling,
+  # norm_eps, dtype), comma-separated, that a resume or init_from may change; others
+  # differing are refused.
   c.allow_model_change = ""
   # Before any work the run's memory is estimated from its shapes (parameters, optimizer
   # state, gradients, one step's activations per device, the loaders' buffers;
@@ -84,7 +85,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.model = ml_collections.ConfigDict(dict(
       vocab_size=256, d_model=d_model, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv,
       head_dim=placeholder(int),  # None: d_model // n_heads
-      d_ff=d_ff, rope_theta=10_000.0, norm_eps=1e-6, tie_embeddings=False,
+      d_ff=d_ff, rope_theta=10_000.0,
+      # transformers' rope_scaling as one string, e.g. Llama 3.1's "llama3:factor=8,
+      # low_freq_factor=1,high_freq_factor=4,original_max_position_embeddings=8192" or
+      # "linear:factor=4" (jaxsys/models/transformer.py); "": plain RoPE.
+      rope_scaling="",
+      norm_eps=1e-6, tie_embeddings=False,
       dtype="float32", param_dtype="float32", attention_impl="auto",
       # What each layer keeps for its backward (jaxsys/models/remat.py): none, minimal
       # (no matmul recomputed), dots, qkv or full; remat_offload: names it keeps in host

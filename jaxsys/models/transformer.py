@@ -50,6 +50,7 @@ class TransformerConfig:
   head_dim: int | None = None  # default d_model // n_heads
   d_ff: int = 1024
   rope_theta: float = 10_000.0
+  rope_scaling: str = ""  # transformers' rope_scaling as one string: see parse_rope_scaling
   norm_eps: float = 1e-6
   tie_embeddings: bool = False
   dtype: str = "float32"  # compute dtype
@@ -68,6 +69,7 @@ class TransformerConfig:
           f"model.d_model={self.d_model} must divide by model.n_heads={self.n_heads} "
           "(or set model.head_dim)")
     remat.check(self.remat, self.remat_offload)
+    parse_rope_scaling(self.rope_scaling)
     if self.vocab_tiles < 1 or self.vocab_size % self.vocab_tiles:
       raise ValueError(f"model.vocab_tiles={self.vocab_tiles} must be >= 1 and divide "
                        f"model.vocab_size={self.vocab_size}")
@@ -106,10 +108,74 @@ def rms_norm(x, scale, eps):
   return (y * scale.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope(x_BTHD, positions_BT, theta: float):
-  """Rotary embedding (rotate-half form) at arbitrary per-token positions."""
+# transformers' rope types with frequency scaling that jaxsys computes, and their keys.
+ROPE_SCALING_KEYS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+               "original_max_position_embeddings"),
+}
+
+
+def parse_rope_scaling(spec: str) -> tuple[str, dict[str, float]]:
+  """`model.rope_scaling` -> (rope type, its parameters): '' is plain RoPE; else
+  transformers' rope_scaling as '<rope_type>:<key>=<value>,...', e.g. Llama 3.1's
+  'llama3:factor=8,low_freq_factor=1,high_freq_factor=4,original_max_position_embeddings=8192'
+  or 'linear:factor=4'. A bad spec is one error naming what is valid."""
+  if not spec:
+    return "default", {}
+  kind, _, rest = spec.partition(":")
+  valid = "; valid: '' or " + " or ".join(
+      f"'{k}:" + ",".join(f"{key}=<number>" for key in keys) + "'"
+      for k, keys in ROPE_SCALING_KEYS.items())
+  if kind not in ROPE_SCALING_KEYS:
+    raise ValueError(f"model.rope_scaling={spec!r}: rope type {kind!r} is not supported{valid}")
+  values = {}
+  for item in rest.split(",") if rest else []:
+    key, _, value = item.partition("=")
+    try:
+      values[key.strip()] = float(value)
+    except ValueError:
+      raise ValueError(f"model.rope_scaling={spec!r}: {item!r} is not <key>=<number>"
+                       f"{valid}") from None
+  if set(values) != set(ROPE_SCALING_KEYS[kind]):
+    raise ValueError(f"model.rope_scaling={spec!r} must set exactly the keys "
+                     f"{', '.join(ROPE_SCALING_KEYS[kind])}{valid}")
+  if values["factor"] <= 0 or kind == "llama3" and not (
+      0 < values["low_freq_factor"] < values["high_freq_factor"]
+      and values["original_max_position_embeddings"] > 0):
+    raise ValueError(f"model.rope_scaling={spec!r}: factor and "
+                     "original_max_position_embeddings must be > 0 and 0 < low_freq_factor < "
+                     "high_freq_factor")
+  return kind, values
+
+
+def rope_frequencies(d: int, theta: float, scaling: str = "") -> np.ndarray:
+  """The D/2 rotation frequencies of a head dim `d`, in float32 as transformers computes
+  them (`modeling_rope_utils`: the default, then linear or llama3 scaling)."""
+  kind, p = parse_rope_scaling(scaling)
+  freqs = 1.0 / np.float32(theta) ** (np.arange(0, d, 2, dtype=np.float32) / np.float32(d))
+  if kind == "linear":
+    return freqs / np.float32(p["factor"])
+  if kind == "llama3":  # low frequencies slowed by `factor`, high kept, a ramp between
+    factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+    old_len = p["original_max_position_embeddings"]
+    wavelen = np.float32(2 * math.pi) / freqs
+    scaled = np.where(wavelen > old_len / low, freqs / np.float32(factor), freqs)
+    smooth = (np.float32(old_len) / wavelen - np.float32(low)) / np.float32(high - low)
+    smoothed = (1 - smooth) * scaled / np.float32(factor) + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+  return freqs
+
+
+def rope(x_BTHD, positions_BT, theta: float, scaling: str = ""):
+  """Rotary embedding (rotate-half form) at arbitrary per-token positions; `scaling`: a
+  `model.rope_scaling` spec (its frequencies are constants of the program)."""
   d = x_BTHD.shape[-1]
-  freqs = theta ** (-jnp.arange(0, d // 2, dtype=jnp.float32) * 2.0 / d)
+  if scaling:
+    freqs = jnp.asarray(rope_frequencies(d, theta, scaling))
+  else:
+    freqs = theta ** (-jnp.arange(0, d // 2, dtype=jnp.float32) * 2.0 / d)
   angles = positions_BT.astype(jnp.float32)[:, :, None, None] * freqs  # [B, T, 1, D/2]
   sin, cos = jnp.sin(angles), jnp.cos(angles)
   x1, x2 = jnp.split(x_BTHD.astype(jnp.float32), 2, axis=-1)
@@ -195,8 +261,8 @@ def block(p: dict[str, jax.Array], x_BTD, positions_BT, segment_ids_BT, cfg: Tra
   q = _dense(h, p["wq"], out_shape=(H, hd), dtype=dt)  # [B, T, H, hd]
   k = _dense(h, p["wk"], out_shape=(K, hd), dtype=dt)
   v = name(_dense(h, p["wv"], out_shape=(K, hd), dtype=dt), "v")
-  q = name(rope(q, positions_BT, cfg.rope_theta), "q")
-  k = name(rope(k, positions_BT, cfg.rope_theta), "k")
+  q = name(rope(q, positions_BT, cfg.rope_theta, cfg.rope_scaling), "q")
+  k = name(rope(k, positions_BT, cfg.rope_theta, cfg.rope_scaling), "k")
   kw = dict(segment_ids=segment_ids_BT, positions=positions_BT, causal=True)
   if cache is None:
     o = attention_fn(q, k, v, **kw)

@@ -23,7 +23,7 @@ from jaxsys.checkpoint import hf, layouts
 from jaxsys.checkpoint.manager import NUMERIC_FIELDS
 from jaxsys.data.tokenizer import MIN_BPE_VOCAB, TOKENIZERS
 from jaxsys.kernels.backends import IMPLS
-from jaxsys.models import remat
+from jaxsys.models import remat, transformer
 from jaxsys.optim.noloco import check_group_size
 from jaxsys.optim.inner import OPTIMIZERS
 from jaxsys.parallel import context, pipeline
@@ -118,6 +118,10 @@ FIELDS: dict[str, Rule] = {
     "model.head_dim": optional(integer(2), "model.d_model // model.n_heads"),
     "model.d_ff": integer(1),
     "model.rope_theta": number(0, lo_open=True),
+    # parse_rope_scaling raises its own line for a malformed spec.
+    "model.rope_scaling": Rule(
+        lambda v: isinstance(v, str) and transformer.parse_rope_scaling(v) is not None,
+        "'' (plain RoPE) or transformers' rope_scaling as '<rope_type>:<key>=<value>,...'"),
     "model.norm_eps": number(0, lo_open=True),
     "model.tie_embeddings": BOOL,
     "model.dtype": one_of("float32", "bfloat16", "float16"),
@@ -351,7 +355,7 @@ RELATIONS: tuple[Relation, ...] = (
 # a saved config without them (a checkpoint's meta) still parses.
 ADDED_LATER: dict[str, Any] = {"profile.steps": "", "parallel.context_algorithm": "ring",
                                "parallel.context_gather_mib": 1024,
-                               "optimizer.outer_comm_device": False, "model.vocab_tiles": 1,
+                               "optimizer.outer_comm_device": False, "model.vocab_tiles": 1, "model.rope_scaling": "",
                                "model.remat_offload": "", "optimizer.accum_gather_once": False,
                                "check_memory": True}
 

@@ -194,8 +194,15 @@ def _edited(src, tmp_path, **fields):
 @pytest.mark.parametrize("fields, message", [
     ( dict(architectures=["Qwen2ForCausalLM"]),
      "architectures=['Qwen2ForCausalLM'] is not supported (its q/k/v_proj biases"),
-    (dict(rope_parameters=dict(rope_type="llama3", factor=8.0, rope_theta=5e5)),
-     "rope_parameters.rope_type='llama3' is not supported"),
+    (dict(rope_parameters=dict(rope_type="llama3", factor=8.0, rope_theta=5e5)),  # no keys
+     "rope_parameters.rope_type='llama3' is not supported; valid: 'default', 'linear' (with "
+     "factor), 'llama3' (with factor, low_freq_factor, high_freq_factor, "
+     "original_max_position_embeddings)"),
+    (dict(rope_parameters=dict(rope_type="llama3", factor=8.0, rope_theta=5e5,
+                               low_freq_factor=4.0, high_freq_factor=1.0,
+                               original_max_position_embeddings=8192)),
+     "rope_parameters: model.rope_scaling='llama3:factor=8,low_freq_factor=4,"
+     "high_freq_factor=1,original_max_position_embeddings=8192': factor and"),
     (dict(rope_scaling=dict(type="yarn", factor=4.0)),
      "rope_scaling.rope_type='yarn' is not supported"),
     (dict(attention_bias=True), "attention_bias=True is not supported"),

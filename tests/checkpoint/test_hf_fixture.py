@@ -1,8 +1,9 @@
 """jaxsys against transformers' recorded numbers, no torch needed: the fixture in
 tests/data/hf_fixture (made by experiments/make_hf_fixture.py with transformers 5 and CPU
-torch) holds two tiny random LlamaForCausalLM checkpoints as save_pretrained wrote them
-(untied float32 in shards; tied bfloat16 with head_dim 16 != hidden / heads), their
-tokenizer, and transformers' prompt ids, greedy continuations and float32 logits."""
+torch) holds three tiny random LlamaForCausalLM checkpoints as save_pretrained wrote them
+(untied float32 in shards; tied bfloat16 with head_dim 16 != hidden / heads; Llama 3.x's
+`llama3` rope scaling), their tokenizer, and transformers' prompt ids, greedy continuations
+and float32 logits."""
 import functools
 import json
 import os
@@ -17,7 +18,7 @@ from jaxsys.data import tokenizer as tokenizer_lib
 from jaxsys.models import generate, transformer
 
 FIXTURE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "hf_fixture")
-KINDS = ("untied", "tied")
+KINDS = ("untied", "tied", "llama3")
 RTOL = 1e-4  # max |diff| / max |logit|, as the issue asks in float32
 
 
@@ -75,7 +76,8 @@ def test_logits_equal_transformers(kind):
     assert err < RTOL, f"prompt {i}: max |diff| / max |logit| = {err:.1e}"
 
 
-@pytest.mark.parametrize("kind, padding", [("untied", "right"), ("tied", "left")])
+@pytest.mark.parametrize("kind, padding", [("untied", "right"), ("tied", "left"),
+                                           ("llama3", "right")])
 def test_greedy_continuations_equal_transformers(kind, padding):
   """jaxsys's KV-cache greedy decoding of the prompts as one batch (different lengths)
   gives transformers' `generate(do_sample=False)` tokens, each step's logits those

@@ -108,13 +108,21 @@ class ReaderTest(parameterized.TestCase):
 
 class CheckSameModelTest(parameterized.TestCase):
 
-  @parameterized.parameters(("norm_eps", 1e-5), ("dtype", "bfloat16"), ("rope_theta", 1e6))
+  @parameterized.parameters(("norm_eps", 1e-5), ("dtype", "bfloat16"), ("rope_theta", 1e6),
+                            ("rope_scaling", "linear:factor=4"))
   def test_each_numeric_field_is_refused_and_can_be_allowed(self, field, value):
     current = dict(META, **{field: value})
     with self.assertRaisesRegex(ValueError, rf"model.{field}=.* there but {value!r} in the "
                                             rf"config; set --config.allow_model_change={field} "):
       check_same_model(META, current, "/ckpt")
     check_same_model(META, current, "/ckpt", allow=(field, "rope_theta"))
+
+  def test_a_meta_from_before_rope_scaling_means_none(self):
+    """A checkpoint written before model.rope_scaling existed computed plain RoPE."""
+    old = {k: v for k, v in META.items() if k != "rope_scaling"}
+    check_same_model(old, dict(old, rope_scaling=""), "/ckpt")
+    with self.assertRaisesRegex(ValueError, r"model.rope_scaling='' there but 'linear:factor=4'"):
+      check_same_model(old, dict(old, rope_scaling="linear:factor=4"), "/ckpt")
 
   def test_shapes_are_never_allowed(self):
     with self.assertRaisesRegex(ValueError, r"different model: model.d_model=16 there but 32"):

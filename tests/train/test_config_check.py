@@ -92,6 +92,17 @@ class FieldsTest(parameterized.TestCase):
        "or None (model.d_model // model.n_heads)"),
       ("rope_theta", dict(model__rope_theta=0.0), "model.rope_theta=0.0 is invalid; it must be a "
        "number > 0"),
+      ("rope_scaling_type", dict(model__rope_scaling="yarn:factor=4"),
+       "model.rope_scaling='yarn:factor=4': rope type 'yarn' is not supported; valid: '' or "
+       "'linear:factor=<number>' or 'llama3:factor=<number>,low_freq_factor=<number>,"
+       "high_freq_factor=<number>,original_max_position_embeddings=<number>'"),
+      ("rope_scaling_keys", dict(model__rope_scaling="linear:factor=4,low_freq_factor=1"),
+       "model.rope_scaling='linear:factor=4,low_freq_factor=1' must set exactly the keys factor;"),
+      ("rope_scaling_value", dict(model__rope_scaling="linear:factor=x"),
+       "model.rope_scaling='linear:factor=x': 'factor=x' is not <key>=<number>;"),
+      ("rope_scaling_range", dict(model__rope_scaling="linear:factor=0"),
+       "model.rope_scaling='linear:factor=0': factor and original_max_position_embeddings must "
+       "be > 0"),
       ("dtype", dict(model__dtype="int8"),
        "model.dtype='int8' is unknown; valid: float32, bfloat16, float16"),
       ("remat", dict(model__remat="some"),
@@ -135,7 +146,7 @@ class FieldsTest(parameterized.TestCase):
        "invalid; it must be 1 or 2"),
       ("allow_change", dict(allow_model_change="rope_theta,d_model"),
        "allow_model_change='rope_theta,d_model' is invalid; it must be '' or a comma-separated "
-       "subset of rope_theta, norm_eps, dtype"),
+       "subset of rope_theta, rope_scaling, norm_eps, dtype"),
       ("mesh_parse", dict(mesh="data=0"), "mesh: axis 'data' has size 0"),
       ("mesh_empty", dict(mesh=""), "mesh='' is invalid; it must be a mesh spec such as"),
   )
