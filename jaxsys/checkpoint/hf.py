@@ -42,14 +42,15 @@ from jaxsys import mesh as mesh_lib
 from jaxsys.models import transformer
 
 PREFIX = "hf:"  # init_from=hf:<dir>, data.tokenizer=hf:<dir>
-ARCHITECTURES = ("LlamaForCausalLM",)
+# Mistral without a sliding window (7B v0.2 and v0.3: `sliding_window` null) is a Llama.
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+MODEL_TYPES = ("llama", "mistral")
 # Fields of the model config the checkpoint decides; the run keeps dtype, param_dtype,
 # attention_impl, remat and vocab_tiles.
 ARCH_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
                "rope_theta", "rope_scaling", "norm_eps", "tie_embeddings")
 _WHY_NOT = {
     "Qwen2ForCausalLM": "its q/k/v_proj biases: jaxsys.models.transformer has no attention biases",
-    "MistralForCausalLM": "sliding-window attention is not implemented",
     "GemmaForCausalLM": "Gemma's (1 + w) RMSNorm and scaled embeddings differ from Llama's",
 }
 
@@ -125,15 +126,16 @@ def model_fields(directory: str) -> dict[str, Any]:
     why = _WHY_NOT.get(bad, "not a Llama-architecture model")
     raise ValueError(f"{where} architectures={archs!r} is not supported ({why}); valid: "
                      f"{', '.join(ARCHITECTURES)}")
-  if not archs and hf.get("model_type") != "llama":
+  if not archs and hf.get("model_type") not in MODEL_TYPES:
     raise ValueError(f"{where} model_type={hf.get('model_type')!r} (and no architectures) is not "
-                     "supported; valid: 'llama'")
-  checks = (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False),
-            ("quantization_config", None), ("sliding_window", None))
-  for field, ok in checks:
+                     f"supported; valid: {', '.join(map(repr, MODEL_TYPES))}")
+  checks = (("hidden_act", "silu", "SwiGLU"), ("attention_bias", False, "no biases"),
+            ("mlp_bias", False, "no biases"), ("quantization_config", None, "float weights"),
+            ("sliding_window", None, "every token attends to all before it: no window"))
+  for field, ok, why in checks:
     if hf.get(field, ok) != ok:
       raise ValueError(f"{where} {field}={hf[field]!r} is not supported; valid: {ok!r} "
-                       "(jaxsys.models.transformer is a float Llama: SwiGLU, no biases)")
+                       f"(jaxsys.models.transformer's attention and MLP: {why})")
 
   def need(field):
     if field not in hf:

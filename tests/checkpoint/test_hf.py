@@ -206,6 +206,9 @@ def _edited(src, tmp_path, **fields):
     (dict(rope_scaling=dict(type="yarn", factor=4.0)),
      "rope_scaling.rope_type='yarn' is not supported"),
     (dict(attention_bias=True), "attention_bias=True is not supported"),
+    (dict(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=4096),
+     "sliding_window=4096 is not supported; valid: None (jaxsys.models.transformer's attention "
+     "and MLP: every token attends to all before it: no window)"),
     (dict(hidden_act="gelu"), "hidden_act='gelu' is not supported"),
     (dict(intermediate_size=128), "tensor 'model.layers.0.mlp.down_proj.weight' has "
      "shape (32, 64) but config.json gives (32, 128)"),
@@ -214,6 +217,28 @@ def test_refusals_name_the_field(tmp_path, fields, message):
   with pytest.raises(ValueError) as e:
     hf.load(_edited(FIXTURE["untied"], tmp_path, **fields))
   assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_mistral_without_a_window_is_a_llama(tmp_path):
+  """Mistral 7B v0.2/v0.3's config (sliding_window null) over the fixture's Llama weights
+  loads as that Llama: the same model config and parameters."""
+  directory = _edited(FIXTURE["untied"], tmp_path, architectures=["MistralForCausalLM"],
+                      model_type="mistral", sliding_window=None)
+  (cfg, params), (want_cfg, want) = hf.load(directory), hf.load(FIXTURE["untied"])
+  assert cfg == want_cfg
+  chex.assert_trees_all_equal(params, want)
+
+
+@needs_transformers
+def test_mistral_import_equals_transformers(tmp_path):
+  config = transformers.MistralConfig(
+      vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+      num_attention_heads=4, num_key_value_heads=2, rope_theta=1e6, rms_norm_eps=1e-5,
+      sliding_window=None, tie_word_embeddings=False)
+  model = hf_runs.randomize_torch_llama(transformers.MistralForCausalLM(config), seed=3).eval()
+  model.save_pretrained(str(tmp_path))
+  cfg, params = hf.load(str(tmp_path))
+  _assert_close(transformer.apply(cfg, params, TOKENS), _torch_logits(model, TOKENS))
 
 
 def test_refusals_of_missing_files(tmp_path):
