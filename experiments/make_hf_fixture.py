@@ -12,6 +12,8 @@ Writes, under --out:
   llama3/   float32, untied, with Llama 3.x's `llama3` rope scaling (factor 8 over an
             original context of 128, so the head dim's 8 frequencies fall in all three
             of its bands: kept, ramped and slowed)
+  qwen2/    Qwen2ForCausalLM (q/k/v biases), float32, tied as Qwen2.5's small models are
+  qwen3/    Qwen3ForCausalLM (q/k norms, head_dim 16 != hidden / heads), float32, untied
   expected.json  versions; per prompt: its text, the ids transformers' tokenizer gives
             (AutoTokenizer on the directory), and per model the greedy continuation of
             `model.generate(do_sample=False)` (ids and text) and the smallest gap between
@@ -22,8 +24,7 @@ Writes, under --out:
 Every expected number comes from the model transformers re-reads from the saved directory
 (`from_pretrained(..., dtype=float32)`), so the files are the ones the numbers belong to.
 Weights are random at unit-scale activations with RMSNorm scales in [0.5, 1.5]: HF's 0.02
-init with unit norms would hide a swapped or mis-laid tensor. Qwen2 is left out: its q/k/v
-biases are not in jaxsys.models.transformer (hf.load refuses it).
+init with unit norms would hide a swapped or mis-laid tensor.
 """
 import json
 import os
@@ -54,6 +55,14 @@ MODELS = {
                                         original_max_position_embeddings=128),
                    rms_norm_eps=1e-5, tie_word_embeddings=False, dtype="float32", shard=None,
                    seed=2),
+    "qwen2": dict(arch="Qwen2", vocab_size=280, hidden_size=32, intermediate_size=64,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                  dtype="float32", shard=None, seed=3),
+    "qwen3": dict(arch="Qwen3", vocab_size=280, hidden_size=32, intermediate_size=64,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+                  tie_word_embeddings=False, dtype="float32", shard=None, seed=4),
 }
 TOKENIZER_VOCAB = 280  # 256 bytes, <s>, </s> and 22 merges
 PROMPTS = ["def fib(n):", "import os", "x", "héllo wörld"]
@@ -81,16 +90,18 @@ def make_tokenizer():
 
 
 def make_model(directory: str, spec: dict, tokenizer) -> None:
-  """save_pretrained of a random LlamaForCausalLM and its tokenizer into `directory`."""
+  """save_pretrained of a random model (`arch`: Llama unless given) and its tokenizer into
+  `directory`."""
   import torch  # pylint: disable=import-outside-toplevel
   import transformers  # pylint: disable=import-outside-toplevel
   spec = dict(spec)
   dtype, shard, seed = spec.pop("dtype"), spec.pop("shard"), spec.pop("seed")
+  arch = spec.pop("arch", "Llama")
   bos, eos = tokenizer.token_to_id("<s>"), tokenizer.token_to_id("</s>")
-  config = transformers.LlamaConfig(**spec, bos_token_id=bos, eos_token_id=eos,
-                                    max_position_embeddings=256)
+  config = getattr(transformers, f"{arch}Config")(**spec, bos_token_id=bos, eos_token_id=eos,
+                                                  max_position_embeddings=256)
   torch.manual_seed(seed)
-  model = hf_runs.randomize_torch_llama(transformers.LlamaForCausalLM(config), seed)
+  model = hf_runs.randomize_torch_llama(getattr(transformers, f"{arch}ForCausalLM")(config), seed)
   model = model.to(getattr(torch, dtype))
   model.save_pretrained(directory, **({"max_shard_size": shard} if shard else {}))
   fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>",

@@ -1,6 +1,8 @@
 """Hugging Face Llama checkpoints in and out: config.json + safetensors <-> model config + params.
 
-`load` reads a `LlamaForCausalLM` directory (`config.json`, `model.safetensors` or sharded
+Llama 2 and 3.x (`llama3` rope scaling), Mistral without a sliding window, Qwen2/2.5 (q/k/v
+biases) and Qwen3 (q/k norms) are one block here (`ARCHITECTURES`). `load` reads such a
+directory (`config.json`, `model.safetensors` or sharded
 `model-0000x-of-0000y.safetensors` with `model.safetensors.index.json`) into
 `jaxsys.models.transformer`'s parameters. Each tensor file is memory-mapped and every
 device's block of every parameter is read straight from it into its sharding
@@ -42,15 +44,16 @@ from jaxsys import mesh as mesh_lib
 from jaxsys.models import transformer
 
 PREFIX = "hf:"  # init_from=hf:<dir>, data.tokenizer=hf:<dir>
-# Mistral without a sliding window (7B v0.2 and v0.3: `sliding_window` null) is a Llama.
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
-MODEL_TYPES = ("llama", "mistral")
+# Llama's block with what each adds: Mistral nothing without a sliding window (7B v0.2 and
+# v0.3: `sliding_window` null); Qwen2 (and 2.5) q/k/v biases; Qwen3 q/k norms.
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+                 "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+MODEL_TYPES = tuple(ARCHITECTURES.values())
 # Fields of the model config the checkpoint decides; the run keeps dtype, param_dtype,
 # attention_impl, remat and vocab_tiles.
 ARCH_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
-               "rope_theta", "rope_scaling", "norm_eps", "tie_embeddings")
+               "rope_theta", "rope_scaling", "norm_eps", "tie_embeddings", "qkv_bias", "qk_norm")
 _WHY_NOT = {
-    "Qwen2ForCausalLM": "its q/k/v_proj biases: jaxsys.models.transformer has no attention biases",
     "GemmaForCausalLM": "Gemma's (1 + w) RMSNorm and scaled embeddings differ from Llama's",
 }
 
@@ -126,14 +129,22 @@ def model_fields(directory: str) -> dict[str, Any]:
     why = _WHY_NOT.get(bad, "not a Llama-architecture model")
     raise ValueError(f"{where} architectures={archs!r} is not supported ({why}); valid: "
                      f"{', '.join(ARCHITECTURES)}")
-  if not archs and hf.get("model_type") not in MODEL_TYPES:
+  model_type = ARCHITECTURES[archs[0]] if archs else hf.get("model_type")
+  if model_type not in MODEL_TYPES:
     raise ValueError(f"{where} model_type={hf.get('model_type')!r} (and no architectures) is not "
                      f"supported; valid: {', '.join(map(repr, MODEL_TYPES))}")
-  checks = (("hidden_act", "silu", "SwiGLU"), ("attention_bias", False, "no biases"),
-            ("mlp_bias", False, "no biases"), ("quantization_config", None, "float weights"),
-            ("sliding_window", None, "every token attends to all before it: no window"))
-  for field, ok, why in checks:
-    if hf.get(field, ok) != ok:
+  # Qwen's sliding_window applies only with use_sliding_window (off in every published one).
+  window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
+  checks = (("hidden_act", hf.get("hidden_act"), "silu", "SwiGLU"),
+            ("attention_bias", hf.get("attention_bias"), False,
+             "q/k/v biases only as Qwen2's, no o_proj bias"),
+            ("mlp_bias", hf.get("mlp_bias"), False, "no MLP biases"),
+            ("quantization_config", hf.get("quantization_config"), None, "float weights"),
+            ("sliding_window", window, None, "every token attends to all before it: no window"),
+            ("layer_types", set(hf.get("layer_types") or ["full_attention"]),
+             {"full_attention"}, "every layer's attention is full"))
+  for field, value, ok, why in checks:
+    if value is not None and value != ok:
       raise ValueError(f"{where} {field}={hf[field]!r} is not supported; valid: {ok!r} "
                        f"(jaxsys.models.transformer's attention and MLP: {why})")
 
@@ -151,6 +162,7 @@ def model_fields(directory: str) -> dict[str, Any]:
       head_dim=None if head_dim * heads == d else head_dim,
       d_ff=int(need("intermediate_size")), rope_theta=theta, rope_scaling=scaling,
       norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+      qkv_bias=model_type == "qwen2", qk_norm=model_type == "qwen3",
       tie_embeddings=False)  # a tied checkpoint imports untied: see the module docstring
 
 
@@ -269,6 +281,12 @@ def _maps(cfg: transformer.TransformerConfig, tied_hf: bool) -> dict[str, Any]:
           "w_down": _Map(layer + "mlp.down_proj.weight", (D, F), (1, 0), (D, F)),
       },
   }
+  if cfg.qkv_bias:
+    for key, proj, n in (("bq", "q", H), ("bk", "k", K), ("bv", "v", K)):
+      out["layers"][key] = _Map(layer + f"self_attn.{proj}_proj.bias", (n, hd), (0, 1), (n * hd,))
+  if cfg.qk_norm:
+    for key in ("q_norm", "k_norm"):
+      out["layers"][key] = _Map(layer + f"self_attn.{key}.weight", (hd,), (0,), (hd,))
   if not cfg.tie_embeddings:
     out["unembedding"] = _Map("model.embed_tokens.weight" if tied_hf else "lm_head.weight",
                               (V, D), (1, 0), (V, D))
@@ -379,13 +397,19 @@ def hf_tensors(cfg: transformer.TransformerConfig, params: dict[str, Any],
 def hf_config(cfg: transformer.TransformerConfig, *, dtype: str | None = None,
               bos_token_id: int | None = None, eos_token_id: int | None = None,
               max_position_embeddings: int = 4096) -> dict[str, Any]:
-  """config.json of `cfg` for `LlamaForCausalLM` (transformers 4 and 5 read it)."""
+  """config.json of `cfg` for `LlamaForCausalLM`, or `Qwen2ForCausalLM` with q/k/v biases,
+  `Qwen3ForCausalLM` with q/k norms (transformers 4 and 5 read it)."""
+  if cfg.qkv_bias and cfg.qk_norm:
+    raise ValueError("model.qkv_bias=True with model.qk_norm=True has no transformers class to "
+                     "export to; valid: at most one of them (Qwen2: qkv_bias, Qwen3: qk_norm)")
+  arch = ("Qwen3ForCausalLM" if cfg.qk_norm else "Qwen2ForCausalLM" if cfg.qkv_bias
+          else "LlamaForCausalLM")
   theta = float(cfg.rope_theta)
   kind, scaling = transformer.parse_rope_scaling(cfg.rope_scaling)
   scaling = {k: int(v) if k == "original_max_position_embeddings" else v
              for k, v in scaling.items()}
   return {
-      "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+      "architectures": [arch], "model_type": ARCHITECTURES[arch],
       "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
       "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layers,
       "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,

@@ -364,12 +364,12 @@ def snapshot_dir(workdir: str, configured: str = "") -> str:
 # Model fields that change parameter shapes or types: a checkpoint of another value is
 # another model. remat and attention_impl may differ (same function, other schedule).
 SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
-                "tie_embeddings", "param_dtype")
+                "tie_embeddings", "qkv_bias", "qk_norm", "param_dtype")
 # Fields that keep the shapes but change the function the parameters compute: a resume or
 # init_from with another value only when the run names the field in `allow_model_change`.
 NUMERIC_FIELDS = ("rope_theta", "rope_scaling", "norm_eps", "dtype")
 # Fields added after checkpoints were first written, with what their absence means.
-ADDED_LATER = {"rope_scaling": ""}
+ADDED_LATER = {"rope_scaling": "", "qkv_bias": False, "qk_norm": False}
 
 
 def _differences(fields, saved: dict, current: dict) -> str:
@@ -383,12 +383,12 @@ def check_same_model(saved: dict, current: dict, directory: str,
 
   `allow`: the run config's `allow_model_change`, names from NUMERIC_FIELDS (checked there).
   """
+  saved = {**ADDED_LATER, **saved}
   diff = [k for k in SHAPE_FIELDS if saved.get(k) != current.get(k)]
   if diff:
     detail = _differences(diff, saved, current)
     raise ValueError(f"checkpoint in {directory} is of a different model: {detail}; "
                      "use another --workdir or a matching --config")
-  saved = {**ADDED_LATER, **saved}
   diff = [k for k in NUMERIC_FIELDS if saved.get(k) != current.get(k) and k not in allow]
   if diff:
     detail = _differences(diff, saved, current)

@@ -91,6 +91,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       # "linear:factor=4" (jaxsys/models/transformer.py); "": plain RoPE.
       rope_scaling="",
       norm_eps=1e-6, tie_embeddings=False,
+      # Qwen's additions to the Llama block: q/k/v biases (Qwen2), q/k RMS-normed per head
+      # before RoPE (Qwen3).
+      qkv_bias=False, qk_norm=False,
       dtype="float32", param_dtype="float32", attention_impl="auto",
       # What each layer keeps for its backward (jaxsys/models/remat.py): none, minimal
       # (no matmul recomputed), dots, qkv or full; remat_offload: names it keeps in host

@@ -53,6 +53,8 @@ class TransformerConfig:
   rope_scaling: str = ""  # transformers' rope_scaling as one string: see parse_rope_scaling
   norm_eps: float = 1e-6
   tie_embeddings: bool = False
+  qkv_bias: bool = False  # q, k and v projections with biases (Qwen2)
+  qk_norm: bool = False  # q and k RMS-normed per head before RoPE (Qwen3)
   dtype: str = "float32"  # compute dtype
   param_dtype: str = "float32"
   attention_impl: str = "auto"
@@ -260,7 +262,12 @@ def block(p: dict[str, jax.Array], x_BTD, positions_BT, segment_ids_BT, cfg: Tra
   h = rms_norm(x_BTD, p["attn_norm"], cfg.norm_eps)
   q = _dense(h, p["wq"], out_shape=(H, hd), dtype=dt)  # [B, T, H, hd]
   k = _dense(h, p["wk"], out_shape=(K, hd), dtype=dt)
-  v = name(_dense(h, p["wv"], out_shape=(K, hd), dtype=dt), "v")
+  v = _dense(h, p["wv"], out_shape=(K, hd), dtype=dt)
+  if cfg.qkv_bias:
+    q, k, v = (x + p[b].astype(dt) for x, b in ((q, "bq"), (k, "bk"), (v, "bv")))
+  if cfg.qk_norm:
+    q, k = rms_norm(q, p["q_norm"], cfg.norm_eps), rms_norm(k, p["k_norm"], cfg.norm_eps)
+  v = name(v, "v")
   q = name(rope(q, positions_BT, cfg.rope_theta, cfg.rope_scaling), "q")
   k = name(rope(k, positions_BT, cfg.rope_theta, cfg.rope_scaling), "k")
   kw = dict(segment_ids=segment_ids_BT, positions=positions_BT, causal=True)
@@ -318,6 +325,14 @@ class DecoderLayers(nnx.Module):
     self.w_gate = _param(rngs, _dense_init(1, 2), (L, D, F), ("layers", "embed", "mlp"), pdt)
     self.w_up = _param(rngs, _dense_init(1, 2), (L, D, F), ("layers", "embed", "mlp"), pdt)
     self.w_down = _param(rngs, _dense_init(1, 2), (L, F, D), ("layers", "mlp", "embed"), pdt)
+    if cfg.qkv_bias:
+      zeros = lambda key, shape, dtype: jnp.zeros(shape, dtype)
+      self.bq = _param(rngs, zeros, (L, H, hd), ("layers", "heads", "head_dim"), pdt)
+      self.bk = _param(rngs, zeros, (L, K, hd), ("layers", "kv_heads", "head_dim"), pdt)
+      self.bv = _param(rngs, zeros, (L, K, hd), ("layers", "kv_heads", "head_dim"), pdt)
+    if cfg.qk_norm:
+      self.q_norm = _param(rngs, ones, (L, hd), ("layers", "head_dim"), pdt)
+      self.k_norm = _param(rngs, ones, (L, hd), ("layers", "head_dim"), pdt)
 
   def stacked(self) -> dict[str, jax.Array]:
     # get_value, not v[...]: a quantized weight is a QWeight pytree, not an array.

@@ -26,13 +26,18 @@ def make_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
   return (lambda count: schedule(count + offset)) if offset else schedule
 
 
+BIASES = ("bq", "bk", "bv")
+
+
 def decay_mask(params):
-  """Weight decay on weight matrices only; norm scales (named `*norm*`) are exempt.
+  """Weight decay on weight matrices only; norm scales (named `*norm*`) and biases (`bq`,
+  `bk`, `bv`) are exempt.
 
   Decided by name, not ndim, because stacked norm scales are [layers, D] matrices.
   """
   def decays(path, _):
-    return not any("norm" in str(getattr(k, "key", k)) for k in path)
+    names = [str(getattr(k, "key", k)) for k in path]
+    return not any("norm" in n or n in BIASES for n in names)
   return jax.tree_util.tree_map_with_path(decays, params)
 
 

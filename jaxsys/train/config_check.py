@@ -124,6 +124,8 @@ FIELDS: dict[str, Rule] = {
         "'' (plain RoPE) or transformers' rope_scaling as '<rope_type>:<key>=<value>,...'"),
     "model.norm_eps": number(0, lo_open=True),
     "model.tie_embeddings": BOOL,
+    "model.qkv_bias": BOOL,
+    "model.qk_norm": BOOL,
     "model.dtype": one_of("float32", "bfloat16", "float16"),
     "model.param_dtype": one_of("float32", "bfloat16", "float16"),
     "model.attention_impl": one_of(*IMPLS),
@@ -356,6 +358,7 @@ RELATIONS: tuple[Relation, ...] = (
 ADDED_LATER: dict[str, Any] = {"profile.steps": "", "parallel.context_algorithm": "ring",
                                "parallel.context_gather_mib": 1024,
                                "optimizer.outer_comm_device": False, "model.vocab_tiles": 1, "model.rope_scaling": "",
+                               "model.qkv_bias": False, "model.qk_norm": False,
                                "model.remat_offload": "", "optimizer.accum_gather_once": False,
                                "check_memory": True}
 

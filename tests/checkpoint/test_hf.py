@@ -192,8 +192,13 @@ def _edited(src, tmp_path, **fields):
 
 
 @pytest.mark.parametrize("fields, message", [
-    ( dict(architectures=["Qwen2ForCausalLM"]),
-     "architectures=['Qwen2ForCausalLM'] is not supported (its q/k/v_proj biases"),
+    (dict(architectures=["GemmaForCausalLM"]),
+     "architectures=['GemmaForCausalLM'] is not supported (Gemma's (1 + w) RMSNorm"),
+    (dict(architectures=["Qwen2ForCausalLM"], use_sliding_window=True, sliding_window=4096),
+     "sliding_window=4096 is not supported; valid: None"),
+    (dict(architectures=["Qwen3ForCausalLM"], attention_bias=True),
+     "attention_bias=True is not supported; valid: False (jaxsys.models.transformer's attention "
+     "and MLP: q/k/v biases only as Qwen2's, no o_proj bias)"),
     (dict(rope_parameters=dict(rope_type="llama3", factor=8.0, rope_theta=5e5)),  # no keys
      "rope_parameters.rope_type='llama3' is not supported; valid: 'default', 'linear' (with "
      "factor), 'llama3' (with factor, low_freq_factor, high_freq_factor, "

@@ -1,9 +1,9 @@
 """jaxsys against transformers' recorded numbers, no torch needed: the fixture in
 tests/data/hf_fixture (made by experiments/make_hf_fixture.py with transformers 5 and CPU
-torch) holds three tiny random LlamaForCausalLM checkpoints as save_pretrained wrote them
-(untied float32 in shards; tied bfloat16 with head_dim 16 != hidden / heads; Llama 3.x's
-`llama3` rope scaling), their tokenizer, and transformers' prompt ids, greedy continuations
-and float32 logits."""
+torch) holds five tiny random checkpoints as save_pretrained wrote them (Llamas: untied
+float32 in shards, tied bfloat16 with head_dim 16 != hidden / heads, Llama 3.x's `llama3`
+rope scaling; Qwen2 with q/k/v biases, tied; Qwen3 with q/k norms), their tokenizer, and
+transformers' prompt ids, greedy continuations and float32 logits."""
 import functools
 import json
 import os
@@ -18,7 +18,7 @@ from jaxsys.data import tokenizer as tokenizer_lib
 from jaxsys.models import generate, transformer
 
 FIXTURE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "hf_fixture")
-KINDS = ("untied", "tied", "llama3")
+KINDS = ("untied", "tied", "llama3", "qwen2", "qwen3")
 RTOL = 1e-4  # max |diff| / max |logit|, as the issue asks in float32
 
 
@@ -77,7 +77,8 @@ def test_logits_equal_transformers(kind):
 
 
 @pytest.mark.parametrize("kind, padding", [("untied", "right"), ("tied", "left"),
-                                           ("llama3", "right")])
+                                           ("llama3", "right"), ("qwen2", "left"),
+                                           ("qwen3", "right")])
 def test_greedy_continuations_equal_transformers(kind, padding):
   """jaxsys's KV-cache greedy decoding of the prompts as one batch (different lengths)
   gives transformers' `generate(do_sample=False)` tokens, each step's logits those
@@ -100,7 +101,7 @@ def test_greedy_continuations_equal_transformers(kind, padding):
 @pytest.mark.parametrize("kind", KINDS)
 def test_export_writes_transformers_tensors_and_reimports(kind, tmp_path):
   """hf.save in the fixture's dtype writes every tensor save_pretrained wrote, bit for bit
-  (the tied checkpoint's lm_head is its embedding: jaxsys exports untied), a config.json
+  (a tied checkpoint's lm_head is its embedding: jaxsys exports untied), a config.json
   with its fields, and re-imports to the same parameters and logits."""
   directory = os.path.join(FIXTURE, kind)
   cfg, params = _load(kind)
@@ -110,7 +111,8 @@ def test_export_writes_transformers_tensors_and_reimports(kind, tmp_path):
   # pylint: disable-next=protected-access
   theirs, ours = hf._Tensors(directory), hf._Tensors(str(tmp_path))
   names = set(ours.file_of)
-  assert names == set(theirs.file_of) | ({"lm_head.weight"} if kind == "tied" else set())
+  assert names == set(theirs.file_of) | ({"lm_head.weight"} if source["tie_word_embeddings"]
+                                         else set())
   for name in sorted(names):
     want_name = "model.embed_tokens.weight" if name not in theirs.file_of else name
     # pylint: disable-next=protected-access
@@ -121,6 +123,7 @@ def test_export_writes_transformers_tensors_and_reimports(kind, tmp_path):
   fields = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
             "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
             "rope_parameters", "bos_token_id", "eos_token_id", "architectures", "model_type")
+  fields = [f for f in fields if f in source]  # Qwen2's has no head_dim: the re-import checks it
   assert {f: exported[f] for f in fields} == {f: source[f] for f in fields}
   assert exported["tie_word_embeddings"] is False
 

@@ -140,6 +140,22 @@ class TrainStepTest(parameterized.TestCase):
     self.assertFalse(mask["final_norm"])
     self.assertTrue(mask["layers"]["wq"])
     self.assertTrue(mask["embedding"])
+    qwen = dataclasses.replace(MODEL, qkv_bias=True, qk_norm=True)
+    mask = decay_mask(jax.eval_shape(lambda: transformer.init_params(qwen, jax.random.key(0))))
+    self.assertEqual({k for k, v in mask["layers"].items() if not v},
+                     {"attn_norm", "mlp_norm", "q_norm", "k_norm", "bq", "bk", "bv"})
+
+  @pytest.mark.slow
+  def test_qwen_blocks_sharded_equal_single_device(self):
+    """q/k/v biases and q/k norms split over tensor and fsdp like the weights they follow."""
+    qwen = dataclasses.replace(MODEL, qkv_bias=True, qk_norm=True)
+    single_state, single_losses = run_steps("data=1", devices=jax.devices()[:1], model=qwen)
+    state, losses = run_steps("data=2,fsdp=2,tensor=2", model=qwen)
+    np.testing.assert_allclose(losses, single_losses, rtol=1e-5)
+    chex.assert_trees_all_close(jax.device_get(state.params), jax.device_get(single_state.params),
+                                atol=2e-5)
+    bq = state.params["layers"]["bq"]
+    self.assertLess(bq.addressable_shards[0].data.size, bq.size)  # over tensor, as wq's heads
 
 
 # Measured with jax 0.10.2 on CPU (f32); recompute only for an intended numeric change.
