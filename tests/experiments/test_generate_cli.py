@@ -1,4 +1,5 @@
 """experiments/generate.py on a real run's checkpoint: samples float and quantized, bad input."""
+import json
 import pathlib
 import subprocess
 import sys
@@ -70,3 +71,52 @@ def test_bad_flag_is_one_line_before_loading(tmp_path):
   assert proc.stderr.strip().splitlines()[-1] == \
       "error: --top_p=0.0 must be a number in (0, 1] (1: off)"
   assert sum(line.startswith("error:") for line in proc.stderr.splitlines()) == 1
+
+
+FIXTURE = ROOT / "tests" / "data" / "hf_fixture"
+
+
+def test_generate_from_a_hugging_face_checkpoint(tmp_path_factory):
+  """--hf samples an unmodified checkpoint: greedy, its prompts' continuations are the ones
+  transformers' generate recorded in the fixture; --eos_id stops a row at that token."""
+  expected = json.loads((FIXTURE / "expected.json").read_text())
+  prompts = [f"--prompt={p['text']}" for p in expected["prompts"]]
+  cases = [[f"--hf={FIXTURE / kind}", *prompts, "--max_new_tokens=8"]
+           for kind in ("llama3", "qwen3")]
+  third = expected["models"]["llama3"][0]["ids"][2]
+  cases += [[f"--hf={FIXTURE / 'llama3'}", prompts[0], "--max_new_tokens=8", f"--eos_id={third}"],
+            [f"--hf={FIXTURE / 'llama3'}", f"--workdir={tmp_path_factory.mktemp('w')}",
+             prompts[0]]]
+  (code, llama3, err), (qcode, qwen3, qerr), (ecode, stopped, eerr), (bad_code, _, bad_err) = (
+      forked_cli.run("experiments.generate", cases, tmp_path_factory.mktemp("generate_hf")))
+  for kind, out, rc, stderr in (("llama3", llama3, code, err), ("qwen3", qwen3, qcode, qerr)):
+    assert rc == 0, stderr[-3000:]
+    for i, (prompt, gen) in enumerate(zip(expected["prompts"], expected["models"][kind])):
+      assert f"--- sample {i}: 8 new tokens ---\n{prompt['text']}{gen['text']}\n" in out, kind
+  assert ecode == 0, eerr[-3000:]
+  first = expected["models"]["llama3"][0]
+  n = first["ids"].index(third) + 1
+  assert f"--- sample 0: {n} new tokens ---\n" in stopped
+  assert bad_code == 1
+  assert bad_err.strip().splitlines()[-1] == (
+      "error: give exactly one of --workdir (a training run) and --hf (a Hugging Face "
+      "checkpoint directory)")
+
+
+def test_a_continuation_keeps_the_space_at_the_join(tmp_path):
+  """SentencePiece-style decoding drops a leading '▁''s space: the printed continuation is
+  the whole sequence's decoding less the prompt's, so 'import os' + '▁return' keeps it."""
+  # pylint: disable-next=import-outside-toplevel
+  from tokenizers import Tokenizer, decoders, models as tok_models, normalizers, pre_tokenizers
+  from experiments import generate as generate_cli  # pylint: disable=import-outside-toplevel
+  from jaxsys.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
+  vocab = {"<s>": 0, "▁import": 1, "▁os": 2, "▁return": 3, "▁value": 4}
+  tok = Tokenizer(tok_models.WordLevel(vocab=vocab, unk_token="<s>"))
+  tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+  tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never")
+  tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+  tok.save(str(tmp_path / "tokenizer.json"))
+  tokenizer = tokenizer_lib.HFTokenizer.load(tmp_path)
+  prompt = tokenizer.encode("import os").tolist()
+  assert prompt == [1, 2] and tokenizer.decode([3, 4]) == "return value"  # the space lost
+  assert generate_cli._text(tokenizer, prompt, [3, 4]) == " return value"  # pylint: disable=protected-access
