@@ -224,10 +224,25 @@ class _Tensors:
 
   @staticmethod
   def _header(path: str) -> dict[str, Any]:
+    """The safetensors header of `path`, each tensor's data checked to lie in the file."""
+    size = os.path.getsize(path)
     with open(path, "rb") as f:
-      (n,) = struct.unpack("<Q", f.read(8))
-      header = json.loads(f.read(n))
+      head = f.read(8)
+      n = struct.unpack("<Q", head)[0] if len(head) == 8 else None
+      if n is None or 8 + n > size:
+        raise ValueError(f"{path}: not a safetensors file (its {size} bytes hold no header "
+                         "it announces); the file is truncated or not safetensors: save it again")
+      try:
+        header = json.loads(f.read(n))
+      except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: its safetensors header is not valid JSON ({e}); the file is "
+                         "corrupt: save it again") from None
     header.pop("__metadata__", None)
+    for name, info in header.items():
+      end = 8 + n + info["data_offsets"][1]
+      if end > size:
+        raise ValueError(f"{path}: tensor {name!r} ends at byte {end}, past the file's {size} "
+                         "bytes; the file is truncated: copy or save it again")
     return {k: dict(v, base=8 + n) for k, v in header.items()}
 
   def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -241,7 +256,10 @@ class _Tensors:
       if not os.path.isfile(path):
         raise ValueError(f"{path} is missing; model.safetensors.index.json maps {name!r} to it")
       self._headers[fname] = self._header(path)
-    info = self._headers[fname][name]
+    info = self._headers[fname].get(name)
+    if info is None:
+      raise ValueError(f"{path} has no tensor {name!r}, though model.safetensors.index.json "
+                       "maps it there; the index does not match the shards: save it again")
     if tuple(info["shape"]) != tuple(shape):
       raise ValueError(f"{path}: tensor {name!r} has shape {tuple(info['shape'])} but "
                        f"config.json gives {tuple(shape)}")

@@ -258,6 +258,41 @@ def test_refusals_of_missing_files(tmp_path):
     hf.load(src, transformer.TransformerConfig(**{**cfg.__dict__, "d_ff": 48}))
 
 
+def _spoiled(how: str, tmp_path) -> str:
+  """The untied fixture (4 shards and their index) with one shard or the index damaged."""
+  out = tmp_path / how
+  shutil.copytree(FIXTURE["untied"], out)
+  with open(out / "model.safetensors.index.json") as f:
+    index = json.load(f)
+  shard = out / index["weight_map"]["model.norm.weight"]
+  if how == "index points elsewhere":
+    index["weight_map"]["model.norm.weight"] = next(
+        v for v in index["weight_map"].values() if v != shard.name)
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+  elif how == "shard truncated":
+    data = shard.read_bytes()
+    shard.write_bytes(data[:len(data) // 2])
+  else:  # the header's JSON spoiled
+    data = bytearray(shard.read_bytes())
+    data[8:12] = b"\xff\xfe{]"
+    shard.write_bytes(bytes(data))
+  return str(out)
+
+
+@pytest.mark.parametrize("how, message", [
+    ("index points elsewhere", r"model-0000\d-of-00004.safetensors has no tensor "
+     r"'model.norm.weight', though model.safetensors.index.json maps it there"),
+    ("shard truncated", r"model-0000\d-of-00004.safetensors: tensor '.*' ends at byte \d+, "
+     r"past the file's \d+ bytes; the file is truncated"),
+    ("header spoiled", r"model-0000\d-of-00004.safetensors: its safetensors header is not "
+     r"valid JSON"),
+])
+def test_damaged_shards_are_named_in_one_line(tmp_path, how, message):
+  with pytest.raises(ValueError, match=message) as e:
+    hf.load(_spoiled(how, tmp_path))
+  assert "\n" not in str(e.value)
+
+
 def test_tokenizer(tmp_path):
   _tokenizer_json(tmp_path / "tokenizer.json")
   with open(tmp_path / "tokenizer_config.json", "w") as f:
