@@ -15,6 +15,7 @@ import jax
 from jaxsys.checkpoint import hf
 from jaxsys.checkpoint.reader import checkpoints_dir, read_params
 from jaxsys.data import tokenizer as tokenizer_lib
+from jaxsys.models import transformer
 from jaxsys.cli import quant_runs
 from jaxsys.quant import ptq
 from jaxsys.quant import rules as rules_lib
@@ -41,7 +42,20 @@ def export_run(workdir: str, out: str, *, step: int | None = None, quantize: str
     params = ptq.quantize_params(run.model, params,
                                  rules_lib.default_rules(quantize, group_size=group_size))
   return hf.save(out, run.model, params, tok, dtype=dtype, max_shard_bytes=max_shard_bytes,
-                 max_position_embeddings=data.seq_len)
+                 max_position_embeddings=context_length(run))
+
+
+def context_length(run) -> int:
+  """The exported max_position_embeddings (serving engines size their context from it): the
+  source checkpoint's for a run started from one (init_from='hf:<dir>', where it still is),
+  else the run's data.seq_len, at least the rope scaling's original context."""
+  source = hf.parse_spec(run.init_from)
+  if source and os.path.isfile(os.path.join(source, "config.json")):
+    value = hf.read_config(source).get("max_position_embeddings")
+    if value:
+      return int(value)
+  _, scaling = transformer.parse_rope_scaling(run.model.rope_scaling)
+  return max(run.data.seq_len, int(scaling.get("original_max_position_embeddings", 0)))
 
 
 def ptq_run(config, spec: str) -> quant_runs.Run:

@@ -387,6 +387,8 @@ def test_run_starts_from_hf_and_exports(trained_run, tmp_path):
   out = str(tmp_path / "export")
   hf_runs.export_run(workdir, out)
   chex.assert_trees_all_equal(jax.device_get(hf.load(out)[1]), params)
+  # The source's context (256), not the run's data.seq_len (64).
+  assert hf.read_config(out)["max_position_embeddings"] == 256
   text = "def f(x):\n  return wörld\n"
   assert (list(tokenizer_lib.make_tokenizer(f"hf:{out}").encode(text))
           == list(tokenizer_lib.make_tokenizer(f"hf:{directory}").encode(text)))
