@@ -38,6 +38,20 @@ class FieldsTest(parameterized.TestCase):
     config_check.check_config(config)
     self.assertCountEqual(config_check._flatten(config.to_dict()), config_check.FIELDS)
 
+  @parameterized.parameters(*[("llama3", s) for s in ("gpt2", "1b", "3b", "8b", "70b",
+                                                      "mistral-7b")],
+                            *[("qwen2", s) for s in ("0.5b", "1.5b", "3b", "7b")])
+  def test_published_presets_are_valid(self, name, size):
+    """Every field of a published model's preset passes its rule and the relations (its
+    memory is the compile's to judge: experiments.compile for a slice)."""
+    module = importlib.import_module(f"jaxsys.configs.{name}")
+    config = module.get_config(f"size={size}")
+    config.check_memory = False
+    run = config_check.check_config(config)
+    self.assertEqual(run.model.qkv_bias, name == "qwen2")
+    self.assertEqual(run.model.rope_scaling.startswith("llama3:"),
+                     name == "llama3" and size in ("1b", "3b", "8b", "70b"))
+
   @parameterized.named_parameters(
       ("eval_never", dict(eval_every=0)),
       ("checkpoint_at_end", dict(checkpoint_every=0)),
