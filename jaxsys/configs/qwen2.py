@@ -1,7 +1,7 @@
 """Qwen2.5 at its published shapes: the Llama block with q/k/v biases.
 
-  python -m experiments.compile --config=configs/qwen2.py:size=7b --topology=v5p-64 \
-      --config.mesh=fsdp=32,tensor=2
+  python -m experiments.compile --config=configs/qwen2.py:size=7b --topology=v5p-128 \
+      --config.mesh=fsdp=64 --config.model.remat=full
 
 Sizes `0.5b`, `1.5b`, `3b` (tied embeddings) and `7b`, from the models' published
 `config.json`: d_model, layers, heads, kv heads, d_ff, vocabulary (151,936; 152,064 for 7B),
