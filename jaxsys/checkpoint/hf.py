@@ -53,8 +53,19 @@ MODEL_TYPES = tuple(ARCHITECTURES.values())
 # attention_impl, remat and vocab_tiles.
 ARCH_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
                "rope_theta", "rope_scaling", "norm_eps", "tie_embeddings", "qkv_bias", "qk_norm")
+# What jaxsys's block lacks for the architectures people ask for most.
+_GEMMA = "(1 + w) RMSNorm, scaled embeddings and GeGLU differ from Llama's block"
+_MOE = "a mixture of experts: jaxsys.models.transformer has no expert layers"
 _WHY_NOT = {
-    "GemmaForCausalLM": "Gemma's (1 + w) RMSNorm and scaled embeddings differ from Llama's",
+    "GemmaForCausalLM": f"Gemma's {_GEMMA}",
+    "Gemma2ForCausalLM": f"Gemma 2's {_GEMMA}; it also soft-caps its logits and alternates "
+                         "local (sliding-window) and global attention",
+    "Gemma3ForCausalLM": f"Gemma 3's {_GEMMA}; it also alternates local (sliding-window) and "
+                         "global attention with q/k norms",
+    "MixtralForCausalLM": _MOE,
+    "Qwen2MoeForCausalLM": _MOE,
+    "Qwen3MoeForCausalLM": _MOE,
+    "Phi3ForCausalLM": "its fused qkv_proj and gate_up_proj tensors are not mapped",
 }
 
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,

@@ -194,6 +194,11 @@ def _edited(src, tmp_path, **fields):
 @pytest.mark.parametrize("fields, message", [
     (dict(architectures=["GemmaForCausalLM"]),
      "architectures=['GemmaForCausalLM'] is not supported (Gemma's (1 + w) RMSNorm"),
+    (dict(architectures=["Gemma2ForCausalLM"]),
+     "it also soft-caps its logits and alternates local (sliding-window) and global attention"),
+    (dict(architectures=["Qwen3MoeForCausalLM"]),
+     "(a mixture of experts: jaxsys.models.transformer has no expert layers); valid: "
+     "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"),
     (dict(architectures=["Qwen2ForCausalLM"], use_sliding_window=True, sliding_window=4096),
      "sliding_window=4096 is not supported; valid: None"),
     (dict(architectures=["Qwen3ForCausalLM"], attention_bias=True),
