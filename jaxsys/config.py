@@ -22,7 +22,7 @@ from jaxsys.models.transformer import TransformerConfig
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-  source: str  # 'stdlib', a directory, or a file glob
+  source: str  # 'stdlib', a directory, or a file glob (text files, or JSONL: a record a document)
   tokenizer: str
   vocab_size: int
   seq_len: int
@@ -31,6 +31,7 @@ class DataConfig:
   variable_length: bool  # whole documents (HDP) instead of packed rows
   max_len: int  # longest whole document, in tokens
   truncate_long: bool  # cut a longer document instead of refusing it
+  text_field: str = "text"  # a JSONL record's field that holds its text
 
 
 @dataclasses.dataclass(frozen=True)

@@ -104,8 +104,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       vocab_tiles=1))
 
   c.data = ml_collections.ConfigDict(dict(
-      source="stdlib", tokenizer="byte", vocab_size=256, seq_len=seq_len, batch_size=batch,
-      num_threads=2,
+      # "stdlib", a directory or a glob: text files (a file a document) or JSONL files
+      # (.jsonl, .jsonl.gz: a record a document, its text in text_field).
+      source="stdlib", text_field="text",
+      tokenizer="byte", vocab_size=256, seq_len=seq_len, batch_size=batch, num_threads=2,
       # Whole documents of up to max_len tokens instead of packed rows (for parallel.hdp);
       # a longer document is an error unless truncate_long (then counted in the log).
       variable_length=False, max_len=4 * seq_len, truncate_long=False))

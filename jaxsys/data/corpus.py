@@ -1,15 +1,21 @@
-"""Text corpora: list documents from the stdlib, a directory or a glob, split by path hash.
+"""Text corpora: documents from the stdlib, a directory or a glob, split by a stable hash.
+
+A source is files of one document each (split by their path's hash), or JSONL files (`.jsonl`,
+`.jsonl.gz`) of one JSON object a line whose `data.text_field` holds a document (split by
+the hash of its file's path and line number, so appending records moves none).
 
 Example::
 
-    paths = list_documents("stdlib", "train")
-    docs = read_documents(paths)  # list[bytes]
+    docs = load_documents("stdlib", "train")  # list[bytes]
+    docs = load_documents("/data/web/*.jsonl.gz", "val", text_field="text")
 """
 
 from __future__ import annotations
 
 import glob
+import gzip
 import hashlib
+import json
 import os
 import pathlib
 import sysconfig
@@ -28,6 +34,8 @@ _STDLIB_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages"})
 # Byte-code caches are binary build outputs, never documents.
 _ALWAYS_EXCLUDED_DIRS = frozenset({"__pycache__"})
 _GLOB_MAGIC = ("*", "?", "[")
+# Files of many documents: one JSON object a line, its text in one field.
+RECORD_SUFFIXES = (".jsonl", ".jsonl.gz")
 
 
 def stdlib_root() -> pathlib.Path:
@@ -155,3 +163,65 @@ def read_documents(paths: Iterable[str | os.PathLike], *, require_utf8: bool = T
         len(docs), skipped_empty, skipped_binary,
     )
   return docs
+
+
+def _is_records(path: pathlib.Path) -> bool:
+  return path.name.endswith(RECORD_SUFFIXES)
+
+
+def is_record_source(source: str) -> bool:
+  """Whether `source`'s files are JSONL (a record a document), not a file a document."""
+  return source != "stdlib" and all(map(_is_records, _source_files(source)[1]))
+
+
+def load_documents(source: str, split: str, text_field: str = "text") -> list[bytes]:
+  """The UTF-8 documents of `split` of `source` (see the module docstring): a file each
+  (`list_documents`, `read_documents`), or a JSONL record each. A source that mixes JSONL
+  with other files, a line that is not a JSON object with a string `text_field`, or a file
+  that cannot be read is one error naming the file (and line)."""
+  if split not in SPLITS:
+    raise ValueError(f"split={split!r} is not a valid split; use one of {', '.join(map(repr, SPLITS))}")
+  root, files = _source_files(source)
+  records = [p for p in files if _is_records(p)]
+  if source == "stdlib" or not records:
+    return read_documents(list_documents(source, split))
+  if len(records) != len(files):
+    other = next(p for p in files if not _is_records(p))
+    raise ValueError(f"data.source={source!r} holds JSONL files and others (e.g. {str(other)!r}); "
+                     "point it at one kind: JSONL files (a record a document) or text files "
+                     "(a file a document)")
+  docs = []
+  for path in sorted(records):
+    relative = path.relative_to(root).as_posix() if path.is_relative_to(root) else str(path)
+    for line, text in _records(path, text_field):
+      if text and (split == "all" or _split_of(f"{relative}#{line}") == split):
+        docs.append(text.encode("utf-8"))
+  if not docs:
+    raise ValueError(f"data.source={source!r} has no non-empty records in split {split!r} (val "
+                     f"and test each get ~{VAL_FRACTION:.0%} of records by hash); use more data")
+  return docs
+
+
+def _records(path: pathlib.Path, text_field: str):
+  """(line number, text) of every non-blank line of a JSONL file, gzipped or not."""
+  opener = gzip.open if path.name.endswith(".gz") else open
+  try:
+    with opener(path, "rt", encoding="utf-8") as f:
+      for number, line in enumerate(f, 1):
+        if not line.strip():
+          continue
+        try:
+          record = json.loads(line)
+        except json.JSONDecodeError as e:
+          raise ValueError(f"{path} line {number}: not JSON ({e.msg}); each line of a JSONL "
+                           "corpus must be one JSON object") from None
+        text = record.get(text_field) if isinstance(record, dict) else None
+        if not isinstance(text, str):
+          keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+          raise ValueError(f"{path} line {number}: no string field data.text_field="
+                           f"{text_field!r} (the record has {keys}); set data.text_field to "
+                           "the field that holds the text")
+        yield number, text
+  except (OSError, EOFError, UnicodeDecodeError) as e:
+    raise ValueError(f"{path}: cannot be read as {'gzipped ' if opener is gzip.open else ''}"
+                     f"UTF-8 JSONL ({e}); fix or remove the file") from None

@@ -122,7 +122,7 @@ def make_loader(
   local_batch_size = batch_size // process_count
   source, seq_len, num_threads = data_cfg.source, data_cfg.seq_len, data_cfg.num_threads
 
-  docs = corpus.read_documents(corpus.list_documents(source, split))
+  docs = corpus.load_documents(source, split, data_cfg.text_field)
   if not docs:
     raise ValueError(f"data.source={source!r} split {split!r} has no non-empty UTF-8 documents")
   if tokenizer is None:
@@ -178,7 +178,7 @@ def _default_tokenizer(data_cfg: DataConfig, split: str, docs: list[bytes], work
   train_docs = None
   if cache_path is None or not os.path.exists(cache_path):
     # Training on val/test would leak held-out text into the vocabulary.
-    train_docs = docs if split == "train" else corpus.read_documents(corpus.list_documents(data_cfg.source, "train"))
+    train_docs = docs if split == "train" else corpus.load_documents(data_cfg.source, "train", data_cfg.text_field)
   return tokenizer_lib.make_tokenizer(
       name, vocab_size=data_cfg.vocab_size, train_docs=train_docs, cache_path=cache_path
   )

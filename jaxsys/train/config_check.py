@@ -21,6 +21,7 @@ from jaxsys import config as config_lib
 from jaxsys import mesh as mesh_lib
 from jaxsys.checkpoint import hf, layouts
 from jaxsys.checkpoint.manager import NUMERIC_FIELDS
+from jaxsys.data import corpus
 from jaxsys.data.tokenizer import MIN_BPE_VOCAB, TOKENIZERS
 from jaxsys.kernels.backends import IMPLS
 from jaxsys.models import remat, transformer
@@ -138,7 +139,9 @@ FIELDS: dict[str, Rule] = {
         lambda v: isinstance(v, str) and (v == "stdlib" or os.path.isdir(v)
                                           or next(glob.iglob(v, recursive=True), None) is not None),
         "'stdlib', an existing directory, or a file or glob that matches files, such as "
-        "'/path/**/*.txt'"),
+        "'/path/**/*.txt' or '/data/web/*.jsonl.gz'"),
+    "data.text_field": Rule(lambda v: isinstance(v, str) and bool(v),
+                            "the name of the JSONL records' text field, e.g. 'text'"),
     "data.tokenizer": Rule(
         lambda v: isinstance(v, str) and (v in TOKENIZERS or v.startswith(hf.PREFIX)),
         choices=(*TOKENIZERS, "hf:<dir> (its tokenizer.json)")),
@@ -312,6 +315,10 @@ RELATIONS: tuple[Relation, ...] = (
              "be ring or all_gather unless each device's query and K/V heads (each count "
              "over its mesh shards) divide by the mesh axis context: ulysses splits them "
              "over it"),
+    Relation(("data.variable_length", "data.source"),
+             lambda var, source: not var or not corpus.is_record_source(source),
+             "be False for a JSONL source: whole documents are read a file a document "
+             "(packed rows read a JSONL record a document)"),
     Relation(("parallel.hdp", "data.variable_length"), lambda hdp, var: hdp == var,
              "equal data.variable_length (HDP trains whole documents; whole documents train "
              "only with HDP)"),
@@ -359,6 +366,7 @@ ADDED_LATER: dict[str, Any] = {"profile.steps": "", "parallel.context_algorithm"
                                "parallel.context_gather_mib": 1024,
                                "optimizer.outer_comm_device": False, "model.vocab_tiles": 1, "model.rope_scaling": "",
                                "model.qkv_bias": False, "model.qk_norm": False,
+                               "data.text_field": "text",
                                "model.remat_offload": "", "optimizer.accum_gather_once": False,
                                "check_memory": True}
 

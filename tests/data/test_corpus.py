@@ -114,3 +114,64 @@ def test_stdlib_split_is_disjoint_stable_and_about_96_2_2():
   assert n > 500
   for s in ("val", "test"):
     assert 0.01 < counts[s] / n < 0.035, counts
+
+
+def _write_jsonl(root: pathlib.Path, files: int = 3, records: int = 400, field: str = "text"):
+  """JSONL shards (the last gzipped) of `records` records each; every record's text unique."""
+  import gzip  # pylint: disable=import-outside-toplevel
+  import json  # pylint: disable=import-outside-toplevel
+  texts = []
+  for f in range(files):
+    lines = []
+    for r in range(records):
+      texts.append(f"shard {f} record {r}: héllo")
+      lines.append(json.dumps({"id": r, field: texts[-1]}))
+    lines.insert(5, "")  # a blank line is no record
+    data = "\n".join(lines) + "\n"
+    if f == files - 1:
+      (root / f"part{f}.jsonl.gz").write_bytes(gzip.compress(data.encode()))
+    else:
+      (root / f"part{f}.jsonl").write_text(data)
+  return texts
+
+
+def test_jsonl_records_are_documents_split_by_record(tmp_path):
+  """A record a document, plain and gzipped, split ~96/2/2 by record (not by file: 3 files
+  would leave val empty), the splits disjoint and covering every record."""
+  texts = _write_jsonl(tmp_path)
+  assert corpus.is_record_source(str(tmp_path))
+  splits = {s: [d.decode() for d in corpus.load_documents(str(tmp_path), s)]
+            for s in ("train", "val", "test")}
+  got = splits["train"] + splits["val"] + splits["test"]
+  assert sorted(got) == sorted(texts) and len(set(got)) == len(texts)
+  assert 0 < len(splits["val"]) < 0.06 * len(texts) and 0 < len(splits["test"]) < 0.06 * len(texts)
+  glob_docs = corpus.load_documents(str(tmp_path / "*.jsonl*"), "val")
+  assert [d.decode() for d in glob_docs] == splits["val"]  # a glob over the same files
+  # Text files stay a file a document through the same function.
+  paths = _write_tree(tmp_path / "txt", 20)
+  assert sorted(corpus.load_documents(str(tmp_path / "txt"), "all")) == sorted(
+      p.read_bytes() for p in paths)
+  assert not corpus.is_record_source(str(tmp_path / "txt"))
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"text": "a"}\n{"text": \n', r"part0.jsonl line 2: not JSON \(Expecting value\); each "
+     "line of a JSONL corpus must be one JSON object"),
+    ('{"body": "a"}\n', r"part0.jsonl line 1: no string field data.text_field='text' \(the "
+     r"record has \['body'\]\); set data.text_field to the field that holds the text"),
+    (b"\xff\xfe", r"part0.jsonl: cannot be read as UTF-8 JSONL"),
+])
+def test_bad_jsonl_is_one_line_naming_file_and_line(tmp_path, content, message):
+  path = tmp_path / "part0.jsonl"
+  path.write_bytes(content if isinstance(content, bytes) else content.encode())
+  with pytest.raises(ValueError, match=message) as e:
+    corpus.load_documents(str(tmp_path), "all")
+  assert "\n" not in str(e.value)
+
+
+def test_jsonl_mixed_with_text_files_is_refused(tmp_path):
+  _write_jsonl(tmp_path, files=1, records=3)
+  (tmp_path / "notes.txt").write_text("x")
+  with pytest.raises(ValueError, match=r"holds JSONL files and others \(e.g. .*notes.txt'\); "
+                                       "point it at one kind"):
+    corpus.load_documents(str(tmp_path), "train")

@@ -190,3 +190,21 @@ def test_bpe_tokenizer_trained_on_train_split_and_cached(cfg, tmp_path):
   assert batch["inputs"].max() < 270
   again = loader_lib.make_loader(cfg, "all", batch_size=2, seed=0, workdir=workdir)
   assert again.tokenizer.hf_tokenizer.to_str() == ld.tokenizer.hf_tokenizer.to_str()
+
+
+def test_a_jsonl_source_packs_its_records_in_order(tmp_path):
+  """JSONL records (the text in data.text_field) are the documents the rows pack, in file
+  and line order, as text files are."""
+  rng = np.random.default_rng(1)
+  texts = [" ".join(rng.choice(["def", "λ", "x", "return"], size=int(rng.integers(5, 30))))
+           for _ in range(300)]
+  for part in range(2):
+    lines = [json.dumps({"content": t, "n": i}) for i, t in enumerate(texts[part::2])]
+    (tmp_path / f"part{part}.jsonl").write_text("\n".join(lines) + "\n")
+  cfg = _data(source=str(tmp_path / "*.jsonl"), text_field="content")
+  ld = loader_lib.make_loader(cfg, "train", batch_size=4, seed=0, shuffle=False, repeat=False)
+  docs = corpus.load_documents(cfg.source, "train", "content")
+  assert 250 < len(docs) < 300 and docs[0].decode() == texts[0]  # part0's first record
+  expected = packing.pack_documents(ld.tokenizer.encode_batch(docs), SEQ_LEN)
+  got = np.concatenate([b["inputs"] for b in ld])
+  np.testing.assert_array_equal(got, expected["inputs"][:len(got)])

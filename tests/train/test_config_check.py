@@ -328,6 +328,22 @@ class RelationsTest(parameterized.TestCase):
     _assert_refused(self, overrides, message)
 
 
+def test_a_jsonl_source_trains_packed_rows_only(tmp_path):
+  """Whole documents (HDP) read a file a document: a JSONL source there is refused in one
+  line; packed rows take it, with its text field named."""
+  (tmp_path / "a.jsonl").write_text('{"text": "x"}\n')
+  with pytest.raises(ValueError) as e:
+    config_check.check_config(_config(data__source=str(tmp_path), data__variable_length=True,
+                                      parallel__hdp=True, data__max_len=512))
+  assert str(e.value) == (f"data.variable_length=True is invalid with data.source="
+                          f"{str(tmp_path)!r}; it must be False for a JSONL source: whole "
+                          "documents are read a file a document (packed rows read a JSONL "
+                          "record a document)")
+  config_check.check_config(_config(data__source=str(tmp_path)))
+  with pytest.raises(ValueError, match=r"^data.text_field='' is invalid; it must be the name"):
+    config_check.check_config(_config(data__source=str(tmp_path), data__text_field=""))
+
+
 @pytest.mark.parametrize("where, message", [
     ("", "workdir='' is invalid; it must be a directory path"),
     ("a_file", "workdir='{tmp}/a_file' is a file; it must be a directory"),
