@@ -2,12 +2,15 @@
 
 A source is files of one document each (split by their path's hash), or JSONL files (`.jsonl`,
 `.jsonl.gz`) of one JSON object a line whose `data.text_field` holds a document (split by
-the hash of its file's path and line number, so appending records moves none).
+the hash of its file's path and line number, so appending records moves none). A weighted
+mixture of sources is `<weight>:<source>;<weight>:<source>...` (`mixture`): the packed loader
+draws rows from each in proportion to its weight.
 
 Example::
 
     docs = load_documents("stdlib", "train")  # list[bytes]
     docs = load_documents("/data/web/*.jsonl.gz", "val", text_field="text")
+    mixture("0.7:/data/web/*.jsonl.gz;0.3:stdlib")  # [(0.7, '/data/web/*.jsonl.gz'), (0.3, 'stdlib')]
 """
 
 from __future__ import annotations
@@ -174,6 +177,27 @@ def is_record_source(source: str) -> bool:
   return source != "stdlib" and all(map(_is_records, _source_files(source)[1]))
 
 
+def mixture(source: str) -> list[tuple[float, str]]:
+  """(weight, source) of each part of a mixture '<weight>:<source>;...', the weights summing
+  to 1; [(1.0, source)] for one source. A malformed part is one error naming it."""
+  if ";" not in source and not source.partition(":")[0].replace(".", "", 1).isdigit():
+    return [(1.0, source)]
+  parts = []
+  for part in filter(None, (p.strip() for p in source.split(";"))):
+    weight, _, path = part.partition(":")
+    try:
+      w = float(weight)
+    except ValueError:
+      w = -1.0
+    if not path or not w > 0:
+      raise ValueError(f"data.source={source!r}: the part {part!r} is not <weight>:<source> with "
+                       "a weight > 0; a mixture is e.g. '0.7:/data/web/*.jsonl.gz;0.3:stdlib'")
+    _source_files(path)  # an empty or missing part is its own error
+    parts.append((w, path))
+  total = sum(w for w, _ in parts)
+  return [(w / total, path) for w, path in parts]
+
+
 def load_documents(source: str, split: str, text_field: str = "text") -> list[bytes]:
   """The UTF-8 documents of `split` of `source` (see the module docstring): a file each
   (`list_documents`, `read_documents`), or a JSONL record each. A source that mixes JSONL
@@ -181,6 +205,9 @@ def load_documents(source: str, split: str, text_field: str = "text") -> list[by
   that cannot be read is one error naming the file (and line)."""
   if split not in SPLITS:
     raise ValueError(f"split={split!r} is not a valid split; use one of {', '.join(map(repr, SPLITS))}")
+  parts = mixture(source)
+  if len(parts) > 1:  # every part's documents (e.g. to train a tokenizer on)
+    return [doc for _, part in parts for doc in load_documents(part, split, text_field)]
   root, files = _source_files(source)
   records = [p for p in files if _is_records(p)]
   if source == "stdlib" or not records:

@@ -48,15 +48,15 @@ class Loader:
   (global), `local_batch_size`, `steps_per_epoch` (global batches per pass over the rows).
   """
 
-  def __init__(self, dataset: grain.IterDataset, *, tokenizer, rows: packing.PackedRows, meta: dict[str, Any],
-               local_batch_size: int):
+  def __init__(self, dataset: grain.IterDataset, *, tokenizer, rows: list[packing.PackedRows],
+               meta: dict[str, Any], local_batch_size: int):
     self._dataset = dataset
     self._iterator = iter(dataset)
     self._meta = meta
     self.tokenizer = tokenizer
-    self.seq_len = rows.seq_len
-    self.num_rows = len(rows)
-    self.num_tokens = rows.num_tokens
+    self.seq_len = rows[0].seq_len
+    self.num_rows = sum(map(len, rows))  # every source's, for a mixture
+    self.num_tokens = sum(r.num_tokens for r in rows)
     self.batch_size = meta["batch_size"]
     self.local_batch_size = local_batch_size
     self.steps_per_epoch = self.num_rows // self.batch_size
@@ -122,26 +122,31 @@ def make_loader(
   local_batch_size = batch_size // process_count
   source, seq_len, num_threads = data_cfg.source, data_cfg.seq_len, data_cfg.num_threads
 
-  docs = corpus.load_documents(source, split, data_cfg.text_field)
-  if not docs:
-    raise ValueError(f"data.source={source!r} split {split!r} has no non-empty UTF-8 documents")
+  parts = corpus.mixture(source)
+  docs = [corpus.load_documents(part, split, data_cfg.text_field) for _, part in parts]
   if tokenizer is None:
-    tokenizer = _default_tokenizer(data_cfg, split, docs, workdir)
-  rows = packing.PackedRows(tokenizer.encode_batch(docs), seq_len)
+    tokenizer = _default_tokenizer(data_cfg, split, [d for part in docs for d in part], workdir)
+  rows = [packing.PackedRows(tokenizer.encode_batch(part), seq_len) for part in docs]
   del docs  # The packed stream is all we keep; raw text can be ~1 GB.
-  if len(rows) < batch_size:
-    raise ValueError(
-        f"data.source={source!r} split {split!r} packs into {len(rows)} rows of data.seq_len={seq_len},"
-        f" fewer than batch_size={batch_size}; use a smaller batch_size or seq_len, or more data"
-    )
-
-  ds = grain.MapDataset.source(rows)
-  if shuffle:
-    ds = ds.shuffle(seed=seed)
-  if repeat:
-    # shuffle before repeat: grain folds the epoch into the seed -> a new order each epoch.
-    ds = ds.repeat(None)
-  else:
+  datasets = []
+  for (weight, part), part_rows in zip(parts, rows):
+    if len(part_rows) < batch_size:
+      raise ValueError(
+          f"data.source={part!r} split {split!r} packs into {len(part_rows)} rows of "
+          f"data.seq_len={seq_len}, fewer than batch_size={batch_size}; use a smaller batch_size "
+          "or seq_len, or more data")
+    ds = grain.MapDataset.source(part_rows)
+    if shuffle:  # each source on its own before mixing, so the mixture keeps its weights
+      ds = ds.shuffle(seed=seed + len(datasets))
+    if repeat:
+      # shuffle before repeat: grain folds the epoch into the seed -> a new order each epoch.
+      ds = ds.repeat(None)
+    datasets.append(ds)
+  # A mixture draws rows from its sources by weight (grain's deterministic interleave); it
+  # ends with its first source to run out when it does not repeat.
+  ds = datasets[0] if len(datasets) == 1 else grain.MapDataset.mix(
+      datasets, weights=[w for w, _ in parts])
+  if not repeat:
     ds = ds[: (len(ds) // batch_size) * batch_size]
   # Blocks of the global row order: local batch m is global rows [m * L, (m + 1) * L), so
   # process p's step s is block m = s * process_count + p (batching is lazy: a process only
@@ -154,12 +159,13 @@ def make_loader(
   )
   iter_ds = ds.to_iter_dataset(read_options)
   meta = dict(
-      split=split, num_rows=len(rows), seq_len=rows.seq_len, batch_size=int(batch_size), seed=int(seed),
-      shuffle=bool(shuffle), repeat=bool(repeat),
+      split=split, num_rows=sum(map(len, rows)), seq_len=seq_len, batch_size=int(batch_size),
+      seed=int(seed), shuffle=bool(shuffle), repeat=bool(repeat),
   )
   logging.info(
-      "make_loader(%s, %r): %d tokens, %d rows of %d, local batch %d of %d",
-      source, split, rows.num_tokens, len(rows), rows.seq_len, local_batch_size, batch_size,
+      "make_loader(%s, %r): %s tokens, %s rows of %d, local batch %d of %d",
+      source, split, "+".join(str(r.num_tokens) for r in rows),
+      "+".join(str(len(r)) for r in rows), seq_len, local_batch_size, batch_size,
   )
   return Loader(iter_ds, tokenizer=tokenizer, rows=rows, meta=meta, local_batch_size=local_batch_size)
 

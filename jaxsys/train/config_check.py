@@ -135,11 +135,14 @@ FIELDS: dict[str, Rule] = {
         lambda v: isinstance(v, str) and set(remat.parse_offload(v)) <= set(remat.OFFLOADABLE),
         f"'' or a comma-separated subset of {', '.join(remat.OFFLOADABLE)} (kept in host memory)"),
     "model.vocab_tiles": integer(1, meaning="1: the output layer untiled"),
+    # corpus.mixture raises its own line for a malformed mixture.
     "data.source": Rule(
-        lambda v: isinstance(v, str) and (v == "stdlib" or os.path.isdir(v)
-                                          or next(glob.iglob(v, recursive=True), None) is not None),
+        lambda v: isinstance(v, str) and all(
+            p == "stdlib" or os.path.isdir(p) or next(glob.iglob(p, recursive=True), None)
+            is not None for _, p in corpus.mixture(v)),
         "'stdlib', an existing directory, or a file or glob that matches files, such as "
-        "'/path/**/*.txt' or '/data/web/*.jsonl.gz'"),
+        "'/path/**/*.txt' or '/data/web/*.jsonl.gz', or a mixture of them "
+        "'<weight>:<source>;...'"),
     "data.text_field": Rule(lambda v: isinstance(v, str) and bool(v),
                             "the name of the JSONL records' text field, e.g. 'text'"),
     "data.tokenizer": Rule(
@@ -316,9 +319,10 @@ RELATIONS: tuple[Relation, ...] = (
              "over its mesh shards) divide by the mesh axis context: ulysses splits them "
              "over it"),
     Relation(("data.variable_length", "data.source"),
-             lambda var, source: not var or not corpus.is_record_source(source),
-             "be False for a JSONL source: whole documents are read a file a document "
-             "(packed rows read a JSONL record a document)"),
+             lambda var, source: not var or (len(corpus.mixture(source)) == 1
+                                             and not corpus.is_record_source(source)),
+             "be False for a JSONL source or a mixture: whole documents are read a file a "
+             "document from one source (packed rows read both)"),
     Relation(("parallel.hdp", "data.variable_length"), lambda hdp, var: hdp == var,
              "equal data.variable_length (HDP trains whole documents; whole documents train "
              "only with HDP)"),

@@ -208,3 +208,33 @@ def test_a_jsonl_source_packs_its_records_in_order(tmp_path):
   expected = packing.pack_documents(ld.tokenizer.encode_batch(docs), SEQ_LEN)
   got = np.concatenate([b["inputs"] for b in ld])
   np.testing.assert_array_equal(got, expected["inputs"][:len(got)])
+
+
+def test_a_mixture_draws_rows_by_weight_and_resumes(tmp_path):
+  """'0.75:A;0.25:B': rows from A and B in proportion 3:1 (each source shuffled on its own),
+  every row one of its source's packed rows; the mixed order resumes exactly."""
+  for name, word in (("a", "alpha"), ("b", "beta")):
+    (tmp_path / name).mkdir()
+    lines = [json.dumps({"text": f"{word} {i} " * 3}) for i in range(400)]
+    (tmp_path / name / "part.jsonl").write_text("\n".join(lines) + "\n")
+  cfg = _data(source=f"0.75:{tmp_path / 'a'};0.25:{tmp_path / 'b'}")
+  make = lambda: loader_lib.make_loader(cfg, "train", batch_size=4, seed=0)
+  ld = make()
+  rows = [row for batch in _take(ld, 50) for row in batch["inputs"]]
+  text = [ld.tokenizer.decode(r) for r in rows]
+  from_a = sum("alpha" in t and "beta" not in t for t in text)
+  from_b = sum("beta" in t and "alpha" not in t for t in text)
+  assert from_a + from_b == len(rows) == 200  # no row crosses sources
+  assert from_a == 150 and from_b == 50, (from_a, from_b)
+  state = ld.get_state()
+  after = _take(ld, 3)
+  resumed = make()
+  resumed.set_state(json.loads(json.dumps(state)))
+  _assert_batches_equal(after, _take(resumed, 3))
+
+
+def test_a_mixture_part_that_is_not_weight_and_source_is_one_line():
+  cfg = _data(source="0.5:stdlib;heavy:stdlib")
+  with pytest.raises(ValueError, match=r"the part 'heavy:stdlib' is not <weight>:<source> with "
+                                       "a weight > 0"):
+    loader_lib.make_loader(cfg, "train", batch_size=4, seed=0)

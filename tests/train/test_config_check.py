@@ -336,9 +336,9 @@ def test_a_jsonl_source_trains_packed_rows_only(tmp_path):
     config_check.check_config(_config(data__source=str(tmp_path), data__variable_length=True,
                                       parallel__hdp=True, data__max_len=512))
   assert str(e.value) == (f"data.variable_length=True is invalid with data.source="
-                          f"{str(tmp_path)!r}; it must be False for a JSONL source: whole "
-                          "documents are read a file a document (packed rows read a JSONL "
-                          "record a document)")
+                          f"{str(tmp_path)!r}; it must be False for a JSONL source or a "
+                          "mixture: whole documents are read a file a document from one "
+                          "source (packed rows read both)")
   config_check.check_config(_config(data__source=str(tmp_path)))
   with pytest.raises(ValueError, match=r"^data.text_field='' is invalid; it must be the name"):
     config_check.check_config(_config(data__source=str(tmp_path), data__text_field=""))
