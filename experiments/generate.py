@@ -118,13 +118,6 @@ def _load():
           f"step {run.step}")
 
 
-def _text(tokenizer, prompt_ids, new_ids) -> str:
-  """The continuation as decoding the whole sequence writes it (a SentencePiece-style
-  tokenizer's leading space at the join kept), less the prompt's own decoding."""
-  whole, prompt = tokenizer.decode([*prompt_ids, *new_ids]), tokenizer.decode(prompt_ids)
-  return whole[len(prompt):] if whole.startswith(prompt) else tokenizer.decode(new_ids)
-
-
 def main(argv):
   del argv
   metrics_lib.quiet_library_logs()
@@ -167,7 +160,7 @@ def main(argv):
   tokens, counts = jax.device_get((out.tokens, out.lengths))
   for i, (prompt, ids, row, n) in enumerate(zip(_PROMPT.value, encoded, tokens, counts)):
     print(f"--- sample {i}: {n} new tokens ---")
-    print(prompt + _text(tokenizer, ids, row[:n]))
+    print(prompt + tokenizer_lib.decode_continuation(tokenizer, ids, row[:n]))
   new = int(counts.sum())
   what = ("including compilation" if not _TIMING.value
           else f"median of {_REPEAT.value} compiled runs")

@@ -312,6 +312,14 @@ def _special_tokens(directory: str | None) -> tuple[str | None, str | None]:
   return pick(config.get("bos_token")), pick(config.get("eos_token"))
 
 
+def decode_continuation(tokenizer, prompt_ids, new_ids) -> str:
+  """New tokens as decoding the whole sequence writes them, less the prompt's own decoding:
+  a SentencePiece-style tokenizer drops a leading '▁''s space when `new_ids` are decoded
+  alone ('import os' + '▁return' would read 'import osreturn')."""
+  whole, prompt = tokenizer.decode([*prompt_ids, *new_ids]), tokenizer.decode(prompt_ids)
+  return whole[len(prompt):] if whole.startswith(prompt) else tokenizer.decode(new_ids)
+
+
 def hf_directory(name: str) -> str | None:
   """'hf:<dir>' -> '<dir>'; any other tokenizer name -> None."""
   return name[len(HF_PREFIX):] if isinstance(name, str) and name.startswith(HF_PREFIX) else None

@@ -105,3 +105,20 @@ class ErrorsTest(parameterized.TestCase):
     tok = tokenizer_lib.BPETokenizer.train(_train_docs(), vocab_size=270)
     with self.assertRaisesRegex(ValueError, "UTF-8"):
       tok.encode(b"\xff\xfe")
+
+
+def test_a_continuation_keeps_the_space_at_the_join(tmp_path):
+  """SentencePiece-style decoding drops a leading '▁''s space: the printed continuation is
+  the whole sequence's decoding less the prompt's, so 'import os' + '▁return' keeps it."""
+  # pylint: disable-next=import-outside-toplevel
+  from tokenizers import Tokenizer, decoders, models as tok_models, normalizers, pre_tokenizers
+  vocab = {"<s>": 0, "▁import": 1, "▁os": 2, "▁return": 3, "▁value": 4}
+  tok = Tokenizer(tok_models.WordLevel(vocab=vocab, unk_token="<s>"))
+  tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+  tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never")
+  tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+  tok.save(str(tmp_path / "tokenizer.json"))
+  tokenizer = tokenizer_lib.HFTokenizer.load(tmp_path)
+  prompt = tokenizer.encode("import os").tolist()
+  assert prompt == [1, 2] and tokenizer.decode([3, 4]) == "return value"  # the space lost
+  assert tokenizer_lib.decode_continuation(tokenizer, prompt, [3, 4]) == " return value"

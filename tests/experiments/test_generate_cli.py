@@ -102,21 +102,3 @@ def test_generate_from_a_hugging_face_checkpoint(tmp_path_factory):
       "error: give exactly one of --workdir (a training run) and --hf (a Hugging Face "
       "checkpoint directory)")
 
-
-def test_a_continuation_keeps_the_space_at_the_join(tmp_path):
-  """SentencePiece-style decoding drops a leading '▁''s space: the printed continuation is
-  the whole sequence's decoding less the prompt's, so 'import os' + '▁return' keeps it."""
-  # pylint: disable-next=import-outside-toplevel
-  from tokenizers import Tokenizer, decoders, models as tok_models, normalizers, pre_tokenizers
-  from experiments import generate as generate_cli  # pylint: disable=import-outside-toplevel
-  from jaxsys.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
-  vocab = {"<s>": 0, "▁import": 1, "▁os": 2, "▁return": 3, "▁value": 4}
-  tok = Tokenizer(tok_models.WordLevel(vocab=vocab, unk_token="<s>"))
-  tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-  tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never")
-  tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
-  tok.save(str(tmp_path / "tokenizer.json"))
-  tokenizer = tokenizer_lib.HFTokenizer.load(tmp_path)
-  prompt = tokenizer.encode("import os").tolist()
-  assert prompt == [1, 2] and tokenizer.decode([3, 4]) == "return value"  # the space lost
-  assert generate_cli._text(tokenizer, prompt, [3, 4]) == " return value"  # pylint: disable=protected-access
