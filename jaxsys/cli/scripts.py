@@ -21,3 +21,9 @@ def compile_report() -> None:
   """`jaxsys-compile`."""
   from jaxsys.cli import compile as binary  # pylint: disable=import-outside-toplevel
   binary.run()
+
+
+def generate() -> None:
+  """`jaxsys-generate`."""
+  from jaxsys.cli import generate as binary  # pylint: disable=import-outside-toplevel
+  binary.run()

@@ -77,12 +77,15 @@ FIXTURE = ROOT / "tests" / "data" / "hf_fixture"
 
 
 def test_generate_from_a_hugging_face_checkpoint(tmp_path_factory):
-  """--hf samples an unmodified checkpoint: greedy, its prompts' continuations are the ones
-  transformers' generate recorded in the fixture; --eos_id stops a row at that token."""
+  """--hf samples an unmodified checkpoint: greedy, its prompts' continuations (given as
+  flags or in a file) are the ones transformers' generate recorded in the fixture; --eos_id
+  stops a row at that token."""
   expected = json.loads((FIXTURE / "expected.json").read_text())
   prompts = [f"--prompt={p['text']}" for p in expected["prompts"]]
-  cases = [[f"--hf={FIXTURE / kind}", *prompts, "--max_new_tokens=8"]
-           for kind in ("llama3", "qwen3")]
+  listed = tmp_path_factory.mktemp("prompts") / "prompts.txt"  # --prompts_file: one a line
+  listed.write_text("\n\n".join(p["text"] for p in expected["prompts"]) + "\n")
+  cases = [[f"--hf={FIXTURE / 'llama3'}", *prompts, "--max_new_tokens=8"],
+           [f"--hf={FIXTURE / 'qwen3'}", f"--prompts_file={listed}", "--max_new_tokens=8"]]
   third = expected["models"]["llama3"][0]["ids"][2]
   cases += [[f"--hf={FIXTURE / 'llama3'}", prompts[0], "--max_new_tokens=8", f"--eos_id={third}"],
             [f"--hf={FIXTURE / 'llama3'}", f"--workdir={tmp_path_factory.mktemp('w')}",

@@ -121,9 +121,11 @@ def test_bad_input_gets_one_line_error(bad_input_runs, flags, message):
 
 
 def test_console_scripts_run_from_any_directory(small_corpus, tmp_path):
-  """`jaxsys-train` with a packaged config by name, then `jaxsys-checkpoint-info`, from an
-  empty directory: nothing there to import from but the installed package."""
-  scripts = [shutil.which(s) for s in ("jaxsys-train", "jaxsys-checkpoint-info")]
+  """`jaxsys-train` with a packaged config by name, then `jaxsys-checkpoint-info` and
+  `jaxsys-generate`, from an empty directory: nothing there to import from but the
+  installed package."""
+  scripts = [shutil.which(s) for s in ("jaxsys-train", "jaxsys-checkpoint-info",
+                                       "jaxsys-generate")]
   assert all(scripts), "console scripts missing: pip install -e . first"
   empty, workdir = tmp_path / "empty", tmp_path / "run"
   empty.mkdir()
@@ -136,6 +138,11 @@ def test_console_scripts_run_from_any_directory(small_corpus, tmp_path):
   info = subprocess.run([scripts[1], f"--workdir={workdir}"], cwd=empty, capture_output=True,
                         text=True, timeout=120)
   assert info.returncode == 0 and re.search(r"step\s+2 .* verified", info.stdout), info.stdout
+  sample = subprocess.run([scripts[2], f"--workdir={workdir}", "--prompt=def ",
+                           "--max_new_tokens=4"], cwd=empty, capture_output=True, text=True,
+                          timeout=120)
+  assert sample.returncode == 0 and "--- sample 0: 4 new tokens ---" in sample.stdout, (
+      sample.stderr[-3000:])
   assert not os.listdir(empty)
 
 
