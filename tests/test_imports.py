@@ -1,5 +1,5 @@
 """The import graph among jaxsys modules, function-local imports included: no cycle, and no
-import up the layers of docs/design.md."""
+import up the layers of docs/design.md; and no function longer than a newcomer reads whole."""
 import ast
 import pathlib
 
@@ -89,7 +89,28 @@ def upward_imports(graph: dict[str, set[str]], layers=LAYERS) -> list[str]:
   return sorted(f"{a} -> {b}" for a, deps in graph.items() for b in deps if of(b) > of(a))
 
 
+MAX_FUNCTION_LINES = 150  # a function a newcomer can read whole
+
+
+def long_functions(source: str, name: str, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+  """'name:function (n lines)' for each function of `source` longer than `limit` lines."""
+  return [f"{name}:{node.name} ({node.end_lineno - node.lineno + 1} lines)"
+          for node in ast.walk(ast.parse(source))
+          if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+          and node.end_lineno - node.lineno + 1 > limit]
+
+
 class ImportGraphTest(absltest.TestCase):
+
+  def test_finds_a_planted_long_function(self):
+    body = "def f():\n" + "  x = 1\n" * 150
+    self.assertEqual(long_functions(body, "m"), ["m:f (151 lines)"])
+    self.assertEqual(long_functions(body, "m", limit=151), [])
+
+  def test_no_function_is_longer_than_150_lines(self):
+    found = [f for name, path in _modules().items()
+             for f in long_functions(path.read_text(), name)]
+    self.assertEqual(found, [])
 
   def test_finds_a_planted_cycle(self):
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}

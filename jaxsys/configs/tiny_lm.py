@@ -85,15 +85,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.model = ml_collections.ConfigDict(dict(
       vocab_size=256, d_model=d_model, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv,
       head_dim=placeholder(int),  # None: d_model // n_heads
-      d_ff=d_ff, rope_theta=10_000.0,
-      # transformers' rope_scaling as one string, e.g. Llama 3.1's "llama3:factor=8,
-      # low_freq_factor=1,high_freq_factor=4,original_max_position_embeddings=8192" or
-      # "linear:factor=4" (jaxsys/models/transformer.py); "": plain RoPE.
-      rope_scaling="",
-      norm_eps=1e-6, tie_embeddings=False,
-      # Qwen's additions to the Llama block: q/k/v biases (Qwen2), q/k RMS-normed per head
-      # before RoPE (Qwen3).
-      qkv_bias=False, qk_norm=False,
+      # rope_scaling: transformers' as one string, e.g. "linear:factor=4" or Llama 3.1's
+      # "llama3:factor=8,..." (transformer.parse_rope_scaling); "": plain RoPE.
+      d_ff=d_ff, rope_theta=10_000.0, rope_scaling="", norm_eps=1e-6, tie_embeddings=False,
+      qkv_bias=False, qk_norm=False,  # Qwen2's q/k/v biases; Qwen3's per-head q/k norms
       dtype="float32", param_dtype="float32", attention_impl="auto",
       # What each layer keeps for its backward (jaxsys/models/remat.py): none, minimal
       # (no matmul recomputed), dots, qkv or full; remat_offload: names it keeps in host
@@ -104,10 +99,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       vocab_tiles=1))
 
   c.data = ml_collections.ConfigDict(dict(
-      # "stdlib", a directory or a glob: text files (a file a document) or JSONL files
-      # (.jsonl, .jsonl.gz: a record a document, its text in text_field).
-      source="stdlib", text_field="text",
-      tokenizer="byte", vocab_size=256, seq_len=seq_len, batch_size=batch, num_threads=2,
+      # "stdlib", a directory or a glob of text files (a file a document) or JSONL files
+      # (.jsonl[.gz]: a record a document, its text in text_field), or "<w>:<source>;...".
+      source="stdlib", text_field="text", tokenizer="byte", vocab_size=256, seq_len=seq_len,
+      batch_size=batch, num_threads=2,
       # Whole documents of up to max_len tokens instead of packed rows (for parallel.hdp);
       # a longer document is an error unless truncate_long (then counted in the log).
       variable_length=False, max_len=4 * seq_len, truncate_long=False))
