@@ -12,6 +12,7 @@ Writes, under --out:
   llama3/   float32, untied, with Llama 3.x's `llama3` rope scaling (factor 8 over an
             original context of 128, so the head dim's 8 frequencies fall in all three
             of its bands: kept, ramped and slowed)
+  llama3_tied/  the same scaling at Llama 3.2's factor 32, tied embeddings, bfloat16 files
   qwen2/    Qwen2ForCausalLM (q/k/v biases), float32, tied as Qwen2.5's small models are
   qwen3/    Qwen3ForCausalLM (q/k norms, head_dim 16 != hidden / heads), float32, untied
   expected.json  versions; per prompt: its text, the ids transformers' tokenizer gives
@@ -55,6 +56,15 @@ MODELS = {
                                         original_max_position_embeddings=128),
                    rms_norm_eps=1e-5, tie_word_embeddings=False, dtype="float32", shard=None,
                    seed=2),
+    "llama3_tied": dict(vocab_size=280, hidden_size=32, intermediate_size=64,
+                        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                        head_dim=16,
+                        rope_parameters=dict(rope_type="llama3", rope_theta=500_000.0,
+                                             factor=32.0, low_freq_factor=1.0,
+                                             high_freq_factor=4.0,
+                                             original_max_position_embeddings=128),
+                        rms_norm_eps=1e-5, tie_word_embeddings=True, dtype="bfloat16",
+                        shard=None, seed=5),
     "qwen2": dict(arch="Qwen2", vocab_size=280, hidden_size=32, intermediate_size=64,
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,

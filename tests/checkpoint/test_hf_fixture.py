@@ -1,9 +1,10 @@
 """jaxsys against transformers' recorded numbers, no torch needed: the fixture in
 tests/data/hf_fixture (made by experiments/make_hf_fixture.py with transformers 5 and CPU
-torch) holds five tiny random checkpoints as save_pretrained wrote them (Llamas: untied
+torch) holds six tiny random checkpoints as save_pretrained wrote them (Llamas: untied
 float32 in shards, tied bfloat16 with head_dim 16 != hidden / heads, Llama 3.x's `llama3`
-rope scaling; Qwen2 with q/k/v biases, tied; Qwen3 with q/k norms), their tokenizer, and
-transformers' prompt ids, greedy continuations and float32 logits."""
+rope scaling untied in float32 and tied in bfloat16; Qwen2 with q/k/v biases, tied; Qwen3
+with q/k norms), their tokenizer, and transformers' prompt ids, greedy continuations and
+float32 logits."""
 import functools
 import json
 import os
@@ -18,7 +19,7 @@ from jaxsys.data import tokenizer as tokenizer_lib
 from jaxsys.models import generate, transformer
 
 FIXTURE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "hf_fixture")
-KINDS = ("untied", "tied", "llama3", "qwen2", "qwen3")
+KINDS = ("untied", "tied", "llama3", "llama3_tied", "qwen2", "qwen3")
 RTOL = 1e-4  # max |diff| / max |logit|, as the issue asks in float32
 
 
@@ -77,7 +78,8 @@ def test_logits_equal_transformers(kind):
 
 
 @pytest.mark.parametrize("kind, padding", [("untied", "right"), ("tied", "left"),
-                                           ("llama3", "right"), ("qwen2", "left"),
+                                           ("llama3", "right"), ("llama3_tied", "left"),
+                                           ("qwen2", "left"),
                                            ("qwen3", "right")])
 def test_greedy_continuations_equal_transformers(kind, padding):
   """jaxsys's KV-cache greedy decoding of the prompts as one batch (different lengths)
