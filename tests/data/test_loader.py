@@ -211,22 +211,25 @@ def test_a_jsonl_source_packs_its_records_in_order(tmp_path):
 
 
 def test_a_mixture_draws_rows_by_weight_and_resumes(tmp_path):
-  """'0.75:A;0.25:B': rows from A and B in proportion 3:1 (each source shuffled on its own),
-  every row one of its source's packed rows; the mixed order resumes exactly."""
-  for name, word in (("a", "alpha"), ("b", "beta")):
+  """'0.5:A;0.3:B;0.2:C': rows from each source in its proportion (each shuffled on its
+  own), every row one of its source's packed rows; resumed mid-epoch, the mixed order goes
+  on exactly."""
+  words = {"a": "alpha", "b": "beta", "c": "gamma"}
+  for name, word in words.items():
     (tmp_path / name).mkdir()
     lines = [json.dumps({"text": f"{word} {i} " * 3}) for i in range(400)]
     (tmp_path / name / "part.jsonl").write_text("\n".join(lines) + "\n")
-  cfg = _data(source=f"0.75:{tmp_path / 'a'};0.25:{tmp_path / 'b'}")
+  cfg = _data(source=";".join(f"{w}:{tmp_path / n}" for w, n in ((0.5, "a"), (0.3, "b"),
+                                                                  (0.2, "c"))))
   make = lambda: loader_lib.make_loader(cfg, "train", batch_size=4, seed=0)
   ld = make()
   rows = [row for batch in _take(ld, 50) for row in batch["inputs"]]
   text = [ld.tokenizer.decode(r) for r in rows]
-  from_a = sum("alpha" in t and "beta" not in t for t in text)
-  from_b = sum("beta" in t and "alpha" not in t for t in text)
-  assert from_a + from_b == len(rows) == 200  # no row crosses sources
-  assert from_a == 150 and from_b == 50, (from_a, from_b)
-  state = ld.get_state()
+  counts = {n: sum(w in t and all(o not in t for o in words.values() if o != w) for t in text)
+            for n, w in words.items()}
+  assert sum(counts.values()) == len(rows) == 200  # no row crosses sources
+  assert counts == {"a": 100, "b": 60, "c": 40}, counts
+  state = ld.get_state()  # mid-epoch: every source has hundreds of rows left
   after = _take(ld, 3)
   resumed = make()
   resumed.set_state(json.loads(json.dumps(state)))
