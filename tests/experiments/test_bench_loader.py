@@ -1,9 +1,10 @@
 """experiments/bench_loader.py's corpora and timing on a few records."""
 import dataclasses
 
-from conftest import load_run_config
-from experiments import bench_loader
+from conftest import import_binary, load_run_config
 from jaxsys.data import corpus
+
+bench_loader = import_binary("bench_loader")  # its absl flags set aside: binaries share names
 
 
 def test_corpora_hold_every_record_and_the_loader_is_timed(tmp_path):

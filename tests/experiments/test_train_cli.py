@@ -90,7 +90,8 @@ BAD_INPUT = [
      "configs/tiny_lm.py: size='huge' is unknown; valid: ['small', 'test', 'tiny']"),
     (["--config=configs/nonexistent.py"], "--config=configs/nonexistent.py: no such file "
      "'configs/nonexistent.py' and no packaged config of that name; it must be a config file "
-     "such as configs/tiny_lm.py or one of the packaged configs: compare_outer, llama3, tiny_lm"),
+     "such as configs/tiny_lm.py or one of the packaged configs: compare_outer, llama3, qwen2, "
+     "tiny_lm"),
     (["--config=tiny"], "--config=tiny: no such file 'tiny' and no packaged config"),
     (["--config.profile.steps=5,3"], "profile.steps='5,3' is invalid with total_steps=20; it "
      "must be 'N,M' with 1 <= N <= M <= total_steps"),
