@@ -173,8 +173,14 @@ class WorkdirLock:
       raise storage.WriteError(f"writing {self.path}", e) from e
     try:
       kernel = _kernel_lock(fd) is not None  # our own new file: only "unsupported" fails
-      self._take(mine, host, kernel)
+      # Ours before it can appear at the lock's path: whatever stops the take (a refusal, or
+      # SIGTERM's Preempted between the link and here), release() removes the lock only if
+      # it is this file, so no lock of ours is left behind.
       self._fd, fd = fd, None
+      self._take(mine, host, kernel)
+    except BaseException:
+      self.release()
+      raise
     finally:
       if fd is not None:
         os.close(fd)

@@ -52,6 +52,33 @@ def test_the_lock_of_a_live_process_holds_and_is_released(tmp_path):
     pass
 
 
+class _Signalled(BaseException):
+  """What SIGTERM raises mid-acquire (as preemption.Preempted does)."""
+
+
+@pytest.mark.parametrize("over_a_stale_lock", [False, True])
+def test_a_signal_mid_acquire_leaves_no_lock(tmp_path, monkeypatch, over_a_stale_lock):
+  """SIGTERM's exception right after the lock file appears at its path (the link, or the
+  rename over a stale lock) unwinds with no lock of ours left: __exit__ never runs for an
+  __enter__ that raised (CI saw 'run.lock remains' after a SIGTERM at start-up)."""
+  path = tmp_path / lock.LOCK_NAME
+  if over_a_stale_lock:
+    path.write_text(json.dumps({"pid": 2**22 + 7, "host": socket.gethostname(), "started": 0}))
+  real = os.rename if over_a_stale_lock else os.link
+
+  def then_signalled(src, dst):
+    real(src, dst)
+    raise _Signalled()
+  monkeypatch.setattr(os, "rename" if over_a_stale_lock else "link", then_signalled)
+  with pytest.raises(_Signalled):
+    with lock.WorkdirLock(tmp_path):
+      pass
+  assert not path.exists() and not list(tmp_path.glob("*.tmp"))
+  monkeypatch.undo()
+  with lock.WorkdirLock(tmp_path):  # and the next run takes it
+    assert path.exists()
+
+
 def test_a_stale_lock_is_taken_over(tmp_path):
   dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                         capture_output=True, text=True, check=True)
