@@ -68,6 +68,11 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("stage", "stage"),
 )
 
+# Logical axes replicated over a mesh axis that does not divide them, rather than refused
+# (given their shape): fewer K/V heads than `tensor` keeps every K/V head on each tensor
+# shard, as MaxText and Megatron do; the attention kernels repeat them to the query split.
+REPLICATED_WHEN_INDIVISIBLE = frozenset({"kv_heads"})
+
 _VALID_SIZES = "a positive int or -1"
 
 # ---------------------------------------------------------------------------
@@ -323,7 +328,9 @@ def logical_to_partition_spec(logical_axes: Sequence[str | None] | PartitionSpec
 
   Each name takes the mesh axes of its first rule that exist in `mesh` and have size > 1;
   a mesh axis already used by an earlier dim is dropped (a spec may use it once). An entry
-  may also be a tuple of logical names (one array dim sharded like several).
+  may also be a tuple of logical names (one array dim sharded like several). With `shape`,
+  a dim whose mesh axes do not divide it is an error, except for the names in
+  REPLICATED_WHEN_INDIVISIBLE, which leave out the axes that do not divide them.
   Example: ``("batch", "embed")`` on ``data=2 x fsdp=4`` -> ``P(("data", "fsdp"), None)``.
   """
   table: dict[str, tuple[str, ...]] = {}
@@ -349,6 +356,9 @@ def logical_to_partition_spec(logical_axes: Sequence[str | None] | PartitionSpec
       for ax in table[name]:
         # Size-1 axes shard nothing; dropping them keeps specs readable and mesh-agnostic.
         if mesh_sizes.get(ax, 1) > 1 and ax not in used:
+          if (name in REPLICATED_WHEN_INDIVISIBLE and shape is not None
+              and shape[dim] % (math.prod(mesh_sizes[a] for a in axes) * mesh_sizes[ax])):
+            continue
           axes.append(ax)
           used.add(ax)
     if shape is not None:

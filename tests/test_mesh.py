@@ -224,6 +224,19 @@ class LogicalRulesTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "2 dims but the shape"):
       mesh_lib.logical_to_partition_spec(("batch", "mlp"), self.mesh, shape=(8,))
 
+  def test_fewer_kv_heads_than_tensor_are_replicated(self):
+    """K/V heads the tensor axis does not divide stay whole on every tensor shard; query
+    heads that it does not divide are still an error."""
+    m = mesh_lib.make_mesh("data=2,tensor=4")
+    axes = ("layers", "embed", "kv_heads", "head_dim")
+    self.assertEqual(mesh_lib.logical_to_partition_spec(axes, m, shape=(2, 64, 2, 8)),
+                     P(None, None, None, None))
+    self.assertEqual(mesh_lib.logical_to_partition_spec(axes, m, shape=(2, 64, 8, 8)),
+                     P(None, None, "tensor", None))
+    with self.assertRaisesRegex(ValueError, "'heads'.*size 2, not divisible by mesh axes "
+                                "tensor=4"):
+      mesh_lib.logical_to_partition_spec(("embed", "heads"), m, shape=(64, 2))
+
   def test_tree_and_device_put(self):
     logical = {
         "embedding": ("vocab", "embed"),

@@ -131,16 +131,32 @@ def _shard_map(per_shard: Callable, mesh, args: list, in_specs: list, out_specs:
   return run()
 
 
-def attention_spec(mesh, q, k) -> P:
-  """The PartitionSpec of q, k, v (and the output) for the kernel's shard_map on `mesh`.
+def attention_spec(mesh, q, k) -> tuple[P, int]:
+  """The PartitionSpec of q, k, v (and the output) for the kernel's shard_map on `mesh`,
+  and how many times each K/V head is repeated first (`repeat_kv`).
 
-  Heads are split only by axes dividing Hkv, so q head h and kv head h // (Hq // Hkv)
-  share a shard.
+  Heads are split by the axes dividing Hq. Where their product n does not divide Hkv but
+  is a multiple of it (fewer K/V heads than `tensor`), each K/V head is repeated n / Hkv
+  times, as the references replicate K/V heads: a shard then holds Hq / n query heads and
+  the one K/V head they read. Otherwise heads are split only by axes dividing Hkv, so q
+  head h and kv head h // (Hq // Hkv) share a shard.
   """
   used: set[str] = set()
   batch = _split(mesh, q.shape[0], _typed(q, 0) + _rule(mesh, "batch"), used)
-  heads = _split(mesh, k.shape[2], _typed(q, 2) + _rule(mesh, "heads"), used)
-  return P(_entry(batch), None, _entry(heads), None)
+  candidates = _typed(q, 2) + _rule(mesh, "heads")
+  heads = _split(mesh, q.shape[2], candidates, set(used))
+  parts, kv = math.prod(mesh.shape[a] for a in heads), k.shape[2]
+  if kv % parts == 0 or parts % kv:
+    heads = _split(mesh, kv, candidates, used)
+    parts = kv
+  return P(_entry(batch), None, _entry(heads), None), parts // kv
+
+
+def repeat_kv(k, v, repeat: int):
+  """Each K/V head `repeat` times in a row (its gradient sums over the copies)."""
+  if repeat == 1:
+    return k, v
+  return jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)
 
 
 def sharded_attention(kernel: Callable, q, k, v, q_segment_ids, kv_segment_ids, **kw):
@@ -151,7 +167,8 @@ def sharded_attention(kernel: Callable, q, k, v, q_segment_ids, kv_segment_ids, 
   mesh = _mesh(q, k, v)
   if not _splittable(mesh):
     return kernel(q, k, v, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, **kw)
-  qkv = attention_spec(mesh, q, k)
+  qkv, repeat = attention_spec(mesh, q, k)
+  k, v = repeat_kv(k, v, repeat)
   args, specs = [q, k, v], [qkv] * 3
   if q_segment_ids is not None:
     args += [q_segment_ids, kv_segment_ids]
@@ -179,7 +196,8 @@ def sharded_context_attention(kernel: Callable, q, k, v, q_segment_ids, kv_segme
   if q.shape[1] % mesh.shape[axis] or k.shape[1] != q.shape[1]:
     raise ValueError(f"sharded_context_attention: sequence length {q.shape[1]} (keys "
                      f"{k.shape[1]}) must be equal and divisible by {axis}={mesh.shape[axis]}")
-  batch, _, heads, _ = attention_spec(mesh, q, k)
+  (batch, _, heads, _), repeat = attention_spec(mesh, q, k)
+  k, v = repeat_kv(k, v, repeat)
   if axis in _names(batch) + _names(heads):  # the sequence claims it first
     raise ValueError(f"sharded_context_attention: axis {axis!r} also splits batch or heads")
   qkv = P(batch, axis, heads, None)

@@ -300,7 +300,7 @@ def _compute_layout(cfg: TransformerConfig, p: dict[str, jax.Array]) -> dict[str
   for key, w in p.items():
     if key.endswith("norm") or not isinstance(w, jax.Array):
       continue
-    spec = mesh_lib.logical_to_partition_spec(axes[key][1:], mesh, whole)
+    spec = mesh_lib.logical_to_partition_spec(axes[key][1:], mesh, whole, shape=w.shape)
     out[key] = jax.lax.with_sharding_constraint(w.astype(cfg.dtype), spec)
   return out
 

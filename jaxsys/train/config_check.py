@@ -397,9 +397,11 @@ def _check_names(values: dict[str, Any]) -> None:
                      "which sets every field")
 
 
-def _shards(mesh, logical: str) -> int:
-  """How many parts the mesh splits a dim of logical axis `logical` into, by the default rules."""
-  entry = mesh_lib.logical_to_partition_spec((logical,), mesh)[0]
+def _shards(mesh, logical: str, size: int | None = None) -> int:
+  """How many parts the mesh splits a dim of logical axis `logical` (of `size`, for an axis
+  replicated where the mesh does not divide it) into, by the default rules."""
+  shape = None if size is None else (size,)
+  entry = mesh_lib.logical_to_partition_spec((logical,), mesh, shape=shape)[0]
   axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
   return math.prod(mesh.shape[a] for a in axes)
 
@@ -417,7 +419,9 @@ def _gathered_kv_mib(values: dict[str, Any], shards: dict[str, int]) -> float:
 
 
 def _derived(mesh, values: dict[str, Any]) -> dict[str, Any]:
-  shards = {f"mesh shards of {name!r}": _shards(mesh, name)
+  sizes = {logical: values[field] for field, logical in _SHARDED_FIELDS.items()
+           if logical in mesh_lib.REPLICATED_WHEN_INDIVISIBLE}
+  shards = {f"mesh shards of {name!r}": _shards(mesh, name, sizes.get(name))
             for name in ("batch", *_SHARDED_FIELDS.values())}
   return {**shards, "MiB of K/V gathered per device": _gathered_kv_mib(values, shards),
           **{f"mesh axis {axis}": dict(mesh.shape).get(axis, 1)

@@ -141,7 +141,10 @@ def kept_per_token(run: RunConfig, policy: str, tensor: int) -> float:
   """Elements one layer keeps a token under `policy` (`KEPT`), with `tensor` shards."""
   m = run.model
   d, q, kv, f = KEPT[policy]
-  return d * m.d_model + (q * m.n_heads * m.hd + kv * m.n_kv_heads * m.hd + f * m.d_ff) / tensor
+  # Fewer K/V heads than shards are replicated (mesh.REPLICATED_WHEN_INDIVISIBLE).
+  kv_shards = tensor if m.n_kv_heads % tensor == 0 else 1
+  return (d * m.d_model + (q * m.n_heads * m.hd + f * m.d_ff) / tensor
+          + kv * m.n_kv_heads * m.hd / kv_shards)
 
 
 def _tokens_and_layers(run: RunConfig, mesh: Mesh, schedule) -> tuple[float, float, float, int]:

@@ -69,6 +69,25 @@ class AttentionUnderMeshTest(parameterized.TestCase):
     self.assertNotIn("f32[4,32,4,16]", hlo)
     _assert_all_close(step(*args), self.want)
 
+  def test_fewer_kv_heads_than_tensor(self):
+    """8 q heads, 2 kv heads (replicated over tensor, as the parameters place them) on
+    tensor=4: each kv head is repeated twice, a device's kernel sees one row, its 2 q heads
+    and their one kv head, and values and gradients equal the reference's."""
+    mesh = mesh_lib.make_mesh("data=2,tensor=4")
+    q, k, v, ct = inputs(2, T, T, 8, 2, D)
+    args = (q, k, v, _ids()[:2], ct)
+    want = jax.jit(_attention_step("reference"))(*args)
+    heads, kv, rows = (NamedSharding(mesh, s) for s in (
+        P("data", None, "tensor", None), P("data", None, None, None), P("data")))
+    step = jax.jit(_attention_step("pallas"), in_shardings=(heads, kv, kv, rows, heads),
+                   out_shardings=(heads, heads, kv, kv))
+    args = jax.device_put(args, (heads, kv, kv, rows, heads))
+    hlo = _hlo(step, *args)
+    self.assertIn("f32[1,32,2,16]", hlo)
+    self.assertIn("f32[1,32,1,16]", hlo)
+    self.assertNotIn("f32[2,32,8,16]", hlo)  # the whole q on a device: attention repeated
+    _assert_all_close(step(*args), want)
+
   def test_the_bare_kernel_gathers(self):
     # The control: XLA does not split the kernel itself, which is what the wrapper is for.
     qkv, ids = NamedSharding(AUTO, QKV), NamedSharding(AUTO, P("data"))
@@ -107,28 +126,32 @@ class SpecTest(parameterized.TestCase):
   @parameterized.named_parameters(
       dict(testcase_name="batch_and_heads", mesh="data=4,tensor=2", b=4, hq=4, hkv=2,
            want=P("data", None, "tensor", None)),
-      # 2 rows cannot split 4 ways; 3 kv heads cannot split 2 ways: both replicated.
+      # 2 rows cannot split 4 ways; 6 q heads split 2 ways would cut a group of 2 from its
+      # one kv head of 3: both replicated.
       dict(testcase_name="indivisible_left_unsplit", mesh="data=4,tensor=2", b=2, hq=6, hkv=3,
            want=P(None, None, None, None)),
-      # GQA: 8 q heads, 2 kv heads on tensor=4 would separate q heads from their kv head.
-      dict(testcase_name="gqa_follows_kv_heads", mesh="data=2,tensor=4", b=2, hq=8, hkv=2,
-           want=P("data", None, None, None)),
+      # GQA, fewer kv heads than tensor: each of the 2 kv heads twice, a shard holds 2 q
+      # heads and their kv head (as MaxText replicates K/V heads).
+      dict(testcase_name="gqa_repeats_kv_heads", mesh="data=2,tensor=4", b=2, hq=8, hkv=2,
+           want=P("data", None, "tensor", None), repeat=2),
+      dict(testcase_name="mqa_repeats_kv_head", mesh="tensor=8", b=1, hq=8, hkv=1,
+           want=P(None, None, "tensor", None), repeat=8),
       dict(testcase_name="fsdp_splits_batch", mesh="data=2,fsdp=2,tensor=2", b=4, hq=2, hkv=2,
            want=P(("data", "fsdp"), None, "tensor", None)),
       dict(testcase_name="partial_batch", mesh="data=2,fsdp=4", b=2, hq=1, hkv=1,
            want=P("data", None, None, None)),
   )
-  def test_attention_spec(self, mesh, b, hq, hkv, want):
+  def test_attention_spec(self, mesh, b, hq, hkv, want, repeat=1):
     mesh = mesh_lib.make_mesh(mesh).abstract_mesh
     q, k = jnp.zeros((b, 8, hq, 4)), jnp.zeros((b, 8, hkv, 4))
-    self.assertEqual(sharded.attention_spec(mesh, q, k), want)
+    self.assertEqual(sharded.attention_spec(mesh, q, k), (want, repeat))
 
   def test_explicit_layout_wins_over_rules(self):
     with jax.set_mesh(EXPLICIT):
       q = jax.device_put(jnp.zeros((4, 8, 4, 4)), P("tensor"))
       # The operand's own batch split, then "data" cannot also split 4 rows 8 ways.
       self.assertEqual(sharded.attention_spec(EXPLICIT.abstract_mesh, q, q),
-                       P("tensor", None, None, None))
+                       (P("tensor", None, None, None), 1))
 
   def test_qmatmul_specs(self):
     qw = qm.quantize_weight(jnp.ones((64, 6)), "w8a8_int8")

@@ -194,17 +194,28 @@ class GenerateTest(parameterized.TestCase):
   def test_sharded_quantized_pallas_equals_unsharded(self):
     self._sharded_equals_unsharded(scheme="w4a16", impl="pallas")
 
-  def _sharded_equals_unsharded(self, scheme, impl):
+  @pytest.mark.slow
+  def test_fewer_kv_heads_than_tensor_equals_unsharded(self):
+    """2 K/V heads on tensor=4: the weights and the cache keep both on every tensor shard,
+    the Pallas kernel repeats each to its query heads' shard."""
+    self._sharded_equals_unsharded(scheme=None, impl="pallas", spec="data=2,tensor=4",
+                                   devices=8)
+
+  def _sharded_equals_unsharded(self, scheme, impl, spec="data=2,tensor=2", devices=4):
     cfg = _cfg(attention_impl=impl)  # pallas: both kernels, under shard_map over the mesh
     params = _params(cfg)
     if scheme:
       params = ptq.quantize_params(cfg, params, rules.default_rules(scheme, group_size=16))
     rows, prompts, lengths = _prompts()
-    mesh = mesh_lib.make_mesh("data=2,tensor=2", jax.devices()[:4])
+    mesh = mesh_lib.make_mesh(spec, jax.devices()[:devices])
     placed = gen.shard_params(cfg, params, mesh)
     wq = placed["layers"]["wq"]
     self.assertEqual((wq.data if scheme else wq).sharding.spec,
                      P(None, None, "tensor") if scheme else P(None, None, "tensor", None))
+    if not scheme:  # K/V heads split where tensor divides them, else whole on every shard
+      kv_spec = P(None, None, "tensor" if cfg.n_kv_heads % dict(mesh.shape)["tensor"] == 0
+                  else None, None)
+      self.assertEqual(placed["layers"]["wk"].sharding.spec, kv_spec)
     kw = dict(max_new_tokens=NEW, return_logits=True, qmatmul_impl=impl,
               sampling=gen.Sampling(temperature=1.0, top_k=20))
     want = gen.generate(cfg, params, prompts, lengths, jax.random.key(5), **kw)

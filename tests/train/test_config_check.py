@@ -67,6 +67,7 @@ class FieldsTest(parameterized.TestCase):
       ("interleaved", dict(mesh="stage=2,tensor=2,data=2", pipeline__schedule="interleaved_1f1b",
                            pipeline__virtual_stages=2, model__n_layers=4)),
       ("all_sharded", dict(mesh="replica=2,fsdp=2,tensor=2", optimizer__outer="co2")),
+      ("fewer_kv_heads_than_tensor", dict(mesh="data=2,tensor=4")),  # K/V heads replicated
       ("context", dict(mesh="data=2,context=-1")),
       ("context_contiguous", dict(mesh="context=8", data__seq_len=72,
                                   parallel__context_layout="contiguous")),
@@ -227,8 +228,10 @@ class RelationsTest(parameterized.TestCase):
        "microbatches"),
       ("shards", dict(optimizer__grad_accum_steps=4), "data.batch_size=16 is invalid with "
        "optimizer.grad_accum_steps=4, mesh shards of 'batch'=8; it must give microbatches"),
-      ("kv_heads", dict(mesh="data=2,tensor=4"), "model.n_kv_heads=2 is invalid with mesh "
-       "shards of 'kv_heads'=4; it must divide over the mesh axes that shard 'kv_heads'"),
+      # Fewer K/V heads than tensor are replicated (data=2,tensor=4 passes: see below);
+      # query heads are not.
+      ("heads_over_tensor", dict(mesh="tensor=8"), "model.n_heads=4 is invalid with mesh "
+       "shards of 'heads'=8; it must divide over the mesh axes that shard 'heads'"),
       ("d_model", dict(mesh="fsdp=-1", model__d_model=36, model__head_dim=8),
        "model.d_model=36 is invalid with mesh shards of 'embed'=8"),
       ("stage_without_pipeline", dict(mesh="stage=2,data=-1"), "mesh axis stage=2 is invalid "

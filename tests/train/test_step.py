@@ -8,6 +8,7 @@ import numpy as np
 from absl.testing import absltest, parameterized
 import pytest
 
+from jaxsys import hlo_flops
 from jaxsys import mesh as mesh_lib
 from jaxsys.config import OptimizerConfig
 from jaxsys.models import transformer
@@ -39,17 +40,24 @@ def packed_batch(seed: int) -> dict[str, np.ndarray]:
           "positions": np.tile(pos, (B, 1)).astype(np.int32), "loss_mask": np.tile(mask, (B, 1))}
 
 
-def run_steps(mesh_spec: str, n_steps: int = 2, accum: int = 1, devices=None,
-              context_layout: str = "zigzag", context_algorithm: str = "ring",
-              gather_once: bool = False, model: transformer.TransformerConfig = MODEL):
+def _jitted(mesh_spec: str, model: transformer.TransformerConfig, devices=None, accum: int = 1,
+            *step_options):
+  """(the initial state, the jitted step, the batch's sharding) on `mesh_spec`."""
   mesh = mesh_lib.make_mesh(mesh_spec, devices)
   optimizer = make_optimizer(OPT, total_steps=10)
   abstract = state_lib.abstract_train_state(model, optimizer, seed=0)
   state_sh = state_lib.state_shardings(abstract, model, optimizer, mesh)
   batch_sh = mesh_lib.batch_sharding(mesh)
   state = jax.jit(lambda: state_lib.init_train_state(model, optimizer, 0), out_shardings=state_sh)()
-  step = grads.jit_autodiff_step(model, optimizer, state_sh, batch_sh, accum, context_layout,
-                                 context_algorithm, gather_once)
+  step = grads.jit_autodiff_step(model, optimizer, state_sh, batch_sh, accum, *step_options)
+  return state, step, batch_sh
+
+
+def run_steps(mesh_spec: str, n_steps: int = 2, accum: int = 1, devices=None,
+              context_layout: str = "zigzag", context_algorithm: str = "ring",
+              gather_once: bool = False, model: transformer.TransformerConfig = MODEL):
+  state, step, batch_sh = _jitted(mesh_spec, model, devices, accum, context_layout,
+                                  context_algorithm, gather_once)
   losses = []
   for i in range(n_steps):
     state, metrics = step(state, jax.device_put(packed_batch(i), batch_sh))
@@ -156,6 +164,30 @@ class TrainStepTest(parameterized.TestCase):
                                 atol=2e-5)
     bq = state.params["layers"]["bq"]
     self.assertLess(bq.addressable_shards[0].data.size, bq.size)  # over tensor, as wq's heads
+
+  @pytest.mark.slow
+  def test_fewer_kv_heads_than_tensor_are_replicated(self):
+    """2 K/V heads on tensor=4: every tensor shard keeps both K/V heads (as MaxText and
+    Megatron replicate them) beside its 2 of the 8 query heads. The step equals one
+    device's, and a device runs the matmul FLOPs of its share of the query heads: within
+    15% of 4 K/V heads split over tensor (the difference: the K/V projections it now
+    computes for both heads), not the attention or the query projection repeated."""
+    gqa = dataclasses.replace(MODEL, n_kv_heads=2)
+    single_state, single_losses = run_steps("data=1", devices=jax.devices()[:1], model=gqa)
+    state, losses = run_steps("data=2,tensor=4", model=gqa)
+    np.testing.assert_allclose(losses, single_losses, rtol=1e-5)
+    chex.assert_trees_all_close(jax.device_get(state.params), jax.device_get(single_state.params),
+                                atol=2e-5)
+    layers = state.params["layers"]
+    self.assertEqual(layers["wq"].addressable_shards[0].data.shape[2], 2)  # [L, D, H, hd]
+    self.assertEqual(layers["wk"].addressable_shards[0].data.shape[2], 2)  # both K/V heads
+
+    def flops(model):
+      state, step, batch_sh = _jitted("data=2,tensor=4", model, None, 1, "zigzag", "ring",
+                                      False)
+      batch = jax.device_put(packed_batch(0), batch_sh)
+      return hlo_flops.dot_flops(step.lower(state, batch).compile().as_text())
+    self.assertLess(flops(gqa) / flops(MODEL), 1.15)
 
 
 # Measured with jax 0.10.2 on CPU (f32); recompute only for an intended numeric change.
