@@ -115,6 +115,11 @@ def _source_files(source: str) -> tuple[pathlib.Path, list[pathlib.Path]]:
   return _glob_root(source), files
 
 
+def _check_split(split: str) -> None:
+  if split not in SPLITS:
+    raise ValueError(f"split={split!r} is not a valid split; use one of {', '.join(map(repr, SPLITS))}")
+
+
 def list_documents(source: str, split: str) -> list[pathlib.Path]:
   """Sorted document paths of `split` in {"train", "val", "test", "all"} of `source`.
 
@@ -127,8 +132,7 @@ def list_documents(source: str, split: str) -> list[pathlib.Path]:
 
     list_documents("/data/books", "val")  # -> [PosixPath('/data/books/a.txt'), ...]
   """
-  if split not in SPLITS:
-    raise ValueError(f"split={split!r} is not a valid split; use one of {', '.join(map(repr, SPLITS))}")
+  _check_split(split)
   root, files = _source_files(source)
   if split != "all":
     files = [p for p in files if _split_of(p.relative_to(root).as_posix()) == split]
@@ -203,8 +207,7 @@ def load_documents(source: str, split: str, text_field: str = "text") -> list[by
   (`list_documents`, `read_documents`), or a JSONL record each. A source that mixes JSONL
   with other files, a line that is not a JSON object with a string `text_field`, or a file
   that cannot be read is one error naming the file (and line)."""
-  if split not in SPLITS:
-    raise ValueError(f"split={split!r} is not a valid split; use one of {', '.join(map(repr, SPLITS))}")
+  _check_split(split)
   parts = mixture(source)
   if len(parts) > 1:  # every part's documents (e.g. to train a tokenizer on)
     return [doc for _, part in parts for doc in load_documents(part, split, text_field)]

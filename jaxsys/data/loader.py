@@ -129,7 +129,7 @@ def make_loader(
   rows = [packing.PackedRows(tokenizer.encode_batch(part), seq_len) for part in docs]
   del docs  # The packed stream is all we keep; raw text can be ~1 GB.
   datasets = []
-  for (weight, part), part_rows in zip(parts, rows):
+  for (_, part), part_rows in zip(parts, rows):
     if len(part_rows) < batch_size:
       raise ValueError(
           f"data.source={part!r} split {split!r} packs into {len(part_rows)} rows of "
