@@ -12,10 +12,16 @@ devices share the cores).
    warm-up; every process's recorded, the slowest's used): the executor's own chunk programs
    (`pipeline.chunk.Chunk`: forward F, backward B, and the zero-bubble split into B_in and W) on
    one microbatch, and a send to the next stage (one `ppermute` of a microbatch's
-   activation, timed as the per-iteration cost of a loop of them, so dispatch is not in it).
+   activation, timed as the per-iteration cost of a loop of them, so dispatch is not in it);
+   and, as a check, that send where it follows a forward as in the step (the link idle
+   while the core computes): a loop of (forward, send) less a loop of forwards; and a send
+   of a chunk's weights.
 2. Predicted: `schedules.timed` of each schedule under those costs, in the ticks the
    executor runs (`Schedule.executed`), lock step (every tick as long as its slowest stage,
-   then its sends) and asynchronous (Megatron-style, for reference).
+   then its sends) and asynchronous (Megatron-style, for reference), plus the step's
+   weight moves: a schedule whose chunks sit off the layout's loop (ZBV's V) gets those
+   chunks' weights across the stage axis before the ticks and sends their gradients back
+   after them (`executor.rows_moved`), each a send of a chunk's weights.
 3. Measured: the wall time of one jitted `pipeline_loss_and_grads` step (median of
    --repeats after a warm-up). measured - predicted, over the ticks, is what a tick costs
    beyond its actions and sends: the executor's own per-tick work (the embedding and head
@@ -23,6 +29,8 @@ devices share the cores).
 4. The tick's own work, measured: the same step with no layers in its chunks (every action
    then costs next to nothing; the sends, embedding, head, slot writes and switch stay),
    less the sends the lock step counts. "With it" adds it to the lock-step prediction.
+5. Steal: the share of the worker's core the hypervisor took during the measured step
+   (/proc/stat), load on a VM that the load average does not show.
 
 A small vocabulary (--vocab_size) keeps the head and embedding out of the comparison; the
 schedule's costs have no term for them. The host needs p cores with nothing else on them.
@@ -70,6 +78,15 @@ def _wall(fn, *args, repeats: int) -> float:
   return float(np.median(times))
 
 
+def _core_times() -> np.ndarray:
+  """(steal, all) jiffies of the cores this process may run on, from /proc/stat: on a VM
+  the hypervisor's steal is load that `uptime` does not show."""
+  cores = {f"cpu{c}" for c in os.sched_getaffinity(0)}
+  with open("/proc/stat") as stat:
+    rows = [line.split() for line in stat if line.split()[0] in cores]
+  return np.sum([[int(r[8]), sum(int(x) for x in r[1:9])] for r in rows], axis=0)
+
+
 def _log(msg: str) -> None:
   print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
@@ -108,13 +125,19 @@ def measure_costs(cfg: transformer.TransformerConfig, layers_per_chunk: int, seq
                      ("backward_input", (params, res, y, mb)),
                      ("backward_weight", (params, res, y, stash, mb))):
     out[name] = _wall(jax.jit(getattr(chunk, name)), *args, repeats=repeats)
-  out["comm"] = _send_seconds(mesh, x.shape, x.dtype, repeats=repeats)
+  out["comm"] = _send_seconds(mesh, jax.ShapeDtypeStruct(x.shape, x.dtype), repeats=repeats)
+  # A chunk's weights (or gradients) crossing the stage axis: a V's moves (rows_moved).
+  out["comm_weights"] = _send_seconds(
+      mesh, jax.tree.map(lambda a: jax.ShapeDtypeStruct((1, *a.shape), a.dtype), params),
+      repeats=repeats, sends=2)
+  out["comm_beside_compute"] = _send_beside_compute_seconds(
+      mesh, chunk, params, x, mb, repeats=repeats)
   return out
 
 
-def _send_seconds(mesh, shape, dtype, *, repeats: int, sends: int = 64) -> float:
-  """Seconds of one ppermute of `shape` to the next stage: a loop of `sends` of them,
-  timed whole, over `sends`."""
+def _send_seconds(mesh, shapes, *, repeats: int, sends: int = 64) -> float:
+  """Seconds of one ppermute of arrays of `shapes` (a pytree of ShapeDtypeStructs, each
+  device's) to the next stage: a loop of `sends` of them, timed whole, over `sends`."""
   p = dict(mesh.shape)[pipeline.AXIS]
 
   def loop(x):
@@ -123,8 +146,34 @@ def _send_seconds(mesh, shape, dtype, *, repeats: int, sends: int = 64) -> float
     return jax.lax.scan(body, x, None, length=sends)[0]
   fn = jax.jit(jax.shard_map(loop, mesh=mesh, in_specs=P(pipeline.AXIS),
                              out_specs=P(pipeline.AXIS)))
-  x = _placed(np.zeros((p * shape[0], *shape[1:]), dtype), mesh, P(pipeline.AXIS))
+  x = _placed(jax.tree.map(lambda s: np.zeros((p * s.shape[0], *s.shape[1:]), s.dtype), shapes),
+              mesh, jax.tree.map(lambda _: P(pipeline.AXIS), shapes))
   return _wall(fn, x, repeats=repeats) / sends
+
+
+def _send_beside_compute_seconds(mesh, chunk, params, x, mb, *, repeats: int,
+                                 sends: int = 8) -> float:
+  """Seconds a send adds when it follows a chunk's forward, as the step's sends do: a loop
+  of `sends` (forward, then ppermute of its output to the next stage), less the same loop
+  without the ppermute, over `sends`. The link idles while the core computes."""
+  p = dict(mesh.shape)[pipeline.AXIS]
+  host = lambda t: jax.tree.map(np.asarray, t)
+  params, mb = _placed(host(params), mesh), _placed(host(mb), mesh)
+
+  def loop(send: bool):
+    def run(params, x, mb):
+      def body(x, _):
+        y = chunk.forward(params, x, mb)[0]
+        if send:
+          y = jax.lax.ppermute(y, pipeline.AXIS, [(i, (i + 1) % p) for i in range(p)])
+        return y, None
+      return jax.lax.scan(body, x, None, length=sends)[0]
+    return jax.jit(jax.shard_map(run, mesh=mesh, in_specs=(P(), P(pipeline.AXIS), P()),
+                                 out_specs=P(pipeline.AXIS)))
+  xs = _placed(np.tile(np.asarray(x), (p, 1, 1)), mesh, P(pipeline.AXIS))
+  with_send = _wall(loop(True), params, xs, mb, repeats=repeats)
+  alone = _wall(loop(False), params, xs, mb, repeats=repeats)
+  return max(with_send - alone, 0.0) / sends
 
 
 def _step_seconds(cfg, params, schedule, batch, mesh, *, repeats: int) -> float:
@@ -176,9 +225,15 @@ def rows(names, stages: int, microbatches, *, d_model: int, n_layers: int, seq: 
                               backward_weight=v * c["backward_weight"])
       schedule = pipeline.make_schedule(name, stages=stages, microbatches=m, virtual_stages=v)
       timing = schedules.timed(schedule, costs)
+      # A V's chunks off the layout's loop: their weights cross the link before the ticks
+      # and their gradients after them, one chunk's each way a step (measured sends).
+      moves = 2 * pipeline.executor.rows_moved(schedule) * c["comm_weights"]
+      predicted = timing.lockstep + moves
       step = lambda n: _step_seconds(dataclasses.replace(cfg, n_layers=n), params, schedule,
                                      batch, mesh, repeats=repeats)
+      before = _core_times()
       measured = step(n_layers)
+      steal, total = _core_times() - before
       # The tick's own work, measured: the same step with no layers in its chunks (its
       # actions cost ~nothing; the sends, embedding, head, slot writes and switch stay),
       # less the sends the lock step already counts.
@@ -186,17 +241,19 @@ def rows(names, stages: int, microbatches, *, d_model: int, n_layers: int, seq: 
       ns = 1e-9  # the actions at a nanosecond each (Costs takes no zero): the sends alone
       sends = schedules.timed(schedule, dataclasses.replace(
           costs, forward=ns, backward=ns, backward_input=ns, backward_weight=ns)).lockstep
-      calibrated = timing.lockstep + empty - sends
+      calibrated = predicted + empty - sends
       ticks = schedule.executed.ticks
       out.append(dict(schedule=name, virtual=v, microbatches=m, ticks=ticks,
                       shape="fused" if schedule.executed is schedule.fused else "table",
-                      predicted_lockstep=timing.lockstep, predicted_async=timing.asynchronous,
-                      measured=measured, ratio=measured / timing.lockstep,
-                      per_tick_extra=(measured - timing.lockstep) / ticks,
+                      predicted_lockstep=predicted, weight_moves=moves,
+                      predicted_async=timing.asynchronous + moves,
+                      measured=measured, ratio=measured / predicted,
+                      per_tick_extra=(measured - predicted) / ticks,
                       lockstep_bubble=timing.lockstep_bubble, measured_empty=empty,
                       tick_work=(empty - sends) / ticks, predicted_calibrated=calibrated,
-                      ratio_calibrated=measured / calibrated))
-      _log(f"{name} m={m}: predicted {timing.lockstep * 1e3:.1f} ms (with the tick's work "
+                      ratio_calibrated=measured / calibrated,
+                      steal=float(steal / max(total, 1))))
+      _log(f"{name} m={m}: predicted {predicted * 1e3:.1f} ms (with the tick's work "
            f"{calibrated * 1e3:.1f}), measured {measured * 1e3:.1f} ms")
   return {"stages": stages, "processes": jax.process_count(), "d_model": d_model,
           "n_layers": n_layers, "seq": seq, "vocab_size": vocab_size, "repeats": repeats,
@@ -204,16 +261,18 @@ def rows(names, stages: int, microbatches, *, d_model: int, n_layers: int, seq: 
 
 
 def table(result: dict) -> str:
-  lines = ["| schedule | m | ticks | predicted lock step (ms) | measured (ms) "
+  lines = ["| schedule | m | ticks | weight moves (ms) | predicted lock step (ms) | measured (ms) "
            "| measured / predicted | extra a tick (ms) | tick's work (ms) "
-           "| with it: predicted (ms) | measured / predicted | predicted async (ms) |",
-           "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "| with it: predicted (ms) | measured / predicted | predicted async (ms) "
+           "| steal |",
+           "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
   for r in result["rows"]:
     lines.append(f"| {r['schedule']} | {r['microbatches']} | {r['shape']} {r['ticks']} | "
-                 f"{r['predicted_lockstep'] * 1e3:.1f} | {r['measured'] * 1e3:.1f} | "
+                 f"{r['weight_moves'] * 1e3:.1f} | {r['predicted_lockstep'] * 1e3:.1f} | {r['measured'] * 1e3:.1f} | "
                  f"{r['ratio']:.3f} | {r['per_tick_extra'] * 1e3:.2f} | "
                  f"{r['tick_work'] * 1e3:.2f} | {r['predicted_calibrated'] * 1e3:.1f} | "
-                 f"{r['ratio_calibrated']:.3f} | {r['predicted_async'] * 1e3:.1f} |")
+                 f"{r['ratio_calibrated']:.3f} | {r['predicted_async'] * 1e3:.1f} | "
+                 f"{r['steal']:.1%} |")
   ms = lambda xs: "/".join(f"{x * 1e3:.2f}" for x in xs)
   costs = "; ".join(f"{k} layers a chunk: " + ", ".join(f"{n} {ms(v)}" for n, v in c.items())
                     for k, c in result["costs"].items())

@@ -22,8 +22,10 @@ TINY = dict(d_model=16, n_layers=4, seq=8, vocab_size=64, repeats=1)
 def _check(result, names):
   assert [(r["schedule"], r["microbatches"]) for r in result["rows"]] == [(n, 2) for n in names]
   for costs in result["costs"].values():  # each as every process measured it
-    assert set(costs) == {"forward", "backward", "backward_input", "backward_weight", "comm"}
-    assert all(len(v) == result["processes"] and min(v) > 0 for v in costs.values())
+    assert set(costs) == {"forward", "backward", "backward_input", "backward_weight", "comm",
+                          "comm_beside_compute", "comm_weights"}
+    assert all(len(v) == result["processes"] for v in costs.values())
+    assert min(min(v) for k, v in costs.items() if k != "comm_beside_compute") > 0
   for r in result["rows"]:
     schedule = schedules.make_schedule(r["schedule"], stages=2, microbatches=2,
                                        virtual_stages=r["virtual"])
@@ -35,6 +37,7 @@ def _check(result, names):
     # The step with no layers (the ticks' own work) ran, and its time joins the prediction.
     assert r["measured_empty"] > 0 and r["ratio_calibrated"] == pytest.approx(
         r["measured"] / r["predicted_calibrated"])
+    assert 0 <= r["steal"] < 1
 
 
 def test_tiny_run_in_one_process():
@@ -44,7 +47,7 @@ def test_tiny_run_in_one_process():
   # Chunks of 2 layers (one a stage) and of 1 (interleaved v=2), each measured once.
   assert sorted(result["costs"]) == ["1", "2"] and result["processes"] == 1
   lines = bench_pipeline_wall.table(result).splitlines()
-  assert lines[0].startswith("| schedule | m | ticks | predicted lock step (ms) |")
+  assert lines[0].startswith("| schedule | m | ticks | weight moves (ms) | predicted lock step (ms) |")
   assert sum(line.startswith(("| gpipe", "| zb_h1", "| interleaved")) for line in lines) == 3
 
 

@@ -474,3 +474,24 @@ def test_residual_slots_hold_no_weights():
     return sum(r.size * r.dtype.itemsize for r in chunk.residual_shapes(params, x, mb))
 
   assert stored_bytes(4) == 2 * stored_bytes(2)
+
+
+@pytest.mark.parametrize("name,virtual", [("1f1b", 1), ("interleaved_1f1b", 2), ("zbv", 2)])
+def test_weight_moves_are_the_compiled_program_s(name, virtual):
+  """`executor.rows_moved` (what bench_pipeline_wall charges a step for a V's weights and
+  gradients) against the compiled step: collective-permutes outside the tick loop, one a
+  weight leaf each way, exactly where a row moves."""
+  mesh = mesh_lib.make_mesh("stage=2", jax.devices()[:2])
+  layout = pipeline.Layout(stages=2, virtual=virtual, vocab_size=CFG.vocab_size,
+                           vocab_parallel=False)
+  schedule = pipeline.make_schedule(name, stages=2, microbatches=4, virtual_stages=virtual)
+  cfg, params, batch, _, _ = _reference(False)
+  step = jax.jit(lambda p, b: pipeline.pipeline_loss_and_grads(cfg, schedule, layout, p, b,
+                                                               mesh=mesh))
+  hlo = step.lower(pipeline.to_stages(layout, params), batch).compile().as_text()
+  comps, _ = hlo_flops.computations(hlo)
+  body = _tick_body(comps, schedule.executed.ticks)
+  outside = [line for comp, lines in comps.items() if comp != body for line in lines
+             if re.search(r" collective-permute(-start)?\(", line)]
+  leaves = len(jax.tree.leaves(params["layers"]))
+  assert len(outside) == 2 * leaves * pipeline.executor.rows_moved(schedule)

@@ -234,9 +234,8 @@ class _Plan:
         # chunks otherwise (a V: chunk 2p - 1 - s on stage s) gets its chunks by one
         # ppermute per virtual row before the ticks, and the gradients sent back after
         # them: that row's weights and gradients cross the stage axis once a step each.
-        moves=tuple(None if np.array_equal(row, np.arange(v * p, (v + 1) * p)) else
-                    tuple((int(g) % p, s) for s, g in enumerate(row))
-                    for v, row in enumerate(chunk_of)),
+        moves=tuple(tuple((int(g) % p, s) for s, g in enumerate(row)) if moved else None
+                    for row, moved in zip(chunk_of, _moved_rows(chunk_of))),
         split=schedule.split_backward,
         # Training with VP splits the head into S and T passes on consecutive ticks
         # (schedules.py), or with vocab_overlap on ticks of their own beside the lanes.
@@ -664,6 +663,20 @@ class _Stage:
 def _plus(acc, grads):
   """The vocabulary layers' gradient sums `acc` with `grads` (some of them) added."""
   return {k: v + grads[k] if k in grads else v for k, v in acc.items()}
+
+
+def _moved_rows(chunk_of) -> list[bool]:
+  """Whether each virtual row of a schedule's `chunk_of` sits off the layout's loop (chunk
+  v * p + s on stage s), so the executor moves it."""
+  p = chunk_of.shape[1]
+  return [not np.array_equal(row, np.arange(v * p, (v + 1) * p)) for v, row in enumerate(chunk_of)]
+
+
+def rows_moved(schedule: schedules.Schedule) -> int:
+  """How many virtual rows of chunks a step moves across `stage`: their weights there
+  before the ticks, their gradients back after them (a V's second row: one chunk's
+  weights each way a step on every stage)."""
+  return sum(_moved_rows(np.asarray(schedule.chunk_of)))
 
 
 def move_rows(layers, moves, back: bool = False):
