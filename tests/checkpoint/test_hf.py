@@ -161,7 +161,8 @@ def test_export_of_quantized_params_is_dequantized(checkpoints, tmp_path):
   assert not np.allclose(deq["layers"]["wq"], params["layers"]["wq"])
 
 
-@pytest.mark.parametrize("spec", ["fsdp=4,tensor=2", "data=2,fsdp=4"])
+# data=2,tensor=4: 4 query heads split, the 2 K/V heads whole on every tensor shard.
+@pytest.mark.parametrize("spec", ["fsdp=4,tensor=2", "data=2,fsdp=4", "data=2,tensor=4"])
 def test_sharded_import_equals_unsharded(spec, monkeypatch):
   directory = FIXTURE["untied"]
   _, ref = hf.load(directory)
@@ -172,9 +173,12 @@ def test_sharded_import_equals_unsharded(spec, monkeypatch):
   cfg, params = hf.load(directory, mesh=mesh)
   wq_shard = params["layers"]["wq"].addressable_shards[0].data.shape
   assert wq_shard[1:] in blocks and max(map(np.prod, blocks)) <= cfg.vocab_size * cfg.d_model // 4
-  want = mesh_lib.logical_to_sharding(transformer.param_axes(cfg), mesh)
+  want = mesh_lib.logical_to_sharding(transformer.param_axes(cfg), mesh, shapes=ref)
   jax.tree.map(lambda x, sh: x.sharding.is_equivalent_to(sh, x.ndim) or pytest.fail(
       f"{x.sharding} != {sh}"), params, want)
+  kv_whole = cfg.n_kv_heads % dict(mesh.shape).get("tensor", 1) != 0  # replicated, not split
+  assert (params["layers"]["wk"].addressable_shards[0].data.shape[2] == cfg.n_kv_heads) == (
+      kv_whole or "tensor" not in spec)
   assert len(params["layers"]["wq"].sharding.device_set) == 8
   assert params["layers"]["wq"].addressable_shards[0].data.size < params["layers"]["wq"].size
   chex.assert_trees_all_equal(jax.device_get(params), jax.device_get(ref))
