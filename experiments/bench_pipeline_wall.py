@@ -135,6 +135,11 @@ def measure_costs(cfg: transformer.TransformerConfig, layers_per_chunk: int, seq
   return out
 
 
+def _to_next_stage(x, stages: int):
+  """x sent on to stage s + 1 (the last stage's to the first), as the executor's ring."""
+  return jax.lax.ppermute(x, pipeline.AXIS, [(i, (i + 1) % stages) for i in range(stages)])
+
+
 def _send_seconds(mesh, shapes, *, repeats: int, sends: int = 64) -> float:
   """Seconds of one ppermute of arrays of `shapes` (a pytree of ShapeDtypeStructs, each
   device's) to the next stage: a loop of `sends` of them, timed whole, over `sends`."""
@@ -142,7 +147,7 @@ def _send_seconds(mesh, shapes, *, repeats: int, sends: int = 64) -> float:
 
   def loop(x):
     def body(x, _):
-      return jax.lax.ppermute(x, pipeline.AXIS, [(i, (i + 1) % p) for i in range(p)]), None
+      return _to_next_stage(x, p), None
     return jax.lax.scan(body, x, None, length=sends)[0]
   fn = jax.jit(jax.shard_map(loop, mesh=mesh, in_specs=P(pipeline.AXIS),
                              out_specs=P(pipeline.AXIS)))
@@ -165,7 +170,7 @@ def _send_beside_compute_seconds(mesh, chunk, params, x, mb, *, repeats: int,
       def body(x, _):
         y = chunk.forward(params, x, mb)[0]
         if send:
-          y = jax.lax.ppermute(y, pipeline.AXIS, [(i, (i + 1) % p) for i in range(p)])
+          y = _to_next_stage(y, p)
         return y, None
       return jax.lax.scan(body, x, None, length=sends)[0]
     return jax.jit(jax.shard_map(run, mesh=mesh, in_specs=(P(), P(pipeline.AXIS), P()),
@@ -261,14 +266,15 @@ def rows(names, stages: int, microbatches, *, d_model: int, n_layers: int, seq: 
 
 
 def table(result: dict) -> str:
-  lines = ["| schedule | m | ticks | weight moves (ms) | predicted lock step (ms) | measured (ms) "
-           "| measured / predicted | extra a tick (ms) | tick's work (ms) "
+  lines = ["| schedule | m | ticks | weight moves (ms) | predicted lock step (ms) "
+           "| measured (ms) | measured / predicted | extra a tick (ms) | tick's work (ms) "
            "| with it: predicted (ms) | measured / predicted | predicted async (ms) "
            "| steal |",
            "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
   for r in result["rows"]:
     lines.append(f"| {r['schedule']} | {r['microbatches']} | {r['shape']} {r['ticks']} | "
-                 f"{r['weight_moves'] * 1e3:.1f} | {r['predicted_lockstep'] * 1e3:.1f} | {r['measured'] * 1e3:.1f} | "
+                 f"{r['weight_moves'] * 1e3:.1f} | {r['predicted_lockstep'] * 1e3:.1f} | "
+                 f"{r['measured'] * 1e3:.1f} | "
                  f"{r['ratio']:.3f} | {r['per_tick_extra'] * 1e3:.2f} | "
                  f"{r['tick_work'] * 1e3:.2f} | {r['predicted_calibrated'] * 1e3:.1f} | "
                  f"{r['ratio_calibrated']:.3f} | {r['predicted_async'] * 1e3:.1f} | "

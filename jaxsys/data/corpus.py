@@ -117,7 +117,8 @@ def _source_files(source: str) -> tuple[pathlib.Path, list[pathlib.Path]]:
 
 def _check_split(split: str) -> None:
   if split not in SPLITS:
-    raise ValueError(f"split={split!r} is not a valid split; use one of {', '.join(map(repr, SPLITS))}")
+    raise ValueError(f"split={split!r} is not a valid split; use one of "
+                     f"{', '.join(map(repr, SPLITS))}")
 
 
 def list_documents(source: str, split: str) -> list[pathlib.Path]:

@@ -47,7 +47,8 @@ def test_tiny_run_in_one_process():
   # Chunks of 2 layers (one a stage) and of 1 (interleaved v=2), each measured once.
   assert sorted(result["costs"]) == ["1", "2"] and result["processes"] == 1
   lines = bench_pipeline_wall.table(result).splitlines()
-  assert lines[0].startswith("| schedule | m | ticks | weight moves (ms) | predicted lock step (ms) |")
+  assert lines[0].startswith(
+      "| schedule | m | ticks | weight moves (ms) | predicted lock step (ms) |")
   assert sum(line.startswith(("| gpipe", "| zb_h1", "| interleaved")) for line in lines) == 3
 
 

@@ -183,8 +183,7 @@ class TrainStepTest(parameterized.TestCase):
     self.assertEqual(layers["wk"].addressable_shards[0].data.shape[2], 2)  # both K/V heads
 
     def flops(model):
-      state, step, batch_sh = _jitted("data=2,tensor=4", model, None, 1, "zigzag", "ring",
-                                      False)
+      state, step, batch_sh = _jitted("data=2,tensor=4", model)
       batch = jax.device_put(packed_batch(0), batch_sh)
       return hlo_flops.dot_flops(step.lower(state, batch).compile().as_text())
     self.assertLess(flops(gqa) / flops(MODEL), 1.15)

@@ -669,7 +669,8 @@ def _moved_rows(chunk_of) -> list[bool]:
   """Whether each virtual row of a schedule's `chunk_of` sits off the layout's loop (chunk
   v * p + s on stage s), so the executor moves it."""
   p = chunk_of.shape[1]
-  return [not np.array_equal(row, np.arange(v * p, (v + 1) * p)) for v, row in enumerate(chunk_of)]
+  return [not np.array_equal(row, np.arange(v * p, (v + 1) * p))
+          for v, row in enumerate(chunk_of)]
 
 
 def rows_moved(schedule: schedules.Schedule) -> int:
