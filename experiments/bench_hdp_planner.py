@@ -2,24 +2,24 @@ r"""HDP's planning time per step: which offered documents a step takes, and its 
 
   python -m experiments.bench_hdp_planner --devices=8,64,256,1024 --steps=3
 
-No devices needed: the per-rank planner (`hdp_schedule.schedule`, what
-`parallel.hdp_schedule=per_rank` runs, with training's tight rings) plans for --devices
+No devices needed: the per-rank planner (`hdp_schedule.schedule`, what HDP training
+runs, with its tight rings) plans for --devices
 slots of --tokens_per_device tokens, --micro_steps micro-batches a step. Each step is
 offered what the loader offers (`hdp_step.loader_budget`: half as many again as a step
 holds), drawn from the stdlib's byte lengths and from the long-tailed lengths (`hdp_sim`),
 and each fit keeps what one step takes:
   one schedule:  `hdp_schedule.fit`, training's: one schedule with a budget of
                  micro-batches per device;
-  binary search: `hdp.fit_documents` (the lock-step executor's), a few plans;
+  binary search: `hdp.fit_documents` (the removed lock-step executor's), a few plans;
   one plan per document: each offered document kept if the plan still fits (the planner
                  before both), timed up to --baseline_max_devices.
 Prints a markdown table: plans and CPU seconds per step (median over --steps; the planner
 runs on one thread, so on an idle core that is its wall time), and the share of the
 step's token capacity the kept documents fill.
 
-Then, at each of --program_devices, the programs `PerRankHDPStep` would run for
---batches steps of training's fit (`hdp_step.programs`), and the padding of their buckets
-(cells in steps of tpd / 8, local micro-batches of tpd / 2^k slots): a ring program
+Then, at each of --program_devices, the programs `hdp_step.HDPStep` would run for
+--batches steps of training's fit (`hdp_step.compiled_programs`), and the padding of
+their buckets (cells in steps of tpd / 8, local micro-batches of tpd / 2^k slots): a ring program
 compiles once per ring shape (ring size, cell) and is relocated onto every other block
 of slots and cell it runs on (`relocate.Programs`); local programs compile each.
 
@@ -160,7 +160,7 @@ def count_programs(*, devices: int, tokens_per_device: int, micro_steps: int, ba
     kept, sched = hdp_schedule.fit(lengths, budget=micro_steps, num_devices=devices,
                                    tokens_per_device=tokens_per_device, widen=False)
     lengths = np.array([lengths[i] for i in kept])
-    for kind, keys in hdp_step.programs(sched, lengths, tokens_per_device).items():
+    for kind, keys in hdp_step.compiled_programs(sched, lengths, tokens_per_device).items():
       found[kind] |= keys
     ring_slots = sum(len(r.devices) * r.cell for r in sched.rings)
     ring_tokens = sum(int(lengths[list(r.seqs + sum(r.fill, ()))].sum()) for r in sched.rings)
@@ -195,13 +195,13 @@ def relocation_seconds(*, ring: int, tokens_per_device: int, repeats: int = 3) -
   optimizer = make_optimizer(run.optimizer, run.total_steps)
   abstract = state_lib.abstract_train_state(run.model, optimizer, 0)
   state_sh = state_lib.state_shardings(abstract, run.model, optimizer, mesh)
-  executor = hdp_step.PerRankHDPStep(run.model, optimizer, mesh, state_sh, tokens_per_device)
+  executor = hdp_step.make_step(run.model, optimizer, mesh, state_sh, tokens_per_device)
   acc = jax.eval_shape(lambda p: (jnp.zeros(()), jnp.zeros(()), p), abstract.params)
   batch = {f: jax.ShapeDtypeStruct((1, ring * tokens_per_device),
                                    jnp.float32 if f == "loss_mask" else jnp.int32)
            for f in FIELDS}
   args = (acc[2], batch, acc)
-  rings = [executor.ring_program(tuple(range(b * ring, (b + 1) * ring)))
+  rings = [executor.program(tuple(range(b * ring, (b + 1) * ring)))
            for b in range(repeats + 1)]  # (jitted, batch sharding over its view, ...)
   compiled, compiles, fresh = [], [], True
   for fn, *_ in rings[:repeats]:

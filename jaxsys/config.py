@@ -81,7 +81,6 @@ class ParallelConfig:
   context_algorithm: str
   context_gather_mib: int  # all_gather's budget for one layer's gathered K/V per device
   hdp: bool
-  hdp_schedule: str
   hdp_widen_rings: bool
 
 

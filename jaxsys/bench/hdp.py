@@ -19,7 +19,7 @@ machines:
 A link figure is one direction of one device's link, for ring hops and all-reduces alike.
 HDP is per-rank (jaxsys/parallel/hdp_schedule.py balancing the simulator's own estimate,
 hdp_sim.ScheduleCost, its rings widened where that ends sooner; timed as
-jaxsys/train/hdp_step.py's PerRankHDPStep runs it). The static baselines:
+jaxsys/train/hdp_step.py's HDPStep runs it). The static baselines:
   - one data x context mesh (rings of c_max, for the longest sequence) on FFD-packed rows,
     dealt three ways (lock-step, per-group accumulation, longest processing time first:
     hdp_sim.STATIC_SCHEDULES); "best static mesh" is the best of the three per batch;

@@ -1,25 +1,24 @@
-"""The real HDP run for experiments/bench_hdp.py --part=real: three layouts, one executor.
+"""The real HDP run for experiments/bench_hdp.py --part=real: two layouts, one executor.
 
 One global batch of whole stdlib documents (jaxsys.data.documents, truncated to max_len)
-trains one step five ways on the same devices, at equal tokens:
+trains one step four ways on the same devices, at equal tokens:
 
-  hdp_per_rank:       `hdp_schedule.schedule` run by `hdp_step.PerRankHDPStep` (training's
+  hdp_per_rank:       `hdp_schedule.schedule` run by `hdp_step.HDPStep` (training's
                       default): each device its own micro-batches, every ring on the
                       devices its document needs;
   hdp_per_rank_wide:  the same with widen=True (a ring may take up to twice the devices
                       it needs where the FLOP estimate says that ends sooner);
-  hdp_lockstep:       `hdp.plan` run by `hdp_step.HDPStep` (every micro-step one program
-                      over a data=N/c, context=c view of all devices);
   static_padded:      a static data x context mesh with context sized for max_len, one
                       document per row padded to the row (the textbook static CP baseline);
   static_packed:      the same mesh, documents packed first-fit decreasing into its rows,
                       each row laid out zigzag over the ring (what a static packed loader
                       feeds).
-The last three run through `HDPStep.run_packed`. The documents are those the per-rank
+The static layouts run through `HDPStep.run_programs`, a micro-step one program over the
+`data = N/c, context = c` view of all slots. The documents are those the per-rank
 schedule fits into batch_steps micro-batches per device.
 
 Per layout: micro-steps (per-rank: the most micro-batches a device runs), padding waste
-(empty slots over all slots run), token imbalance (lock-step: most loaded device over the
+(empty slots over all slots run), token imbalance (static: most loaded device over the
 mean, per micro-step, averaged; per-rank: over the whole step), FLOP imbalance (the time
 the layout takes on a pool where every device runs at the same FLOP rate, over perfect
 balance; FLOPs as `hdp.sequence_cost` counts them, real tokens only) and the measured
@@ -48,8 +47,7 @@ from jaxsys.parallel import context, hdp, hdp_layout, hdp_sim
 from jaxsys.train import config_check, hdp_step
 from jaxsys.train import state as state_lib
 
-LAYOUTS = ("hdp_per_rank", "hdp_per_rank_wide", "hdp_lockstep", "static_padded",
-           "static_packed")
+LAYOUTS = ("hdp_per_rank", "hdp_per_rank_wide", "static_padded", "static_packed")
 PER_RANK = {"hdp_per_rank": False, "hdp_per_rank_wide": True}  # layout -> widen
 
 
@@ -75,37 +73,29 @@ def row_fields(docs, row: list[int], row_tokens: int, ring: int) -> dict[str, np
   return {k: np.asarray(context.to_layout(v[None], ring, "zigzag"))[0] for k, v in out.items()}
 
 
-def static_micro_batches(docs, steps, *, num_devices: int, tokens_per_device: int, ring: int):
-  """(ring, fields [N/ring, ring * tpd]) per micro-step of `layout_plan`'s static steps:
-  its rows (the entries on each ring), empty rows padded."""
+def static_programs(docs, steps, *, num_devices: int, tokens_per_device: int, ring: int
+                    ) -> list[hdp_step.Program]:
+  """A program per micro-step of `layout_plan`'s static steps over all slots: its rows
+  (the entries on each ring) [N/ring, ring * tpd], empty rows padded."""
   per_step, row_tokens = num_devices // ring, ring * tokens_per_device
+  out = []
   for step in steps:
     rows = [[] for _ in range(per_step)]
     for i, devs in step:
       rows[devs[0] // ring].append(i)
     fields = [row_fields(docs, r, row_tokens, ring) for r in rows]
-    yield ring, {k: np.stack([f[k] for f in fields]) for k in FIELDS}
+    out.append(hdp_step.Program(tuple(range(num_devices)), ring, tokens_per_device,
+                                {k: np.stack([f[k] for f in fields]) for k in FIELDS}))
+  return out
 
 
 def layout_plan(name: str, lengths, *, num_devices: int, tokens_per_device: int, ring: int):
-  """The layout as micro-steps of (sequence, devices) entries, for hdp.summary."""
-  if name == "hdp_lockstep":
-    return hdp.plan(lengths, num_devices=num_devices, tokens_per_device=tokens_per_device)
+  """A static layout as micro-steps of (sequence, devices) entries, for hdp.summary."""
   rows = static_rows(lengths, packed=name == "static_packed", row_tokens=ring * tokens_per_device)
   per_step = num_devices // ring
   return [[(i, tuple(range(k * ring, (k + 1) * ring)))
            for k, row in enumerate(rows[s:s + per_step]) for i in row]
           for s in range(0, len(rows), per_step)]
-
-
-def micro_batches(name: str, docs, steps, *, num_devices: int, tokens_per_device: int,
-                  ring: int):
-  """The layout's micro-steps as (c, fields) for `HDPStep.run_packed`."""
-  if name == "hdp_lockstep":
-    return (hdp_layout.pack_step(m, docs, num_devices=num_devices,
-                                 tokens_per_device=tokens_per_device) for m in steps)
-  return static_micro_batches(docs, steps, num_devices=num_devices,
-                              tokens_per_device=tokens_per_device, ring=ring)
 
 
 def flop_model(d_model: int) -> hdp_sim.CostModel:
@@ -117,7 +107,7 @@ def flop_model(d_model: int) -> hdp_sim.CostModel:
 
 
 def per_rank_stats(sched, lengths, *, tokens_per_device: int, d_model: int) -> dict:
-  """A per-rank schedule's numbers, as the lock-step layouts' (see the module docstring)."""
+  """A per-rank schedule's numbers, as the static layouts' (see the module docstring)."""
   lengths = np.asarray(lengths, np.int64)
   counts = sched.micro_batches()
   n = counts.size
@@ -137,7 +127,7 @@ def per_rank_stats(sched, lengths, *, tokens_per_device: int, d_model: int) -> d
               token_imbalance=float(tokens.max() / tokens.mean()))
 
 
-def lockstep_stats(steps, lengths, *, num_devices: int, tokens_per_device: int,
+def static_stats(steps, lengths, *, num_devices: int, tokens_per_device: int,
                    d_model: int) -> dict:
   s = hdp.summary(steps, lengths, d_model=d_model, num_devices=num_devices,
                   tokens_per_device=tokens_per_device)
@@ -166,8 +156,7 @@ def real_part(*, size: str = "tiny", tokens_per_device: int = 1024, max_len: int
   abstract = state_lib.abstract_train_state(model_cfg, optimizer, seed)
   state_sh = state_lib.state_shardings(abstract, model_cfg, optimizer, mesh)
   args = (model_cfg, optimizer, mesh, state_sh, tokens_per_device)
-  lockstep = hdp_step.HDPStep(*args)
-  per_rank = {name: hdp_step.PerRankHDPStep(*args, widen=w) for name, w in PER_RANK.items()}
+  per_rank = {name: hdp_step.make_step(*args, widen=w) for name, w in PER_RANK.items()}
   init = jax.jit(lambda: state_lib.init_train_state(model_cfg, optimizer, seed),
                  out_shardings=state_sh)
   geometry = dict(num_devices=n, tokens_per_device=tokens_per_device)
@@ -178,10 +167,8 @@ def real_part(*, size: str = "tiny", tokens_per_device: int = 1024, max_len: int
     if len(kept) < len(docs):
       loader.give_back(sorted(set(range(len(docs))) - set(kept)))
     batch_list.append([docs[i] for i in kept])
-  params = init().params
-  lockstep.compile_all(params)
   for run in per_rank.values():
-    run.compile_for(params, batch_list)
+    run.compile_for(init(), batch_list)
   rows = []
   for name in LAYOUTS:
     state, times, stats = init(), [], []
@@ -193,8 +180,9 @@ def real_part(*, size: str = "tiny", tokens_per_device: int = 1024, max_len: int
         state, m = per_rank[name].run(state, docs, sched)
       else:
         steps = layout_plan(name, lengths, ring=ring, **geometry)
-        state, m = lockstep.run_packed(state, micro_batches(name, docs, steps, ring=ring,
-                                                            **geometry))
+        programs = static_programs(docs, steps, ring=ring, **geometry)
+        # The same executor runs a static mesh's micro-steps, one program each.
+        state, m = per_rank["hdp_per_rank"].run_programs(state, programs)
       jax.block_until_ready(m)
       if b:
         times.append(time.perf_counter() - t)
@@ -202,7 +190,7 @@ def real_part(*, size: str = "tiny", tokens_per_device: int = 1024, max_len: int
           s = per_rank_stats(sched, lengths, tokens_per_device=tokens_per_device,
                              d_model=model_cfg.d_model)
         else:
-          s = lockstep_stats(steps, lengths, d_model=model_cfg.d_model, **geometry)
+          s = static_stats(steps, lengths, d_model=model_cfg.d_model, **geometry)
         stats.append(dict(**s, tokens=int(sum(lengths)), loss=float(m["loss"])))
     row = {"layout": name, "ring": ring if name.startswith("static") else "1..%d" % ring,
            "step_s": statistics.median(times),

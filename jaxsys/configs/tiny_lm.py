@@ -167,14 +167,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # data.variable_length=true: each document on as many devices as its length needs,
   # data.seq_len tokens per device per micro-step, ceil(data.batch_size / devices)
   # micro-steps per step, filled from whole documents (what does not fit starts the next).
-  # hdp_schedule per_rank: each device runs its own micro-batches and only the gradient
-  # all-reduce waits for all (ByteScale); lockstep: every micro-step one program over
-  # all devices (fewer compiled programs, slower when the work is uneven).
-  # hdp_widen_rings (per_rank): a ring may take up to twice the devices it needs where
-  # that ends sooner by FLOPs (better balance, more padding; links are not modelled).
+  # Each device runs its own micro-batches and only the gradient all-reduce waits for all
+  # (ByteScale's per-rank balance). hdp_widen_rings: a ring may take up to twice the
+  # devices it needs where that ends sooner by FLOPs (better balance, more padding; links
+  # are not modelled).
   c.parallel = ml_collections.ConfigDict(dict(context_layout="zigzag", context_algorithm="ring",
                                               context_gather_mib=1024, hdp=False,
-                                              hdp_schedule="per_rank",
                                               hdp_widen_rings=False))
   c.pipeline = ml_collections.ConfigDict(dict(
       schedule="none", microbatches=4, virtual_stages=1, vocab_parallel=False, vocab_algorithm=2,

@@ -49,25 +49,24 @@ Gradient all-reduces (params > 0): one over c devices sends 2 (c - 1) / c * 4 (p
 bytes from each (f32 gradients, the loss sum and token count), taking that / link (the
 bandwidth term; latency left out), added after the program that issues it:
   per-rank HDP  one over each ring program's c devices, then one over the pool per sum
-                `PerRankHDPStep._reduce` adds (the rings', and one per local micro-batch
+                `HDPStep._reduce` adds (the rings', and one per local micro-batch
                 size: XLA compiles one each); ALLREDUCES names two executors that would
                 do fewer;
   static        one over the pool at the end. (jaxsys's compiled static step all-reduces
                 every micro-batch over `context` and `data`; the baselines are spared that.)
                 Compiled, each static micro-step also all-gathers its batch's 5 fields over
                 `context` to lay its rows out zigzag (4 bytes a token each);
-  lock-step HDP one over the pool per micro-step (jaxsys's `HDPStep`), or at the end
-                ("ideal").
+  lock-step HDP one over the pool per micro-step (jaxsys's lock-step executor, removed
+                after it lost to per-rank HDP), or at the end ("ideal").
 A sharded model (CostModel.tensor, .fsdp): the N devices above are then slots, each a
 tensor group; a device computes 1/tensor of its slot's attention and matmuls, sends
 1/tensor of its K/V and dK/dV, and all-reduces activations over its group in every program
 (`tensor_bytes`, added, on tensor_link_bytes_per_s); gradient all-reduces carry a device's
 tensor shard (`shard_params`: norms whole). With fsdp (ZeRO) a step first gathers the
-parameters over fsdp (`gather_bytes`); PerRankHDPStep then all-reduces the gradients over
+parameters over fsdp (`gather_bytes`); HDPStep then all-reduces the gradients over
 the pool whole, as without fsdp (compiled: no reduce-scatter), and updates the shards.
 tests/train/test_hdp_sim_bytes.py ties these byte counts to the executors' compiled
-programs (data-only and data=2,fsdp=2,tensor=2; lock-step HDP's sharded programs are not
-tied). Link figures: `link_bytes_per_s` is one direction of one device's link, for hops
+programs (data-only and data=2,fsdp=2,tensor=2). Link figures: `link_bytes_per_s` is one direction of one device's link, for hops
 and all-reduces alike; experiments/bench_hdp.py states the two it simulates.
 
 Example:
@@ -299,7 +298,7 @@ class CostModel:
 
   def pool_sync(self, slots: int) -> float:
     """Seconds a step spends beside its micro-batches: the pool's own collectives (one
-    gradient all-reduce over the `slots` slots, PerRankHDPStep's, with fsdp too:
+    gradient all-reduce over the `slots` slots, HDPStep's, with fsdp too:
     all-reduced whole, then each slot keeps its shard; the parameters' gather over fsdp)
     and the fixed sec_per_step."""
     return self.allreduce(slots) + self.gather() + self.sec_per_step
@@ -686,7 +685,7 @@ def device_times(groups: list[list[tuple[Sequence[int], tuple[int, ...]]]], *,
   A device holds at most one ring group (c > 1) and any number of one-device groups
   beside it. executor "ideal" (ByteScale's HDP): only ring members exchange K/V, over
   their own ring, their ring share only. "step_ring" (jaxsys's lock-step HDP executor,
-  jaxsys/train/hdp_step.py): a micro-step is one program over the `data = N/C,
+  since removed): a micro-step is one program over the `data = N/C,
   context = C` view of its largest ring C, so every device's whole block takes C - 1
   hops, needed or not. "run" (jaxsys's per-rank executor, a ring's program over just its
   run of c devices): every member's whole block, fill included, takes c - 1 hops.
@@ -741,8 +740,8 @@ def hdp_groups(steps: Plan, lengths) -> list:
 def simulate_hdp(lengths, *, num_devices: int, tokens_per_device: int,
                  model: CostModel, executor: str = "ideal") -> Result:
   """Lock-step HDP: hdp.plan (costs with the model's d_model) timed by the cost model; one
-  gradient all-reduce over the pool per micro-step ("step_ring": jaxsys's HDPStep runs
-  each micro-step as a program that ends with one) or at the end ("ideal")."""
+  gradient all-reduce over the pool per micro-step ("step_ring": jaxsys's removed lock-step
+  executor ran each micro-step as a program that ended with one) or at the end ("ideal")."""
   lengths = np.asarray(lengths, np.int64)
   steps = hdp.plan(lengths, num_devices=num_devices, tokens_per_device=tokens_per_device,
                    d_model=model.d_model)
@@ -776,7 +775,7 @@ class Job:
   sent: dict
 
 
-# How a per-rank step all-reduces its gradients: as PerRankHDPStep compiles ("executor":
+# How a per-rank step all-reduces its gradients: as HDPStep compiles ("executor":
 # each ring program over its devices, then one over the pool, its per-device sums added
 # first), or only once at the end, every sum kept per device until then ("once", as the
 # static baselines do).
@@ -883,7 +882,7 @@ def simulate_per_rank(lengths, *, num_devices: int, tokens_per_device: int,
                       estimate: str | None = None) -> Result:
   """HDP without lock step: hdp_schedule.schedule (balancing this cost model's times,
   ScheduleCost) timed by schedule_jobs, then the all-reduces over the pool: as
-  PerRankHDPStep compiles them (allreduce="executor") or as an executor that does not
+  HDPStep compiles them (allreduce="executor") or as an executor that does not
   exist yet would (see ALLREDUCES). estimate: the all-reduces the schedule's estimate
   counts (default: `allreduce`'s; "once": none of a ring's own). steps: the most
   micro-batches any device runs; imbalance: slowest device over the mean."""

@@ -47,7 +47,7 @@ OPTIONS: dict[str, dict[str, tuple]] = {
                 "parallel.context_algorithm": ("ring", "all_gather", "ulysses")},
     "outer": {"optimizer.outer": ("diloco", "streaming_diloco", "noloco", "co2"),
               "pipeline.routing": ("fixed", "random")},
-    "hdp": {"parallel.hdp_schedule": ("per_rank", "lockstep")},
+    "hdp": {"parallel.hdp_widen_rings": (False, True)},
 }
 
 

@@ -159,7 +159,6 @@ FIELDS: dict[str, Rule] = {
     "parallel.context_algorithm": one_of(*context.ALGORITHMS),
     "parallel.context_gather_mib": integer(1),
     "parallel.hdp": BOOL,
-    "parallel.hdp_schedule": one_of("per_rank", "lockstep"),
     "parallel.hdp_widen_rings": BOOL,
     "optimizer.name": one_of(*OPTIMIZERS),
     "optimizer.learning_rate": number(0, lo_open=True),
@@ -375,6 +374,23 @@ ADDED_LATER: dict[str, Any] = {"profile.steps": "", "parallel.context_algorithm"
                                "check_memory": True}
 
 
+# Fields removed since checkpoints were first written: {field: (the value that still means
+# what runs now, why the others went)}. A saved config with that value parses.
+REMOVED: dict[str, tuple[Any, str]] = {
+    "parallel.hdp_schedule": ("per_rank", "lock-step HDP was removed: per-rank HDP was "
+                              "faster in every measurement (docs/results/context_and_hdp.md)"),
+}
+
+
+def _without_removed(values: dict[str, Any]) -> dict[str, Any]:
+  """`values` less the removed fields that still mean what runs; another value is refused."""
+  for path, (kept, why) in REMOVED.items():
+    if path in values and values[path] != kept:
+      raise ValueError(f"{path}={values[path]!r}: {why}; remove the field (its value "
+                       f"{kept!r} is what runs)")
+  return {path: v for path, v in values.items() if path not in REMOVED}
+
+
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
   out = {}
   for key, value in tree.items():
@@ -469,7 +485,8 @@ def parse(config) -> config_lib.RunConfig:
 
 def _field_values(config) -> dict[str, Any]:
   """{'data.seq_len': 64, ...} of `config`, every name known and every value valid alone."""
-  values = _flatten(config.to_dict() if hasattr(config, "to_dict") else dict(config))
+  values = _without_removed(
+      _flatten(config.to_dict() if hasattr(config, "to_dict") else dict(config)))
   _check_names(values)
   values = {**ADDED_LATER, **values}
   for path, value in values.items():

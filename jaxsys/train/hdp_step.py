@@ -1,23 +1,24 @@
 """Training with Hybrid Data Parallelism: whole documents, each on as many devices as it needs.
 
-A step takes a global batch of whole documents (jaxsys.data.documents), plans it
-(`hdp.plan`: micro-steps, each device a cell of `tokens_per_device` tokens) and runs every
-micro-step as one compiled program over a view of the same devices, `data = N/c,
-context = c` for c the step's largest ring (`hdp_layout.pack_step`): ring attention over
-`context` where c > 1, the plain kernels where c = 1. So a run compiles at most
-log2(N) + 1 micro-step programs. The summed token loss, token count and gradients
-accumulate over the micro-steps in the parameters' (replicated) sharding; one optimizer
-update divides by the whole batch's token count, so the step equals a single-device step
-over the same documents, however they were split.
+ByteScale's HDP with its per-rank balance (DP-Balance). A step takes a global batch of
+whole documents (jaxsys.data.documents). `Planner` schedules them (`hdp_schedule`: each
+long document a ring on the run of slots it needs, each slot's short documents its own
+local micro-batches) and emits the step as one list of `Program`s; `HDPStep` runs them
+and ends with one all-reduce over the pool and one optimizer update. A ring's program runs
+over its run of slots as a `data = 1, context = c` view: ring attention where c > 1, the
+plain kernels where c = 1; programs of one ring shape compile once and are loaded onto
+the other runs (`relocate.Programs`). The summed token loss, token count and gradients
+accumulate, and the update divides by the whole batch's token count, so the step equals a
+single-device step over the same documents, however they were split.
 
 The pool is a mesh's batch axes (`data`, `fsdp`): each of their devices, with the devices
-of its `tensor` group and its pipeline's stages, is one slot of the plan. The views regroup
-the slots into `data = S/c, context = c` and keep `stage` and `tensor`, so every view
-reads the parameters where they are. With `fsdp` the pool trains as ZeRO-2 does
-(ByteScale's HDP with ZeRO): the parameters are gathered once a step for its micro-steps,
-the gradients accumulate reduce-scattered over `fsdp`, and the update runs on the shards.
-Over pipelines (`Pipelined`) the micro-steps are the schedule's microbatches, m to a
-program.
+of its `tensor` group and its pipeline's stages, is one slot. The views regroup slots
+into `data, context` and keep `stage` and `tensor`, so every view reads the parameters
+where they are. With `fsdp` the pool trains as ZeRO-2 does (ByteScale's HDP with ZeRO):
+the parameters are gathered once a step, the gradients are summed into their fsdp shards,
+and the update runs on the shards. A micro-step's gradient function is the model's or a
+pipeline's (`ViewGrads`); over pipelines a program runs the schedule's m microbatches.
+With an outer optimizer, `replicas.PerReplica` runs one such step in each replica.
 """
 from __future__ import annotations
 
@@ -36,9 +37,9 @@ from jaxsys.kernels import sharded
 from jaxsys.models import transformer
 from jaxsys.data.packing import FIELDS
 from jaxsys.parallel import hdp, hdp_layout, hdp_schedule, pipeline, relocate
-from jaxsys.train import grads
+from jaxsys.train import grads, replicas
 from jaxsys.train import step as step_lib
-from jaxsys.train.state import REPLICA_AXIS as REPLICA, TrainState
+from jaxsys.train.state import TrainState
 
 
 def accumulating(grad_fn: grads.GradFn, params_sh=None) -> Callable:
@@ -128,50 +129,187 @@ def _on_mesh(shardings, mesh: Mesh, spec_fn=lambda spec: spec):
 
 
 @dataclasses.dataclass(frozen=True)
-class Pipelined:
-  """Pools of pipelines: each slot spans `stage` (with `tensor`), and a program runs
-  `schedule`'s m microbatches, m of the plan's micro-batches, over its view: ring attention
-  inside the stages (the executor's uniform ticks) where the view has context > 1."""
-  schedule: pipeline.Schedule
-  layout: pipeline.Layout
-  vocab_algorithm: int = 2
-  gather_once: bool = False
+class ViewGrads:
+  """A micro-step's gradient function on any `data, context` view of a pool (`of_view`),
+  `microbatches` of the plan's micro-batches to a program. `local`: one slot's gradient
+  function, for the slots' local micro-batches run as one program over the pool (None for
+  a pool of pipelines, whose local micro-batches run as rings of one slot)."""
+  of_view: Callable[[Mesh], grads.GradFn]
+  microbatches: int = 1
+  local: grads.GradFn | None = None
 
 
-class _HDPBase:
-  """What the executors share: the pool, a view's gradient function (the model's, or a
-  pipeline's with `pipelined`), the accumulator and the optimizer update."""
+def model_grads(model_cfg: transformer.TransformerConfig) -> ViewGrads:
+  """The model's autodiff: ring attention over a view's `context` where it is > 1."""
+  return ViewGrads(lambda view: grads.autodiff(model_cfg, _context_split(view)),
+                   local=grads.autodiff(model_cfg))
 
-  def __init__(self, model_cfg, optimizer, mesh: Mesh, state_sh: TrainState,
-               tokens_per_device: int, pipelined: Pipelined | None = None):
-    self.pool = Pool(mesh)
-    self.pipelined = pipelined
-    # Micro-steps one program runs: the pipeline's microbatches, for a pool of pipelines.
-    self.microbatches = 1 if pipelined is None else pipelined.schedule.microbatches
+
+def pipeline_grads(model_cfg: transformer.TransformerConfig, schedule: pipeline.Schedule,
+                   layout: pipeline.Layout, *, vocab_algorithm: int = 2,
+                   gather_once: bool = False) -> ViewGrads:
+  """Pools of pipelines: each slot spans `stage` (with `tensor`); a program runs
+  `schedule`'s m microbatches, m of the plan's micro-batches, over its view (ring attention
+  inside the stages, the executor's uniform ticks, where the view has context > 1)."""
+  def of_view(view: Mesh) -> grads.GradFn:
+    return grads.pipelined(model_cfg, schedule, layout, view, vocab_algorithm=vocab_algorithm,
+                           context_split=_context_split(view), gather_once=gather_once)
+  return ViewGrads(of_view, microbatches=schedule.microbatches)
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+  """One program of a step. Over a run of slots (`slots`): micro-batches over its
+  `data = len(slots) / context, context` view, `fields` [rows, context * cell], their sums
+  accumulated on the run. Local (`slots` None): every slot's own micro-batches of `cell`
+  tokens, `fields` [S, k, cell], `counts` [S] of them each."""
+  slots: tuple[int, ...] | None
+  context: int
+  cell: int
+  fields: dict[str, np.ndarray]
+  counts: np.ndarray | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Planner:
+  """A pool's per-rank schedule of a step's documents (`hdp_schedule`) and its programs.
+  `widen`: rings may take up to twice the devices they need when the FLOP estimate says
+  that ends sooner (it knows no link speed; off: least padding)."""
+  num_devices: int
+  tokens_per_device: int
+  d_model: int = hdp.DEFAULT_D_MODEL
+  widen: bool = False
+
+  def plan(self, lengths) -> hdp_schedule.Schedule:
+    return hdp_schedule.schedule([int(n) for n in lengths], num_devices=self.num_devices,
+                                 tokens_per_device=self.tokens_per_device,
+                                 d_model=self.d_model, widen=self.widen)
+
+  def fit(self, docs, micro_steps: int) -> tuple[list[int], hdp_schedule.Schedule]:
+    """(kept, schedule of those docs): what of `docs` one step takes, at most `micro_steps`
+    micro-batches on every device, in one schedule (`hdp_schedule.fit`). The schedule
+    indexes the kept documents; callers pass docs[kept] alongside it."""
+    return hdp_schedule.fit([len(d) - 1 for d in docs], budget=micro_steps,
+                            num_devices=self.num_devices,
+                            tokens_per_device=self.tokens_per_device,
+                            d_model=self.d_model, widen=self.widen)
+
+  @staticmethod
+  def micro_batches(sched: hdp_schedule.Schedule) -> int:
+    """The most micro-batches a device runs."""
+    return int(sched.micro_batches().max(initial=0))
+
+  def programs(self, sched: hdp_schedule.Schedule, docs, *, microbatches: int = 1,
+               local: bool = True) -> list[Program]:
+    """The step's programs, in dispatch order: the rings first (a device starts its local
+    work when its own rings are done), each run's micro-batches of a cell `microbatches` to
+    a program (the last padded with empty ones); then, with `local`, one program per local
+    micro-batch size, else each slot's local micro-batches as runs of one slot (a
+    pipeline's: every run pipelines its micro-batches at its own pace)."""
+    runs: dict[tuple, list] = {}
+    for ring in sched.rings:
+      c = len(ring.devices)
+      _, fields = hdp_layout.pack_step(ring.entries(), docs, num_devices=c,
+                                       tokens_per_device=ring.cell, view=c)
+      runs.setdefault((ring.devices, ring.cell), []).append(fields)
+    by_size = local_batches(sched, [len(doc) - 1 for doc in docs], self.tokens_per_device)
+    if not local:
+      for size, per_slot in sorted(by_size.items()):
+        for d, batches in enumerate(per_slot):
+          for batch in batches:
+            runs.setdefault(((d,), size), []).append(_one_slot(batch, docs, size))
+    out = []
+    for (slots, cell), cells in runs.items():
+      c = len(slots)
+      _, empty = hdp_layout.pack_step([], [], num_devices=c, tokens_per_device=cell, view=c)
+      for start in range(0, len(cells), microbatches):
+        group = cells[start:start + microbatches]
+        group += [empty] * (microbatches - len(group))
+        out.append(Program(slots, c, cell, {f: np.concatenate([g[f] for g in group])
+                                            for f in FIELDS}))
+    if local:
+      out += [_local_program(size, per_slot, docs) for size, per_slot in sorted(by_size.items())]
+    return out
+
+
+def _one_slot(batch, docs, size: int) -> dict[str, np.ndarray]:
+  """A local micro-batch's documents packed into one slot's cell of `size` tokens [1, size]."""
+  return hdp_layout.pack_step([(i, (0,)) for i in batch], docs, num_devices=1,
+                              tokens_per_device=size)[1]
+
+
+def _local_program(size: int, per_slot, docs) -> Program:
+  """Every slot's local micro-batches of `size` tokens (`per_slot[d]`: lists of document
+  indices) as one program: fields [S, k, size], k the most any slot runs to a power of 2."""
+  k = _axis(per_slot)
+  fields = {f: np.zeros((len(per_slot), k, size), np.float32 if f == "loss_mask" else np.int32)
+            for f in FIELDS}
+  for d, batches in enumerate(per_slot):
+    for b, batch in enumerate(batches):
+      cell = _one_slot(batch, docs, size)
+      for f in FIELDS:
+        fields[f][d, b] = cell[f][0]
+  counts = np.array([len(batches) for batches in per_slot], np.int32)
+  return Program(None, 1, size, fields, counts)
+
+
+def _summed(params, sums, step=None):
+  """A 'gradient function' whose batch is already the step's sums: with `grads.model_step`
+  it is the update every step applies to its gradients."""
+  del params, step
+  return sums
+
+
+class HDPStep:
+  """(state, document batch) -> (state, metrics): the programs of `planner` over `pool`,
+  each micro-step `grads`' gradient function on its view, then the optimizer's update.
+
+  A run's programs accumulate on the run's devices; a local program runs every slot's
+  micro-batches in a loop of the slot's own length (`shard_map`: no collective inside, so
+  a slot that is done does not wait) into per-slot sums; finally the per-slot sums are
+  added where they lie and summed over the pool: one all-reduce.
+  """
+
+  def __init__(self, pool: Pool, view_grads: ViewGrads, planner: Planner, optimizer,
+               state_sh: TrainState, compiler_options: dict[str, Any] | None = None):
+    self.pool, self.grads, self.planner = pool, view_grads, planner
+    self.compiler_options = compiler_options
     # Every program's devices in the pool's order; the state stays on its own mesh (the
     # same shards on the same devices, rewrapped without a copy on the way in and out).
-    self.model_cfg, self.optimizer, self.mesh = model_cfg, optimizer, self.pool.mesh
-    self.tokens_per_device = tokens_per_device
+    self.mesh = pool.mesh
     self.params_sh = _on_mesh(state_sh.params, self.mesh)
     # The parameters as each micro-step reads them: whole on every slot (gathered over fsdp).
     self.gathered_sh = _on_mesh(self.params_sh, self.mesh, lambda spec: _without(spec, "fsdp"))
     self._gather_jit = jax.jit(lambda p: p, out_shardings=self.gathered_sh)
     rep = NamedSharding(self.mesh, P())
     self._acc_sh = (rep, rep, self.params_sh)
-    self._zeros_jit = jax.jit(_zero_sums, out_shardings=self._acc_sh)
-    state_rep = NamedSharding(mesh, P())
-    self._update_acc_sh = (state_rep, state_rep, state_sh.params)
-    update = functools.partial(step_lib.apply_gradients, optimizer=optimizer)
-    self._update = jax.jit(lambda s, acc: update(s, total=acc[0], count=acc[1], grads=acc[2]),
-                           out_shardings=(state_sh, state_rep), donate_argnums=0)
-
-  def _gather(self, params):
-    """The state's parameters as every micro-step reads them, on the pool's mesh."""
-    return self._gather_jit(_on(params, self.params_sh))
-
-  def _zeros(self, params):
-    """Zero sums of the state's parameters, laid out as the pool accumulates them."""
-    return self._zeros_jit(_on(params, self.params_sh))
+    self._state_rep = NamedSharding(state_sh.step.mesh, P())
+    self._update_acc_sh = (self._state_rep, self._state_rep, state_sh.params)
+    self._update = jax.jit(grads.model_step(_summed, optimizer),
+                           out_shardings=(state_sh, self._state_rep), donate_argnums=0)
+    # XLA:CPU runs a device's programs on a shared thread pool, not in dispatch order, and
+    # two rings on overlapping devices in flight at once can leave a collective's
+    # rendezvous short of a thread (seen: 7 of 8 arrived, then an abort). On CPU the
+    # simulated devices share the cores anyway, so rings run one at a time there.
+    self._one_ring_at_a_time = self.mesh.devices.flat[0].platform == "cpu"
+    self._runs: dict[tuple, tuple] = {}
+    # A run's programs over any run of its shape: compiled for the first, loaded onto others.
+    self._run_programs, self._run_zeros = relocate.Programs(), relocate.Programs()
+    self._locals: dict[int, Callable] = {}
+    # Per-slot sums [S, ...]: a row per slot, each row split as the gathered parameters.
+    stacked = NamedSharding(self.mesh, pool.stacked(P()))
+    self._stacked_sh = (stacked, stacked,
+                        _on_mesh(self.gathered_sh, self.mesh, pool.stacked))
+    n = self.num_devices
+    self._stacked_zeros = jax.jit(
+        lambda p: jax.tree.map(lambda x: jnp.zeros((n,) + x.shape, x.dtype), _zero_sums(p)),
+        out_shardings=self._stacked_sh)
+    # The per-slot sums are added where they lie, then summed over the pool: one
+    # all-reduce, not one per program.
+    self._reduce = jax.jit(
+        lambda locals_, runs: jax.tree.map(
+            lambda run, *local: (run + sum(local)).sum(0), runs, *locals_),
+        out_shardings=self._acc_sh)
 
   @property
   def num_devices(self) -> int:
@@ -179,232 +317,94 @@ class _HDPBase:
     return self.pool.size
 
   @property
-  def pools(self) -> tuple["_HDPBase", ...]:
+  def steps(self) -> tuple[HDPStep, ...]:
+    """The pools a batch is planned for: this one (`replicas.PerReplica` has one a replica)."""
     return (self,)
 
   @staticmethod
   def batch_of(parts: list[dict]) -> dict:
     return parts[0]
 
-  def _view_program(self, view: Mesh, params_sh, acc_sh):
-    """The jitted micro-step over the `data, context` view `view`, and its batch sharding.
-    Parameters and sums take `params_sh`' and `acc_sh`'s layouts (the pool's, for the
-    lock-step executor) so each view compiles once."""
-    batch_sh = NamedSharding(view, P("data", "context"))
-    fn = accumulating(self._grad_fn(view), params_sh)
-    jitted = jax.jit(sharded.under_mesh(fn, view),
-                     in_shardings=(params_sh, batch_sh, acc_sh),
-                     out_shardings=acc_sh, donate_argnums=2,
-                     compiler_options=step_lib.compiler_options(self.model_cfg, view))
-    return jitted, batch_sh
+  def plan(self, lengths) -> hdp_schedule.Schedule:
+    return self.planner.plan(lengths)
 
-  def _grad_fn(self, view: Mesh) -> grads.GradFn:
-    """The gradient function of a micro-step over `view`."""
-    split, p = _context_split(view), self.pipelined
-    if p is None:
-      return grads.autodiff(self.model_cfg, split)
-    return grads.pipelined(self.model_cfg, p.schedule, p.layout, view,
-                           vocab_algorithm=p.vocab_algorithm, context_split=split,
-                           gather_once=p.gather_once)
+  def fit(self, docs, micro_steps: int):
+    return self.planner.fit(docs, micro_steps)
+
+  def programs(self, sched: hdp_schedule.Schedule, docs) -> list[Program]:
+    """The planner's programs of `sched` for this step's gradient function."""
+    return self.planner.programs(sched, docs, microbatches=self.grads.microbatches,
+                                 local=self.grads.local is not None)
 
   def __call__(self, state: TrainState, batch: dict[str, Any]):
     docs = batch["tokens"]
-    plan = batch.get("plan") or self.plan([len(d) - 1 for d in docs])
-    return self.run(state, docs, plan)
+    sched = batch.get("plan") or self.plan([len(d) - 1 for d in docs])
+    return self.run(state, docs, sched)
 
-  def lower(self, state: TrainState, c: int = 2) -> list:
-    """The update's and a ring of `c` slots' micro-step programs, lowered for `state`'s
-    shapes (abstract or real): what a compile check builds ahead of any batch."""
-    fn, batch_sh = self.ring(c)
-    rows = batch_sh.mesh.shape["data"] * self.microbatches
-    batch = {f: jax.ShapeDtypeStruct((rows, c * self.tokens_per_device),
-                                     jnp.float32 if f == "loss_mask" else jnp.int32)
-             for f in FIELDS}
-    acc = jax.eval_shape(_zero_sums, state.params)  # shapes: each program lays them out
-    return [self._update.lower(state, acc), fn.lower(acc[2], batch, acc)]
+  def run(self, state: TrainState, docs, sched: hdp_schedule.Schedule):
+    """One update over `docs` as the schedule lays them out."""
+    return self.run_programs(state, self.programs(sched, docs),
+                             micro_steps=self.planner.micro_batches(sched))
 
-  def _finish(self, state, acc, micro_batches: int, reductions: float):
-    """The update, and the step's metrics: `grad_reductions`, the gradient all-reduces it
-    ran in units of one over the whole pool (the loop's comm_bytes)."""
-    state, metrics = self._update(state, _on(acc, self._update_acc_sh))
-    return state, {**metrics, "micro_steps": jnp.asarray(micro_batches),
-                   "grad_reductions": np.float32(reductions)}  # a host value
+  def run_programs(self, state: TrainState, programs: list[Program], micro_steps: int = 0):
+    """One update over `programs` (any layout the ring masks right: positions and segment
+    ids per token, e.g. a static mesh's packed rows as runs over all slots)."""
+    params = self._gather(state.params)
+    run_sums, local_sums, reductions = {}, [], 0.0
+    for prog in programs:
+      if prog.slots is None:
+        fn = self.local_program(prog.fields["inputs"].shape[1])
+        stacked = self._stacked_sh[0]
+        local_sums.append(fn(params, _put(prog.fields, stacked),
+                             _put({"n": prog.counts}, stacked)["n"]))
+        continue
+      fn, batch_sh, zeros, params_sh = self.program(prog.slots, prog.context)
+      view = batch_sh.mesh
+      key = (prog.slots, prog.context)
+      if key not in run_sums:
+        on_run = replicas.on_devices(params, params_sh)
+        run_sums[key] = (on_run, self._run_zeros(zeros, view, on_run))
+      on_run, acc = run_sums[key]
+      acc = self._run_programs(fn, view, on_run, _put(prog.fields, batch_sh), acc)
+      run_sums[key] = (on_run, acc)
+      # Each program all-reduces over its run: (c - 1) / (N - 1) of the pool's bytes,
+      # averaged over the pool's devices.
+      reductions += (len(prog.slots) - 1) / max(1, self.num_devices - 1)
+      if self._one_ring_at_a_time:
+        jax.block_until_ready(acc)
+    per_slot = self._per_slot([(slots, acc) for (slots, _), (_, acc) in run_sums.items()],
+                              replicas.on_devices(state.params, self.params_sh))
+    acc = self._reduce(local_sums, per_slot)
+    # One all-reduce over the pool at the end, besides the runs' own.
+    state, metrics = self._update(state, replicas.on_devices(acc, self._update_acc_sh))
+    return state, {**metrics,
+                   "micro_steps": jax.device_put(np.int32(micro_steps), self._state_rep),
+                   # The gradient all-reduces, in units of one over the whole pool (the
+                   # loop's comm_bytes): a host value.
+                   "grad_reductions": np.float32(1.0 + reductions)}
 
-
-def _zero_sums(params):
-  return jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, params)
-
-
-class HDPStep(_HDPBase):
-  """Lock-step HDP: (state, document batch) -> (state, metrics) over `hdp.plan`'s
-  micro-steps, each one program over the pool's `data = N/c, context = c` view (over pools
-  of pipelines, m micro-steps to a program over the view of c, their largest ring)."""
-
-  def __init__(self, *args, **kwargs):
-    super().__init__(*args, **kwargs)
-    self._programs: dict[int, tuple[Callable, NamedSharding]] = {}
-
-  def ring(self, c: int) -> tuple[Callable, NamedSharding]:
-    return self.program(c)
-
-  def program(self, c: int) -> tuple[Callable, NamedSharding]:
-    """The jitted micro-step of views with context c, and its batch sharding (cached)."""
-    if c not in self._programs:
-      self._programs[c] = self._view_program(self.pool.view(c), self.gathered_sh, self._acc_sh)
-    return self._programs[c]
-
-  def compile_all(self, params) -> None:
-    """Compiles (by running once on padding) every view's program, so later steps time
-    only compute: a benchmark's warm-up. Training compiles views as it meets them."""
-    c = 1
-    while c <= self.num_devices:
-      fn, batch_sh = self.program(c)
-      fields = self._pack([[]] * self.microbatches, [], c)
-      jax.block_until_ready(fn(self._gather(params), _put(fields, batch_sh), self._zeros(params)))
-      c *= 2
-
-  def fit(self, docs, micro_steps: int):
-    """(kept, plan of those docs): what of `docs` one step takes, at most `micro_steps`
-    micro-steps, in a few plans (`hdp.fit_documents`). The plan indexes the kept
-    documents; callers pass docs[kept] alongside it."""
-    return hdp.fit_documents([len(d) - 1 for d in docs], budget=micro_steps,
-                             capacity=micro_steps * self.num_devices * self.tokens_per_device,
-                             plan=self.plan, micro_batches=self.micro_batches)
-
-  def plan(self, lengths) -> hdp.Plan:
-    return hdp.plan([int(n) for n in lengths], num_devices=self.num_devices,
-                    tokens_per_device=self.tokens_per_device)
-
-  @staticmethod
-  def micro_batches(plan: hdp.Plan) -> int:
-    return len(plan)
-
-  def _pack(self, micro_steps, docs, c: int) -> dict[str, np.ndarray]:
-    """Micro-steps packed over the view of c as one program's batch: micro-step j's row k
-    at row k * len(micro_steps) + j, so `pipeline.split_microbatches` takes micro-step j
-    as microbatch j and row k stays on the view's data shard k."""
-    fields = [hdp_layout.pack_step(micro, docs, num_devices=self.num_devices,
-                                   tokens_per_device=self.tokens_per_device, view=c)[1]
-              for micro in micro_steps]
-    return {k: np.stack([f[k] for f in fields], axis=1).reshape(-1, c * self.tokens_per_device)
-            for k in FIELDS}
-
-  def run(self, state: TrainState, docs, steps: hdp.Plan):
-    """One update over `docs` laid out by the plan `steps`: its micro-steps, `microbatches`
-    to a program over the view of their largest ring (the last padded with empty ones),
-    then the update."""
-    m = self.microbatches
-
-    def programs():
-      for start in range(0, len(steps), m):
-        group = steps[start:start + m]
-        c = max(hdp_layout.view_size(micro) for micro in group)
-        yield c, self._pack(group + [[]] * (m - len(group)), docs, c)
-    state, metrics = self.run_packed(state, programs())
-    return state, {**metrics, "micro_steps": jnp.asarray(len(steps))}
-
-  def run_packed(self, state: TrainState, micro_batches):
-    """One update over programs' batches given as (c, fields [N/c * microbatches,
-    c * tokens_per_device]) in any layout the ring masks right (positions and segment ids
-    per token), e.g. a static mesh's packed rows."""
-    params, acc, count = self._gather(state.params), self._zeros(state.params), 0
-    for c, fields in micro_batches:
-      count += 1
-      fn, batch_sh = self.program(c)
-      acc = fn(params, _put(fields, batch_sh), acc)
-    # Every program all-reduces its gradients over the pool once.
-    return self._finish(state, acc, count, reductions=float(count))
-
-
-def _put(fields: dict[str, np.ndarray], sharding) -> dict[str, jax.Array]:
-  return {k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx])
-          for k, v in fields.items()}
-
-
-class PerRankHDPStep(_HDPBase):
-  """Per-rank HDP (ByteScale's DP-Balance): each device runs its own micro-batches of
-  `hdp_schedule.schedule`, and only the gradient all-reduce at the end waits for all.
-
-  A ring is one program over its run of devices (`data = 1, context = c`), with cells
-  of the ring's size; each run's programs accumulate on the run. Then, per local
-  micro-batch size (`hdp_schedule.local_cell`), one program over the pool runs every
-  device's local micro-batches of that size in a loop of its own length (`shard_map`: no
-  collective inside, so a device that is done does not wait), from zero sums kept per
-  device. The rings are dispatched first, so a device starts its local work when its
-  own rings are done; finally one all-reduce sums the per-device and per-run sums.
-  A ring program compiles once per ring size and cell size (`hdp_schedule.CELL_STEPS` at
-  most) and is loaded onto each other run of slots of that size (`relocate.Programs`);
-  local programs compile per local size (`hdp_schedule.LOCAL_SIZES`) and power of two of
-  local micro-batches.
-  """
-
-  def __init__(self, *args, widen: bool = False, **kwargs):
-    super().__init__(*args, **kwargs)
-    # hdp_schedule.schedule's: rings may take up to twice the devices they need when the
-    # FLOP estimate says that ends sooner (it knows no link speed; off: least padding).
-    self.widen = widen
-    # XLA:CPU runs a device's programs on a shared thread pool, not in dispatch order, and
-    # two rings on overlapping devices in flight at once can leave a collective's
-    # rendezvous short of a thread (seen: 7 of 8 arrived, then an abort). On CPU the
-    # simulated devices share the cores anyway, so rings run one at a time there.
-    self._one_ring_at_a_time = self.mesh.devices.flat[0].platform == "cpu"
-    self._rings: dict[tuple[int, ...], tuple] = {}
-    # A ring's programs over any run of its size: compiled for the first, loaded onto others.
-    self._ring_programs, self._ring_zeros = relocate.Programs(), relocate.Programs()
-    self._locals: dict[int, Callable] = {}
-    # Per-slot sums [S, ...]: a row per slot, each row split as the gathered parameters.
-    stacked = NamedSharding(self.mesh, self.pool.stacked(P()))
-    self._stacked_sh = (stacked, stacked,
-                        _on_mesh(self.gathered_sh, self.mesh, self.pool.stacked))
-    n = self.num_devices
-    self._stacked_zeros = jax.jit(
-        lambda p: jax.tree.map(lambda x: jnp.zeros((n,) + x.shape, x.dtype), _zero_sums(p)),
-        out_shardings=self._stacked_sh)
-    # The per-device sums are added where they lie, then summed over the pool: one
-    # all-reduce, not one per local program.
-    self._reduce = jax.jit(
-        lambda locals_, rings: jax.tree.map(
-            lambda ring, *local: (ring + sum(local)).sum(0), rings, *locals_),
-        out_shardings=self._acc_sh)
-
-  def plan(self, lengths) -> hdp_schedule.Schedule:
-    return hdp_schedule.schedule([int(n) for n in lengths], num_devices=self.num_devices,
-                                 tokens_per_device=self.tokens_per_device,
-                                 d_model=self.model_cfg.d_model, widen=self.widen)
-
-  def fit(self, docs, micro_steps: int):
-    """(kept, schedule of those docs): what of `docs` one step takes, at most `micro_steps`
-    micro-batches on every device, in one schedule (`hdp_schedule.fit`). The schedule
-    indexes the kept documents; callers pass docs[kept] alongside it."""
-    return hdp_schedule.fit([len(d) - 1 for d in docs], budget=micro_steps,
-                            num_devices=self.num_devices,
-                            tokens_per_device=self.tokens_per_device,
-                            d_model=self.model_cfg.d_model, widen=self.widen)
-
-  @staticmethod
-  def micro_batches(sched: hdp_schedule.Schedule) -> int:
-    return int(sched.micro_batches().max(initial=0))
-
-  def ring(self, c: int) -> tuple[Callable, NamedSharding]:
-    return self.ring_program(tuple(range(c)))[:2]
-
-  def ring_program(self, block: tuple[int, ...]):
+  def program(self, slots: tuple[int, ...], c: int | None = None):
     """(jitted micro-step, batch sharding, jitted zero sums, parameter shardings) of a run
-    of slots (`block`: their indices in the pool), over its view (the batch sharding's
-    mesh); `_run_sums` runs them as programs compiled once per ring size and cell."""
-    if block not in self._rings:
-      view = self.pool.view(len(block), block)
+    of slots (their indices in the pool) over its `data = len(slots) / c, context = c`
+    view (c: the run's size by default), the view being the batch sharding's mesh."""
+    c = len(slots) if c is None else c
+    if (slots, c) not in self._runs:
+      view = self.pool.view(c, slots)
       params_sh = _on_mesh(self.gathered_sh, view)
       rep = NamedSharding(view, P())
       acc_sh = (rep, rep, params_sh)
-      fn, batch_sh = self._view_program(view, params_sh, acc_sh)
-      self._rings[block] = (fn, batch_sh, jax.jit(_zero_sums, out_shardings=acc_sh), params_sh)
-    return self._rings[block]
+      batch_sh = NamedSharding(view, P("data", "context"))
+      fn = jax.jit(sharded.under_mesh(accumulating(self.grads.of_view(view), params_sh), view),
+                   in_shardings=(params_sh, batch_sh, acc_sh), out_shardings=acc_sh,
+                   donate_argnums=2, compiler_options=self.compiler_options)
+      self._runs[slots, c] = (fn, batch_sh, jax.jit(_zero_sums, out_shardings=acc_sh),
+                              params_sh)
+    return self._runs[slots, c]
 
   def local_program(self, k: int) -> Callable:
-    """Every device's (up to) k local micro-batches, as many as its count says."""
+    """Every slot's (up to) k local micro-batches, as many as its count says."""
     if k not in self._locals:
-      fn = functools.partial(_local_sums, model_cfg=self.model_cfg)
+      fn = functools.partial(_local_sums, grad_fn=self.grads.local)
       spec = self.pool.stacked(P())
       # Manual over the slots only: a slot's tensor group runs its model as one.
       mapped = jax.shard_map(fn, mesh=self.mesh, in_specs=(P(), spec, spec),
@@ -412,123 +412,60 @@ class PerRankHDPStep(_HDPBase):
                              check_vma=False)
       self._locals[k] = jax.jit(mapped, in_shardings=(self.gathered_sh, self._stacked_sh[0],
                                                       self._stacked_sh[0]),
-                                out_shardings=self._stacked_sh)
+                                out_shardings=self._stacked_sh,
+                                compiler_options=self.compiler_options)
     return self._locals[k]
 
-  def compile_for(self, params, batches) -> None:
-    """Compiles (by running once on padding) the programs that the schedules of
-    `batches` (lists of documents) need, so later steps time only compute: a
-    benchmark's warm-up."""
-    runs, locals_ = set(), set()
+  def compile_for(self, state: TrainState, batches) -> TrainState:
+    """Runs once every program the schedules of `batches` (lists of documents) need, one
+    of each, so later steps time only compute: a benchmark's warm-up. Returns the state
+    after (it is donated)."""
+    seen, programs = set(), []
     for docs in batches:
-      sched = self.plan([len(doc) - 1 for doc in docs])
-      runs |= set(self._run_batches(sched, docs))
-      locals_ |= {(_axis(local), size) for size, local in self._local_batches(sched, docs).items()}
-    gathered = self._gather(params)
-    self._run_sums(gathered, {run: [] for run in runs})
-    for k, size in locals_:
-      no_batches = [()] * self.num_devices
-      jax.block_until_ready(
-          self.local_program(k)(gathered, *self._local_inputs(k, size, no_batches, [])))
+      for prog in self.programs(self.plan([len(doc) - 1 for doc in docs]), docs):
+        key = (prog.slots, prog.context, prog.cell, prog.fields["inputs"].shape)
+        if key not in seen:
+          seen.add(key)
+          programs.append(prog)
+    return self.run_programs(state, programs)[0]
 
-  def _run_batches(self, sched: hdp_schedule.Schedule, docs) -> dict[tuple, list]:
-    """The rings' micro-batches by their run of slots and cell: {(block, cell): each
-    packed [1, c * cell], in the schedule's order}. A pool of pipelines also runs each
-    slot's local micro-batches so, as runs of one slot (a pipeline is no local program):
-    every run pipelines its micro-batches of a cell, m to a program, at its own pace."""
-    out: dict[tuple, list] = {}
-    for ring in sched.rings:
-      c = len(ring.devices)
-      _, fields = hdp_layout.pack_step(ring.entries(), docs, num_devices=c,
-                                       tokens_per_device=ring.cell, view=c)
-      out.setdefault((ring.devices, ring.cell), []).append(fields)
-    if self.pipelined is not None:
-      for size, local in sorted(self._local_batches(sched, docs).items()):
-        for d, batches in enumerate(local):
-          for batch in batches:
-            _, fields = hdp_layout.pack_step([(i, (0,)) for i in batch], docs, num_devices=1,
-                                             tokens_per_device=size)
-            out.setdefault(((d,), size), []).append(fields)
-    return out
+  def lower(self, state: TrainState, c: int = 2) -> list:
+    """The update's and a ring of `c` slots' micro-step programs, lowered for `state`'s
+    shapes (abstract or real): what a compile check builds ahead of any batch."""
+    fn, batch_sh, _, _ = self.program(tuple(range(c)))
+    batch = {f: jax.ShapeDtypeStruct((self.grads.microbatches, c * self.planner.tokens_per_device),
+                                     jnp.float32 if f == "loss_mask" else jnp.int32)
+             for f in FIELDS}
+    acc = jax.eval_shape(_zero_sums, state.params)  # shapes: each program lays them out
+    return [self._update.lower(state, acc), fn.lower(acc[2], batch, acc)]
 
-  def _run_sums(self, params, runs: dict[tuple, list]) -> tuple[dict, float]:
-    """({block: its sums}, all-reduces): each run's micro-batches, `microbatches` to a
-    program (the last padded with empty ones), accumulated on the run's devices. Each
-    program all-reduces over its run: (c - 1) / (N - 1) of the pool's bytes, averaged over
-    the pool's devices."""
-    m, sums, reductions = self.microbatches, {}, 0.0
-    for (block, cell), cells in runs.items():
-      fn, batch_sh, zeros, params_sh = self.ring_program(block)
-      view = batch_sh.mesh
-      if block not in sums:
-        on_run = _on(params, params_sh)
-        sums[block] = (on_run, self._ring_zeros(zeros, view, on_run))
-      on_run, acc = sums[block]
-      _, empty = hdp_layout.pack_step([], [], num_devices=len(block), tokens_per_device=cell,
-                                      view=len(block))
-      for start in range(0, max(1, len(cells)), m):
-        group = cells[start:start + m]
-        fields = {f: np.concatenate([g[f] for g in group + [empty] * (m - len(group))])
-                  for f in FIELDS}
-        acc = self._ring_programs(fn, view, on_run, _put(fields, batch_sh), acc)
-        reductions += (len(block) - 1) / max(1, self.num_devices - 1)
-        if self._one_ring_at_a_time:
-          jax.block_until_ready(acc)
-      sums[block] = (on_run, acc)
-    return {block: acc for block, (_, acc) in sums.items()}, reductions
+  def _gather(self, params):
+    """The state's parameters as every micro-step reads them, on the pool's mesh."""
+    return self._gather_jit(replicas.on_devices(params, self.params_sh))
 
-  def _local_batches(self, sched: hdp_schedule.Schedule, docs) -> dict[int, list]:
-    return local_batches(sched, [len(doc) - 1 for doc in docs], self.tokens_per_device)
-
-  def _local_inputs(self, k: int, size: int, local, docs):
-    """A local program's inputs: every device's micro-batches (`local[d]`, lists of
-    document indices) packed into fields [N, k, size], and their counts [N]."""
-    fields = {f: np.zeros((self.num_devices, k, size), np.float32 if f == "loss_mask"
-                          else np.int32) for f in FIELDS}
-    for d, batches in enumerate(local):
-      for b, batch in enumerate(batches):
-        _, cell = hdp_layout.pack_step([(i, (0,)) for i in batch], docs, num_devices=1,
-                                       tokens_per_device=size)
-        for f in FIELDS:
-          fields[f][d, b] = cell[f][0]
-    counts = np.array([len(batches) for batches in local], np.int32)
-    stacked = self._stacked_sh[0]
-    return _put(fields, stacked), _put({"n": counts}, stacked)["n"]
-
-  def _run_locals(self, params, sched: hdp_schedule.Schedule, docs) -> list:
-    """Per local micro-batch size, every device's local sums [S, ...] (one program each;
-    none for a pool of pipelines, whose local micro-batches are runs)."""
-    if self.pipelined is not None:
-      return []
-    return [self.local_program(k)(params, *self._local_inputs(k, size, local, docs))
-            for size, local in sorted(self._local_batches(sched, docs).items())
-            for k in [_axis(local)]]
-
-  def run(self, state: TrainState, docs, sched: hdp_schedule.Schedule):
-    """One update over `docs` as the schedule lays them out."""
-    params = self._gather(state.params)
-    # The rings first: a device starts its local work when its own rings are done.
-    block_sums, ring_reductions = self._run_sums(params, self._run_batches(sched, docs))
-    local_sums = self._run_locals(params, sched, docs)
-    ring_sums = self._per_device(block_sums, _on(state.params, self.params_sh))
-    acc = self._reduce(local_sums, ring_sums)
-    # One all-reduce over the pool at the end, besides the rings' own.
-    return self._finish(state, acc, self.micro_batches(sched), 1.0 + ring_reductions)
-
-  def _per_device(self, block_sums: dict, params):
-    """The runs' sums stacked [S, ...] over the pool: each run's sums added on its first
-    slot's devices, zeros elsewhere (this process's devices)."""
+  def _per_slot(self, run_sums: list[tuple], params):
+    """The runs' sums ((slots, sums) pairs) stacked [S, ...] over the pool: each run's sums
+    added on its first slot's devices, zeros elsewhere (this process's devices)."""
     def stack(zeros, *leaves):
       shards = {s.device: s.data for s in zeros.addressable_shards}
-      for block, leaf in zip(block_sums, leaves):
+      for (slots, _), leaf in zip(run_sums, leaves):
         ring = {s.device: s.data for s in leaf.addressable_shards}
-        for device in self.pool.slot_devices(block[0]):
+        for device in self.pool.slot_devices(slots[0]):
           if device in shards:
             shards[device] = shards[device] + ring[device][None]
       return jax.make_array_from_single_device_arrays(
           zeros.shape, zeros.sharding, [shards[s.device] for s in zeros.addressable_shards])
 
-    return jax.tree.map(stack, self._stacked_zeros(params), *block_sums.values())
+    return jax.tree.map(stack, self._stacked_zeros(params), *(acc for _, acc in run_sums))
+
+
+def _zero_sums(params):
+  return jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, params)
+
+
+def _put(fields: dict[str, np.ndarray], sharding) -> dict[str, jax.Array]:
+  return {k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx])
+          for k, v in fields.items()}
 
 
 def _axis(local) -> int:
@@ -549,30 +486,22 @@ def local_batches(sched: hdp_schedule.Schedule, lengths, tokens_per_device: int
   return out
 
 
-def programs(sched: hdp_schedule.Schedule, lengths, tokens_per_device: int) -> dict[str, set]:
-  """The programs `PerRankHDPStep` runs for a schedule of `lengths` (no devices needed):
-  "ring shape": (ring size, cell), each a ring program compiled once; "ring": (block of
-  slots, cell), where they run (each beyond its shape's first a relocation, or a compile
-  where relocating fails); "local": (micro-batch axis, slots), each compiled."""
+def compiled_programs(sched: hdp_schedule.Schedule, lengths, tokens_per_device: int
+                      ) -> dict[str, set]:
+  """The programs `HDPStep` (the model's gradients) compiles for a schedule of `lengths`
+  (no devices needed): "ring shape": (ring size, cell), each a ring program compiled once;
+  "ring": (run of slots, cell), where they run (each beyond its shape's first a
+  relocation, or a compile where relocating fails); "local": (micro-batch axis, slots),
+  each compiled."""
   return {"ring": {(r.devices, r.cell) for r in sched.rings},
           "ring shape": {(len(r.devices), r.cell) for r in sched.rings},
           "local": {(_axis(local), size)
                     for size, local in local_batches(sched, lengths, tokens_per_device).items()}}
 
 
-def _on(tree, shardings):
-  """Pool arrays read on a view of some of their devices, each by its shards there (no copy):
-  every view keeps the axes that split them, so those devices hold a whole array."""
-  def on(x, sharding):
-    devices = set(sharding.mesh.devices.flat)
-    return jax.make_array_from_single_device_arrays(
-        x.shape, sharding, [s.data for s in x.addressable_shards if s.device in devices])
-  return jax.tree.map(on, tree, shardings)
-
-
-def _local_sums(params, batch, counts, *, model_cfg: transformer.TransformerConfig):
+def _local_sums(params, batch, counts, *, grad_fn: grads.GradFn):
   """One device's sums over its first counts[0] micro-batches (batch [1, k, tpd])."""
-  sums = accumulating(grads.autodiff(model_cfg))
+  sums = accumulating(grad_fn)
 
   def body(b, acc):
     micro = {f: jax.lax.dynamic_index_in_dim(v[0], b, keepdims=True) for f, v in batch.items()}
@@ -581,7 +510,7 @@ def _local_sums(params, batch, counts, *, model_cfg: transformer.TransformerConf
   return jax.tree.map(lambda x: x[None], acc)
 
 
-class Planner:
+class BatchPlanner:
   """The loader's documents -> an HDP step's batch: each pool fills `micro_steps` micro-steps.
 
   The loader offers more documents than fit. With several pools (one per replica) the
@@ -592,12 +521,12 @@ class Planner:
   empty by a token cut.
   """
 
-  def __init__(self, executor: "HDPExecutor", loader, micro_steps: int):
+  def __init__(self, executor: HDPStep | replicas.PerReplica, loader, micro_steps: int):
     self.executor, self.loader, self.micro_steps = executor, loader, micro_steps
 
   def __call__(self, batch):
     docs = batch["tokens"]
-    pools = self.executor.pools
+    pools = self.executor.steps
     before = np.cumsum([0] + [len(d) for d in docs])[:-1]
     share = [min(len(pools) - 1, int(t * len(pools) // max(1, before[-1] + len(docs[-1]))))
              for t in before] if docs else []
@@ -628,125 +557,33 @@ def loader_budget(slots: int, max_len: int) -> int:
   return slots + max(max_len, slots // 2)
 
 
+def make_step(model_cfg: transformer.TransformerConfig, optimizer, mesh: Mesh,
+              state_sh: TrainState, tokens_per_device: int, *, widen: bool = False,
+              view_grads: ViewGrads | None = None) -> HDPStep:
+  """The HDP step over `mesh`'s pool, `tokens_per_device` tokens a slot (the model's
+  gradients unless `view_grads` says otherwise)."""
+  pool = Pool(mesh)
+  planner = Planner(pool.size, tokens_per_device, model_cfg.d_model, widen)
+  return HDPStep(pool, view_grads or model_grads(model_cfg), planner, optimizer, state_sh,
+                 step_lib.compiler_options(model_cfg, pool.mesh))
+
+
 def make_executor(run: RunConfig, optimizer, mesh, state_sh: TrainState,
                   schedule: pipeline.Schedule | None = None,
-                  layout: pipeline.Layout | None = None) -> "HDPExecutor":
-  """The HDP step of `run` on `mesh`: one pool (`Pool`), data.seq_len tokens per slot, or
-  one per replica (`ReplicaPools`) when the mesh has a `replica` axis; pools of pipelines
+                  layout: pipeline.Layout | None = None) -> HDPStep | replicas.PerReplica:
+  """The HDP step of `run` on `mesh`, data.seq_len tokens a slot: one pool, or one per
+  replica (`replicas.PerReplica`) when the mesh has a `replica` axis; pools of pipelines
   running `schedule` over the stage view `layout` when given."""
-  pipelined = None if layout is None else Pipelined(
-      schedule, layout, vocab_algorithm=run.pipeline.vocab_algorithm,
+  view_grads = None if layout is None else pipeline_grads(
+      run.model, schedule, layout, vocab_algorithm=run.pipeline.vocab_algorithm,
       gather_once=run.pipeline.gather_once)
-
-  def executor(mesh, state_sh):
-    args = (run.model, optimizer, mesh, state_sh, run.data.seq_len, pipelined)
-    if run.parallel.hdp_schedule == "per_rank":
-      return PerRankHDPStep(*args, widen=run.parallel.hdp_widen_rings)
-    return HDPStep(*args)
-  if REPLICA not in mesh.axis_names:
-    return executor(mesh, state_sh)
-  return ReplicaPools(executor, mesh, state_sh)
-
-
-def replica_meshes(mesh: Mesh) -> list[Mesh]:
-  """Each replica's devices as a mesh of the other axes; [mesh] without a `replica` axis."""
-  if REPLICA not in mesh.axis_names:
-    return [mesh]
-  at = mesh.axis_names.index(REPLICA)
-  names = tuple(a for a in mesh.axis_names if a != REPLICA)
-  return [Mesh(np.take(mesh.devices, r, axis=at), names) for r in range(mesh.shape[REPLICA])]
+  step = functools.partial(make_step, run.model, optimizer, tokens_per_device=run.data.seq_len,
+                           widen=run.parallel.hdp_widen_rings, view_grads=view_grads)
+  if mesh_lib.REPLICA not in mesh.axis_names:
+    return step(mesh, state_sh)
+  return replicas.PerReplica(step, mesh, state_sh)
 
 
 def slots(mesh: Mesh) -> int:
   """The slots of every pool on `mesh` (one pool per replica)."""
-  return sum(Pool(m).size for m in replica_meshes(mesh))
-
-
-class ReplicaPools:
-  """HDP inside each of an outer optimizer's replicas: one pool per replica, on that
-  replica's devices, steps the replica's slice of the stacked state [R, ...] (its
-  parameters and inner optimizer state) over its own documents; the outer state is left to
-  the sync. A replica's slice is each of its devices' own shard, copied on that device, and
-  the result is stacked back the same way, so nothing crosses replicas in a step.
-  """
-
-  def __init__(self, executor: Callable[[Mesh, TrainState], "HDPStep | PerRankHDPStep"],
-               mesh: Mesh, state_sh: TrainState):
-    self.mesh, self.state_sh = mesh, state_sh
-    self.meshes = replica_meshes(mesh)
-    self.replica_sh = [_replica_shardings(state_sh, m) for m in self.meshes]
-    self.pools = [executor(m, sh) for m, sh in zip(self.meshes, self.replica_sh)]
-
-  @staticmethod
-  def batch_of(parts: list[dict]) -> dict:
-    return {"pools": parts}
-
-  @property
-  def num_devices(self) -> int:
-    return sum(pool.num_devices for pool in self.pools)
-
-  def lower(self, state: TrainState, c: int = 2) -> list:
-    """Replica 0's update and ring programs (every replica's are the same on its devices)."""
-    sh = self.replica_sh[0]
-    one = lambda x, s: jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=s)
-    return self.pools[0].lower(TrainState(
-        step=jax.ShapeDtypeStruct((), state.step.dtype, sharding=sh.step),
-        params=jax.tree.map(one, state.params, sh.params),
-        opt_state=jax.tree.map(one, state.opt_state, sh.opt_state)), c)
-
-  def __call__(self, state: TrainState, batch: dict[str, Any]):
-    # Every replica's slice first: a step donates its slice, and the step counter's slices
-    # are the stacked one's own shards.
-    mine = [(pool, part, TrainState(step=_on(state.step, sh.step),
-                                    params=_slice(state.params, sh.params),
-                                    opt_state=_slice(state.opt_state, sh.opt_state)))
-            for pool, sh, part, mesh in zip(self.pools, self.replica_sh, batch["pools"],
-                                            self.meshes)
-            if any(d.process_index == jax.process_index() for d in mesh.devices.flat)]
-    steps, params, opt_states, metrics = [], [], [], []
-    for pool, part, one in mine:  # this process's replicas
-      one, m = pool(one, part)
-      steps.append(one.step)
-      params.append(one.params)
-      opt_states.append(one.opt_state)
-      metrics.append(m)
-    micro_steps = max(int(m.pop("micro_steps")) for m in metrics)  # host values: no wait
-    reductions = np.mean([m.pop("grad_reductions") for m in metrics], dtype=np.float32)
-    state = state.replace(step=_stack(steps, self.state_sh.step, lead=False),
-                          params=jax.tree.map(lambda sh, *x: _stack(x, sh), self.state_sh.params,
-                                              *params),
-                          opt_state=jax.tree.map(lambda sh, *x: _stack(x, sh),
-                                                 self.state_sh.opt_state, *opt_states))
-    # Per replica [R], as `grads.replica_step`'s: `grads.replica_totals` combines them.
-    per_replica = NamedSharding(self.mesh, P(REPLICA))
-    metrics = {k: _stack([m[k] for m in metrics], per_replica) for k in metrics[0]}
-    return state, {**metrics, "micro_steps": jnp.asarray(micro_steps),
-                   "grad_reductions": reductions}
-
-
-def _replica_shardings(state_sh: TrainState, mesh: Mesh) -> TrainState:
-  """One replica's shardings on its `mesh`: the stacked state's, less the leading `replica`."""
-  one = lambda sh: NamedSharding(mesh, P(*sh.spec[1:]))
-  return TrainState(step=NamedSharding(mesh, P()), params=jax.tree.map(one, state_sh.params),
-                    opt_state=jax.tree.map(one, state_sh.opt_state))
-
-
-def _slice(tree, shardings):
-  """Of stacked leaves [R, ...], the replica whose devices `shardings` name: each device's
-  shard [1, ...] of it, as [...]."""
-  def one(x, sharding):
-    devices = set(sharding.mesh.devices.flat)
-    return jax.make_array_from_single_device_arrays(
-        x.shape[1:], sharding, [s.data[0] for s in x.addressable_shards if s.device in devices])
-  return jax.tree.map(one, tree, shardings)
-
-
-def _stack(leaves, sharding, lead: bool = True):
-  """Replicas' arrays, each on its replica's devices, as one array of `sharding` (stacked
-  [R, ...] with `lead`; else the same value on every replica, e.g. the step)."""
-  shards = [s.data[None] if lead else s.data for x in leaves for s in x.addressable_shards]
-  shape = ((sharding.mesh.shape[REPLICA],) if lead else ()) + leaves[0].shape
-  return jax.make_array_from_single_device_arrays(shape, sharding, shards)
-
-
-HDPExecutor = HDPStep | PerRankHDPStep | ReplicaPools
+  return sum(Pool(m).size for m in replicas.replica_meshes(mesh))

@@ -440,7 +440,7 @@ class _Loop:
     self.progress = metrics_lib.Progress(self.config.total_steps, self.step)
     self.pending: list[tuple[int, dict]] = []  # step metrics still on device
     # HDP's gradient all-reduces (`grad_reductions`, with replicas their mean) over the
-    # steps logged: their sum and count, for comm_bytes (once a micro-step in lock step).
+    # steps logged: their sum and count, for comm_bytes.
     self.reductions = [0.0, 0]
     # A sync deferred to the next step (CO2): fused into its program, or launched on the
     # communication twins just before it; run on its own before an eval or a save.

@@ -19,9 +19,10 @@ runs its collectives in line, `comm_device` runs CO2's apart on twin devices ins
 from __future__ import annotations
 
 import re
-from typing import Callable
+from typing import Any, Callable
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxsys import mesh as mesh_lib
@@ -156,3 +157,105 @@ def sync_of_state(outer: outer_lib.OuterOptimizer, mesh: Mesh, view: layouts.Vie
       synced = view.to_view(synced)
     return synced.replace(opt_state=state.opt_state)
   return sync_state
+
+
+def replica_meshes(mesh: Mesh) -> list[Mesh]:
+  """Each replica's devices as a mesh of the other axes; [mesh] without a `replica` axis."""
+  if AXIS not in mesh.axis_names:
+    return [mesh]
+  at = mesh.axis_names.index(AXIS)
+  names = tuple(a for a in mesh.axis_names if a != AXIS)
+  return [Mesh(np.take(mesh.devices, r, axis=at), names) for r in range(mesh.shape[AXIS])]
+
+
+class PerReplica:
+  """Any host-driven inner step (many programs a step, e.g. HDP's, so not one program to
+  run per replica under `shard_map`) in each of an outer optimizer's replicas:
+  `make_step(mesh, state_sh)` builds one replica's step on its devices, which steps the
+  replica's slice of the stacked state [R, ...] (its parameters and inner optimizer state)
+  over its own part of the batch (`batch_of`); the outer state is left to the sync. A
+  replica's slice is each of its devices' own shard, used in place, and the result is
+  stacked back the same way, so nothing crosses replicas in a step. Metrics come back per
+  replica [R], as `grads.replica_step`'s (`grads.replica_totals` combines them); host
+  values (numbers, not arrays) as the replicas' mean.
+  """
+
+  def __init__(self, make_step: Callable[[Mesh, TrainState], Any], mesh: Mesh,
+               state_sh: TrainState):
+    self.mesh, self.state_sh = mesh, state_sh
+    self.meshes = replica_meshes(mesh)
+    self.replica_sh = [_replica_shardings(state_sh, m) for m in self.meshes]
+    self.steps = [make_step(m, sh) for m, sh in zip(self.meshes, self.replica_sh)]
+
+  @staticmethod
+  def batch_of(parts: list[Any]) -> dict:
+    """The batch of replica r's step `parts[r]`."""
+    return {"replicas": parts}
+
+  def lower(self, state: TrainState, *args) -> Any:
+    """Replica 0's step lowered (every replica's is the same on its devices)."""
+    sh = self.replica_sh[0]
+    one = lambda x, s: jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=s)
+    return self.steps[0].lower(TrainState(
+        step=jax.ShapeDtypeStruct((), state.step.dtype, sharding=sh.step),
+        params=jax.tree.map(one, state.params, sh.params),
+        opt_state=jax.tree.map(one, state.opt_state, sh.opt_state)), *args)
+
+  def __call__(self, state: TrainState, batch: dict[str, Any]):
+    # Every replica's slice first: a step donates its slice, and the step counter's slices
+    # are the stacked one's own shards.
+    mine = [(step, part, TrainState(step=on_devices(state.step, sh.step),
+                                    params=_slice(state.params, sh.params),
+                                    opt_state=_slice(state.opt_state, sh.opt_state)))
+            for step, sh, part, mesh in zip(self.steps, self.replica_sh, batch["replicas"],
+                                            self.meshes)
+            if any(d.process_index == jax.process_index() for d in mesh.devices.flat)]
+    outs = [step(one, part) for step, part, one in mine]  # this process's replicas
+    states, metrics = [s for s, _ in outs], [m for _, m in outs]
+    stack = lambda sh, *x: _stack(x, sh)
+    state = state.replace(
+        step=_stack([s.step for s in states], self.state_sh.step, lead=False),
+        params=jax.tree.map(stack, self.state_sh.params, *[s.params for s in states]),
+        opt_state=jax.tree.map(stack, self.state_sh.opt_state, *[s.opt_state for s in states]))
+    per_replica = NamedSharding(self.mesh, PartitionSpec(AXIS))
+    return state, {k: _stack([m[k] for m in metrics], per_replica)
+                   if isinstance(metrics[0][k], jax.Array)
+                   else np.mean([m[k] for m in metrics], dtype=np.float32)
+                   for k in metrics[0]}
+
+
+def _replica_shardings(state_sh: TrainState, mesh: Mesh) -> TrainState:
+  """One replica's shardings on its `mesh`: the stacked state's, less the leading `replica`."""
+  one = lambda sh: NamedSharding(mesh, PartitionSpec(*sh.spec[1:]))
+  return TrainState(step=NamedSharding(mesh, PartitionSpec()),
+                    params=jax.tree.map(one, state_sh.params),
+                    opt_state=jax.tree.map(one, state_sh.opt_state))
+
+
+def on_devices(tree, shardings):
+  """Arrays read on some of their devices (`shardings`' meshes), each by its shards there,
+  without a copy: those devices must hold a whole array (e.g. a view that keeps the axes
+  that split it, or one replica of a replicated value)."""
+  def on(x, sharding):
+    devices = set(sharding.mesh.devices.flat)
+    return jax.make_array_from_single_device_arrays(
+        x.shape, sharding, [s.data for s in x.addressable_shards if s.device in devices])
+  return jax.tree.map(on, tree, shardings)
+
+
+def _slice(tree, shardings):
+  """Of stacked leaves [R, ...], the replica whose devices `shardings` name: each device's
+  shard [1, ...] of it, as [...]."""
+  def one(x, sharding):
+    devices = set(sharding.mesh.devices.flat)
+    return jax.make_array_from_single_device_arrays(
+        x.shape[1:], sharding, [s.data[0] for s in x.addressable_shards if s.device in devices])
+  return jax.tree.map(one, tree, shardings)
+
+
+def _stack(leaves, sharding, lead: bool = True):
+  """Replicas' arrays, each on its replica's devices, as one array of `sharding` (stacked
+  [R, ...] with `lead`; else the same value on every replica, e.g. the step)."""
+  shards = [s.data[None] if lead else s.data for x in leaves for s in x.addressable_shards]
+  shape = ((sharding.mesh.shape[AXIS],) if lead else ()) + leaves[0].shape
+  return jax.make_array_from_single_device_arrays(shape, sharding, shards)

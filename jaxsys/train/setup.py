@@ -61,9 +61,9 @@ class Comm:
 
   def after(self, steps: int, reductions_per_step: float = 1.0) -> float:
     """Bytes sent after `steps` steps, every collective counted; `reductions_per_step`:
-    gradient all-reduces a step, on average (HDP's `grad_reductions` metric: one per
-    micro-step in lock-step; with fsdp an upper bound, each a reduce-scatter plus one
-    gather of the parameters)."""
+    gradient all-reduces a step, on average (HDP's `grad_reductions` metric: one over the
+    pool plus each ring's share of one; with fsdp an upper bound, each a reduce-scatter
+    plus one gather of the parameters)."""
     inner = self.grads_per_step * reductions_per_step + self.pipeline_per_step
     return steps * inner + self.outer_after(steps)
 
@@ -319,8 +319,8 @@ def make_setup(run: RunConfig, mesh: Mesh, loader=None) -> Setup:
   sync_fn = sync_train_fn = None
   if run.parallel.hdp:
     train_fn = hdp_step.make_executor(run, optimizer, mesh, state_sh, schedule, layout)
-    batch_fn = hdp_step.Planner(train_fn, loader, hdp_step.micro_steps_per_step(
-        run, train_fn.num_devices))
+    batch_fn = hdp_step.BatchPlanner(train_fn, loader, hdp_step.micro_steps_per_step(
+        run, hdp_step.slots(mesh)))
     if outer is not None:  # its micro-steps are many programs: the sync runs on its own
       sync_fn = replicas_lib.jit_sync(outer, mesh, view, state_sh, opts)
   elif outer is None:

@@ -212,11 +212,8 @@ def _one_row_each(parts, rows: int, length: int) -> dict:
   return out
 
 
-# Lock-step HDP with fsdp in replicas is the pipeline case's executor and test_hdp_step's;
-# per-rank HDP (the default) runs over pipelines in DiLoCo's replicas.
 HDP_CASES = [(("hdp", "outer", "tensor"), {"optimizer__outer": "co2"}),
-             (("hdp", "pipeline", "fsdp"), {"parallel__hdp_schedule": "lockstep",
-                                            "pipeline__vocab_parallel": True}),
+             (("hdp", "pipeline", "fsdp"), {"pipeline__vocab_parallel": True}),
              (("hdp", "outer", "pipeline"), {"pipeline__schedule": "gpipe"})]
 
 
@@ -233,10 +230,10 @@ def test_hdp_equals_data_parallelism_over_the_same_documents(names, options):
   # seconds to trace and compile (15 documents of 15 lengths took twice as long, same paths).
   lengths = [60, 61, 30, 31, 29, 28, 3, 2]
   batch = setup.batch_fn({"tokens": _documents(lengths)})
-  parts = [part["tokens"] for part in batch.get("pools", [batch])]
+  parts = [part["tokens"] for part in batch.get("replicas", [batch])]
   assert all(parts) and sum(map(len, parts)) == len(lengths)  # every document, every pool
   state, metrics = setup.train_fn(setup.init_state(0), batch)
-  assert int(metrics["micro_steps"]) > 1
+  assert np.max(metrics["micro_steps"]) > 1  # per replica [R] with replicas
   inner = jax.device_get(setup.to_saved(state))  # each replica's own step, before the sync
 
   reference = _setup(compositions.apply(config, {

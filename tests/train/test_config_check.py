@@ -74,13 +74,26 @@ class FieldsTest(parameterized.TestCase):
       ("hdp", dict(data__variable_length=True, parallel__hdp=True, data__max_len=512)),
       # The batch axes need not be side by side: HDP's pool regroups them.
       ("hdp_over_pipelines", dict(mesh="data=2,stage=2,fsdp=2", data__variable_length=True,
-                                  parallel__hdp=True, parallel__hdp_schedule="lockstep",
+                                  parallel__hdp=True,
                                   pipeline__schedule="1f1b", pipeline__microbatches=2)),
       ("hdp_any_axis_order", dict(mesh="data=2,tensor=2,fsdp=2", data__variable_length=True,
                                   parallel__hdp=True)),
   )
   def test_valid(self, overrides):
     config_check.check_config(_config(**overrides))
+
+  def test_a_saved_config_with_a_removed_field_parses_if_its_value_still_runs(self):
+    """A checkpoint's config from before lock-step HDP went: 'per_rank' (what runs) parses;
+    'lockstep' is refused in one line that names the field and why."""
+    saved = _config().to_dict()
+    saved["parallel"]["hdp_schedule"] = "per_rank"
+    self.assertEqual(config_check.parse(saved), config_check.parse(_config()))
+    saved["parallel"]["hdp_schedule"] = "lockstep"
+    with self.assertRaises(ValueError) as cm:
+      config_check.parse(saved)
+    self.assertStartsWith(str(cm.exception), "parallel.hdp_schedule='lockstep': lock-step HDP "
+                          "was removed")
+    self.assertNotIn("\n", str(cm.exception))
 
   def test_warmup_follows_total_steps(self):
     config = _tiny_lm("tiny")

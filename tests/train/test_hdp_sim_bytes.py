@@ -85,7 +85,7 @@ def _per_rank(mesh: str, slots: int):
   """(run, setup, abstract state) of a per-rank HDP run over `mesh`'s `slots` slots."""
   run = load_run_config("stdlib", mesh=mesh, data__seq_len=RING_TPD,
                         data__variable_length=True, parallel__hdp=True,
-                        parallel__hdp_schedule="per_rank", data__max_len=slots * RING_TPD,
+                        data__max_len=slots * RING_TPD,
                         data__truncate_long=True)
   setup = setup_lib.make_setup(run, mesh_lib.make_mesh(run.mesh))
   return run, setup, aot._abstract(setup.abstract, setup.state_sh)
@@ -127,7 +127,7 @@ def test_local_program_and_final_reduce(per_rank):
   lengths = [2 * RING_TPD] + [RING_TPD] * 6 + [RING_TPD // 8] * 6
   docs = [np.zeros(n + 1, np.int32) for n in lengths]
   sched = executor.plan(lengths)
-  local = executor._local_batches(sched, docs)
+  local = hdp_step.local_batches(sched, lengths, RING_TPD)
   assert len(sched.rings) == 1 and len(local) == 2
   acc = jax.eval_shape(hdp_step._zero_sums, state.params)
   stacked = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct((8,) + x.shape, x.dtype, sharding=s),
