@@ -50,7 +50,6 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 from jax.experimental import multihost_utils

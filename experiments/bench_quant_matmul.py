@@ -23,7 +23,7 @@ import json
 import os
 import statistics
 import time
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp

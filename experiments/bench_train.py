@@ -37,7 +37,6 @@ transparent huge pages instead:
 from __future__ import annotations
 
 import json
-import os
 import resource
 import statistics
 import sys

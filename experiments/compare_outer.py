@@ -120,7 +120,7 @@ def final_eval(config, run_dir: str, batches: int) -> dict:
   in <run_dir>/final_eval.json while the batches and the run's step count are unchanged.
   """
   cache = os.path.join(run_dir, "final_eval.json")
-  streaming = config.optimizer.outer == "streaming_diloco"
+  streaming = config.outer.name == "streaming_diloco"
   if os.path.exists(cache):
     cached = json.load(open(cache))
     if ((cached["batches"], cached["step"]) == (batches, config.total_steps)
@@ -300,7 +300,7 @@ def compare(base, names: list[str], workdir: str) -> tuple[list[dict], str]:
       config.optimizer.schedule_offset = base.pretrain_steps
     run_dir = os.path.join(workdir, name)
     logging.info("[%d/%d] %s: mesh %s, outer %s, seed %d", i + 1, len(names), name, config.mesh,
-                 config.optimizer.outer, config.seed)
+                 config.outer.name, config.seed)
     t = time.perf_counter()
     result = train_and_evaluate(config, run_dir)
     wall_file = os.path.join(run_dir, "wall_s.json")

@@ -57,7 +57,7 @@ import traceback
 from absl import app, flags
 
 from jaxsys import xla_flags  # no jax
-from jaxsys.checkpoint import integrity, ledger  # files only: no jax
+from jaxsys.checkpoint import ledger  # files only: no jax
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for both runs: absent or empty.")
 _CRASHES = flags.DEFINE_integer("crashes", 20, "SIGKILLs before the run may finish.")

@@ -15,7 +15,7 @@ from absl import app, flags
 
 from jaxsys import metrics as metrics_lib
 from jaxsys.cli import hf_runs
-from jaxsys.train import config_check
+from jaxsys import fields
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Workdir of a training run (experiments.train).")
 _OUT = flags.DEFINE_string("out", None, "Directory to write the Hugging Face checkpoint into.")
@@ -34,8 +34,8 @@ def main(argv):
   del argv
   metrics_lib.quiet_library_logs()
   try:
-    for flag, rule in ((_STEP, config_check.integer(0)), (_GROUP, config_check.integer(1)),
-                       (_SHARD_MB, config_check.integer(0))):
+    for flag, rule in ((_STEP, fields.integer(0)), (_GROUP, fields.integer(1)),
+                       (_SHARD_MB, fields.integer(0))):
       error = flag.value is not None and rule.error(f"--{flag.name}", flag.value)
       if error:
         raise ValueError(error)

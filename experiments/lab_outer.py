@@ -51,10 +51,10 @@ def _overrides(name: str) -> tuple[list[str], int, int]:
   if name == "dp":
     return ["--config.mesh=data=2"], FLAGS.steps, 1
   method, _, h = name.partition("_h")
-  extra = {"streaming": ["--config.optimizer.outer_fragments=2"],
-           "co2twins": ["--config.optimizer.outer_comm_device=True"]}.get(method, [])
-  return ([f"--config.mesh=replica=2", f"--config.optimizer.outer={OUTER[method]}",
-           f"--config.optimizer.outer_sync_every={h}", *extra],
+  extra = {"streaming": ["--config.outer.fragments=2"],
+           "co2twins": ["--config.outer.comm_device=True"]}.get(method, [])
+  return (["--config.mesh=replica=2", f"--config.outer.name={OUTER[method]}",
+           f"--config.outer.sync_every={h}", *extra],
           FLAGS.steps * FLAGS.outer_factor, int(h))
 
 

@@ -24,7 +24,7 @@ from jaxsys import metrics as metrics_lib
 from jaxsys.cli import hf_runs
 from jaxsys.cli import args
 from jaxsys.cli import quant_runs
-from jaxsys.train import config_check
+from jaxsys import fields
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Workdir of a training run (experiments.train).")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
@@ -42,9 +42,9 @@ _CONFIG = config_flags.DEFINE_config_file(
     "settings (a config file's path or a packaged config's name).", lock_config=True)
 flags.mark_flags_as_required(["workdir"])
 # Valid values of the numeric flags, checked before the checkpoint is loaded.
-_FLAG_RULES = ((_STEP, config_check.integer(0)), (_CALIB, config_check.integer(1)),
-               (_EVAL_STEPS, config_check.integer(2)),
-               (_GROUP, config_check.integer(1)), (_ALPHA, config_check.number(0, 1)))
+_FLAG_RULES = ((_STEP, fields.integer(0)), (_CALIB, fields.integer(1)),
+               (_EVAL_STEPS, fields.integer(2)),
+               (_GROUP, fields.integer(1)), (_ALPHA, fields.number(0, 1)))
 
 
 def main(argv):

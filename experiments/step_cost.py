@@ -9,7 +9,7 @@ beside plain data parallelism on the same devices and global batch:
 
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m experiments.step_cost \
       --config=configs/tiny_lm.py --config.mesh=replica=2,stage=2,context=2 \
-      --config.optimizer.outer=diloco --config.pipeline.schedule=1f1b
+      --config.outer.name=diloco --config.pipeline.schedule=1f1b
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
-from absl import app, flags
+from absl import app
 from ml_collections import config_flags
 
 from jaxsys import hlo_flops
@@ -59,7 +59,7 @@ def main(argv) -> None:
   baseline = config.copy_and_resolve_references()
   with baseline.unlocked():
     baseline.mesh = "data=-1"
-    baseline.optimizer.outer = "none"
+    baseline.outer.name = "none"
     baseline.optimizer.grad_accum_steps = 1
     baseline.pipeline.schedule = "none"
     baseline.pipeline.vocab_parallel = False

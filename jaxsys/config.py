@@ -1,10 +1,13 @@
-"""The typed run config: one frozen dataclass per group of fields, parsed once.
+"""The typed run config: one frozen dataclass per section, each field with its default, type,
+one-line doc and rule of valid values together (`jaxsys.fields`). A section the library
+below owns lives beside it (`models.transformer.TransformerConfig`, `data.config`,
+`optim.config`); the rest are here, with the `RunConfig` that gathers them.
 
-`jaxsys.train.config_check.check_config` validates an ml_collections config (every field
-of configs/tiny_lm.py) and returns a `RunConfig`; library code takes its typed section
-(`run.data`, `run.optimizer`, `run.outer`, ...) and trusts it. The config file's
-`optimizer.outer` and `optimizer.outer_<name>` fields become `run.outer.name` and
-`run.outer.<name>`: the outer optimizer is its own section.
+A config file (configs/tiny_lm.py) starts from `defaults()` and overrides what differs;
+`jaxsys.train.config_check.check_config` checks every field by its rule and the relations
+between fields, and returns a `RunConfig`. Library code takes its typed section
+(`run.data`, `run.optimizer`, `run.outer`, ...) and trusts it. The sections are named as
+in the code, in the config file too (`--config.outer.name=diloco`).
 
 Example::
 
@@ -15,167 +18,176 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import re
+from typing import Any, Literal
 
+import ml_collections
+
+from jaxsys import fields
+from jaxsys import mesh as mesh_lib
+from jaxsys.checkpoint import layouts
+from jaxsys.checkpoint.manager import NUMERIC_FIELDS
+from jaxsys.data.config import DataConfig
+from jaxsys.fields import field, integer, text
 from jaxsys.models.transformer import TransformerConfig
+from jaxsys.optim.config import OptimizerConfig, OuterConfig
+from jaxsys.parallel import context, pipeline
 
-
-@dataclasses.dataclass(frozen=True)
-class DataConfig:
-  source: str  # 'stdlib', a directory, or a file glob (text files, or JSONL: a record a document)
-  tokenizer: str
-  vocab_size: int
-  seq_len: int
-  batch_size: int  # global rows (packed) a step
-  num_threads: int  # 0: load in the training thread
-  variable_length: bool  # whole documents (HDP) instead of packed rows
-  max_len: int  # longest whole document, in tokens
-  truncate_long: bool  # cut a longer document instead of refusing it
-  text_field: str = "text"  # a JSONL record's field that holds its text
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimizerConfig:
-  """The inner optimizer and its learning-rate curve."""
-  name: str
-  learning_rate: float
-  warmup_steps: int
-  final_lr_fraction: float
-  b1: float
-  b2: float
-  eps: float
-  weight_decay: float
-  grad_clip: float
-  grad_accum_steps: int
-  schedule_steps: int  # 0: decay over total_steps
-  schedule_offset: int  # steps of the curve already taken
-  accum_gather_once: bool = False  # accumulation: weights gathered once a step, not per microbatch
-
-
-@dataclasses.dataclass(frozen=True)
-class OuterConfig:
-  """The outer optimizer over `replica` ('none': plain data parallelism); None fields take
-  the algorithm's published default."""
-  name: str
-  sync_every: int
-  lr: float | None
-  momentum: float | None
-  nesterov: bool
-  compression: str
-  error_feedback: bool
-  gamma: float | None
-  group_size: int
-  seed: int
-  staleness_penalty: float | None
-  momentum_clip: float | None
-  allow_unstable: bool
-  comm_device: bool
-  fragments: int
-  overlap_steps: int
-  mixing: float
+# Choices whose names the library owns, as types (a Literal of the library's tuple).
+ContextLayout = Literal[context.LAYOUTS]
+ContextAlgorithm = Literal[tuple(context.ALGORITHMS)]
+Schedule = Literal[pipeline.SCHEDULES]
+Merge = Literal[layouts.MERGES]
 
 
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
-  context_layout: str
-  context_algorithm: str
-  context_gather_mib: int  # all_gather's budget for one layer's gathered K/V per device
-  hdp: bool
-  hdp_widen_rings: bool
+  """Context parallelism over a `context` axis, and HDP (ByteScale) over the batch axes."""
+  context_layout: ContextLayout = field(
+      "zigzag", "zigzag evens the causal work over the ring; contiguous is the naive order")
+  context_algorithm: ContextAlgorithm = field(
+      "ring", "ring passes K/V blocks round; all_gather gathers them all (Llama 3's); "
+      "ulysses splits the heads by all-to-all")
+  context_gather_mib: int = field(1024, "all_gather's budget for one layer's K/V per device",
+                                  integer(1))
+  hdp: bool = field(False, "Hybrid Data Parallelism over data, fsdp and tensor "
+                    "(data.variable_length=true): each document on the devices it needs")
+  hdp_widen_rings: bool = field(
+      False, "a ring may take up to twice the devices it needs where that ends sooner by "
+      "FLOPs (better balance, more padding)")
 
 
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
-  schedule: str  # 'none': no pipeline
-  microbatches: int
-  virtual_stages: int
-  vocab_parallel: bool
-  vocab_algorithm: int
-  vocab_overlap: bool  # VP's S and T passes on ticks of their own, beside the lanes (1f1b)
-  routing: str
-  gather_once: bool  # with fsdp: each stage's weights gathered once a step, not every tick
+  """Pipeline parallelism over the mesh's `stage` axis (jaxsys/parallel/pipeline/)."""
+  schedule: Schedule = field("none", "'none': no pipeline; e.g. 1f1b with mesh stage=4,data=2")
+  microbatches: int = field(4, "microbatches a step", integer(1))
+  virtual_stages: int = field(1, "chunks a stage (interleaved schedules)", integer(1))
+  vocab_parallel: bool = field(False, "embedding and output layer split over stage x tensor")
+  vocab_algorithm: int = field(
+      2, "2 syncs once a microbatch; 1 is the paper's naive baseline",
+      fields.Rule(lambda v: fields.is_int(v) and v in (1, 2),
+                  "1 or 2 (the Vocabulary Parallelism paper's algorithms)"))
+  vocab_overlap: bool = field(False, "1f1b: a microbatch's S and T passes beside the next two "
+                              "ticks' compute, at two more microbatches in flight")
+  routing: Literal["fixed", "random"] = field(
+      "fixed", "replica x stage: each microbatch to its own replica's next stage, or (random, "
+      "NoLoCo) to a replica drawn per step, microbatch and boundary (seed: outer.seed)")
+  gather_once: bool = field(False, "with fsdp: each stage's weights gathered once a step, not "
+                            "every tick (always so beside tensor)")
 
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-  on_corrupt: str
-  merge_replicas: str
-  snapshot_every: int
-  snapshot_dir: str
+  """Checkpoints beyond their cadence: corruption, replica merges, snapshots in RAM."""
+  on_corrupt: Literal["error", "previous"] = field(
+      "error", "a step failing its checksums: stop naming it, or resume from the newest that "
+      "verifies")
+  merge_replicas: Merge = field("mean", "a replica run resumed as fewer replicas or one model: "
+                                "the replicas' mean or replica 0")
+  snapshot_every: int = field(0, "also snapshot the state into RAM every N steps (one process)",
+                              integer(0, meaning="0: no snapshots in RAM"))
+  snapshot_dir: str = field("", "the snapshots' directory in RAM",
+                            text("a directory in RAM, or '' (one on /dev/shm for the workdir)"))
 
 
 @dataclasses.dataclass(frozen=True)
 class ProfileConfig:
-  steps: str  # 'N,M': trace steps N to M; '': no profile
+  steps: str = field("", "'N,M': a jax.profiler trace of steps N to M into <workdir>/profile",
+                     text("'N,M' (trace steps N to M, e.g. '3,5') or '' (no profile)",
+                          lambda v: re.fullmatch(r"(\d+,\d+)?", v)))
+
+
+_SECTIONS = {"model": TransformerConfig, "data": DataConfig, "optimizer": OptimizerConfig,
+             "outer": OuterConfig, "parallel": ParallelConfig, "pipeline": PipelineConfig,
+             "checkpoint": CheckpointConfig, "profile": ProfileConfig}
 
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
-  """A whole run, every field checked (see configs/tiny_lm.py for what each means)."""
-  seed: int
-  total_steps: int
-  log_every: int
-  eval_every: int
-  eval_steps: int
-  checkpoint_every: int
-  keep_checkpoints: int
-  mesh: str
-  init_from: str
-  allow_model_change: tuple[str, ...]  # model fields a resume or init_from may change
-  model: TransformerConfig
-  data: DataConfig
-  optimizer: OptimizerConfig
-  outer: OuterConfig
-  parallel: ParallelConfig
-  pipeline: PipelineConfig
-  checkpoint: CheckpointConfig
-  profile: ProfileConfig
-  check_memory: bool = True  # refuse a run whose estimated memory exceeds the machine's
+  """A whole run, every field checked."""
+  seed: int = field(0, "parameters' and data order's seed", integer(0, 2**32 - 1))
+  total_steps: int = field(300, "optimizer steps", integer(1))
+  log_every: int = field(10, "steps between metric rows", integer(1))
+  eval_every: int = field(100, "steps between evaluations",
+                          integer(0, meaning="0: never evaluate"))
+  eval_steps: int = field(8, "val batches an evaluation", integer(1))
+  checkpoint_every: int = field(100, "steps between checkpoints",
+                                integer(0, meaning="0: save only at the end"))
+  keep_checkpoints: int = field(3, "checkpoints kept", integer(1))
+  # parse_mesh_spec raises its own line for a malformed spec.
+  mesh: str = field("data=-1", "the device mesh, e.g. 'fsdp=8' or 'data=2,tensor=4'",
+                    text(f"a mesh spec such as 'data=-1' or 'data=2,tensor=4' over axes "
+                         f"{', '.join(mesh_lib.AXIS_NAMES)}", mesh_lib.parse_mesh_spec))
+  init_from: str = field(
+      "", "a fresh run's start: another run's workdir, 'hf:<dir>' (a Hugging Face "
+      "checkpoint, whose config.json sets the model's shape), or '' (random)",
+      text("a run's workdir, 'hf:<dir>' (a Hugging Face Llama checkpoint), or '' (random "
+           "init)"))
+  allow_model_change: str = field(
+      "", "comma-separated model fields a resume or init_from may change",
+      text(f"'' or a comma-separated subset of {', '.join(NUMERIC_FIELDS)}",
+           lambda v: set(_names(v)) <= set(NUMERIC_FIELDS)))
+  check_memory: bool = field(True, "refuse a run whose estimated memory exceeds the machine's")
+  model: TransformerConfig = dataclasses.field(default_factory=TransformerConfig)
+  data: DataConfig = dataclasses.field(default_factory=DataConfig)
+  optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+  outer: OuterConfig = dataclasses.field(default_factory=OuterConfig)
+  parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+  pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
+  checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+  profile: ProfileConfig = dataclasses.field(default_factory=ProfileConfig)
+
+  @property
+  def model_changes(self) -> tuple[str, ...]:
+    """`allow_model_change` as field names."""
+    return _names(self.allow_model_change)
 
   def to_dict(self) -> dict[str, Any]:
     """The config file's nested form (what a checkpoint records as its config)."""
-    out: dict[str, Any] = {}
-    for field in dataclasses.fields(self):
-      value = getattr(self, field.name)
-      if dataclasses.is_dataclass(value):
-        group, fields = _FILE_GROUP.get(field.name, field.name), dataclasses.asdict(value)
-        out.setdefault(group, {}).update(
-            {_file_name(field.name, k): v for k, v in fields.items()})
-      else:
-        out[field.name] = ",".join(value) if field.name == "allow_model_change" else value
-    return out
+    return dataclasses.asdict(self)
 
 
-_FILE_GROUP = {"outer": "optimizer"}  # a section the config file keeps inside another group
+def _names(value: str) -> tuple[str, ...]:
+  return tuple(filter(None, map(str.strip, value.split(","))))
 
 
-def _file_name(section: str, field: str) -> str:
-  """The config file's name of a section's field: outer.lr is optimizer.outer_lr."""
-  if section != "outer":
-    return field
-  return "outer" if field == "name" else f"outer_{field}"
+def _top_fields() -> list[dataclasses.Field]:
+  return [f for f in dataclasses.fields(RunConfig) if f.name not in _SECTIONS]
 
 
-def _section_of(path: str) -> tuple[str, str]:
-  """('outer', 'lr') for 'optimizer.outer_lr'; ('data', 'seq_len') for 'data.seq_len'."""
-  group, _, name = path.rpartition(".")
-  if group == "optimizer" and (name == "outer" or name.startswith("outer_")):
-    return "outer", name.partition("_")[2] or "name"
-  return group, name
+def field_rules() -> dict[str, fields.Rule]:
+  """{'data.seq_len': its rule, 'seed': ..., ...}: every field of a run."""
+  out = fields.rules(RunConfig)
+  for section, cls in _SECTIONS.items():
+    out.update({f"{section}.{name}": rule for name, rule in fields.rules(cls).items()})
+  return out
 
 
-_TYPES = {"model": TransformerConfig, "data": DataConfig, "optimizer": OptimizerConfig,
-          "outer": OuterConfig, "parallel": ParallelConfig, "pipeline": PipelineConfig,
-          "checkpoint": CheckpointConfig, "profile": ProfileConfig}
+def default_values() -> dict[str, Any]:
+  """{'data.seq_len': 256, ...}: every field's default."""
+  out = {f.name: f.default for f in _top_fields()}
+  for section, cls in _SECTIONS.items():
+    out.update({f"{section}.{f.name}": f.default for f in dataclasses.fields(cls)})
+  return out
+
+
+def defaults() -> ml_collections.ConfigDict:
+  """Every field at its default as a config file's ConfigDict (a None default is a typed
+  placeholder, so a command line can set it)."""
+  c = ml_collections.ConfigDict({f.name: f.default for f in _top_fields()})
+  for section, cls in _SECTIONS.items():
+    c[section] = ml_collections.ConfigDict(
+        {f.name: f.default if f.default is not None else ml_collections.config_dict.placeholder(
+            fields.scalar_type(cls, f.name)) for f in dataclasses.fields(cls)})
+  return c
 
 
 def from_values(values: dict[str, Any]) -> RunConfig:
   """The run config of checked flat values {'data.seq_len': 64, 'seed': 0, ...}."""
   top: dict[str, Any] = {}
-  sections: dict[str, dict[str, Any]] = {name: {} for name in _TYPES}
+  sections: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
   for path, value in values.items():
-    section, name = _section_of(path)
+    section, _, name = path.rpartition(".")
     (sections[section] if section else top)[name] = value
-  top["allow_model_change"] = tuple(
-      filter(None, map(str.strip, top["allow_model_change"].split(","))))
-  return RunConfig(**top, **{name: _TYPES[name](**fields) for name, fields in sections.items()})
+  return RunConfig(**top, **{name: _SECTIONS[name](**kw) for name, kw in sections.items()})

@@ -72,11 +72,11 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 # imports from its own layer or the ones below; within a layer, the acyclicity test orders.
 LAYERS = (
     ("platforms", "xla_flags", "hugepages", "storage", "stats", "chips", "flops", "hlo_flops",
-     "comm_bytes", "preemption", "metrics", "mesh"),
+     "comm_bytes", "preemption", "metrics", "mesh", "fields"),
     ("kernels",),
     ("models",),
-    ("config",),
     ("data", "optim", "parallel", "quant", "checkpoint"),
+    ("config",),
     ("train",),
     ("cli", "bench", "device_report", "lab", "configs", "notebook"),
 )

@@ -200,7 +200,7 @@ def test_inline_config_overrides_name_fields_of_tiny_lm(monkeypatch):
 def test_a_misspelled_flag_fails(monkeypatch):
   """The check above can fail: a flag, a config field and a config argument that do not exist."""
   for args in (["--config=configs/tiny_lm.py", "--work_dir=/tmp/x"],
-               ["--config=configs/tiny_lm.py", "--config.optimizer.outerr=diloco"],
+               ["--config=configs/tiny_lm.py", "--config.outer.namee=diloco"],
                ["--config=configs/tiny_lm.py", "--config.pipeline.vocab_parallel=maybe"],
                ["--config=configs/tiny_lm.py:size=huge", "--workdir=/tmp/x"]):
     with pytest.raises(BadCommand):

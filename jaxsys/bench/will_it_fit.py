@@ -44,7 +44,7 @@ ROWS = (
         ("mesh=fsdp=4,context=16", "model.remat=full", "data.seq_len=131072",
          "data.batch_size=8", "data.max_len=131072")),
     Row("8B, DiLoCo replicas", "8b", "v5p-128",
-        ("mesh=replica=2,fsdp=32", "model.remat=full", "optimizer.outer=diloco")),
+        ("mesh=replica=2,fsdp=32", "model.remat=full", "outer.name=diloco")),
     Row("8B, FSDP", "8b", "v6e-256", ("mesh=fsdp=256", "model.remat=full",
                                       "data.batch_size=256")),
     Row("70B, FSDP", "70b", "v5p-256", ("mesh=fsdp=128", "model.remat=full")),

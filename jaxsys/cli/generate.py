@@ -35,7 +35,7 @@ from jaxsys.kernels.quant_matmul import SCHEMES
 from jaxsys.models import generate
 from jaxsys.cli import quant_runs
 from jaxsys.quant import ptq, rules
-from jaxsys.train import config_check
+from jaxsys import fields
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Workdir of a training run (experiments.train).")
 _HF = flags.DEFINE_string("hf", None, "A Hugging Face checkpoint directory, instead of --workdir.")
@@ -61,9 +61,9 @@ _TIMING = flags.DEFINE_bool("timing", False, "Decode again after the first (comp
                             "report the median rate of --repeat such runs.")
 _REPEAT = flags.DEFINE_integer("repeat", 3, "Timed runs with --timing.")
 _NO_CACHE = flags.DEFINE_bool("no_cache", False, "Greedy, re-running the whole prefix each step.")
-_FLAG_RULES = ((_STEP, config_check.integer(0)), (_NEW, config_check.integer(1)),
-               (_MAX_LEN, config_check.integer(1)), (_GROUP, config_check.integer(1)),
-               (_REPEAT, config_check.integer(1)))
+_FLAG_RULES = ((_STEP, fields.integer(0)), (_NEW, fields.integer(1)),
+               (_MAX_LEN, fields.integer(1)), (_GROUP, fields.integer(1)),
+               (_REPEAT, fields.integer(1)))
 
 
 def _check_flags():

@@ -37,7 +37,7 @@ def _tiny_lm():
 
 def _outer(name, k, h, **kw):
   return dict(mesh=f"replica={k},data={8 // k}",
-              optimizer=dict(outer=name, outer_sync_every=h, **kw))
+              outer=dict(name=name, sync_every=h, **kw))
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -74,23 +74,23 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   runs = {"dp": dict()}
   runs["diloco_k4_h50"] = _outer("diloco", 4, 50)
-  runs["diloco_k4_h50_int8"] = _outer("diloco", 4, 50, outer_compression="int8")
+  runs["diloco_k4_h50_int8"] = _outer("diloco", 4, 50, compression="int8")
   runs["noloco_k4_h50"] = _outer("noloco", 4, 50)
   # NoLoCo with a full step toward the group mean (outer lr = gamma = 1; the authors' code
   # uses 0.7): the better of the two in a 400-step sweep.
-  runs["noloco_k4_h50_lr1"] = _outer("noloco", 4, 50, outer_lr=1.0, outer_gamma=1.0)
+  runs["noloco_k4_h50_lr1"] = _outer("noloco", 4, 50, lr=1.0, gamma=1.0)
   # More outer momentum, toward DiLoCo's 0.9 (whose long-run outer step is 7x a pseudo-gradient
   # where NoLoCo's defaults give 1.4x); it also damps the replicas' disagreement more slowly.
-  runs["noloco_k4_h50_m09"] = _outer("noloco", 4, 50, outer_momentum=0.9)
-  runs["noloco_k4_h50_lr1_m08"] = _outer("noloco", 4, 50, outer_lr=1.0, outer_gamma=1.0,
-                                         outer_momentum=0.8)
+  runs["noloco_k4_h50_m09"] = _outer("noloco", 4, 50, momentum=0.9)
+  runs["noloco_k4_h50_lr1_m08"] = _outer("noloco", 4, 50, lr=1.0, gamma=1.0,
+                                         momentum=0.8)
   # No momentum: each replica's slow weights become its group's mean (gossip local SGD).
-  runs["noloco_k4_h50_lr1_m0"] = _outer("noloco", 4, 50, outer_lr=1.0, outer_gamma=1.0,
-                                        outer_momentum=0.0)
+  runs["noloco_k4_h50_lr1_m0"] = _outer("noloco", 4, 50, lr=1.0, gamma=1.0,
+                                        momentum=0.0)
   runs["noloco_k8_h50"] = _outer("noloco", 8, 50)  # four pairs: gossip has further to spread
   # CO2's code defaults (lambda = 1) are outside its stability bound alpha/lambda < 1 - beta
   # (jaxsys/optim/co2.py) and diverge; lambda = 3, the library's default, is inside it.
-  runs["co2_k4_h50"] = _outer("co2", 4, 50, outer_staleness_penalty=3.0)
+  runs["co2_k4_h50"] = _outer("co2", 4, 50, staleness_penalty=3.0)
   for k in (4, 8):
     for h in (10, 50, 100):
       runs.setdefault(f"diloco_k{k}_h{h}", _outer("diloco", k, h))
@@ -100,11 +100,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.update(dict(d_model=96, n_layers=4, d_ff=288))
     runs = {"dp": dict(), "diloco_k4_h50": _outer("diloco", 4, 50)}
     for f in (2, 4):  # each fragment every 50 steps: DiLoCo's total bytes, 1/f at a time
-      runs[f"streaming_k4_h50_f{f}"] = _outer("streaming_diloco", 4, 50, outer_fragments=f)
+      runs[f"streaming_k4_h50_f{f}"] = _outer("streaming_diloco", 4, 50, fragments=f)
     # The paper's overlap and mixing: each result lands 5 steps after its all-reduce starts,
     # half global, half local.
-    runs["streaming_k4_h50_f4_t5_a05"] = _outer("streaming_diloco", 4, 50, outer_fragments=4,
-                                                outer_overlap_steps=5, outer_mixing=0.5)
+    runs["streaming_k4_h50_f4_t5_a05"] = _outer("streaming_diloco", 4, 50, fragments=4,
+                                                overlap_steps=5, mixing=0.5)
   if arg == "routing":
     # Each replica a 2-stage 1F1B pipeline (one layer a stage); NoLoCo with its activations
     # routed at random between the replicas' stages (arXiv 2506.10911) and without.

@@ -30,10 +30,10 @@ from typing import Any
 import numpy as np
 from absl import logging
 
-from jaxsys.config import DataConfig
 from jaxsys.data import corpus
 from jaxsys.data import loader as loader_lib
 from jaxsys.data import tokenizer as tokenizer_lib
+from jaxsys.data.config import DataConfig
 
 # State keys that must match on resume: with any of them different, (epoch, position)
 # would point into a different document order or batch partition.

@@ -16,10 +16,10 @@ import grain
 import numpy as np
 from absl import logging
 
-from jaxsys.config import DataConfig
 from jaxsys.data import corpus
 from jaxsys.data import packing
 from jaxsys.data import tokenizer as tokenizer_lib
+from jaxsys.data.config import DataConfig
 
 # Keys of the loader state that must match on resume: a different corpus, batch size,
 # seed or order would make "the next batch" meaningless. process_index/process_count are

@@ -77,7 +77,7 @@ def check(cfg: LabConfig) -> tuple[float | None, str]:
   if mesh is not None:
     # Communication twins (CO2's all-reduce apart from the steps) take half of each
     # process's devices out of the mesh; the runner refuses an odd count in one line.
-    twins = _flag(cfg.runner_args, "config.optimizer.outer_comm_device") in ("True", "true", "1")
+    twins = _flag(cfg.runner_args, "config.outer.comm_device") in ("True", "true", "1")
     _check_mesh(mesh, cfg.processes, cfg.devices_per_process // (1 + twins))
   return rate, workdir
 

@@ -17,7 +17,7 @@ import contextvars
 import dataclasses
 import functools
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +27,9 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxsys import flops as flops_lib
 from jaxsys import mesh as mesh_lib
+from jaxsys.fields import field, integer, number, optional, text
 from jaxsys.kernels import attention as attention_lib
+from jaxsys.kernels.backends import IMPLS
 from jaxsys.models import output_layer, remat
 from jaxsys.models.matmul import matmul
 
@@ -38,29 +40,44 @@ UNROLL_MAX_LAYERS = 8
 # The layer's matmul weights and how many leading (input) dims each one contracts.
 LAYER_MATMULS = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_down": 1}
 
-
+# remat's, by names the config's own `remat` field does not shadow.
+_OFFLOADABLE, _parse_offload = remat.OFFLOADABLE, remat.parse_offload
 
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
-  vocab_size: int = 256
-  d_model: int = 256
-  n_layers: int = 4
-  n_heads: int = 4
-  n_kv_heads: int = 4
-  head_dim: int | None = None  # default d_model // n_heads
-  d_ff: int = 1024
-  rope_theta: float = 10_000.0
-  rope_scaling: str = ""  # transformers' rope_scaling as one string: see parse_rope_scaling
-  norm_eps: float = 1e-6
-  tie_embeddings: bool = False
-  qkv_bias: bool = False  # q, k and v projections with biases (Qwen2)
-  qk_norm: bool = False  # q and k RMS-normed per head before RoPE (Qwen3)
-  dtype: str = "float32"  # compute dtype
-  param_dtype: str = "float32"
-  attention_impl: str = "auto"
-  remat: str = "none"  # one of remat.POLICIES
-  remat_offload: str = ""  # comma-separated remat.OFFLOADABLE names kept in host memory
-  vocab_tiles: int = 1  # the loss's output layer in this many vocabulary tiles (output_layer.py)
+  """A Llama-style decoder's shape and numerics (the run config's `model` section)."""
+  vocab_size: int = field(256, "embedding and output rows", integer(1))
+  d_model: int = field(256, "the residual width", integer(1))
+  n_layers: int = field(4, "decoder layers", integer(1))
+  n_heads: int = field(4, "query heads", integer(1))
+  n_kv_heads: int = field(4, "K/V heads (GQA: fewer than n_heads)", integer(1))
+  head_dim: int | None = field(None, "a head's width",
+                               optional(integer(2), "model.d_model // model.n_heads"))
+  d_ff: int = field(1024, "the SwiGLU MLP's width", integer(1))
+  rope_theta: float = field(10_000.0, "RoPE's base", number(0, lo_open=True))
+  # parse_rope_scaling raises its own line for a malformed spec.
+  rope_scaling: str = field(
+      "", "transformers' rope_scaling as one string, e.g. 'linear:factor=4' or Llama 3.1's "
+      "'llama3:factor=8,...'; '': plain RoPE",
+      text("'' (plain RoPE) or transformers' rope_scaling as '<rope_type>:<key>=<value>,...'",
+           lambda v: parse_rope_scaling(v) is not None))
+  norm_eps: float = field(1e-6, "RMSNorm's epsilon", number(0, lo_open=True))
+  tie_embeddings: bool = field(False, "the output layer is the embedding's transpose")
+  qkv_bias: bool = field(False, "q, k and v projections with biases (Qwen2)")
+  qk_norm: bool = field(False, "q and k RMS-normed per head before RoPE (Qwen3)")
+  dtype: Literal["float32", "bfloat16", "float16"] = field("float32", "the compute dtype")
+  param_dtype: Literal["float32", "bfloat16", "float16"] = field("float32", "the parameters'")
+  attention_impl: Literal[IMPLS] = field("auto", "the attention kernels (kernels/backends.py)")
+  remat: Literal[remat.POLICIES] = field(
+      "none", "what a layer keeps for its backward (models/remat.py): none, minimal (no matmul "
+      "recomputed), dots, qkv or full")
+  remat_offload: str = field(
+      "", "comma-separated names a layer keeps in host memory instead, e.g. 'layer_input,q'",
+      text(f"'' or a comma-separated subset of {', '.join(_OFFLOADABLE)} (kept in host "
+           "memory)", lambda v: set(_parse_offload(v)) <= set(_OFFLOADABLE)))
+  vocab_tiles: int = field(1, "the loss's output layer in this many vocabulary tiles: no "
+                           "[B, T, vocab] logits whole (output_layer.py)",
+                           integer(1, meaning="1: the output layer untiled"))
 
   def __post_init__(self):
     if self.n_heads % self.n_kv_heads:
@@ -75,11 +92,11 @@ class TransformerConfig:
     if self.vocab_tiles < 1 or self.vocab_size % self.vocab_tiles:
       raise ValueError(f"model.vocab_tiles={self.vocab_tiles} must be >= 1 and divide "
                        f"model.vocab_size={self.vocab_size}")
-    for field in ("dtype", "param_dtype"):
+    for name in ("dtype", "param_dtype"):
       try:
-        jnp.dtype(getattr(self, field))
+        jnp.dtype(getattr(self, name))
       except TypeError:
-        raise ValueError(f"model.{field}={getattr(self, field)!r} is not a dtype name "
+        raise ValueError(f"model.{name}={getattr(self, name)!r} is not a dtype name "
                          "such as 'float32' or 'bfloat16'") from None
 
   @property
@@ -92,23 +109,19 @@ class TransformerConfig:
     d = dict(cfg.to_dict() if hasattr(cfg, "to_dict") else cfg)
     return cls(**d)
 
-
 def _param(rngs: nnx.Rngs, init, shape, axes: tuple[str, ...], dtype) -> nnx.Param:
   assert len(shape) == len(axes), (shape, axes)
   return nnx.Param(init(rngs.params(), shape, dtype), logical_axes=axes)
-
 
 def _dense_init(in_axis, out_axis, scale=1.0):
   # Stacked weights: axis 0 is `layers`, a batch axis for fan computation.
   return jax.nn.initializers.variance_scaling(
       scale, "fan_in", "truncated_normal", in_axis=in_axis, out_axis=out_axis, batch_axis=0)
 
-
 def rms_norm(x, scale, eps):
   x32 = x.astype(jnp.float32)
   y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
   return (y * scale.astype(jnp.float32)).astype(x.dtype)
-
 
 # transformers' rope types with frequency scaling that jaxsys computes, and their keys.
 ROPE_SCALING_KEYS = {
@@ -116,7 +129,6 @@ ROPE_SCALING_KEYS = {
     "llama3": ("factor", "low_freq_factor", "high_freq_factor",
                "original_max_position_embeddings"),
 }
-
 
 def parse_rope_scaling(spec: str) -> tuple[str, dict[str, float]]:
   """`model.rope_scaling` -> (rope type, its parameters): '' is plain RoPE; else
@@ -150,7 +162,6 @@ def parse_rope_scaling(spec: str) -> tuple[str, dict[str, float]]:
                      "high_freq_factor")
   return kind, values
 
-
 def rope_frequencies(d: int, theta: float, scaling: str = "") -> np.ndarray:
   """The D/2 rotation frequencies of a head dim `d`, in float32 as transformers computes
   them (`modeling_rope_utils`: the default, then linear or llama3 scaling)."""
@@ -169,7 +180,6 @@ def rope_frequencies(d: int, theta: float, scaling: str = "") -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
   return freqs
 
-
 def rope(x_BTHD, positions_BT, theta: float, scaling: str = ""):
   """Rotary embedding (rotate-half form) at arbitrary per-token positions; `scaling`: a
   `model.rope_scaling` spec (its frequencies are constants of the program)."""
@@ -183,7 +193,6 @@ def rope(x_BTHD, positions_BT, theta: float, scaling: str = ""):
   x1, x2 = jnp.split(x_BTHD.astype(jnp.float32), 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return out.astype(x_BTHD.dtype)
-
 
 def _dense(x, w, n_in: int = 1, *, out_shape: tuple[int, ...] | None = None, dtype=None):
   """x [..., *in] @ w [*in, *out] as one matmul [..., K] x [K, N] (`matmul.matmul`).
@@ -211,16 +220,13 @@ def _dense(x, w, n_in: int = 1, *, out_shape: tuple[int, ...] | None = None, dty
     raise ValueError(f"_dense: out_shape is required for a weight of type {type(w).__name__}")
   return y.reshape(*lead, *out_shape)
 
-
 def _quant_matmul():
   # Imported on first use: float models never load the quantized-matmul kernels.
   from jaxsys.kernels import quant_matmul
   return quant_matmul
 
-
 # The qmatmul implementation quantized weights run with while a model is traced.
 _QMATMUL_IMPL = contextvars.ContextVar("jaxsys_qmatmul_impl", default="auto")
-
 
 @contextlib.contextmanager
 def qmatmul_impl(impl: str):
@@ -236,14 +242,11 @@ def qmatmul_impl(impl: str):
   finally:
     _QMATMUL_IMPL.reset(token)
 
-
 def _qmatmul(x_MK, w):
   return _quant_matmul().qmatmul(x_MK, w, impl=_QMATMUL_IMPL.get())
 
-
 def _is_qweight(w) -> bool:
   return not isinstance(w, (jax.Array, np.ndarray)) and isinstance(w, _quant_matmul().QWeight)
-
 
 def block(p: dict[str, jax.Array], x_BTD, positions_BT, segment_ids_BT, cfg: TransformerConfig,
           attention_fn: Callable, cache: Any = None):
@@ -283,7 +286,6 @@ def block(p: dict[str, jax.Array], x_BTD, positions_BT, segment_ids_BT, cfg: Tra
   x_BTD = x_BTD + _dense(jax.nn.silu(gate) * up, p["w_down"], out_shape=(D,), dtype=dt)
   return x_BTD if cache is None else (x_BTD, cache)
 
-
 def _compute_layout(cfg: TransformerConfig, p: dict[str, jax.Array]) -> dict[str, jax.Array]:
   """One layer's matmul weights in the compute dtype, constrained whole over `fsdp` (still
   split over `tensor`): each is gathered once where the layer runs, and the backward's
@@ -303,7 +305,6 @@ def _compute_layout(cfg: TransformerConfig, p: dict[str, jax.Array]) -> dict[str
     spec = mesh_lib.logical_to_partition_spec(axes[key][1:], mesh, whole, shape=w.shape)
     out[key] = jax.lax.with_sharding_constraint(w.astype(cfg.dtype), spec)
   return out
-
 
 class DecoderLayers(nnx.Module):
   """All transformer layers, each parameter stacked on a leading `layers` axis."""
@@ -342,11 +343,9 @@ class DecoderLayers(nnx.Module):
                attention_fn: Callable):
     return apply_layers(cfg, self.stacked(), x_BTD, positions_BT, segment_ids_BT, attention_fn)
 
-
 # The residual stream's sharding between layers: rows over these mesh axes, tokens over
 # `context`. (`replica` is left to vmap: a replica run's layers see one replica's rows.)
 RESIDUAL_AXES = ((mesh_lib.DATA, mesh_lib.FSDP), (mesh_lib.CONTEXT,), ())
-
 
 def shard_residual(x_BTD):
   """`x_BTD` constrained to RESIDUAL_AXES over the mesh being traced for (its axes of size
@@ -366,7 +365,6 @@ def shard_residual(x_BTD):
   if all(e is None for e in entries):
     return x_BTD
   return jax.lax.with_sharding_constraint(x_BTD, jax.sharding.PartitionSpec(*entries))
-
 
 def apply_layers(cfg: TransformerConfig, stacked: dict[str, jax.Array], x_BTD, positions_BT,
                  segment_ids_BT, attention_fn: Callable, caches: Any = None):
@@ -390,7 +388,6 @@ def apply_layers(cfg: TransformerConfig, stacked: dict[str, jax.Array], x_BTD, p
   unroll = depth <= UNROLL_MAX_LAYERS and not cfg.remat_offload
   x_BTD, caches = jax.lax.scan(body, x_BTD, (stacked, caches), unroll=unroll)
   return x_BTD if caches is None else (x_BTD, caches)
-
 
 class Transformer(nnx.Module):
   """Decoder-only LM: tokens [B, T] -> logits [B, T, vocab] (float32)."""
@@ -430,7 +427,6 @@ class Transformer(nnx.Module):
     unembedding = None if self.cfg.tie_embeddings else self.unembedding.get_value()
     return self.final_norm[...], self.embedding.get_value(), unembedding
 
-
 def default_inputs(cfg: TransformerConfig, tokens_BT, positions_BT, attention_fn):
   """Positions 0..T-1 and the configured attention kernel where the caller gives none."""
   if positions_BT is None:
@@ -439,19 +435,16 @@ def default_inputs(cfg: TransformerConfig, tokens_BT, positions_BT, attention_fn
     attention_fn = functools.partial(local_attention, impl=cfg.attention_impl)
   return positions_BT, attention_fn
 
-
 def local_attention(q, k, v, *, segment_ids=None, positions=None, causal=True, impl="auto"):
   """The attention kernel on the tokens in their own order (positions are not needed)."""
   del positions
   return attention_lib.attention(q, k, v, segment_ids=segment_ids, causal=causal, impl=impl)
-
 
 def embed(cfg: TransformerConfig, embedding_VD, tokens_BT) -> jax.Array:
   """Token embeddings [B, T, D] in the compute dtype."""
   if _is_qweight(embedding_VD):  # weight-only storage: rows are gathered, not multiplied
     embedding_VD = _quant_matmul().dequantize(embedding_VD)
   return jnp.take(embedding_VD, tokens_BT, axis=0).astype(jnp.dtype(cfg.dtype))
-
 
 def _output_weight(cfg: TransformerConfig, embedding_VD, unembedding_DV):
   """The output layer's weight [D, V] in the compute dtype, or its QWeight (untied,
@@ -463,7 +456,6 @@ def _output_weight(cfg: TransformerConfig, embedding_VD, unembedding_DV):
   # N(0, 1) embeddings: scale so tied logits start at unit variance like untied ones.
   return (embedding_VD.T * (cfg.d_model ** -0.5)).astype(cfg.dtype)
 
-
 def unembed(cfg: TransformerConfig, x_BTD, final_norm_D, embedding_VD, unembedding_DV) -> jax.Array:
   """Final RMSNorm and output projection: logits [B, T, vocab] float32."""
   x_BTD = rms_norm(x_BTD, final_norm_D, cfg.norm_eps)
@@ -472,7 +464,6 @@ def unembed(cfg: TransformerConfig, x_BTD, final_norm_D, embedding_VD, unembeddi
     b, t, d = x_BTD.shape
     return _qmatmul(x_BTD.reshape(b * t, d), w_DV).astype(jnp.float32).reshape(b, t, -1)
   return matmul(x_BTD, w_DV, preferred_element_type=jnp.float32)
-
 
 def head_losses(cfg: TransformerConfig, x_BTD, final_norm_D, embedding_VD, unembedding_DV,
                 targets_BT) -> jax.Array:
@@ -487,7 +478,6 @@ def head_losses(cfg: TransformerConfig, x_BTD, final_norm_D, embedding_VD, unemb
   h_BTD = rms_norm(x_BTD, final_norm_D, cfg.norm_eps)
   return output_layer.token_losses(h_BTD, w_DV, targets_BT, cfg.vocab_tiles)
 
-
 def logical_axes(model: nnx.Module) -> dict[str, Any]:
   """Pure-dict tree of each parameter's logical axis names, matching `param_dict(model)`."""
   state = nnx.state(model, nnx.Param)
@@ -495,17 +485,14 @@ def logical_axes(model: nnx.Module) -> dict[str, Any]:
                       is_leaf=lambda x: isinstance(x, nnx.Variable))
   return nnx.to_pure_dict(axes) if hasattr(nnx, "to_pure_dict") else axes.to_pure_dict()
 
-
 def _matmul_params_per_layer(cfg: TransformerConfig) -> int:
   D, F, H, K, hd = cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.n_kv_heads, cfg.hd
   return D * H * hd + 2 * D * K * hd + H * hd * D + 3 * D * F  # wq, wk + wv, wo, SwiGLU
-
 
 def param_count(cfg: TransformerConfig, *, include_embedding: bool = True) -> int:
   L, D, V = cfg.n_layers, cfg.d_model, cfg.vocab_size
   n = L * (2 * D + _matmul_params_per_layer(cfg)) + D + (0 if cfg.tie_embeddings else D * V)
   return n + (V * D if include_embedding else 0)
-
 
 def train_flops_per_token(cfg: TransformerConfig, seq_len: int, *,
                           pairs_per_row: float | None = None) -> float:
@@ -521,7 +508,6 @@ def train_flops_per_token(cfg: TransformerConfig, seq_len: int, *,
   attention = cfg.n_layers * flops_lib.attention_flops(pairs, cfg.n_heads, cfg.hd) / seq_len
   return 6.0 * matmul_params + 3.0 * attention
 
-
 # Pure-function view of the model, used by the trainer and parallel strategies:
 # parameters are a plain nested dict of arrays, the NNX graph is rebuilt per trace.
 
@@ -529,22 +515,18 @@ def train_flops_per_token(cfg: TransformerConfig, seq_len: int, *,
 def _abstract_model(cfg: TransformerConfig):
   return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
 
-
 def init_params(cfg: TransformerConfig, key: jax.Array) -> dict[str, Any]:
   """Fresh parameters as a nested dict of arrays (jit it with out_shardings to init sharded)."""
   return nnx.state(Transformer(cfg, rngs=nnx.Rngs(params=key)), nnx.Param).to_pure_dict()
-
 
 def param_axes(cfg: TransformerConfig) -> dict[str, Any]:
   """Logical axis names of every parameter, a dict matching `init_params`."""
   return logical_axes(_abstract_model(cfg))
 
-
 def apply(cfg: TransformerConfig, params: dict[str, Any], tokens_BT, positions_BT=None,
           segment_ids_BT=None, attention_fn: Callable | None = None) -> jax.Array:
   """Logits [B, T, vocab] float32 from a parameter dict; see `Transformer.__call__`."""
   return _model(cfg, params)(tokens_BT, positions_BT, segment_ids_BT, attention_fn)
-
 
 def losses(cfg: TransformerConfig, params: dict[str, Any], tokens_BT, targets_BT,
            positions_BT=None, segment_ids_BT=None, attention_fn: Callable | None = None
@@ -552,7 +534,6 @@ def losses(cfg: TransformerConfig, params: dict[str, Any], tokens_BT, targets_BT
   """Per-token cross-entropy [B, T] float32 from a parameter dict; see `head_losses`."""
   return _model(cfg, params).losses(tokens_BT, targets_BT, positions_BT, segment_ids_BT,
                                     attention_fn)
-
 
 def compute_view(cfg: TransformerConfig, params: dict[str, Any]) -> dict[str, Any]:
   """The parameters as the model computes with them: every matmul weight in the compute
@@ -562,7 +543,6 @@ def compute_view(cfg: TransformerConfig, params: dict[str, Any]) -> dict[str, An
   keep = {"attn_norm", "mlp_norm", "final_norm", "embedding"}
   return jax.tree_util.tree_map_with_path(
       lambda path, x: x if path[-1].key in keep else x.astype(cfg.dtype), params)
-
 
 def _model(cfg: TransformerConfig, params: dict[str, Any]) -> "Transformer":
   return nnx.merge(nnx.graphdef(_abstract_model(cfg)), params)

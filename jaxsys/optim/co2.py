@@ -48,8 +48,22 @@ class CO2State(NamedTuple):
   momentum: Any
 
 
-def co2(*, sync_every: int, outer_lr: float = 1.0, outer_momentum: float = 0.5,
-        staleness_penalty: float = 3.0, momentum_clip: float | None = None,
+# The defaults: the authors' lr and momentum; a penalty inside the stability bound.
+DEFAULTS = {"lr": 1.0, "momentum": 0.5, "staleness_penalty": 3.0}
+
+
+def stable(lr: float | None = None, momentum: float | None = None,
+           staleness_penalty: float | None = None) -> bool:
+  """Whether lr / staleness_penalty < 1 - momentum, CO2's stability bound (None: the
+  default)."""
+  lr, momentum, penalty = (DEFAULTS[k] if v is None else v for k, v in (
+      ("lr", lr), ("momentum", momentum), ("staleness_penalty", staleness_penalty)))
+  return lr / penalty < 1.0 - momentum
+
+
+def co2(*, sync_every: int, lr: float = DEFAULTS["lr"], momentum: float = DEFAULTS["momentum"],
+        staleness_penalty: float = DEFAULTS["staleness_penalty"],
+        momentum_clip: float | None = None,
         allow_unstable: bool = False) -> outer_lib.OuterOptimizer:
   """CO2's outer step; `momentum_clip=None` turns clipping off (the authors' default).
 
@@ -57,15 +71,15 @@ def co2(*, sync_every: int, outer_lr: float = 1.0, outer_momentum: float = 0.5,
   `allow_unstable`, which warns instead.
   """
   sync_every = outer_lib.check_sync_every(sync_every)
-  alpha = outer_lib.check_range("outer_lr", outer_lr, 0.0, lo_open=True)
-  beta = outer_lib.check_range("outer_momentum", outer_momentum, 0.0, 1.0)
+  alpha = outer_lib.check_range("lr", lr, 0.0, lo_open=True)
+  beta = outer_lib.check_range("momentum", momentum, 0.0, 1.0)
   lam = outer_lib.check_range("staleness_penalty", staleness_penalty, 0.0, lo_open=True)
   clip = None if momentum_clip is None else outer_lib.check_range(
       "momentum_clip", momentum_clip, 0.0, lo_open=True)
-  if alpha / lam >= 1.0 - beta:
-    fix = f"staleness_penalty > {alpha / (1.0 - beta):g}" if beta < 1 else "outer_momentum < 1"
-    msg = (f"outer_lr={alpha:g}, outer_momentum={beta:g}, staleness_penalty={lam:g} are outside "
-           f"CO2's stability bound outer_lr / staleness_penalty < 1 - outer_momentum "
+  if not stable(alpha, beta, lam):
+    fix = f"staleness_penalty > {alpha / (1.0 - beta):g}" if beta < 1 else "momentum < 1"
+    msg = (f"lr={alpha:g}, momentum={beta:g}, staleness_penalty={lam:g} are outside "
+           f"CO2's stability bound lr / staleness_penalty < 1 - momentum "
            f"({alpha / lam:g} >= {1.0 - beta:g}); use {fix} or allow_unstable=True")
     if not allow_unstable:
       raise ValueError(msg)
@@ -93,5 +107,5 @@ def co2(*, sync_every: int, outer_lr: float = 1.0, outer_momentum: float = 0.5,
 
   return outer_lib.OuterOptimizer(
       "co2", sync_every, init, sync, bytes_per_sync,
-      dict(outer_lr=alpha, outer_momentum=beta, staleness_penalty=lam, momentum_clip=clip,
+      dict(lr=alpha, momentum=beta, staleness_penalty=lam, momentum_clip=clip,
            allow_unstable=allow_unstable), overlaps=True, in_flight="pending")

@@ -13,7 +13,7 @@ stays per replica and is never averaged (Sec. 6.1, as MaxText's `diloco.py`).
 The NoLoCo authors' DiLoCo baseline is not this (jkolehm/noloco,
 `PipelineDiLoCoOptimizer`, commented "Nesterov momentum optimizer"): it applies heavy-ball
 momentum, m <- mu m - lr Delta; theta <- theta + m, and its C4 config sets lr 0.7,
-mu 0.3, H = 100, i.e. `diloco(sync_every=100, outer_momentum=0.3, nesterov=False)` here.
+mu 0.3, H = 100, i.e. `diloco(sync_every=100, momentum=0.3, nesterov=False)` here.
 (Its older `DiLoCoOptimizer` also averaged the inner Adam moments at every sync.)
 
 `compression` quantizes the pseudo-gradient before the collective; with
@@ -45,13 +45,13 @@ class DiLoCoState(NamedTuple):
   error: Any  # error-feedback residual (zeros unless error_feedback)
 
 
-def diloco(*, sync_every: int, outer_lr: float = 0.7, outer_momentum: float = 0.9,
+def diloco(*, sync_every: int, lr: float = 0.7, momentum: float = 0.9,
            nesterov: bool = True, compression: str | None = None,
            error_feedback: bool = False) -> outer_lib.OuterOptimizer:
   """DiLoCo's outer step; `compression` in None|'bf16'|'int8'|'fp8'."""
   sync_every = outer_lib.check_sync_every(sync_every)
-  outer_lr = outer_lib.check_range("outer_lr", outer_lr, 0.0, lo_open=True)
-  outer_momentum = outer_lib.check_range("outer_momentum", outer_momentum, 0.0, 1.0)
+  outer_lr = outer_lib.check_range("lr", lr, 0.0, lo_open=True)
+  outer_momentum = outer_lib.check_range("momentum", momentum, 0.0, 1.0)
   compression = outer_lib.check_compression(compression)
   # optax.sgd's trace is m <- mu m + g and its step g + mu m (Nesterov) or m: Alg. 1's OuterOpt.
   outer_opt = optax.sgd(outer_lr, momentum=outer_momentum, nesterov=nesterov)
@@ -81,5 +81,5 @@ def diloco(*, sync_every: int, outer_lr: float = 0.7, outer_momentum: float = 0.
 
   return outer_lib.OuterOptimizer(
       "diloco", sync_every, init, sync, bytes_per_sync,
-      dict(outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov,
+      dict(lr=outer_lr, momentum=outer_momentum, nesterov=nesterov,
            compression=compression, error_feedback=error_feedback))

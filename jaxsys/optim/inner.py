@@ -4,9 +4,7 @@ from __future__ import annotations
 import jax
 import optax
 
-from jaxsys.config import OptimizerConfig
-
-OPTIMIZERS = ("adamw",)
+from jaxsys.optim.config import OptimizerConfig
 
 
 def make_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:

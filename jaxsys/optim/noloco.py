@@ -114,12 +114,12 @@ def _group_mean_fn(groups: np.ndarray, axis_name: str):
   return fn
 
 
-def noloco(*, sync_every: int, outer_lr: float = 0.7, outer_momentum: float = 0.5,
+def noloco(*, sync_every: int, lr: float = 0.7, momentum: float = 0.5,
            gamma: float = 0.7, group_size: int = 2, seed: int = 0) -> outer_lib.OuterOptimizer:
-  """NoLoCo's outer step (beta = outer_lr, alpha = outer_momentum); group_size 2 or R."""
+  """NoLoCo's outer step (beta = lr, alpha = momentum); group_size 2 or R."""
   sync_every = outer_lib.check_sync_every(sync_every)
-  beta = outer_lib.check_range("outer_lr", outer_lr, 0.0, lo_open=True)
-  alpha = outer_lib.check_range("outer_momentum", outer_momentum, 0.0, 1.0)
+  beta = outer_lib.check_range("lr", lr, 0.0, lo_open=True)
+  alpha = outer_lib.check_range("momentum", momentum, 0.0, 1.0)
   gamma = outer_lib.check_range("gamma", gamma, 0.0)
   if isinstance(group_size, bool) or not isinstance(group_size, (int, np.integer)) \
       or group_size < 2:
@@ -158,4 +158,4 @@ def noloco(*, sync_every: int, outer_lr: float = 0.7, outer_momentum: float = 0.
 
   return outer_lib.OuterOptimizer(
       "noloco", sync_every, init, sync, bytes_per_sync,
-      dict(outer_lr=beta, outer_momentum=alpha, gamma=gamma, group_size=group_size, seed=seed))
+      dict(lr=beta, momentum=alpha, gamma=gamma, group_size=group_size, seed=seed))

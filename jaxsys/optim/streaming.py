@@ -116,7 +116,7 @@ def _put(tree, pieces, values):
 
 
 def streaming_diloco(*, sync_every: int, fragments: int, overlap_steps: int = 0,
-                     mixing: float = 0.0, outer_lr: float = 0.7, outer_momentum: float = 0.9,
+                     mixing: float = 0.0, lr: float = 0.7, momentum: float = 0.9,
                      nesterov: bool = True,
                      compression: str | None = None) -> outer_lib.OuterOptimizer:
   """Streaming DiLoCo's outer step over `fragments` fragments; see the module docstring."""
@@ -132,8 +132,8 @@ def streaming_diloco(*, sync_every: int, fragments: int, overlap_steps: int = 0,
     raise ValueError(f"overlap_steps={overlap_steps!r} is invalid; it must be an int >= 0 and "
                      f"< sync_every={sync_every} (a fragment's result lands before it syncs again)")
   mixing = outer_lib.check_range("mixing", mixing, 0.0, 1.0)
-  outer_lr = outer_lib.check_range("outer_lr", outer_lr, 0.0, lo_open=True)
-  outer_momentum = outer_lib.check_range("outer_momentum", outer_momentum, 0.0, 1.0)
+  outer_lr = outer_lib.check_range("lr", lr, 0.0, lo_open=True)
+  outer_momentum = outer_lib.check_range("momentum", momentum, 0.0, 1.0)
   compression = outer_lib.check_compression(compression)
   schedule = Schedule(sync_every, int(fragments), int(overlap_steps))
   events = schedule.events()
@@ -202,7 +202,7 @@ def streaming_diloco(*, sync_every: int, fragments: int, overlap_steps: int = 0,
   return outer_lib.OuterOptimizer(
       "streaming_diloco", sync_every, init, sync, bytes_per_sync,
       dict(fragments=schedule.fragments, overlap_steps=schedule.overlap_steps, mixing=mixing,
-           outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov,
+           lr=outer_lr, momentum=outer_momentum, nesterov=nesterov,
            compression=compression),
       due_at=schedule.due, peak_bytes=peak_bytes_per_sync, bytes_by_step=bytes_after,
       overlaps=schedule.overlap_steps > 0, elementwise=False)

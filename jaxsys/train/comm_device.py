@@ -3,7 +3,7 @@ while it crosses the link.
 
 XLA:CPU runs a device's programs one at a time and their collectives in line, so a sync
 fused into the next inner step holds that step for the whole transfer. With
-`optimizer.outer_comm_device=True` every process splits its CPU devices in two halves:
+`outer.comm_device=True` every process splits its CPU devices in two halves:
 the first trains, the second are their twins and only communicate, the way a host's
 network card moves data while its cores compute. At a sync the loop runs the outer
 update on the training devices without its collective, copies what it would average
@@ -35,7 +35,7 @@ def split_devices(devices=None) -> tuple[list[jax.Device], dict[jax.Device, jax.
   for process, local in by_process.items():
     if len(local) % 2 or local[0].platform != "cpu":
       raise ValueError(
-          f"optimizer.outer_comm_device=True needs an even number of CPU devices in each "
+          f"outer.comm_device=True needs an even number of CPU devices in each "
           f"process (half train, half are their communication twins); process {process} has "
           f"{len(local)} {local[0].platform} devices (e.g. --xla_force_host_platform_device_count"
           f"={2 * len(local)}, or the lab's --devices_per_process=2)")
@@ -63,7 +63,7 @@ class OffDeviceSync:
   """`sync(state)`: the outer update on the training devices, its all-reduce launched on
   the twins; `land(state)`: the state with the last all-reduce's result in place (what the
   fused sync would hold). `setup.make_setup` builds it for an outer optimizer with
-  `in_flight` (CO2) when `optimizer.outer_comm_device` is set."""
+  `in_flight` (CO2) when `outer.comm_device` is set."""
 
   def __init__(self, outer: outer_lib.OuterOptimizer, mesh: Mesh, local_sync: Callable):
     self.field, self.mesh, self.local_sync = outer.in_flight, mesh, local_sync

@@ -34,7 +34,7 @@ STRATEGIES: dict[str, Strategy] = {
     "context": Strategy(axes=(("context", 2),)),
     "pipeline": Strategy(axes=(("stage", 2),), fields=(("pipeline.schedule", "1f1b"),
                                                        ("pipeline.microbatches", 2))),
-    "outer": Strategy(axes=(("replica", 2),), fields=(("optimizer.outer", "diloco"),)),
+    "outer": Strategy(axes=(("replica", 2),), fields=(("outer.name", "diloco"),)),
     "accumulation": Strategy(fields=(("optimizer.grad_accum_steps", 2),)),
     "hdp": Strategy(fields=(("parallel.hdp", True), ("data.variable_length", True))),
 }
@@ -45,7 +45,7 @@ OPTIONS: dict[str, dict[str, tuple]] = {
                  "pipeline.vocab_parallel": (False, True)},
     "context": {"parallel.context_layout": ("zigzag", "contiguous"),
                 "parallel.context_algorithm": ("ring", "all_gather", "ulysses")},
-    "outer": {"optimizer.outer": ("diloco", "streaming_diloco", "noloco", "co2"),
+    "outer": {"outer.name": ("diloco", "streaming_diloco", "noloco", "co2"),
               "pipeline.routing": ("fixed", "random")},
     "hdp": {"parallel.hdp_widen_rings": (False, True)},
 }

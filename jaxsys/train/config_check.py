@@ -7,199 +7,30 @@ model work, so a bad value is one line naming the field, the value and what is v
 from __future__ import annotations
 
 import dataclasses
-import glob
 import math
 import os
-import re
 import tempfile
 from typing import Any, Callable
 
 import jax
-import numpy as np
 
 from jaxsys import config as config_lib
+from jaxsys.fields import Rule
 from jaxsys import mesh as mesh_lib
-from jaxsys.checkpoint import hf, layouts
-from jaxsys.checkpoint.manager import NUMERIC_FIELDS
+from jaxsys.checkpoint import hf
 from jaxsys.data import corpus
-from jaxsys.data.tokenizer import MIN_BPE_VOCAB, TOKENIZERS
-from jaxsys.kernels.backends import IMPLS
-from jaxsys.models import remat, transformer
+from jaxsys.data.tokenizer import MIN_BPE_VOCAB
+from jaxsys.optim.co2 import DEFAULTS as CO2_DEFAULTS, stable as co2_stable
 from jaxsys.optim.noloco import check_group_size
-from jaxsys.optim.inner import OPTIMIZERS
-from jaxsys.parallel import context, pipeline
+from jaxsys.parallel import pipeline
 from jaxsys.train import comm_device
 from jaxsys.train import hdp_step
 from jaxsys.train import memory_estimate
 from jaxsys.train import replicas as replicas_lib
 
 
-@dataclasses.dataclass(frozen=True)
-class Rule:
-  """A field's valid values: a predicate, the words that describe them, or a list of choices."""
-  ok: Callable[[Any], bool]
-  valid: str = ""
-  choices: tuple[Any, ...] = ()
-
-  def error(self, path: str, value: Any) -> str | None:
-    """The one-line error for `path=value`, None when the value is valid."""
-    if self.ok(value):
-      return None
-    if self.choices:
-      return f"{path}={value!r} is unknown; valid: {', '.join(map(str, self.choices))}"
-    return f"{path}={value!r} is invalid; it must be {self.valid}"
-
-
-def _is_int(v) -> bool:
-  return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
-
-
-def _is_number(v) -> bool:
-  return (_is_int(v) or isinstance(v, (float, np.floating))) and math.isfinite(v)
-
-
-# Rule builders; `meaning` says what a special value (e.g. 0) means.
-def integer(lo: int, hi: int | None = None, meaning: str = "") -> Rule:
-  valid = f"an int >= {lo}" + ("" if hi is None else f" and <= {hi}")
-  return Rule(lambda v: _is_int(v) and lo <= v and (hi is None or v <= hi),
-              valid + (f" ({meaning})" if meaning else ""))
-
-
-def number(lo: float, hi: float | None = None, *, lo_open: bool = False,
-           hi_open: bool = False) -> Rule:
-  def ok(v):
-    return (_is_number(v) and (v > lo if lo_open else v >= lo)
-            and (hi is None or (v < hi if hi_open else v <= hi)))
-  upper = "" if hi is None else f" and {'<' if hi_open else '<='} {hi}"
-  return Rule(ok, f"a number {'>' if lo_open else '>='} {lo}{upper}")
-
-
-def one_of(*choices) -> Rule:
-  return Rule(lambda v: isinstance(v, str) and v in choices, choices=choices)
-
-
-def optional(rule: Rule, meaning: str) -> Rule:
-  return Rule(lambda v: v is None or rule.ok(v), f"{rule.valid}, or None ({meaning})")
-
-
-BOOL = Rule(lambda v: isinstance(v, (bool, np.bool_)), "True or False")
-_ALGORITHM_DEFAULT = "the algorithm's published default"
-
-# Every field of configs/tiny_lm.py; the meaning of 0 is part of the valid range.
-FIELDS: dict[str, Rule] = {
-    "seed": integer(0, 2**32 - 1),
-    "total_steps": integer(1),
-    "log_every": integer(1),
-    "eval_every": integer(0, meaning="0: never evaluate"),
-    "eval_steps": integer(1),
-    "checkpoint_every": integer(0, meaning="0: save only at the end"),
-    "keep_checkpoints": integer(1),
-    "checkpoint.on_corrupt": one_of("error", "previous"),
-    "checkpoint.merge_replicas": one_of(*layouts.MERGES),
-    "checkpoint.snapshot_every": integer(0, meaning="0: no snapshots in RAM"),
-    "checkpoint.snapshot_dir": Rule(lambda v: isinstance(v, str),
-                                    "a directory in RAM, or '' (one on /dev/shm for the workdir)"),
-    "profile.steps": Rule(lambda v: isinstance(v, str) and bool(re.fullmatch(r"(\d+,\d+)?", v)),
-                          "'N,M' (trace steps N to M, e.g. '3,5') or '' (no profile)"),
-    # parse_mesh_spec raises its own line for a malformed spec.
-    "mesh": Rule(lambda v: isinstance(v, str) and bool(mesh_lib.parse_mesh_spec(v)),
-                 f"a mesh spec such as 'data=-1' or 'data=2,tensor=4' over axes "
-                 f"{', '.join(mesh_lib.AXIS_NAMES)}"),
-    "allow_model_change": Rule(
-        lambda v: isinstance(v, str) and set(filter(None, map(str.strip, v.split(","))))
-        <= set(NUMERIC_FIELDS), f"'' or a comma-separated subset of {', '.join(NUMERIC_FIELDS)}"),
-    "check_memory": BOOL,
-    "init_from": Rule(lambda v: isinstance(v, str), "a run's workdir, 'hf:<dir>' (a Hugging Face "
-                      "Llama checkpoint), or '' (random init)"),
-    "model.vocab_size": integer(1),
-    "model.d_model": integer(1),
-    "model.n_layers": integer(1),
-    "model.n_heads": integer(1),
-    "model.n_kv_heads": integer(1),
-    "model.head_dim": optional(integer(2), "model.d_model // model.n_heads"),
-    "model.d_ff": integer(1),
-    "model.rope_theta": number(0, lo_open=True),
-    # parse_rope_scaling raises its own line for a malformed spec.
-    "model.rope_scaling": Rule(
-        lambda v: isinstance(v, str) and transformer.parse_rope_scaling(v) is not None,
-        "'' (plain RoPE) or transformers' rope_scaling as '<rope_type>:<key>=<value>,...'"),
-    "model.norm_eps": number(0, lo_open=True),
-    "model.tie_embeddings": BOOL,
-    "model.qkv_bias": BOOL,
-    "model.qk_norm": BOOL,
-    "model.dtype": one_of("float32", "bfloat16", "float16"),
-    "model.param_dtype": one_of("float32", "bfloat16", "float16"),
-    "model.attention_impl": one_of(*IMPLS),
-    "model.remat": one_of(*remat.POLICIES),
-    "model.remat_offload": Rule(
-        lambda v: isinstance(v, str) and set(remat.parse_offload(v)) <= set(remat.OFFLOADABLE),
-        f"'' or a comma-separated subset of {', '.join(remat.OFFLOADABLE)} (kept in host memory)"),
-    "model.vocab_tiles": integer(1, meaning="1: the output layer untiled"),
-    # corpus.mixture raises its own line for a malformed mixture.
-    "data.source": Rule(
-        lambda v: isinstance(v, str) and all(
-            p == "stdlib" or os.path.isdir(p) or next(glob.iglob(p, recursive=True), None)
-            is not None for _, p in corpus.mixture(v)),
-        "'stdlib', an existing directory, or a file or glob that matches files, such as "
-        "'/path/**/*.txt' or '/data/web/*.jsonl.gz', or a mixture of them "
-        "'<weight>:<source>;...'"),
-    "data.text_field": Rule(lambda v: isinstance(v, str) and bool(v),
-                            "the name of the JSONL records' text field, e.g. 'text'"),
-    "data.tokenizer": Rule(
-        lambda v: isinstance(v, str) and (v in TOKENIZERS or v.startswith(hf.PREFIX)),
-        choices=(*TOKENIZERS, "hf:<dir> (its tokenizer.json)")),
-    "data.vocab_size": integer(1),
-    "data.seq_len": integer(1),
-    "data.batch_size": integer(1),
-    "data.num_threads": integer(0, meaning="0: load in the training thread"),
-    "data.variable_length": BOOL,
-    "data.max_len": integer(1),
-    "data.truncate_long": BOOL,
-    "parallel.context_layout": one_of(*context.LAYOUTS),
-    "parallel.context_algorithm": one_of(*context.ALGORITHMS),
-    "parallel.context_gather_mib": integer(1),
-    "parallel.hdp": BOOL,
-    "parallel.hdp_widen_rings": BOOL,
-    "optimizer.name": one_of(*OPTIMIZERS),
-    "optimizer.learning_rate": number(0, lo_open=True),
-    "optimizer.warmup_steps": integer(0),
-    "optimizer.final_lr_fraction": number(0, 1),
-    "optimizer.b1": number(0, 1, hi_open=True),
-    "optimizer.b2": number(0, 1, hi_open=True),
-    "optimizer.eps": number(0, lo_open=True),
-    "optimizer.weight_decay": number(0),
-    "optimizer.grad_clip": number(0, lo_open=True),
-    "optimizer.grad_accum_steps": integer(1),
-    "optimizer.accum_gather_once": BOOL,
-    "optimizer.schedule_steps": integer(0, meaning="0: decay over total_steps"),
-    "optimizer.schedule_offset": integer(0),
-    "optimizer.outer": one_of(*replicas_lib.OUTERS),
-    "optimizer.outer_sync_every": integer(1, meaning="inner steps between outer syncs"),
-    "optimizer.outer_lr": optional(number(0, lo_open=True), _ALGORITHM_DEFAULT),
-    "optimizer.outer_momentum": optional(number(0, 1), _ALGORITHM_DEFAULT),
-    "optimizer.outer_nesterov": BOOL,
-    "optimizer.outer_compression": one_of("none", "bf16", "int8", "fp8"),
-    "optimizer.outer_error_feedback": BOOL,
-    "optimizer.outer_gamma": optional(number(0), _ALGORITHM_DEFAULT),
-    "optimizer.outer_group_size": integer(2),
-    "optimizer.outer_seed": integer(0),
-    "optimizer.outer_staleness_penalty": optional(number(0, lo_open=True), _ALGORITHM_DEFAULT),
-    "optimizer.outer_momentum_clip": optional(number(0, lo_open=True), "no clipping"),
-    "optimizer.outer_allow_unstable": BOOL,
-    "optimizer.outer_comm_device": BOOL,
-    "optimizer.outer_fragments": integer(1, meaning="fragments of layers synced in turn"),
-    "optimizer.outer_overlap_steps": integer(0, meaning="inner steps a sync overlaps"),
-    "optimizer.outer_mixing": number(0, 1),  # streaming_diloco's alpha
-    "pipeline.schedule": one_of(*pipeline.SCHEDULES),
-    "pipeline.microbatches": integer(1),
-    "pipeline.virtual_stages": integer(1),
-    "pipeline.vocab_parallel": BOOL,
-    "pipeline.vocab_algorithm": Rule(lambda v: _is_int(v) and v in (1, 2),
-                                     "1 or 2 (the Vocabulary Parallelism paper's algorithms)"),
-    "pipeline.vocab_overlap": BOOL,
-    "pipeline.routing": one_of("fixed", "random"),
-    "pipeline.gather_once": BOOL,
-}
+# Every field's rule, declared with the field (jaxsys/config.py, models/transformer.py).
+FIELDS: dict[str, Rule] = config_lib.field_rules()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,9 +102,9 @@ RELATIONS: tuple[Relation, ...] = (
              "the mesh axes that shard the batch"),
     Relation(("data.batch_size", "processes"), lambda b, p: b % p == 0,
              "divide over the processes"),
-    Relation(("mesh axis replica", "optimizer.outer"), lambda r, outer: r == 1 or outer != "none",
-             "be 1 without an outer optimizer (optimizer.outer=diloco, streaming_diloco, noloco or co2); "
-             "for data parallelism use a data axis"),
+    Relation(("mesh axis replica", "outer.name"), lambda r, outer: r == 1 or outer != "none",
+             "be 1 without an outer optimizer (outer.name=diloco, streaming_diloco, noloco or "
+             "co2); for data parallelism use a data axis"),
     Relation(("mesh axis stage", "pipeline.schedule"), lambda p, sched: p == 1 or sched != "none",
              "be 1 without a pipeline (pipeline.schedule=gpipe, 1f1b, eager_1f1b, interleaved_1f1b, "
              "zb_h1 or zbv)"),
@@ -341,20 +172,26 @@ RELATIONS: tuple[Relation, ...] = (
              "be 1 with HDP (its micro-steps already accumulate gradients)"),
     Relation(("profile.steps", "total_steps"), lambda steps, total: _profile_range_ok(steps, total),
              "be 'N,M' with 1 <= N <= M <= total_steps (the first and last step traced), or ''"),
-    Relation(("optimizer.outer_fragments", "model.n_layers", "optimizer.outer"),
+    Relation(("outer.fragments", "model.n_layers", "outer.name"),
              lambda f, n, outer: outer != "streaming_diloco" or n % f == 0,
              "divide model.n_layers (fragment p syncs layers p, p + fragments, ...)"),
-    Relation(("optimizer.outer_sync_every", "optimizer.outer_fragments", "optimizer.outer"),
+    Relation(("outer.sync_every", "outer.fragments", "outer.name"),
              lambda h, f, outer: outer != "streaming_diloco" or h >= f,
-             "be >= optimizer.outer_fragments (the fragments sync at staggered offsets, one "
+             "be >= outer.fragments (the fragments sync at staggered offsets, one "
              "every outer_sync_every / outer_fragments steps)"),
-    Relation(("optimizer.outer_overlap_steps", "optimizer.outer_sync_every", "optimizer.outer"),
+    Relation(("outer.overlap_steps", "outer.sync_every", "outer.name"),
              lambda tau, h, outer: outer != "streaming_diloco" or tau < h,
-             "be < optimizer.outer_sync_every (a fragment's result lands before it syncs again)"),
-    Relation(("optimizer.outer_comm_device", "optimizer.outer"),
+             "be < outer.sync_every (a fragment's result lands before it syncs again)"),
+    Relation(("outer.staleness_penalty", "outer.lr", "outer.momentum", "outer.allow_unstable",
+              "outer.name"),
+             lambda penalty, lr, momentum, unstable, outer: (
+                 outer != "co2" or unstable or co2_stable(lr, momentum, penalty)),
+             "keep outer.lr / outer.staleness_penalty < 1 - outer.momentum, CO2's stability "
+             f"bound (None: CO2's default, {CO2_DEFAULTS}), or outer.allow_unstable be True"),
+    Relation(("outer.comm_device", "outer.name"),
              lambda twins, outer: not twins or outer == "co2",
-             "be False unless optimizer.outer=co2 (the one whose sync's result waits H steps)"),
-    Relation(("optimizer.outer_group_size", "optimizer.outer", "mesh axis replica"),
+             "be False unless outer.name=co2 (the one whose sync's result waits H steps)"),
+    Relation(("outer.group_size", "outer.name", "mesh axis replica"),
              lambda g, outer, r: outer != "noloco" or _groups_replicas(g, r),
              "be 2 (random pairs, for an even replica count) or the replica count (one group)"),
 ) + tuple(
@@ -363,15 +200,14 @@ RELATIONS: tuple[Relation, ...] = (
     for field, logical in _SHARDED_FIELDS.items())
 
 
-# Fields added after checkpoints were first written, with the value an older config means:
-# a saved config without them (a checkpoint's meta) still parses.
-ADDED_LATER: dict[str, Any] = {"profile.steps": "", "parallel.context_algorithm": "ring",
-                               "parallel.context_gather_mib": 1024,
-                               "optimizer.outer_comm_device": False, "model.vocab_tiles": 1, "model.rope_scaling": "",
-                               "model.qkv_bias": False, "model.qk_norm": False,
-                               "data.text_field": "text",
-                               "model.remat_offload": "", "optimizer.accum_gather_once": False,
-                               "check_memory": True}
+# Fields moved since checkpoints were first written: {old path: new path}. A saved config
+# (a checkpoint's meta) with the old names still parses; a field it lacks takes its default,
+# what an older config meant.
+MOVED: dict[str, str] = {"optimizer.outer": "outer.name", **{
+    f"optimizer.outer_{name}": f"outer.{name}" for name in (
+        "sync_every", "lr", "momentum", "nesterov", "compression", "error_feedback", "gamma",
+        "group_size", "seed", "staleness_penalty", "momentum_clip", "allow_unstable",
+        "comm_device", "fragments", "overlap_steps", "mixing")}}
 
 
 # Fields removed since checkpoints were first written: {field: (the value that still means
@@ -382,8 +218,10 @@ REMOVED: dict[str, tuple[Any, str]] = {
 }
 
 
-def _without_removed(values: dict[str, Any]) -> dict[str, Any]:
-  """`values` less the removed fields that still mean what runs; another value is refused."""
+def _current(values: dict[str, Any]) -> dict[str, Any]:
+  """An older config's `values` under today's names: moved fields renamed, removed ones
+  dropped where their value still means what runs (another is refused)."""
+  values = {MOVED.get(path, path): v for path, v in values.items()}
   for path, (kept, why) in REMOVED.items():
     if path in values and values[path] != kept:
       raise ValueError(f"{path}={values[path]!r}: {why}; remove the field (its value "
@@ -407,10 +245,6 @@ def _check_names(values: dict[str, Any]) -> None:
       siblings = [f for f in FIELDS if f.rpartition(".")[0] == parent]
       raise ValueError(f"config field {path!r} is unknown; fields of {parent or 'config'}: "
                        f"{', '.join(f.rpartition('.')[2] for f in siblings)}")
-  missing = [f for f in FIELDS if f not in values and f not in ADDED_LATER]
-  if missing:
-    raise ValueError(f"config has no field {missing[0]!r}; start from configs/tiny_lm.py, "
-                     "which sets every field")
 
 
 def _shards(mesh, logical: str, size: int | None = None) -> int:
@@ -485,10 +319,9 @@ def parse(config) -> config_lib.RunConfig:
 
 def _field_values(config) -> dict[str, Any]:
   """{'data.seq_len': 64, ...} of `config`, every name known and every value valid alone."""
-  values = _without_removed(
-      _flatten(config.to_dict() if hasattr(config, "to_dict") else dict(config)))
+  values = _current(_flatten(config.to_dict() if hasattr(config, "to_dict") else dict(config)))
   _check_names(values)
-  values = {**ADDED_LATER, **values}
+  values = {**config_lib.default_values(), **values}
   for path, value in values.items():
     error = field_error(path, value)
     if error:
@@ -506,7 +339,7 @@ def check_config(config, workdir: Any = None, devices=None) -> config_lib.RunCon
   fit them. `workdir=None` skips the workdir check.
   """
   values = hf.run_values(_field_values(config))  # init_from=hf:<dir>: its model and tokenizer
-  twins = values["optimizer.outer_comm_device"] and values["optimizer.outer"] == "co2"
+  twins = values["outer.comm_device"] and values["outer.name"] == "co2"
   mesh = mesh_lib.make_mesh(values["mesh"], comm_device.training_devices(twins, devices))
   related = {**values, **_derived(mesh, values)}
   for relation in RELATIONS:

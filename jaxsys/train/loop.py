@@ -343,7 +343,7 @@ def _restore_at(parts: _Parts, ckpt: Checkpointer, latest: int):
   """The state and loader position at step `latest` of `ckpt`, in this run's view."""
   saved = ckpt.read_meta(latest)
   check_same_model(saved["model"], parts.meta["model"], ckpt.directory,
-                   parts.run.allow_model_change)
+                   parts.run.model_changes)
   source = layouts.form_of(saved)
   preemption.pause_point("restore")
   if source == parts.setup.view.form:  # any mesh: orbax reads the pieces into this run's shardings
@@ -416,7 +416,7 @@ def _fresh_state(parts: _Parts):
     logging.info("init_from: Hugging Face checkpoint %s", hf_dir)
     return setup.start_from(state, params)
   saved = read_params(run.init_from, expect_model=parts.meta["model"],
-                      allow_model_change=run.allow_model_change)
+                      allow_model_change=run.model_changes)
   if saved is None:
     raise ValueError(f"init_from={run.init_from!r} holds no checkpoint; it must be a run's "
                      "workdir or its checkpoints dir, or '' to start from random parameters")

@@ -18,7 +18,8 @@ runs its collectives in line, `comm_device` runs CO2's apart on twin devices ins
 """
 from __future__ import annotations
 
-import re
+import dataclasses
+import inspect
 from typing import Any, Callable
 
 import jax
@@ -35,39 +36,23 @@ from jaxsys.optim.noloco import noloco
 from jaxsys.optim.streaming import streaming_diloco
 from jaxsys.train.state import REPLICA_AXIS as AXIS, TrainState
 
-OUTERS = ("none", "diloco", "noloco", "co2", "streaming_diloco")
-
-
 def make_outer_optimizer(cfg: OuterConfig) -> outer_lib.OuterOptimizer | None:
   """The outer optimizer named by `cfg.name`, None for 'none' (plain DP).
 
-  Unset (None) fields take the algorithm's own default.
+  The config's fields are the algorithm's own arguments (`outer.lr` is `diloco(lr=...)`);
+  unset (None) ones take the algorithm's default. An error names the config field.
   """
-  name = cfg.name
-  if name == "none":
+  if cfg.name == "none":
     return None
-  fields = {"diloco": ("lr", "momentum", "nesterov", "compression", "error_feedback"),
-            "noloco": ("lr", "momentum", "gamma", "group_size", "seed"),
-            "co2": ("lr", "momentum", "staleness_penalty", "momentum_clip", "allow_unstable"),
-            "streaming_diloco": ("lr", "momentum", "nesterov", "compression", "fragments",
-                                 "overlap_steps", "mixing")}[name]
-  kw = {}
-  for key in fields:  # the library's `outer_lr`, `gamma`, ...
-    value = getattr(cfg, key)
-    if value is not None:
-      kw[key if key not in ("lr", "momentum") else f"outer_{key}"] = value
+  make = {"diloco": diloco, "noloco": noloco, "co2": co2,
+          "streaming_diloco": streaming_diloco}[cfg.name]
+  given = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+  kw = {k: v for k, v in given.items()
+        if k in inspect.signature(make).parameters and v is not None}
   try:
-    return {"diloco": diloco, "noloco": noloco, "co2": co2, "streaming_diloco": streaming_diloco}[name](
-        sync_every=cfg.sync_every, **kw)
-  except ValueError as e:  # name the config fields: sync_every=0 -> optimizer.outer_sync_every=0
-    raise ValueError(_OUTER_ARG.sub(r"optimizer.outer_\1", str(e))) from None
-
-
-# Library argument names in an outer optimizer's error, longest first (momentum_clip
-# before momentum); each is the config field optimizer.outer_<name>.
-_OUTER_ARG = re.compile(r"\b(?:outer_)?(sync_every|lr|momentum_clip|momentum|nesterov|compression|"
-                        r"error_feedback|gamma|group_size|seed|staleness_penalty|"
-                        r"allow_unstable|fragments|overlap_steps|mixing)(?==)")
+    return make(**kw)
+  except ValueError as e:  # each algorithm's error starts with its argument: sync_every=0
+    raise ValueError(f"outer.{e}") from None
 
 
 def num_replicas(mesh: Mesh, outer_name: str) -> int:
@@ -75,7 +60,7 @@ def num_replicas(mesh: Mesh, outer_name: str) -> int:
   size = dict(mesh.shape).get(AXIS, 0)
   if size < 2:
     raise ValueError(
-        f"optimizer.outer={outer_name!r} needs a mesh with a 'replica' axis of size >= 2, but "
+        f"outer.name={outer_name!r} needs a mesh with a 'replica' axis of size >= 2, but "
         f"the mesh is {mesh_lib.describe(mesh)}; e.g. mesh='replica=4,data=-1'")
   return size
 

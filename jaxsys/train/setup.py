@@ -93,7 +93,7 @@ class Setup:
   run_view: dict  # the run's view beyond its saved form (recorded in each checkpoint)
   schedule: pipeline.Schedule | None = None
   routing: str = "fixed"
-  # The sync with its all-reduce on communication twins (optimizer.outer_comm_device)
+  # The sync with its all-reduce on communication twins (outer.comm_device)
   off_device_sync: comm_device.OffDeviceSync | None = None
 
   @property

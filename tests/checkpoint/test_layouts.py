@@ -138,8 +138,8 @@ def test_one_model_to_diloco_replicas_and_back(make_config, tmp_path):
   Merging takes the replicas' mean, moments included."""
   w, straight = str(tmp_path / "w"), str(tmp_path / "straight")
   dp = dict(mesh="data=8", **KW)
-  diloco = dict(mesh="replica=4,data=2", optimizer__outer="diloco",
-                optimizer__outer_sync_every=2, **KW)
+  diloco = dict(mesh="replica=4,data=2", outer__name="diloco",
+                outer__sync_every=2, **KW)
   loop.train_and_evaluate(make_config(total_steps=5, **dp), straight)
   loop.train_and_evaluate(make_config(total_steps=4, **dp), w)
   saved = _saved(w, 4)
@@ -173,7 +173,7 @@ def test_one_model_to_diloco_replicas_and_back(make_config, tmp_path):
 @pytest.mark.slow
 def test_every_checkpoint_describes_its_layout(make_config, tmp_path):
   loop.train_and_evaluate(make_config(total_steps=2, mesh="replica=2,fsdp=4",
-                                      optimizer__outer="noloco", **KW), str(tmp_path))
+                                      outer__name="noloco", **KW), str(tmp_path))
   meta = Checkpointer(str(tmp_path / "checkpoints")).read_meta(2)
   layout = meta["layout"]
   assert layout["form"] == {"replicas": 2, "outer": "noloco"}

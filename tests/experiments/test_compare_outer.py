@@ -39,7 +39,7 @@ def test_two_rows_from_a_warm_start(small_corpus, tmp_path):
            "--config.eval_every=2", "--config.eval_steps=1", "--config.log_every=2",
            "--config.checkpoint_every=4", "--config.continue_schedule=true",
            "--config.optimizer.warmup_steps=5",
-           "--config.run_specs.diloco_k4_h10.optimizer.outer_sync_every=2"),
+           "--config.run_specs.diloco_k4_h10.outer.sync_every=2"),
       cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "seed 3 of [3]" in proc.stderr

@@ -161,8 +161,8 @@ def test_composed_run_killed_resumes_merged_under_another_composition(small_corp
   one-process run's of the same composition. Checkpoints follow syncs, when the replicas
   are equal, so the merged run's first loss equals that run's at the step too."""
   composed = ["--config.mesh=replica=2,stage=2,context=2,tensor=2",
-              "--config.optimizer.outer=diloco", "--config.optimizer.outer_sync_every=2",
-              "--config.optimizer.outer_compression=int8", "--config.pipeline.schedule=1f1b",
+              "--config.outer.name=diloco", "--config.outer.sync_every=2",
+              "--config.outer.compression=int8", "--config.pipeline.schedule=1f1b",
               "--config.pipeline.microbatches=2", "--config.pipeline.vocab_parallel=true"]
   common = ["--config=configs/tiny_lm.py:size=test", f"--config.data.source={small_corpus}",
             "--config.data.num_threads=0", "--config.model.n_layers=4", "--config.log_every=1",

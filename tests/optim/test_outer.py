@@ -64,9 +64,9 @@ class DiLoCoTest(parameterized.TestCase):
 
   @parameterized.parameters("vmap", "shard_map")
   def test_h1_lr1_no_momentum_is_data_parallel_sgd(self, how):
-    """Inner SGD, H=1, outer_lr=1, momentum 0: each sync is one synchronous DP SGD step."""
+    """Inner SGD, H=1, lr=1, momentum 0: each sync is one synchronous DP SGD step."""
     lr = 0.1
-    outer = optim.diloco(sync_every=1, outer_lr=1.0, outer_momentum=0.0)
+    outer = optim.diloco(sync_every=1, lr=1.0, momentum=0.0)
     sync = _vmap_sync(outer) if how == "vmap" else _shard_sync(outer)
     grads = jax.jit(jax.vmap(jax.grad(_loss)))
     dp_step = jax.jit(lambda p, x, y: jax.tree.map(
@@ -84,9 +84,9 @@ class DiLoCoTest(parameterized.TestCase):
       chex.assert_trees_all_close(jax.tree.map(lambda x: x[r], theta), dp, atol=1e-6, rtol=1e-6)
 
   def test_one_replica_lr1_is_the_inner_optimizer(self):
-    """R=1, outer_lr=1, no momentum: syncing every 2 steps changes nothing (inner AdamW alone)."""
+    """R=1, lr=1, no momentum: syncing every 2 steps changes nothing (inner AdamW alone)."""
     inner = optax.adamw(1e-2)
-    outer = optim.diloco(sync_every=2, outer_lr=1.0, outer_momentum=0.0)
+    outer = optim.diloco(sync_every=2, lr=1.0, momentum=0.0)
     sync = jax.jit(jax.vmap(lambda p, s: outer.sync(p, s, axis_name=AX), axis_name=AX))
     ref = _params()
     ref_state = inner.init(ref)
@@ -172,7 +172,7 @@ class NoLoCoTest(parameterized.TestCase):
     """Replica 0's partner over 3000 syncs of the real sync at R=16: chi-square < 36.1
     (p = 0.001 at 14 dof); a pool of 16 random permutations fails the same test."""
     r, syncs, critical = 16, 3000, 36.12
-    partners = _partners(optim.noloco(sync_every=1, outer_lr=1.0, outer_momentum=0.0, gamma=1.0,
+    partners = _partners(optim.noloco(sync_every=1, lr=1.0, momentum=0.0, gamma=1.0,
                                       seed=7), r, syncs)
     np.testing.assert_array_equal(np.take_along_axis(partners, partners, 1),
                                   np.broadcast_to(np.arange(r), partners.shape))  # pairs
@@ -189,7 +189,7 @@ class NoLoCoTest(parameterized.TestCase):
 
   def test_sync_averages_within_the_drawn_pairs(self):
     """beta = gamma = 1, alpha = 0: phi_i <- mean of theta over i's pair, the drawn round's."""
-    outer = optim.noloco(sync_every=1, outer_lr=1.0, outer_momentum=0.0, gamma=1.0, seed=5)
+    outer = optim.noloco(sync_every=1, lr=1.0, momentum=0.0, gamma=1.0, seed=5)
     sync = _shard_sync(outer)
     schedule = peer_groups(R, 2, 5)
     state = jax.vmap(outer.init)(jnp.zeros((R, 1)))
@@ -210,7 +210,7 @@ class NoLoCoTest(parameterized.TestCase):
   def test_modified_nesterov_step(self, gamma):
     """The modified Nesterov update (both the beta == gamma shortcut and the general form)."""
     a, b = 0.5, 0.7
-    outer = optim.noloco(sync_every=1, outer_lr=b, outer_momentum=a, gamma=gamma, group_size=R)
+    outer = optim.noloco(sync_every=1, lr=b, momentum=a, gamma=gamma, group_size=R)
     sync = _vmap_sync(outer)
     phi = jnp.arange(R, dtype=jnp.float32).reshape(R, 1)
     state = jax.vmap(outer.init)(phi)._replace(momentum=jnp.ones((R, 1)))
@@ -242,7 +242,7 @@ class CO2Test(absltest.TestCase):
 
   def test_applies_the_previous_rounds_average(self):
     # lambda = alpha = 1, no momentum applies each average whole (on the bound: allowed)
-    outer = optim.co2(sync_every=1, outer_lr=1.0, outer_momentum=0.0, staleness_penalty=1.0,
+    outer = optim.co2(sync_every=1, lr=1.0, momentum=0.0, staleness_penalty=1.0,
                       allow_unstable=True)
     sync = _shard_sync(outer)
     x0 = jnp.zeros((R, 2))
@@ -257,7 +257,7 @@ class CO2Test(absltest.TestCase):
     np.testing.assert_allclose(out, jnp.broadcast_to(a.mean(0) + b.mean(0), (R, 2)), rtol=1e-6)
 
   def test_staleness_penalty_momentum_and_clip(self):
-    outer = optim.co2(sync_every=1, outer_lr=0.5, outer_momentum=0.5, staleness_penalty=2.0,
+    outer = optim.co2(sync_every=1, lr=0.5, momentum=0.5, staleness_penalty=2.0,
                       momentum_clip=0.3)
     sync = _vmap_sync(outer)
     state = jax.vmap(outer.init)(jnp.zeros((R, 3)))
@@ -292,8 +292,8 @@ class CO2Test(absltest.TestCase):
     with self.assertRaises(ValueError) as ctx:
       optim.co2(sync_every=1, staleness_penalty=1.0)
     self.assertEqual(str(ctx.exception),
-                     "outer_lr=1, outer_momentum=0.5, staleness_penalty=1 are outside CO2's "
-                     "stability bound outer_lr / staleness_penalty < 1 - outer_momentum "
+                     "lr=1, momentum=0.5, staleness_penalty=1 are outside CO2's "
+                     "stability bound lr / staleness_penalty < 1 - momentum "
                      "(1 >= 0.5); use staleness_penalty > 2 or allow_unstable=True")
 
 
@@ -305,20 +305,24 @@ class ConfigTest(parameterized.TestCase):
                                **fields)
 
   def test_unset_fields_take_the_library_defaults(self):
-    for name, hparams in (("diloco", dict(outer_lr=0.7, outer_momentum=0.9, nesterov=True)),
-                          ("noloco", dict(outer_lr=0.7, outer_momentum=0.5, gamma=0.7)),
-                          ("co2", dict(outer_lr=1.0, outer_momentum=0.5, staleness_penalty=3.0,
+    for name, hparams in (("diloco", dict(lr=0.7, momentum=0.9, nesterov=True)),
+                          ("noloco", dict(lr=0.7, momentum=0.5, gamma=0.7)),
+                          ("co2", dict(lr=1.0, momentum=0.5, staleness_penalty=3.0,
                                        allow_unstable=False))):
       outer = replicas.make_outer_optimizer(self._config(name=name))
       self.assertEqual({k: outer.hparams[k] for k in hparams}, hparams, msg=name)
 
   def test_co2_outside_the_bound_names_the_config_fields(self):
-    cfg = self._config(name="co2", staleness_penalty=1.0)
-    with self.assertRaisesRegex(ValueError, r"^optimizer.outer_lr=1, optimizer.outer_momentum=0.5, "
-                                r"optimizer.outer_staleness_penalty=1 are outside .* or "
-                                r"optimizer.outer_allow_unstable=True$"):
-      replicas.make_outer_optimizer(cfg)
-    cfg = dataclasses.replace(cfg, allow_unstable=True)
+    config = _tiny_lm().get_config("size=test")
+    config.mesh, config.outer.name, config.outer.staleness_penalty = "replica=2,data=-1", "co2", 1.0
+    with self.assertRaisesRegex(ValueError, r"^outer.staleness_penalty=1.0 is invalid with "
+                                r"outer.lr=None, outer.momentum=None, outer.allow_unstable=False, "
+                                r"outer.name='co2'; it must keep outer.lr / "
+                                r"outer.staleness_penalty < 1 - outer.momentum"):
+      config_check.check_config(config)
+    config.outer.staleness_penalty = 2.5  # 1 / 2.5 < 1 - 0.5: inside the bound
+    config_check.check_config(config)
+    cfg = self._config(name="co2", staleness_penalty=1.0, allow_unstable=True)
     with self.assertLogs("absl", "WARNING"):
       self.assertEqual(replicas.make_outer_optimizer(cfg).hparams["staleness_penalty"], 1.0)
 
@@ -366,7 +370,7 @@ class CompressionTest(parameterized.TestCase):
     d = jax.random.normal(jax.random.key(0), (R, 4096))
 
     def drift(error_feedback):
-      outer = optim.diloco(sync_every=1, outer_lr=1.0, outer_momentum=0.0, compression=kind,
+      outer = optim.diloco(sync_every=1, lr=1.0, momentum=0.0, compression=kind,
                            error_feedback=error_feedback)
       sync = _vmap_sync(outer)
       state = jax.vmap(outer.init)(jnp.zeros_like(d))
@@ -428,11 +432,11 @@ class BadInputTest(parameterized.TestCase):
       (lambda: optim.diloco(sync_every=2.5), r"^sync_every=2.5 is invalid"),
       (lambda: optim.diloco(sync_every=1, compression="int4"),
        r"^compression='int4' is unknown; valid: none, bf16, int8, fp8$"),
-      (lambda: optim.diloco(sync_every=1, outer_lr=-1), r"^outer_lr=-1 is invalid"),
+      (lambda: optim.diloco(sync_every=1, lr=-1), r"^lr=-1 is invalid"),
       (lambda: optim.noloco(sync_every=1, group_size=1), r"^group_size=1 is invalid"),
       (lambda: optim.co2(sync_every=1, staleness_penalty=0), r"^staleness_penalty=0 is invalid"),
-      (lambda: optim.co2(sync_every=1, outer_momentum=1.5), r"^outer_momentum=1.5 is invalid"),
-      (lambda: optim.co2(sync_every=1, outer_momentum=0.9), r"^outer_lr=1, outer_momentum=0.9, "
+      (lambda: optim.co2(sync_every=1, momentum=1.5), r"^momentum=1.5 is invalid"),
+      (lambda: optim.co2(sync_every=1, momentum=0.9), r"^lr=1, momentum=0.9, "
        r"staleness_penalty=3 are outside CO2's stability bound"))
   def test_one_line_errors(self, make, pattern):
     with self.assertRaisesRegex(ValueError, pattern) as ctx:

@@ -97,7 +97,7 @@ def test_matches_the_step_by_step_reference(fragments, overlap_steps, mixing):
   # A mild outer step: with DiLoCo's 0.7 / 0.9 this toy problem amplifies float32 rounding
   # (the two sum in different orders) by ~2x a step after a dozen steps.
   outer = optim.streaming_diloco(sync_every=8, fragments=fragments, overlap_steps=overlap_steps,
-                                 mixing=mixing, outer_lr=0.5, outer_momentum=0.5)
+                                 mixing=mixing, lr=0.5, momentum=0.5)
   # 13 steps: every fragment starts and lands once, some twice, and the landings at steps 1
   # and 3 (of starts due in a previous round) are skipped. Rounding alone stays below 1e-6
   # here; an overlap, a mixing or a fragment count off by one notch moves them by > 5e-3.

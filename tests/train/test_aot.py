@@ -111,7 +111,7 @@ def test_composed_run_compiles_for_an_8_chip_slice():
   """2 DiLoCo replicas x 2 stages (1F1B, vocabulary parallelism) x 2 context shards: train
   step, eval step and outer sync, each within a v5e chip's HBM."""
   run, _, programs = _compile(
-      "v5e-8", mesh="replica=2,stage=2,context=2", optimizer__outer="diloco",
+      "v5e-8", mesh="replica=2,stage=2,context=2", outer__name="diloco",
       pipeline__schedule="1f1b", pipeline__microbatches=2, pipeline__vocab_parallel=True)
   assert [p.name for p in programs] == ["train step", "eval step", "outer sync"]
   assert all(p.fits for p in programs)

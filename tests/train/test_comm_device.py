@@ -1,4 +1,4 @@
-"""CO2's all-reduce on communication twins (optimizer.outer_comm_device): the fused sync's
+"""CO2's all-reduce on communication twins (outer.comm_device): the fused sync's
 math, the collective only in the twins' program, exact resume, one-line errors."""
 import chex
 import jax
@@ -27,10 +27,10 @@ def _batches(setup, n):
 
 def _setups(make_config):
   """The fused CO2 run and the twins' over the same four training devices."""
-  kw = dict(mesh="replica=4", optimizer__outer="co2", optimizer__outer_sync_every=2)
-  fused_run = config_check.check_config(make_config(**kw, optimizer__outer_comm_device=False),
+  kw = dict(mesh="replica=4", outer__name="co2", outer__sync_every=2)
+  fused_run = config_check.check_config(make_config(**kw, outer__comm_device=False),
                                         devices=jax.devices()[:4])
-  twin_run = config_check.check_config(make_config(**kw, optimizer__outer_comm_device=True))
+  twin_run = config_check.check_config(make_config(**kw, outer__comm_device=True))
   train_devices, _ = comm_device.split_devices()
   assert train_devices == jax.devices()[:4]
   fused = make_setup(fused_run, mesh_lib.make_mesh(fused_run.mesh, train_devices))
@@ -93,8 +93,8 @@ def test_resume_is_exact_with_an_average_in_flight(make_config, tmp_path):
   """Syncs every 3 steps; the 4 + 4 run stops with step 3's average in flight (landed
   into the checkpoint): 8 steps straight == 4, stop, restore, 4 more."""
   kw = dict(mesh="replica=4", log_every=1, eval_every=0, checkpoint_every=100,
-            optimizer__schedule_steps=8, optimizer__outer="co2",
-            optimizer__outer_sync_every=3, optimizer__outer_comm_device=True)
+            optimizer__schedule_steps=8, outer__name="co2",
+            outer__sync_every=3, outer__comm_device=True)
   a, b, sa, sb = _straight_and_in_two_legs(make_config, tmp_path, **kw)
   assert sorted(a) == sorted(b) == list(range(1, 9))
   np.testing.assert_allclose([b[s] for s in a], [a[s] for s in a], rtol=1e-6)
@@ -106,21 +106,21 @@ def test_resume_is_exact_with_an_average_in_flight(make_config, tmp_path):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (dict(optimizer__outer="diloco", optimizer__outer_comm_device=True),
-     r"^optimizer.outer_comm_device=True is invalid with optimizer.outer='diloco'; it must be "
-     r"False unless optimizer.outer=co2"),
-    (dict(optimizer__outer="none", optimizer__outer_comm_device=True),
-     r"^optimizer.outer_comm_device=True is invalid with optimizer.outer='none'"),
+    (dict(outer__name="diloco", outer__comm_device=True),
+     r"^outer.comm_device=True is invalid with outer.name='diloco'; it must be "
+     r"False unless outer.name=co2"),
+    (dict(outer__name="none", outer__comm_device=True),
+     r"^outer.comm_device=True is invalid with outer.name='none'"),
 ])
 def test_bad_config_is_one_line(make_config, overrides, message):
-  mesh = "data=-1" if overrides["optimizer__outer"] == "none" else "replica=2,data=-1"
+  mesh = "data=-1" if overrides["outer__name"] == "none" else "replica=2,data=-1"
   with pytest.raises(ValueError, match=message):
     config_check.check_config(make_config(mesh=mesh, **overrides))
 
 
 def test_odd_device_count_is_refused(make_config):
-  with pytest.raises(ValueError, match=r"^optimizer.outer_comm_device=True needs an even number "
+  with pytest.raises(ValueError, match=r"^outer.comm_device=True needs an even number "
                      r"of CPU devices in each process .* process 0 has 7 cpu devices"):
-    config_check.check_config(make_config(mesh="replica=-1", optimizer__outer="co2",
-                                          optimizer__outer_comm_device=True),
+    config_check.check_config(make_config(mesh="replica=-1", outer__name="co2",
+                                          outer__comm_device=True),
                               devices=jax.devices()[:7])

@@ -30,8 +30,8 @@ from jaxsys.train.setup import make_setup
 TINY = dict(model__d_model=32, model__n_layers=4, model__n_heads=4, model__n_kv_heads=2,
             model__d_ff=64, data__seq_len=32, data__batch_size=32, data__max_len=128,
             optimizer__eps=1.0,
-            optimizer__warmup_steps=0, optimizer__outer_sync_every=2,
-            optimizer__outer_fragments=2)
+            optimizer__warmup_steps=0, outer__sync_every=2,
+            outer__fragments=2)
 
 
 def _config(names, **options):
@@ -72,9 +72,9 @@ EXECUTED = [
     (("pipeline", "context", "tensor", "accumulation"),
      {"parallel__context_algorithm": "all_gather"}),
     (("outer", "context"), {}),
-    (("outer", "pipeline"), {"optimizer__outer": "streaming_diloco"}),
+    (("outer", "pipeline"), {"outer__name": "streaming_diloco"}),
     (("outer", "pipeline", "context", "accumulation"), {"pipeline__vocab_parallel": True}),
-    (("outer", "context", "tensor", "accumulation"), {"optimizer__outer": "co2"}),
+    (("outer", "context", "tensor", "accumulation"), {"outer__name": "co2"}),
     (("outer", "pipeline", "fsdp", "accumulation"), {"pipeline__schedule": "gpipe",
                                                      "pipeline__gather_once": True}),
     # XLA's partitioner aborted this one's compile (the head with fsdp and context both
@@ -185,7 +185,7 @@ def _step(config):
 def test_one_step_equals_the_step_without_them(names, options):
   config = _config(names, **options)
   assert compositions.refusal(config) is None
-  reference = tuple((k, v) for k, v in options.items() if k.startswith("optimizer__outer"))
+  reference = tuple((k, v) for k, v in options.items() if k.startswith("outer__name"))
   loss, state = _step(config)
   ref_loss, ref_state = _reference_step(("outer",) if "outer" in names else (), reference)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
@@ -212,7 +212,7 @@ def _one_row_each(parts, rows: int, length: int) -> dict:
   return out
 
 
-HDP_CASES = [(("hdp", "outer", "tensor"), {"optimizer__outer": "co2"}),
+HDP_CASES = [(("hdp", "outer", "tensor"), {"outer__name": "co2"}),
              (("hdp", "pipeline", "fsdp"), {"pipeline__vocab_parallel": True}),
              (("hdp", "outer", "pipeline"), {"pipeline__schedule": "gpipe"})]
 

@@ -57,16 +57,16 @@ class FieldsTest(parameterized.TestCase):
       ("checkpoint_at_end", dict(checkpoint_every=0)),
       ("head_dim_set", dict(model__head_dim=32)),
       ("bpe", dict(data__tokenizer="bpe", data__vocab_size=512, model__vocab_size=512)),
-      ("outer", dict(mesh="replica=2,data=-1", optimizer__outer="diloco")),
-      ("noloco_all", dict(mesh="replica=4,data=-1", optimizer__outer="noloco",
-                          optimizer__outer_group_size=4)),
+      ("outer", dict(mesh="replica=2,data=-1", outer__name="diloco")),
+      ("noloco_all", dict(mesh="replica=4,data=-1", outer__name="noloco",
+                          outer__group_size=4)),
       ("warmup_is_schedule", dict(total_steps=4, optimizer__warmup_steps=4)),
       ("size_one_stage", dict(mesh="stage=1,data=-1")),
       ("pipeline", dict(mesh="stage=2,data=-1", pipeline__schedule="1f1b",
                         pipeline__vocab_parallel=True)),
       ("interleaved", dict(mesh="stage=2,tensor=2,data=2", pipeline__schedule="interleaved_1f1b",
                            pipeline__virtual_stages=2, model__n_layers=4)),
-      ("all_sharded", dict(mesh="replica=2,fsdp=2,tensor=2", optimizer__outer="co2")),
+      ("all_sharded", dict(mesh="replica=2,fsdp=2,tensor=2", outer__name="co2")),
       ("fewer_kv_heads_than_tensor", dict(mesh="data=2,tensor=4")),  # K/V heads replicated
       ("context", dict(mesh="data=2,context=-1")),
       ("context_contiguous", dict(mesh="context=8", data__seq_len=72,
@@ -158,13 +158,13 @@ class FieldsTest(parameterized.TestCase):
       ("accum", dict(optimizer__grad_accum_steps=0), "optimizer.grad_accum_steps=0 is invalid"),
       ("schedule_offset", dict(optimizer__schedule_offset=-1),
        "optimizer.schedule_offset=-1 is invalid"),
-      ("outer", dict(optimizer__outer="dilcoo"),
-       "optimizer.outer='dilcoo' is unknown; valid: none, diloco, noloco, co2"),
-      ("outer_lr", dict(optimizer__outer_lr=-0.5), "optimizer.outer_lr=-0.5 is invalid; it must "
+      ("outer", dict(outer__name="dilcoo"),
+       "outer.name='dilcoo' is unknown; valid: none, diloco, noloco, co2"),
+      ("outer_lr", dict(outer__lr=-0.5), "outer.lr=-0.5 is invalid; it must "
        "be a number > 0, or None (the algorithm's published default)"),
-      ("compression", dict(optimizer__outer_compression="int4"),
-       "optimizer.outer_compression='int4' is unknown; valid: none, bf16, int8, fp8"),
-      ("group_size", dict(optimizer__outer_group_size=1), "optimizer.outer_group_size=1 is invalid"),
+      ("compression", dict(outer__compression="int4"),
+       "outer.compression='int4' is unknown; valid: none, bf16, int8, fp8"),
+      ("group_size", dict(outer__group_size=1), "outer.group_size=1 is invalid"),
       ("layout", dict(parallel__context_layout="striped"),
        "parallel.context_layout='striped' is unknown; valid: contiguous, zigzag"),
       ("schedule", dict(pipeline__schedule="zb-h1"), "pipeline.schedule='zb-h1' is unknown; valid: "
@@ -190,15 +190,17 @@ class FieldsTest(parameterized.TestCase):
       config_check.check_config(config)
 
   def test_unknown_and_missing_fields(self):
+    """An unknown field is refused; a missing one takes its default."""
     config = _config()
     config.eval_evry = 5
     with self.assertRaisesRegex(ValueError, r"^config field 'eval_evry' is unknown; fields of "
                                 r"config: seed, total_steps, .*eval_every"):
       config_check.check_config(config)
     config = _config()
+    config.model.remat = "full"
+    self.assertEqual(config_check.check_config(config).model.remat, "full")
     del config.model["remat"]
-    with self.assertRaisesRegex(ValueError, r"^config has no field 'model.remat'"):
-      config_check.check_config(config)
+    self.assertEqual(config_check.check_config(config).model.remat, "none")
 
   def test_flag_value_error_names_the_field(self):
     # What the CLI reports for --config.total_steps=abc (absl could not parse the string).
@@ -319,26 +321,26 @@ class RelationsTest(parameterized.TestCase):
       ("profile_zero", dict(profile__steps="0,2"), "profile.steps='0,2' is invalid with "
        "total_steps=20"),
       ("hdp_replica_pool", dict(mesh="replica=2,data=4", data__variable_length=True,
-                                parallel__hdp=True, optimizer__outer="diloco",
+                                parallel__hdp=True, outer__name="diloco",
                                 data__max_len=257),
        "data.max_len=257 is invalid with data.seq_len=64, mesh axes data x fsdp=4"),
       ("replica_without_outer", dict(mesh="replica=2,data=-1"), "mesh axis replica=2 is invalid "
-       "with optimizer.outer='none'; it must be 1 without an outer optimizer"),
-      ("outer_without_replica", dict(optimizer__outer="co2"), "optimizer.outer='co2' needs a mesh "
+       "with outer.name='none'; it must be 1 without an outer optimizer"),
+      ("outer_without_replica", dict(outer__name="co2"), "outer.name='co2' needs a mesh "
        "with a 'replica' axis of size >= 2, but the mesh is data=8 (8 cpu devices)"),
-      ("noloco_groups", dict(mesh="replica=4,data=-1", optimizer__outer="noloco",
-                             optimizer__outer_group_size=3),
-       "optimizer.outer_group_size=3 is invalid with optimizer.outer='noloco', "
+      ("noloco_groups", dict(mesh="replica=4,data=-1", outer__name="noloco",
+                             outer__group_size=3),
+       "outer.group_size=3 is invalid with outer.name='noloco', "
        "mesh axis replica=4; it must be 2 (random pairs, for an even replica count) or the "
        "replica count (one group)"),
-      ("noloco_odd", dict(mesh="replica=8", optimizer__outer="noloco",
-                          optimizer__outer_group_size=4),
-       "optimizer.outer_group_size=4 is invalid with optimizer.outer='noloco', "
+      ("noloco_odd", dict(mesh="replica=8", outer__name="noloco",
+                          outer__group_size=4),
+       "outer.group_size=4 is invalid with outer.name='noloco', "
        "mesh axis replica=8"),
       ("mesh_devices", dict(mesh="data=3"), "mesh data=3 needs 3 devices but 8 are available"),
-      ("co2_unstable", dict(mesh="replica=2,data=-1", optimizer__outer="co2",
-                            optimizer__outer_staleness_penalty=1.0),
-       "optimizer.outer_lr=1, optimizer.outer_momentum=0.5, optimizer.outer_staleness_penalty=1"),
+      ("co2_unstable", dict(mesh="replica=2,data=-1", outer__name="co2",
+                            outer__staleness_penalty=1.0),
+       "outer.staleness_penalty=1.0 is invalid with outer.lr=None, outer.momentum=None"),
   )
   def test_bad_relation(self, overrides, message):
     _assert_refused(self, overrides, message)

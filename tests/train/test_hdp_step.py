@@ -12,7 +12,6 @@ from jaxsys.parallel import hdp, hdp_layout
 from jaxsys.train import hdp_step, replicas
 from jaxsys.train import state as state_lib
 from jaxsys.train import grads
-from jaxsys.train import step as step_lib
 from jaxsys.optim.inner import make_optimizer
 from tests.train.test_step import MODEL, OPT
 

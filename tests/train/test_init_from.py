@@ -12,7 +12,7 @@ from jaxsys.train import loop
 
 pytestmark = pytest.mark.slow
 
-DILOCO = dict(mesh="replica=2,data=-1", optimizer__outer="diloco", optimizer__outer_sync_every=2)
+DILOCO = dict(mesh="replica=2,data=-1", outer__name="diloco", outer__sync_every=2)
 
 
 def _latest_state(workdir):

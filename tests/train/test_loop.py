@@ -75,8 +75,8 @@ HDP = dict(data__variable_length=True, parallel__hdp=True, data__max_len=256,
 
 @pytest.mark.parametrize("mesh, extra", [
     ("data=-1", {}), ("data=-1,fsdp=2,tensor=2", {}), ("data=-1,fsdp=2,tensor=2", HDP),
-    ("replica=2,data=-1,tensor=2", {**HDP, "data__max_len": 128, "optimizer__outer": "diloco",
-                                    "optimizer__outer_sync_every": 2})],
+    ("replica=2,data=-1,tensor=2", {**HDP, "data__max_len": 128, "outer__name": "diloco",
+                                    "outer__sync_every": 2})],
     ids=["dp", "fsdp_tensor", "hdp_fsdp_tensor", "hdp_in_diloco_replicas"])
 @pytest.mark.slow
 def test_resume_is_exact(make_config, tmp_path, mesh, extra):

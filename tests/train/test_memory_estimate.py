@@ -120,7 +120,7 @@ class TermsTest(parameterized.TestCase):
                      _estimate(dict(model__dtype="float32")).device["activations"])
 
   def test_outer_optimizer_state_is_counted(self):
-    est = _estimate(dict(mesh="replica=2,data=4", optimizer__outer="diloco"))
+    est = _estimate(dict(mesh="replica=2,data=4", outer__name="diloco"))
     self.assertGreater(est.device["diloco state"], 0)
 
 
@@ -205,7 +205,7 @@ PRESETS = {"tiny": (tiny_lm, "tiny", {}), "small": (tiny_lm, "small", {}),
            "tiny 1f1b": (tiny_lm, "tiny", {"mesh": "data=4,stage=2", "pipeline.schedule": "1f1b",
                                            "pipeline.microbatches": 4}),
            "tiny diloco": (tiny_lm, "tiny", {"mesh": "replica=2,data=4",
-                                             "optimizer.outer": "diloco"})}
+                                             "outer.name": "diloco"})}
 
 
 def compiled_bytes(run) -> int:

@@ -85,8 +85,8 @@ def test_outer_optimizer_over_pipelined_replicas_with_random_routing(make_config
   resume, 2 more (a sync at step 3, an eval at the end); the checkpoint holds the canonical
   replica form, the logged bytes are the compiled programs'."""
   kw = dict(mesh="replica=2,stage=2,data=2", pipeline__schedule="1f1b",
-            pipeline__microbatches=2, pipeline__routing="random", optimizer__outer="noloco",
-            optimizer__outer_sync_every=3, log_every=1, eval_steps=1, checkpoint_every=100,
+            pipeline__microbatches=2, pipeline__routing="random", outer__name="noloco",
+            outer__sync_every=3, log_every=1, eval_steps=1, checkpoint_every=100,
             optimizer__schedule_steps=4)
   workdir = str(tmp_path / "run")
   loop.train_and_evaluate(make_config(total_steps=2, eval_every=0, **kw), workdir)

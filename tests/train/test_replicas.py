@@ -43,7 +43,7 @@ def test_resume_is_exact_with_outer_state(make_config, tmp_path):
   """CO2 (the most outer state: anchor, previous anchor, pending average, momentum):
   8 steps straight == 4 steps, stop, restore, 4 more; syncs every 3 steps cross the stop."""
   kw = dict(mesh="replica=4,data=2", log_every=1, eval_every=0, checkpoint_every=100,
-            optimizer__schedule_steps=8, optimizer__outer="co2", optimizer__outer_sync_every=3)
+            optimizer__schedule_steps=8, outer__name="co2", outer__sync_every=3)
   a, b, sa, sb = _straight_and_in_two_legs(make_config, tmp_path, **kw)
   assert sorted(a) == sorted(b) == list(range(1, 9))
   np.testing.assert_allclose([b[s] for s in a], [a[s] for s in a], rtol=1e-6)
@@ -66,9 +66,9 @@ def test_streaming_diloco_resumes_exactly_mid_overlap(make_config, tmp_path):
   after it starts (fused into that step's program): 8 steps straight == 4, stop (fragment 1
   started, not landed), restore, 4 more. Each start sends half of DiLoCo's bytes."""
   kw = dict(mesh="replica=4,data=2", log_every=1, eval_every=0, checkpoint_every=100,
-            optimizer__schedule_steps=8, optimizer__outer="streaming_diloco",
-            optimizer__outer_sync_every=4, optimizer__outer_fragments=2,
-            optimizer__outer_overlap_steps=1, optimizer__outer_mixing=0.25)
+            optimizer__schedule_steps=8, outer__name="streaming_diloco",
+            outer__sync_every=4, outer__fragments=2,
+            outer__overlap_steps=1, outer__mixing=0.25)
   a, b, sa, sb = _straight_and_in_two_legs(make_config, tmp_path, **kw)
   np.testing.assert_allclose([b[s] for s in a], [a[s] for s in a], rtol=1e-6)
   chex.assert_trees_all_close(sb["params"], sa["params"], atol=1e-6)
@@ -82,8 +82,8 @@ def test_streaming_diloco_resumes_exactly_mid_overlap(make_config, tmp_path):
 def test_layout_and_sync(make_config):
   """Params/opt_state/outer have a leading [R] dim sharded on `replica`; a sync makes DiLoCo's
   replicas equal again, while the inner (AdamW) moments stay per replica."""
-  config = make_config(mesh="replica=2,fsdp=2,data=2", optimizer__outer="diloco",
-                       optimizer__outer_sync_every=2)
+  config = make_config(mesh="replica=2,fsdp=2,data=2", outer__name="diloco",
+                       outer__sync_every=2)
   run = config_check.check_config(config)
   mesh, model_cfg = mesh_lib.make_mesh(run.mesh), run.model
   setup = make_setup(run, mesh)
@@ -111,22 +111,22 @@ def test_layout_and_sync(make_config):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (dict(optimizer__outer="dilcoo"),
-     r"^optimizer.outer='dilcoo' is unknown; valid: none, diloco, noloco, co2, streaming_diloco$"),
-    (dict(optimizer__outer="streaming_diloco", optimizer__outer_fragments=2,
-          optimizer__outer_mixing=1.5),
-     r"^optimizer.outer_mixing=1.5 is invalid; it must be a number >= 0 and <= 1$"),
-    (dict(optimizer__outer="diloco", optimizer__outer_sync_every=0),
-     r"^optimizer.outer_sync_every=0 is invalid; it must be an int >= 1"),
-    (dict(optimizer__outer="diloco", optimizer__outer_compression="int4"),
-     r"^optimizer.outer_compression='int4' is unknown; valid: none, bf16, int8, fp8$"),
-    (dict(optimizer__outer="noloco", optimizer__outer_lr=-0.5),
-     r"^optimizer.outer_lr=-0.5 is invalid"),
-    (dict(optimizer__outer="diloco", mesh="data=-1"),
-     r"^optimizer.outer='diloco' needs a mesh with a 'replica' axis of size >= 2, but the mesh "
+    (dict(outer__name="dilcoo"),
+     r"^outer.name='dilcoo' is unknown; valid: none, diloco, noloco, co2, streaming_diloco$"),
+    (dict(outer__name="streaming_diloco", outer__fragments=2,
+          outer__mixing=1.5),
+     r"^outer.mixing=1.5 is invalid; it must be a number >= 0 and <= 1$"),
+    (dict(outer__name="diloco", outer__sync_every=0),
+     r"^outer.sync_every=0 is invalid; it must be an int >= 1"),
+    (dict(outer__name="diloco", outer__compression="int4"),
+     r"^outer.compression='int4' is unknown; valid: none, bf16, int8, fp8$"),
+    (dict(outer__name="noloco", outer__lr=-0.5),
+     r"^outer.lr=-0.5 is invalid"),
+    (dict(outer__name="diloco", mesh="data=-1"),
+     r"^outer.name='diloco' needs a mesh with a 'replica' axis of size >= 2, but the mesh "
      r"is data=8 \(8 cpu devices\); e.g. mesh='replica=4,data=-1'$"),
-    (dict(optimizer__outer="co2", mesh="replica=1,data=-1"),
-     r"^optimizer.outer='co2' needs a mesh with a 'replica' axis of size >= 2"),
+    (dict(outer__name="co2", mesh="replica=1,data=-1"),
+     r"^outer.name='co2' needs a mesh with a 'replica' axis of size >= 2"),
 ])
 def test_bad_config_one_line_error(make_config, tmp_path, overrides, message):
   with pytest.raises(ValueError, match=message) as err:
