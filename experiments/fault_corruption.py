@@ -141,7 +141,7 @@ def _trial(fi, config, base: str, workdir: str, damage, rng: random.Random,
   logs = os.path.join(workdir, "logs")
   os.makedirs(logs)
   did = damage(os.path.join(workdir, "checkpoints", str(STEP)), rng)
-  code = fi._run_to_end(config, workdir, os.path.join(logs, "error.log"))
+  code = fi.run_to_end(config, workdir, os.path.join(logs, "error.log"))
   log = open(os.path.join(logs, "error.log"), encoding="utf-8").read()
   last = log.strip().splitlines()[-1] if log.strip() else ""
   refused = code != 0 and last.startswith(f"error: checkpoint step {STEP} in ") and (
@@ -151,32 +151,32 @@ def _trial(fi, config, base: str, workdir: str, damage, rng: random.Random,
   if refused:
     config.checkpoint.on_corrupt = "previous"
     try:
-      code = fi._run_to_end(config, workdir, os.path.join(logs, "previous.log"))
+      code = fi.run_to_end(config, workdir, os.path.join(logs, "previous.log"))
     finally:
       config.checkpoint.on_corrupt = "error"
     resumed = _resumed(open(os.path.join(logs, "previous.log"), encoding="utf-8").read())
     out["earlier"] = resumed if resumed is not None and resumed < STEP else None
-  losses = dict(fi._losses(workdir)) if code == 0 else {}
+  losses = dict(fi.logged_losses(workdir)) if code == 0 else {}
   out["losses_equal"] = losses == reference
   out["exit"] = code
   return out
 
 
 def run(fi, workdir: str, trials: int, seed: int, source: str) -> dict:
-  """Every kind `trials` times (see the module docstring); `fi`: experiments.fault_injection."""
-  config = fi._config(source, END)
+  """Every kind `trials` times (see the module docstring); `fi`: jaxsys.bench.faults."""
+  config = fi.config_for(source, END)
   config.optimizer.schedule_steps = END  # the 4-step base run's schedule is the 6-step one's
   logs = os.path.join(workdir, "logs")
   os.makedirs(logs)
   reference = os.path.join(workdir, "reference")
-  codes = [fi._run_to_end(config, reference, os.path.join(logs, "reference.log"))]
+  codes = [fi.run_to_end(config, reference, os.path.join(logs, "reference.log"))]
   base = os.path.join(workdir, "base")
   config.total_steps = STEP
-  codes.append(fi._run_to_end(config, base, os.path.join(logs, "base.log")))
+  codes.append(fi.run_to_end(config, base, os.path.join(logs, "base.log")))
   config.total_steps = END
   if any(codes):
     return {"kinds": {}, "problems": [f"the undamaged runs exited {codes} (see {logs})"]}
-  want = dict(fi._losses(reference))
+  want = dict(fi.logged_losses(reference))
   rng, kinds, problems = random.Random(seed), {}, []
   for k, (kind, damage) in enumerate(KINDS.items()):
     kinds[kind] = [_trial(fi, config, base, os.path.join(workdir, f"kind{k}_trial{t}"), damage,

@@ -1,5 +1,6 @@
 """experiments/maxtext_compile.py without MaxText: its one-line refusal, and the MaxText
-command lines it builds (no compile here; the compiles are the script's own, by hand)."""
+command lines its library (jaxsys/bench/maxtext_compile.py) builds (no compile here; the
+compiles are the script's own, by hand)."""
 import importlib.util
 import pathlib
 import subprocess
@@ -7,7 +8,7 @@ import sys
 
 import pytest
 
-from experiments import maxtext_compile as mc
+from jaxsys.bench import maxtext_compile as mc
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

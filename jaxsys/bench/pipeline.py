@@ -58,6 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxsys.bench import log
 from jaxsys.configs import tiny_lm
 from jaxsys import mesh as mesh_lib
 from jaxsys.checkpoint import layouts
@@ -75,10 +76,6 @@ VIRTUAL = {"interleaved_1f1b": 2, "zbv": 2}
 LABELS = {"gpipe": "GPipe", "1f1b": "1F1B", "eager_1f1b": "eager 1F1B",
           "interleaved_1f1b": "interleaved v=2", "zb_h1": "ZB-H1", "zbv": "ZBV"}
 VOCAB_KINDS = ("embedding", "unembedding", "final_norm")
-
-
-def log(msg: str) -> None:
-  print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def flops(compiled) -> float:

@@ -35,7 +35,7 @@ def test_a_config_file_that_does_not_load_is_one_line(tmp_path, text, says):
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root reads a chmod 000 file (the binary's "
-                    "table, experiments/fault_bad_input.py, runs this case without root's powers)")
+                    "table, jaxsys/bench/bad_input.py, runs this case without root's powers)")
 def test_an_unreadable_config_file_is_one_line(tmp_path):
   path = tmp_path / "config.py"
   path.write_text("def get_config():\n  return None\n")

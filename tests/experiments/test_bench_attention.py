@@ -1,4 +1,5 @@
-"""experiments/bench_attention.py: the tokamax peers, their reference check and impl choice."""
+"""jaxsys/bench/attention.py (experiments/bench_attention.py's library): the tokamax peers, their
+reference check and impl choice; the binary's one-line errors."""
 import math
 import sys
 
@@ -9,10 +10,11 @@ from absl import flags
 from absl.testing import flagsaver
 
 from conftest import binary_flags, import_binary
+from jaxsys.bench import attention as bench_attention
 
 pytestmark = pytest.mark.slow  # starts processes or trains end to end
 
-bench_attention = import_binary("bench_attention")
+binary = import_binary("bench_attention")
 
 needs_tokamax = pytest.mark.skipif(not bench_attention.tokamax_installed(),
                                    reason="tokamax not installed: pip install -e '.[tokamax]'")
@@ -20,10 +22,10 @@ TOKAMAX = list(bench_attention.TOKAMAX_IMPLS)
 
 
 def _main_exit(argv):
-  with binary_flags(bench_attention), flagsaver.flagsaver():
+  with binary_flags(binary), flagsaver.flagsaver():
     flags.FLAGS(["bench_attention", *argv])
     with pytest.raises(SystemExit) as e:
-      bench_attention.main([])
+      binary.main([])
   return e.value.code
 
 

@@ -1,9 +1,10 @@
-"""experiments/bench_checkpoint.py on the tiny state, once: table structure, positive numbers."""
+"""experiments/bench_checkpoint.py's library (jaxsys.bench.checkpoint) on the tiny state, once:
+table structure, positive numbers."""
 import json
 import os
 import pytest
 
-from experiments import bench_checkpoint
+from jaxsys.bench import checkpoint as bench_checkpoint
 
 pytestmark = pytest.mark.slow  # starts processes or trains end to end
 

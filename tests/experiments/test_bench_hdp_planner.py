@@ -1,9 +1,9 @@
-"""experiments/bench_hdp_planner.py at tiny sizes: training's fit keeps a step in one
-schedule, the binary search in fewer plans than one per offered document, and the table
-shows every row."""
+"""jaxsys/bench/hdp_planner.py (experiments/bench_hdp_planner.py's library) at tiny sizes:
+training's fit keeps a step in one schedule, the binary search in fewer plans than one per
+offered document, and the table shows every row."""
 import pytest
 
-from experiments import bench_hdp_planner
+from jaxsys.bench import hdp_planner
 
 pytestmark = pytest.mark.slow  # starts processes or trains end to end
 
@@ -11,8 +11,8 @@ FITS = ("one schedule", "binary search", "one plan per document")
 
 
 def test_tiny_run():
-  rows = bench_hdp_planner.run(devices=[8], tokens_per_device=2048, micro_steps=2, steps=2,
-                               baseline_max_devices=8)
+  rows = hdp_planner.run(devices=[8], tokens_per_device=2048, micro_steps=2, steps=2,
+                         baseline_max_devices=8)
   by = {(r["distribution"], r["fit"]): r for r in rows}
   assert set(by) == {(d, f) for d in ("stdlib", "long_tail") for f in FITS}
   for d in ("stdlib", "long_tail"):
@@ -20,15 +20,15 @@ def test_tiny_run():
     assert one["offered"] == search["offered"] == baseline["offered"] > 1
     assert one["plans"] == 1 < search["plans"] < baseline["plans"]
     assert all(0.5 < r["filled"] <= 1.0 for r in (one, search, baseline))
-  table = bench_hdp_planner.table(rows)
+  table = hdp_planner.table(rows)
   assert table.count("\n") == 1 + len(rows) and "| stdlib | 8 | one schedule |" in table
 
 
 def test_program_counts():
   """Ring programs come per block of slots and cell, in fewer shapes; the buckets' padding
   is a share of the slots."""
-  row = bench_hdp_planner.count_programs(devices=8, tokens_per_device=2048, micro_steps=2,
-                                         batches=3, distribution="long_tail")
+  row = hdp_planner.count_programs(devices=8, tokens_per_device=2048, micro_steps=2,
+                                   batches=3, distribution="long_tail")
   assert 0 < row["ring shape programs"] <= row["ring programs"] and row["local programs"] > 0
   assert 0 <= row["ring padding"] < 1 and 0 <= row["local padding"] < 1
-  assert "| long_tail | 8 | 3 |" in bench_hdp_planner.programs_table([row])
+  assert "| long_tail | 8 | 3 |" in hdp_planner.programs_table([row])

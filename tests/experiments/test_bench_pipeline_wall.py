@@ -1,5 +1,6 @@
-"""experiments/bench_pipeline_wall.py at the tiniest size: in one process, and as two
-pinned processes joined on loopback (the way it measures)."""
+"""experiments/bench_pipeline_wall.py at the tiniest size: in one process (its library,
+jaxsys/bench/pipeline_wall.py), and as two pinned processes joined on loopback (the way it
+measures)."""
 import json
 import os
 import subprocess
@@ -7,9 +8,8 @@ import sys
 import pathlib
 
 import pytest
-from absl import app
 
-from experiments import bench_pipeline_wall
+from jaxsys.bench import pipeline_wall
 from jaxsys.lab import link as link_lib
 from jaxsys.parallel import schedules
 
@@ -42,11 +42,11 @@ def _check(result, names):
 
 def test_tiny_run_in_one_process():
   names = ["gpipe", "zb_h1", "interleaved_1f1b"]
-  result = bench_pipeline_wall.rows(names, 2, [2], **TINY)
+  result = pipeline_wall.rows(names, 2, [2], **TINY)
   _check(result, names)
   # Chunks of 2 layers (one a stage) and of 1 (interleaved v=2), each measured once.
   assert sorted(result["costs"]) == ["1", "2"] and result["processes"] == 1
-  lines = bench_pipeline_wall.table(result).splitlines()
+  lines = pipeline_wall.table(result).splitlines()
   assert lines[0].startswith(
       "| schedule | m | ticks | weight moves (ms) | predicted lock step (ms) |")
   assert sum(line.startswith(("| gpipe", "| zb_h1", "| interleaved")) for line in lines) == 3
@@ -82,7 +82,12 @@ def test_a_bad_bandwidth_is_one_line(tmp_path):
       "error: --bandwidth='fast' is not a rate: use a positive number with one of the units")
 
 
-def test_refuses_more_stages_than_cores():
+def test_refuses_more_stages_than_cores(tmp_path):
+  """The library refuses; the binary says so as a usage error, exit 1."""
   cores = len(os.sched_getaffinity(0))
-  with pytest.raises(app.UsageError, match=rf"--stages={cores + 1} needs {cores + 1} cores"):
-    bench_pipeline_wall.launch(cores + 1, [])
+  with pytest.raises(ValueError, match=rf"--stages={cores + 1} needs {cores + 1} cores"):
+    pipeline_wall.launch(cores + 1, [])
+  proc = subprocess.run([sys.executable, "-m", "experiments.bench_pipeline_wall",
+                         f"--stages={cores + 1}", f"--out={tmp_path / 'x.json'}"], cwd=ROOT,
+                        capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 1 and f"--stages={cores + 1} needs {cores + 1} cores" in proc.stderr

@@ -1,12 +1,11 @@
-"""experiments/bench_train.py: one tiny run's numbers, and --runs' median [min, max]."""
+"""jaxsys/bench/train.py (experiments/bench_train.py's library): one tiny run's numbers, and
+--runs' median [min, max]; the binary's one-line error."""
 import copy
 import subprocess
 import sys
 import pytest
 
-from conftest import import_binary
-
-bench_train = import_binary("bench_train")
+from jaxsys.bench import train as bench_train
 from jaxsys.configs import tiny_lm
 
 pytestmark = pytest.mark.slow  # starts processes or trains end to end

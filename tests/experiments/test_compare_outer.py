@@ -14,6 +14,7 @@ import pytest
 import forked_cli
 from jaxsys import comm_bytes
 from jaxsys import mesh as mesh_lib
+from jaxsys.bench import compare_outer
 from jaxsys.models import transformer
 from jaxsys.optim import outer as outer_lib
 from jaxsys.train import config_check
@@ -91,7 +92,6 @@ def test_two_rows_from_a_warm_start(small_corpus, tmp_path):
 
 def _run_config(name: str):
   """Row `name` of configs/compare_outer.py with the model sizes `_cmd` sets."""
-  from experiments import compare_outer  # pylint: disable=import-outside-toplevel
   spec = importlib.util.spec_from_file_location("compare", ROOT / "configs" / "compare_outer.py")
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
@@ -150,7 +150,6 @@ def _row(run, method, bpb, k=4, h=50, compression="none", replica_mean=None, dis
 
 
 def test_seed_table_gaps_are_per_seed(tmp_path):
-  from experiments import compare_outer  # pylint: disable=import-outside-toplevel
   per_seed = {
       0: [_row("dp", "data parallel", 2.0, k=8, h=1), _row("dl", "diloco", 2.02),
           _row("dl8", "diloco", 2.04, compression="int8"),
@@ -175,7 +174,6 @@ def test_seed_table_gaps_are_per_seed(tmp_path):
 
 
 def test_replica_distance():
-  from experiments import compare_outer  # pylint: disable=import-outside-toplevel
   # Two replicas over two leaves: mean (2, 0, 0), each replica 1 away from it.
   params = {"a": np.array([[1.0, 0.0], [3.0, 0.0]]), "b": np.zeros((2, 1, 1))}
   assert compare_outer.replica_distance(params) == pytest.approx(0.5)
@@ -199,7 +197,6 @@ def test_bad_seeds_is_one_line(bad_command_lines):
 def test_variant_rows_pass_the_config_check(variant, rows):
   """`configs/compare_outer.py:streaming` and `:routing`: every row valid (Streaming DiLoCo's
   fragments divide its 4 layers; routing has a replica and a stage axis)."""
-  from experiments import compare_outer  # pylint: disable=import-outside-toplevel
   spec = importlib.util.spec_from_file_location("compare", ROOT / "configs" / "compare_outer.py")
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)

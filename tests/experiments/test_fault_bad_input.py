@@ -1,4 +1,4 @@
-"""Bad input a user can give the train binary (experiments/fault_bad_input.py's table, run
+"""Bad input a user can give the train binary (jaxsys/bench/bad_input.py's table, run
 through `experiments.fault_injection --bad_input`): one `error:` line each naming the path
 or field, exit 1, no traceback, nothing of the workdir changed."""
 import json
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from experiments import fault_bad_input
+from jaxsys.bench import bad_input
 
 pytestmark = pytest.mark.slow  # starts processes
 
@@ -30,5 +30,5 @@ def test_every_bad_input_is_one_error_line(small_corpus, tmp_path):
   assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
   result = json.loads(report.read_text())
   assert result["problems"] == [], result["problems"]
-  assert [r["case"] for r in result["rows"]] == list(fault_bad_input.CASES)
+  assert [r["case"] for r in result["rows"]] == list(bad_input.CASES)
   assert all(r["exit"] == 1 and r["line"].startswith("error: ") for r in result["rows"])

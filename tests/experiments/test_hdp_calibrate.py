@@ -1,13 +1,12 @@
-"""experiments/hdp_calibrate.py: the simulator's prediction of one ring-attention step,
-checked by hand, and the pieces the measurement is made of (no lab run here)."""
+"""jaxsys/bench/hdp_calibrate.py (experiments/hdp_calibrate.py's library): the simulator's
+prediction of one ring-attention step, checked by hand, and the pieces the measurement is
+made of (no lab run here)."""
 import dataclasses
 import os
 
 import pytest
 
-from conftest import import_binary
-
-hdp_calibrate = import_binary("hdp_calibrate")
+from jaxsys.bench import hdp_calibrate
 from jaxsys.lab import link as link_lib, physics
 from jaxsys.parallel import hdp_sim
 

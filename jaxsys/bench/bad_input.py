@@ -4,12 +4,13 @@ experiments/fault_injection.py.
   python -m experiments.fault_injection --workdir=/tmp/jaxsys_bad --bad_input
 
 Each row of `CASES` prepares a workdir (empty, or a copy of one run trained to step 2) and
-the command line, runs `python -m experiments.train` and checks: exit status 1; the last
-line of stderr is its `error:` line and the only one, with no traceback; it contains the
-row's words (the path or field, what is wrong, what would be valid); every file and link
-the workdir had is as it was. A row that needs a file no one may read (chmod 000) runs
-the binary without root's capabilities (`setpriv`) when run as root, for whom chmod 000
-blocks nothing.
+the command line, runs `python -m experiments.train` in the repository and checks: exit
+status 1; the last line of stderr is its `error:` line and the only one, with no
+traceback; it contains the row's words (the path or field, what is wrong, what would be
+valid); every file and link the workdir had is as it was. A row that needs a file no one
+may read (chmod 000) runs the binary without root's capabilities (`setpriv`) when run as
+root, for whom chmod 000 blocks nothing. A new case is one row. Importing this module
+imports no jax: the binary runs in processes of its own.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import sys
 import time
 from typing import Callable
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]  # the repository: runs experiments.train
 CONFIG = "--config=configs/tiny_lm.py:size=test"
 
 
@@ -198,7 +199,8 @@ def _snapshot(directory: pathlib.Path) -> dict[str, object]:
 
 def _one(name: str, case: Case, root: pathlib.Path, base: pathlib.Path | None,
          source: str) -> dict:
-  workdir, scratch = root / f"case{list(CASES).index(name)}", root / f"scratch{list(CASES).index(name)}"
+  number = list(CASES).index(name)
+  workdir, scratch = root / f"case{number}", root / f"scratch{number}"
   scratch.mkdir()
   if case.trained:
     shutil.copytree(base, workdir, symlinks=True)
