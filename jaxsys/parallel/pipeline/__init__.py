@@ -48,11 +48,12 @@ token count, so the step equals the unpipelined one.
 `stage` mesh (parameters [R, ...], the shard_map manual over both axes). With fixed
 routing they are independent; with `shifts` (`routing.py`, NoLoCo's random routing) each
 chunk boundary moves a microbatch's activation to another replica's next stage, and its
-gradient back along the same path. Every replica then holds the whole batch's small
+gradient back along the same path: the executor's transport (`transport.py`: `Ring` or
+`Routed`) is the one place that knows. Every replica then holds the whole batch's small
 integer arrays, so the chunk, head and embedding that meet a microbatch read its
 positions, targets and mask from the replica it started on; its loss is counted there.
 """
-from jaxsys.parallel.pipeline import chunk, executor, head, layout
+from jaxsys.parallel.pipeline import chunk, executor, head, layout, transport
 from jaxsys.parallel.pipeline.executor import (pipeline_loss, pipeline_loss_and_grads,
                                                replica_loss_and_grads)
 from jaxsys.parallel.pipeline.layout import (AXIS, DATA_AXIS, FSDP_AXIS, SCHEDULES, TENSOR_AXIS,

@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 from jaxsys import mesh as mesh_lib
 from jaxsys.models import transformer
 from jaxsys.parallel import routing, schedules
+from jaxsys.parallel.pipeline import transport
 from jaxsys.parallel.pipeline.chunk import Chunk
 from jaxsys.parallel.pipeline.head import VocabLayers
 from jaxsys.parallel.pipeline.layout import (AXIS, DATA_AXIS, FSDP_AXIS, VOCAB_PARAMS, Batch,
@@ -104,7 +105,7 @@ def execute(cfg, schedule: Schedule, layout: Layout, params, batch: Batch, *, me
   chunk = Chunk(cfg, attention_fn)
   R = replicas
   offsets = (routing.offsets(jnp.asarray(shifts, jnp.int32), R) if plan.routed
-             else jnp.zeros((schedule.microbatches, layout.chunks), jnp.int32))
+             else jnp.zeros((0, 0), jnp.int32))  # a fixed route needs none
   weights = jnp.ones((R,), jnp.float32) if weights is None else jnp.asarray(weights, jnp.float32)
 
   def per_stage(params, mbs, offsets, weights):
@@ -277,9 +278,11 @@ class _Stage:
   def __init__(self, plan: _Plan, chunk: Chunk, vl: "VocabLayers", params, mbs, offsets,
                weights):
     self.plan, self.chunk, self.vl = plan, chunk, vl
-    self.mbs, self.offsets, self.weights = mbs, offsets, weights
+    self.mbs, self.weights = mbs, weights
     self.stage = jax.lax.axis_index(AXIS)
-    self.replica = jax.lax.axis_index(routing.AXIS) if plan.R > 1 else 0
+    replica = jax.lax.axis_index(routing.AXIS) if plan.R > 1 else 0
+    self.transport = (transport.Routed(plan.stages, replica, offsets, plan.R) if plan.routed
+                      else transport.Ring(plan.stages, replica))
     if plan.R > 1:
       params = jax.tree.map(lambda x: x[0], params)
     if plan.gathered is not None:
@@ -302,22 +305,8 @@ class _Stage:
           lambda y: vl.head_s(self.vocab_params, y, self.microbatch(0, plan.chunks - 1)),
           self.act)
 
-  # Microbatches and routes.
-
-  def origin(self, mb_index, g):
-    """The replica whose rows microbatch `mb_index` is, met at chunk g on this replica."""
-    return (self.replica - self.offsets[mb_index, jnp.clip(g, 0, self.plan.chunks - 1)]
-            ) % self.plan.R
-
   def microbatch(self, mb_index, g):
-    # Routed: every replica holds all R replicas' rows; fixed: only its own.
-    return _take(_take(self.mbs, self.origin(mb_index, g) if self.plan.routed else 0),
-                 mb_index)
-
-  def shift(self, sent, mb_index, g, step):
-    """Replicas a message moves to reach chunk g + step of its microbatch (0: none sent)."""
-    at = lambda chunk: self.offsets[mb_index, jnp.clip(chunk, 0, self.plan.chunks - 1)]
-    return jnp.where(sent != IDLE, at(g + step) - at(g), 0)
+    return self.transport.rows(self.mbs, mb_index, g)
 
   # The loop.
 
@@ -439,18 +428,11 @@ class _Stage:
 
   def send(self, c: _Carry, value, sent, step: int, both_ways: bool):
     """`value` to the stage `step` on (+1: activations, -1: gradients) and, where the
-    schedule sends both ways, to the one `step` back: (arrival, other arrival or None).
-    Routed, it first moves to the replica that runs its microbatch's chunk g + step
-    (`sent`: the lane's (kind, microbatch, chunk)). In turn with the vocabulary
-    conditionals where those are (a conditional that always runs): its permutes share
-    their channel with every other send's."""
-    plan, p = self.plan, self.plan.stages
-
-    def move(value):
-      if plan.routed:
-        value = routing.shift(value, self.shift(*sent, step), plan.R)
-      ring = lambda d: jax.lax.ppermute(value, AXIS, [(i, (i + d) % p) for i in range(p)])
-      return ring(step), ring(-step) if both_ways else None
+    schedule sends both ways, to the one `step` back: (arrival, other arrival or None), by
+    the transport (`sent`: the lane's (kind, microbatch, chunk)). In turn with the
+    vocabulary conditionals where those are (a conditional that always runs): its permutes
+    share their channel with every other send's."""
+    move = lambda value: self.transport.send(value, sent, step, both_ways)
     if c.turn is None:
       return move(value)
     nothing = lambda v: (jnp.zeros_like(v), jnp.zeros_like(v) if both_ways else None)
@@ -574,14 +556,14 @@ class _Stage:
     weight (unscaled without weights)."""
     if not self.plan.scaled:
       return grads, dy
-    w = self.weights[self.origin(mb_index, self.plan.chunks - 1)]
+    w = self.weights[self.transport.origin(mb_index, self.plan.chunks - 1)]
     return (jax.tree.map(lambda d: d * w, grads),
             None if dy is None else (dy * w).astype(dy.dtype))
 
   def loss_row(self, mb_index, value):
     """A microbatch's loss sum, counted for the replica it started on."""
     return jnp.zeros((self.plan.R,), jnp.float32).at[
-        self.origin(mb_index, self.plan.chunks - 1)].add(value)
+        self.transport.origin(mb_index, self.plan.chunks - 1)].add(value)
 
   def to_head_inbox(self, c: _Carry, slot, dy):
     """d y written to the head stage's gradient-inbox `slot` (-1: nothing written)."""
