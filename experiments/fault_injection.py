@@ -5,8 +5,8 @@ r"""Crash safety by fault injection: SIGKILL a training run at random points, re
 Kills a run with a checkpoint every step --crashes times (most with a save in flight),
 restarts it each time, and checks every resume and the finished run's losses against an
 uninterrupted run's (`jaxsys/bench/faults.py`). Other faults instead: --corruption
-(damaged checkpoints: experiments/fault_corruption.py), --preemption (SIGTERM at each
-moment of start-up and resume: experiments/fault_preemption.py), --bad_input (each kind
+(damaged checkpoints: jaxsys/bench/corruption.py), --preemption (SIGTERM at each
+moment of start-up and resume: jaxsys/bench/preemptions.py), --bad_input (each kind
 of bad input, one `error:` line each: jaxsys/bench/bad_input.py). Prints a table and a
 verdict; exit status 1 when a check fails.
 """
@@ -29,11 +29,11 @@ _SOURCE = flags.DEFINE_string("data_source", "stdlib", "data.source of the confi
 _DEVICES = flags.DEFINE_integer("devices", 8, "Simulated CPU devices (the mesh is data=-1).")
 _JSON = flags.DEFINE_string("json", "", "Also write the crashes and checks here.")
 _CORRUPTION = flags.DEFINE_boolean("corruption", False, "Damage checkpoints instead of killing "
-                                   "runs (experiments/fault_corruption.py).")
+                                   "runs (jaxsys/bench/corruption.py).")
 _TRIALS = flags.DEFINE_integer("trials", 2, "--corruption: trials of each kind of damage.")
 _PREEMPTION = flags.DEFINE_boolean("preemption", False, "SIGTERM the train binary at each "
                                    "moment of start-up and resume instead "
-                                   "(experiments/fault_preemption.py).")
+                                   "(jaxsys/bench/preemptions.py).")
 _BAD_INPUT = flags.DEFINE_boolean("bad_input", False, "Give the train binary each kind of bad "
                                   "input instead (jaxsys/bench/bad_input.py).")
 
@@ -50,7 +50,7 @@ def main(argv):
   if _PREEMPTION.value or _BAD_INPUT.value:  # the binary in processes of its own: no jax here
     os.makedirs(workdir, exist_ok=True)
     if _PREEMPTION.value:
-      from experiments import fault_preemption as table
+      from jaxsys.bench import preemptions as table
     else:
       from jaxsys.bench import bad_input as table
     result = table.run(workdir, _SOURCE.value)
@@ -58,9 +58,9 @@ def main(argv):
   else:
     faults.prepare_parent(workdir)
     if _CORRUPTION.value:
-      from experiments import fault_corruption
-      result = fault_corruption.run(faults, workdir, _TRIALS.value, _SEED.value, _SOURCE.value)
-      print(fault_corruption.summary(result))
+      from jaxsys.bench import corruption
+      result = corruption.run(workdir, _TRIALS.value, _SEED.value, _SOURCE.value)
+      print(corruption.summary(result))
     else:
       result = faults.run(workdir, _CRASHES.value, _SEED.value, _STEPS.value, _SOURCE.value)
       print(faults.summary(result))

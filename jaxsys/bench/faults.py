@@ -1,7 +1,7 @@
 r"""Crash safety by fault injection: SIGKILL a training run at random points, resume, compare.
 
 The library of `experiments/fault_injection.py` (its default mode; `--corruption` is
-experiments/fault_corruption.py, `--preemption` experiments/fault_preemption.py,
+jaxsys/bench/corruption.py, `--preemption` jaxsys/bench/preemptions.py,
 `--bad_input` jaxsys/bench/bad_input.py). `run` trains configs/tiny_lm.py:size=test for
 `total_steps` with a checkpoint every step in <workdir>/crashed, kills it with SIGKILL
 `crashes` times and starts it again each time, then lets it finish; and trains the same

@@ -1,7 +1,7 @@
 """SIGTERM at every moment of the train binary's start-up and of a resume: exit 75 with one
 line, nothing committed touched, and the resumed run ends where an uninterrupted one does.
 
-The moments are the rows of experiments/fault_preemption.py (run here through
+The moments are the rows of jaxsys/bench/preemptions.py (run here through
 `experiments.fault_injection --preemption`): each is hit deterministically, by a pause
 point of `jaxsys.preemption` (JAXSYS_TEST_PAUSE_AT) or a line the binary logs; no sleep
 decides where the signal lands.
@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from experiments import fault_preemption
+from jaxsys.bench import preemptions as fault_preemption
 from jaxsys import preemption
 
 pytestmark = pytest.mark.slow  # starts processes

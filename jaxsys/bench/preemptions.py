@@ -30,7 +30,7 @@ import time
 from jaxsys import preemption  # no jax
 from jaxsys.checkpoint import ledger  # files only: no jax
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 MID, END = 2, 4  # the resumes start from step MID; every run ends at END
 
 

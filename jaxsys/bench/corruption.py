@@ -21,6 +21,7 @@ import random
 import re
 import shutil
 
+from jaxsys.bench import faults  # no jax
 from jaxsys.checkpoint import integrity, ledger  # files only: no jax
 
 STEP, END = 4, 6  # the step damaged, the step the resumed runs end at
@@ -134,14 +135,14 @@ def _resumed(log: str) -> int | None:
   return int(found[1]) if found else None
 
 
-def _trial(fi, config, base: str, workdir: str, damage, rng: random.Random,
+def _trial(config, base: str, workdir: str, damage, rng: random.Random,
            reference: dict) -> dict:
   """One damaged copy of `base`, resumed (then with on_corrupt=previous if refused)."""
   shutil.copytree(base, workdir)
   logs = os.path.join(workdir, "logs")
   os.makedirs(logs)
   did = damage(os.path.join(workdir, "checkpoints", str(STEP)), rng)
-  code = fi.run_to_end(config, workdir, os.path.join(logs, "error.log"))
+  code = faults.run_to_end(config, workdir, os.path.join(logs, "error.log"))
   log = open(os.path.join(logs, "error.log"), encoding="utf-8").read()
   last = log.strip().splitlines()[-1] if log.strip() else ""
   refused = code != 0 and last.startswith(f"error: checkpoint step {STEP} in ") and (
@@ -151,35 +152,35 @@ def _trial(fi, config, base: str, workdir: str, damage, rng: random.Random,
   if refused:
     config.checkpoint.on_corrupt = "previous"
     try:
-      code = fi.run_to_end(config, workdir, os.path.join(logs, "previous.log"))
+      code = faults.run_to_end(config, workdir, os.path.join(logs, "previous.log"))
     finally:
       config.checkpoint.on_corrupt = "error"
     resumed = _resumed(open(os.path.join(logs, "previous.log"), encoding="utf-8").read())
     out["earlier"] = resumed if resumed is not None and resumed < STEP else None
-  losses = dict(fi.logged_losses(workdir)) if code == 0 else {}
+  losses = dict(faults.logged_losses(workdir)) if code == 0 else {}
   out["losses_equal"] = losses == reference
   out["exit"] = code
   return out
 
 
-def run(fi, workdir: str, trials: int, seed: int, source: str) -> dict:
-  """Every kind `trials` times (see the module docstring); `fi`: jaxsys.bench.faults."""
-  config = fi.config_for(source, END)
+def run(workdir: str, trials: int, seed: int, source: str) -> dict:
+  """Every kind `trials` times (see the module docstring)."""
+  config = faults.config_for(source, END)
   config.optimizer.schedule_steps = END  # the 4-step base run's schedule is the 6-step one's
   logs = os.path.join(workdir, "logs")
   os.makedirs(logs)
   reference = os.path.join(workdir, "reference")
-  codes = [fi.run_to_end(config, reference, os.path.join(logs, "reference.log"))]
+  codes = [faults.run_to_end(config, reference, os.path.join(logs, "reference.log"))]
   base = os.path.join(workdir, "base")
   config.total_steps = STEP
-  codes.append(fi.run_to_end(config, base, os.path.join(logs, "base.log")))
+  codes.append(faults.run_to_end(config, base, os.path.join(logs, "base.log")))
   config.total_steps = END
   if any(codes):
     return {"kinds": {}, "problems": [f"the undamaged runs exited {codes} (see {logs})"]}
-  want = dict(fi.logged_losses(reference))
+  want = dict(faults.logged_losses(reference))
   rng, kinds, problems = random.Random(seed), {}, []
   for k, (kind, damage) in enumerate(KINDS.items()):
-    kinds[kind] = [_trial(fi, config, base, os.path.join(workdir, f"kind{k}_trial{t}"), damage,
+    kinds[kind] = [_trial(config, base, os.path.join(workdir, f"kind{k}_trial{t}"), damage,
                           rng, want) for t in range(trials)]
     for t, r in enumerate(kinds[kind]):
       ok = (r["loaded"] == STEP and r["warned"] and r["losses_equal"] if kind == LEGACY_KIND
