@@ -81,11 +81,6 @@ def field(default: Any, doc: str, rule: Rule | None = None) -> Any:
   return dataclasses.field(default=default, metadata={"doc": doc, "rule": rule})
 
 
-def choices(literal) -> tuple[str, ...]:
-  """The values of a `Literal[...]` type."""
-  return typing.get_args(literal)
-
-
 def rules(cls) -> dict[str, Rule]:
   """{field name: its rule} of a section: declared, or from its Literal or bool type."""
   hints = typing.get_type_hints(cls)

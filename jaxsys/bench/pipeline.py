@@ -58,7 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxsys.bench import log
+from jaxsys.bench import log, median_seconds
 from jaxsys.configs import tiny_lm
 from jaxsys import mesh as mesh_lib
 from jaxsys.checkpoint import layouts
@@ -430,14 +430,8 @@ def cpu_rows(*, d_model: int = 256, n_layers: int = 8, vocab_size: int = 8192, s
   batch = {k: jnp.asarray(v) for k, v in packing.random_packed_batch(
       rows, seq, docs_per_row=2, vocab_size=vocab_size, seed=0).items()}
 
-  def cpu_seconds(fn, *args) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-      start = time.process_time()
-      jax.block_until_ready(fn(*args))
-      times.append(time.process_time() - start)
-    return float(np.median(times))
+  cpu_seconds = lambda fn, *args: median_seconds(fn, *args, repeats=repeats,
+                                                  clock=time.process_time)
   flat = mesh_lib.make_mesh(f"data={jax.device_count()}")
   step = jax.jit(jax.value_and_grad(lambda p, b: jnp.sum(step_lib.token_losses(cfg, p, b))))
   base = cpu_seconds(step, params, jax.device_put(batch, mesh_lib.batch_sharding(flat)))

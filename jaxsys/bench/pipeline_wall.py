@@ -44,14 +44,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import subprocess
-import time
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxsys.bench import log
+from jaxsys.bench import log, median_seconds
 from jaxsys import mesh as mesh_lib
 from jaxsys import xla_flags
 from jaxsys.data import packing
@@ -61,17 +60,6 @@ from jaxsys.models import transformer
 from jaxsys.parallel import pipeline, schedules
 
 VIRTUAL = {"interleaved_1f1b": 2, "zbv": 2}  # virtual stages each schedule runs with here
-
-
-def _wall(fn, *args, repeats: int) -> float:
-  """Median wall seconds of fn(*args) after a warm-up."""
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return float(np.median(times))
 
 
 def _core_times() -> np.ndarray:
@@ -112,11 +100,11 @@ def measure_costs(cfg: transformer.TransformerConfig, layers_per_chunk: int, seq
   forward = jax.jit(chunk.forward)
   y, res = forward(params, x, mb)
   _, _, stash = jax.jit(chunk.backward_input)(params, res, y, mb)
-  out = {"forward": _wall(forward, params, x, mb, repeats=repeats)}
+  out = {"forward": median_seconds(forward, params, x, mb, repeats=repeats)}
   for name, args in (("backward", (params, res, y, mb)),
                      ("backward_input", (params, res, y, mb)),
                      ("backward_weight", (params, res, y, stash, mb))):
-    out[name] = _wall(jax.jit(getattr(chunk, name)), *args, repeats=repeats)
+    out[name] = median_seconds(jax.jit(getattr(chunk, name)), *args, repeats=repeats)
   out["comm"] = _send_seconds(mesh, jax.ShapeDtypeStruct(x.shape, x.dtype), repeats=repeats)
   # A chunk's weights (or gradients) crossing the stage axis: a V's moves (rows_moved).
   out["comm_weights"] = _send_seconds(
@@ -145,7 +133,7 @@ def _send_seconds(mesh, shapes, *, repeats: int, sends: int = 64) -> float:
                              out_specs=P(pipeline.AXIS)))
   x = _placed(jax.tree.map(lambda s: np.zeros((p * s.shape[0], *s.shape[1:]), s.dtype), shapes),
               mesh, jax.tree.map(lambda _: P(pipeline.AXIS), shapes))
-  return _wall(fn, x, repeats=repeats) / sends
+  return median_seconds(fn, x, repeats=repeats) / sends
 
 
 def _send_beside_compute_seconds(mesh, chunk, params, x, mb, *, repeats: int,
@@ -168,8 +156,8 @@ def _send_beside_compute_seconds(mesh, chunk, params, x, mb, *, repeats: int,
     return jax.jit(jax.shard_map(run, mesh=mesh, in_specs=(P(), P(pipeline.AXIS), P()),
                                  out_specs=P(pipeline.AXIS)))
   xs = _placed(np.tile(np.asarray(x), (p, 1, 1)), mesh, P(pipeline.AXIS))
-  with_send = _wall(loop(True), params, xs, mb, repeats=repeats)
-  alone = _wall(loop(False), params, xs, mb, repeats=repeats)
+  with_send = median_seconds(loop(True), params, xs, mb, repeats=repeats)
+  alone = median_seconds(loop(False), params, xs, mb, repeats=repeats)
   return max(with_send - alone, 0.0) / sends
 
 
@@ -183,7 +171,7 @@ def _step_seconds(cfg, params, schedule, batch, mesh, *, repeats: int) -> float:
   staged = _placed(staged, mesh, pipeline.layout.param_specs(layout, staged))
   step = jax.jit(lambda p, b: pipeline.pipeline_loss_and_grads(cfg, schedule, layout, p, b,
                                                                mesh=mesh))
-  return _wall(step, staged, batch, repeats=repeats)
+  return median_seconds(step, staged, batch, repeats=repeats)
 
 
 def _every_process(costs: dict[str, float]) -> dict[str, list[float]]:

@@ -34,7 +34,8 @@ class DataConfig:
   vocab_size: int = field(256, "the tokenizer's vocabulary", integer(1))
   seq_len: int = field(256, "tokens a row (HDP: a slot's tokens a micro-step)", integer(1))
   batch_size: int = field(16, "global rows (packed) a step", integer(1))
-  num_threads: int = field(2, "loader threads", integer(0, meaning="0: load in the training thread"))
+  num_threads: int = field(2, "loader threads",
+                           integer(0, meaning="0: load in the training thread"))
   variable_length: bool = field(False, "whole documents (for parallel.hdp) instead of packed rows")
   max_len: int = field(1024, "the longest whole document, in tokens", integer(1))
   truncate_long: bool = field(False, "cut a longer document (counted in the log), not refuse it")

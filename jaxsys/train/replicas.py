@@ -46,9 +46,9 @@ def make_outer_optimizer(cfg: OuterConfig) -> outer_lib.OuterOptimizer | None:
     return None
   make = {"diloco": diloco, "noloco": noloco, "co2": co2,
           "streaming_diloco": streaming_diloco}[cfg.name]
-  given = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
-  kw = {k: v for k, v in given.items()
-        if k in inspect.signature(make).parameters and v is not None}
+  takes = inspect.signature(make).parameters
+  kw = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+        if f.name in takes and getattr(cfg, f.name) is not None}
   try:
     return make(**kw)
   except ValueError as e:  # each algorithm's error starts with its argument: sync_every=0

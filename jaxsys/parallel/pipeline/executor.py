@@ -19,7 +19,7 @@ from jaxsys.parallel.pipeline.chunk import Chunk
 from jaxsys.parallel.pipeline.head import VocabLayers
 from jaxsys.parallel.pipeline.layout import (AXIS, DATA_AXIS, FSDP_AXIS, VOCAB_PARAMS, Batch,
                                              Layout, fsdp_dims, microbatches_by_replica,
-                                             param_specs)
+                                             param_specs, take)
 from jaxsys.parallel.schedules import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, IDLE,
                                        KINDS, Schedule)
 
@@ -294,7 +294,7 @@ class _Stage:
     Bm, T = mbs["inputs"].shape[2:]
     self.act = jax.ShapeDtypeStruct((Bm, T, plan.cfg.d_model), jnp.dtype(plan.cfg.dtype))
     if plan.train:
-      one = _take(self.layers, 0)
+      one = take(self.layers, 0)
       self.res_shapes = chunk.residual_shapes(one, self.act, self.microbatch(0, 0))
       self.chunk_shapes = jax.eval_shape(lambda: one)
       if plan.split:
@@ -475,18 +475,18 @@ class _Stage:
     ops = {"layers": self.layers, "virtual": virtual,
            "mb": self.microbatch(jnp.maximum(mine["microbatch"], 0), g)}
     if FORWARD in kinds:
-      ops["x"] = jnp.where(g == 0, c.x0, _take(c.act_inbox, mine["act_in"]))
+      ops["x"] = jnp.where(g == 0, c.x0, take(c.act_inbox, mine["act_in"]))
     if _backwards(kinds):
       ops.update(residuals=c.residuals, res_slot=mine["res_slot"],
-                 dy=_take(c.grad_inbox, mine["grad_in"]))
+                 dy=take(c.grad_inbox, mine["grad_in"]))
     if BACKWARD_WEIGHT in kinds:
       ops.update(stash=c.stash, stash_slot=mine["grad_in"])
     return ops
 
   def action(self, kind, o):
     """The results of one action of `kind` on a lane's operands `o`."""
-    chunk, params = self.chunk, _take(o["layers"], o["virtual"])
-    res = lambda: _take(o["residuals"], o["res_slot"])
+    chunk, params = self.chunk, take(o["layers"], o["virtual"])
+    res = lambda: take(o["residuals"], o["res_slot"])
     if kind == FORWARD:
       if self.plan.train:
         y, kept = chunk.forward(params, o["x"], o["mb"])
@@ -500,7 +500,7 @@ class _Stage:
       return {"dx": dx, "dparams": dparams, "stash": stash}
     assert kind == BACKWARD_WEIGHT, kind
     return {"dparams": chunk.backward_weight(params, res(), o["dy"],
-                                             _take(o["stash"], o["stash_slot"]), o["mb"])}
+                                             take(o["stash"], o["stash_slot"]), o["mb"])}
 
   def idle(self, kinds):
     """A lane's results when it idles, shaped without tracing the actions again (their
@@ -675,10 +675,6 @@ def move_rows(layers, moves, back: bool = False):
   if all(m is None for m in moves):
     return layers
   return jax.tree.map(lambda *xs: jnp.stack(xs), *rows)
-
-
-def _take(tree, i):
-  return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), tree)
 
 
 def _put(tree, i, value):

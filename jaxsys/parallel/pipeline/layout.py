@@ -111,6 +111,11 @@ def split_microbatches(batch: Batch, n: int) -> Batch:
   return jax.tree.map(lambda x: x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1), batch)
 
 
+def take(tree, i):
+  """Entry i (traced or not) of every leaf's leading dim, e.g. microbatch i of [M, ...]."""
+  return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), tree)
+
+
 def microbatches_by_replica(batch: Batch, replicas: int, n: int) -> Batch:
   """[B, ...] -> [replicas, n, B/(replicas n), ...]: each replica's contiguous rows, split."""
   by_replica = jax.tree.map(lambda x: x.reshape(replicas, x.shape[0] // replicas, *x.shape[1:]),

@@ -11,12 +11,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxsys.parallel import routing
-from jaxsys.parallel.pipeline.layout import AXIS
+from jaxsys.parallel.pipeline.layout import AXIS, take
 from jaxsys.parallel.schedules import IDLE
-
-
-def _take(tree, i):
-  return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), tree)
 
 
 class Ring:
@@ -34,7 +30,7 @@ class Ring:
   def rows(self, mbs, mb_index, g):
     """Microbatch `mb_index`'s rows as chunk g meets them (`mbs`: [R here, M, ...])."""
     del g
-    return _take(_take(mbs, 0), mb_index)
+    return take(take(mbs, 0), mb_index)
 
   def send(self, value, sent, step: int, both_ways: bool):
     """`value` to the stage `step` on, and `step` back where `both_ways`: (arrivals)."""
@@ -61,7 +57,7 @@ class Routed(Ring):
     return (self.replica - self._at(mb_index, g)) % self.replicas
 
   def rows(self, mbs, mb_index, g):
-    return _take(_take(mbs, self.origin(mb_index, g)), mb_index)
+    return take(take(mbs, self.origin(mb_index, g)), mb_index)
 
   def send(self, value, sent, step: int, both_ways: bool):
     """`sent`: the lane's (kind, microbatch, chunk); nothing moves for an idle lane."""
