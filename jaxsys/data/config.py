@@ -22,11 +22,14 @@ def _source_exists(source: str) -> bool:
 class DataConfig:
   """What a step reads: the corpus, its tokenizer and the batch's shape."""
   source: str = field(
-      "stdlib", "'stdlib', a directory or glob of text files (a file a document) or JSONL "
-      "files (.jsonl[.gz], a record a document), or a mixture '<weight>:<source>;...'",
+      "stdlib", "'stdlib', a directory or glob of text files (a file a document) or of records "
+      "in one format (a record a document): JSONL (.jsonl, .jsonl.gz, .jsonl.zst), Parquet "
+      "(.parquet) or Arrow (a datasets.save_to_disk directory); or a mixture "
+      "'<weight>:<source>;...'",
       text("'stdlib', an existing directory, or a file or glob that matches files, such as "
-           "'/path/**/*.txt' or '/data/web/*.jsonl.gz', or a mixture of them "
-           "'<weight>:<source>;...'", _source_exists))
+           "'/path/**/*.txt', '/data/web/*.jsonl.zst', '/data/web/*.parquet' or a "
+           "datasets.save_to_disk directory, or a mixture of them '<weight>:<source>;...'",
+           _source_exists))
   tokenizer: str = field(
       "byte", "'byte', 'bpe', or 'hf:<dir>' (its tokenizer.json)", fields.Rule(
           lambda v: isinstance(v, str) and (v in TOKENIZERS or v.startswith(hf.PREFIX)),
@@ -39,5 +42,7 @@ class DataConfig:
   variable_length: bool = field(False, "whole documents (for parallel.hdp) instead of packed rows")
   max_len: int = field(1024, "the longest whole document, in tokens", integer(1))
   truncate_long: bool = field(False, "cut a longer document (counted in the log), not refuse it")
-  text_field: str = field("text", "a JSONL record's field that holds its text",
-                          text("the name of the JSONL records' text field, e.g. 'text'", bool))
+  text_field: str = field("text", "a record's field (JSONL) or column (Parquet, Arrow) that "
+                          "holds its text",
+                          text("the name of the records' text field or column, e.g. 'text'",
+                               bool))

@@ -1,30 +1,33 @@
 """Text corpora: documents from the stdlib, a directory or a glob, split by a stable hash.
 
-A source is files of one document each (split by their path's hash), or JSONL files (`.jsonl`,
-`.jsonl.gz`) of one JSON object a line whose `data.text_field` holds a document (split by
-the hash of its file's path and line number, so appending records moves none). A weighted
-mixture of sources is `<weight>:<source>;<weight>:<source>...` (`mixture`): the packed loader
-draws rows from each in proportion to its weight.
+A source is files of one document each (split by their path's hash), or files of records in
+one format (`records`): JSONL (`.jsonl`, `.jsonl.gz`, `.jsonl.zst`), Parquet (`.parquet`) or
+Arrow (a `datasets.save_to_disk` directory's `.arrow` shards), each record's `data.text_field`
+a document, split by the hash of its file's relative path and row (line number in JSONL, row
+index in Parquet/Arrow), so appending records moves none. A weighted mixture of sources is
+`<weight>:<source>;<weight>:<source>...` (`mixture`): the packed loader draws rows from each
+in proportion to its weight.
 
 Example::
 
     docs = load_documents("stdlib", "train")  # list[bytes]
     docs = load_documents("/data/web/*.jsonl.gz", "val", text_field="text")
+    docs = load_documents("/data/hf_saved/train", "train")  # data-00000-of-00004.arrow, ...
     mixture("0.7:/data/web/*.jsonl.gz;0.3:stdlib")  # [(0.7, '/data/web/*.jsonl.gz'), (0.3, 'stdlib')]
 """
 
 from __future__ import annotations
 
 import glob
-import gzip
 import hashlib
-import json
 import os
 import pathlib
 import sysconfig
 from collections.abc import Iterable
 
 from absl import logging
+
+from jaxsys.data import records
 
 SPLITS = ("train", "val", "test", "all")
 # Fractions of documents (by hash of the relative path) in the held-out splits.
@@ -37,8 +40,6 @@ _STDLIB_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages"})
 # Byte-code caches are binary build outputs, never documents.
 _ALWAYS_EXCLUDED_DIRS = frozenset({"__pycache__"})
 _GLOB_MAGIC = ("*", "?", "[")
-# Files of many documents: one JSON object a line, its text in one field.
-RECORD_SUFFIXES = (".jsonl", ".jsonl.gz")
 
 
 def stdlib_root() -> pathlib.Path:
@@ -173,13 +174,36 @@ def read_documents(paths: Iterable[str | os.PathLike], *, require_utf8: bool = T
   return docs
 
 
-def _is_records(path: pathlib.Path) -> bool:
-  return path.name.endswith(RECORD_SUFFIXES)
+def record_files(source: str) -> tuple[pathlib.Path, list[pathlib.Path], records.Format | None]:
+  """(root, sorted files, their format) of one source; format None for files of one document
+  each. A source of records in two formats, or of records and other files, is one error."""
+  root, files = _source_files(source)
+  if source == "stdlib":
+    return root, files, None
+  formats = {p: records.format_of(p) for p in files}
+  if not any(formats.values()):
+    return root, files, None
+  if any(f is not None and f.name == "Arrow" for f in formats.values()):
+    # A `datasets.save_to_disk` directory's metadata beside its shards.
+    formats = {p: f for p, f in formats.items() if p.name not in records.HF_SIDECARS}
+  named = {f.name: p for p, f in sorted(formats.items(), reverse=True) if f is not None}
+  if len(named) > 1:
+    examples = ", ".join(f"{name}: {str(p)!r}" for name, p in sorted(named.items()))
+    raise ValueError(f"data.source={source!r} holds files of {len(named)} formats ({examples}); "
+                     "point a source at one format, and mix formats as a mixture "
+                     "'<weight>:<source>;<weight>:<source>'")
+  fmt = next(f for f in formats.values() if f is not None)
+  other = next((p for p, f in sorted(formats.items()) if f is None), None)
+  if other is not None:
+    raise ValueError(f"data.source={source!r} holds {fmt.name} files and others (e.g. "
+                     f"{str(other)!r}); point it at one kind: {fmt.name} files (a record a "
+                     "document) or text files (a file a document)")
+  return root, sorted(formats), fmt
 
 
 def is_record_source(source: str) -> bool:
-  """Whether `source`'s files are JSONL (a record a document), not a file a document."""
-  return source != "stdlib" and all(map(_is_records, _source_files(source)[1]))
+  """Whether `source`'s files hold records (JSONL, Parquet, Arrow), not a document each."""
+  return record_files(source)[2] is not None
 
 
 def mixture(source: str) -> list[tuple[float, str]]:
@@ -205,54 +229,23 @@ def mixture(source: str) -> list[tuple[float, str]]:
 
 def load_documents(source: str, split: str, text_field: str = "text") -> list[bytes]:
   """The UTF-8 documents of `split` of `source` (see the module docstring): a file each
-  (`list_documents`, `read_documents`), or a JSONL record each. A source that mixes JSONL
-  with other files, a line that is not a JSON object with a string `text_field`, or a file
-  that cannot be read is one error naming the file (and line)."""
+  (`list_documents`, `read_documents`), or a record each (JSONL, Parquet, Arrow: `records`).
+  A source that mixes formats or records with other files, a record without a string
+  `text_field`, or a file that cannot be read is one error naming the file."""
   _check_split(split)
   parts = mixture(source)
   if len(parts) > 1:  # every part's documents (e.g. to train a tokenizer on)
     return [doc for _, part in parts for doc in load_documents(part, split, text_field)]
-  root, files = _source_files(source)
-  records = [p for p in files if _is_records(p)]
-  if source == "stdlib" or not records:
+  root, files, fmt = record_files(source)
+  if fmt is None:
     return read_documents(list_documents(source, split))
-  if len(records) != len(files):
-    other = next(p for p in files if not _is_records(p))
-    raise ValueError(f"data.source={source!r} holds JSONL files and others (e.g. {str(other)!r}); "
-                     "point it at one kind: JSONL files (a record a document) or text files "
-                     "(a file a document)")
   docs = []
-  for path in sorted(records):
+  for path in files:
     relative = path.relative_to(root).as_posix() if path.is_relative_to(root) else str(path)
-    for line, text in _records(path, text_field):
-      if text and (split == "all" or _split_of(f"{relative}#{line}") == split):
+    for row, text in fmt.read(path, text_field):
+      if text and (split == "all" or _split_of(f"{relative}#{row}") == split):
         docs.append(text.encode("utf-8"))
   if not docs:
     raise ValueError(f"data.source={source!r} has no non-empty records in split {split!r} (val "
                      f"and test each get ~{VAL_FRACTION:.0%} of records by hash); use more data")
   return docs
-
-
-def _records(path: pathlib.Path, text_field: str):
-  """(line number, text) of every non-blank line of a JSONL file, gzipped or not."""
-  opener = gzip.open if path.name.endswith(".gz") else open
-  try:
-    with opener(path, "rt", encoding="utf-8") as f:
-      for number, line in enumerate(f, 1):
-        if not line.strip():
-          continue
-        try:
-          record = json.loads(line)
-        except json.JSONDecodeError as e:
-          raise ValueError(f"{path} line {number}: not JSON ({e.msg}); each line of a JSONL "
-                           "corpus must be one JSON object") from None
-        text = record.get(text_field) if isinstance(record, dict) else None
-        if not isinstance(text, str):
-          keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-          raise ValueError(f"{path} line {number}: no string field data.text_field="
-                           f"{text_field!r} (the record has {keys}); set data.text_field to "
-                           "the field that holds the text")
-        yield number, text
-  except (OSError, EOFError, UnicodeDecodeError) as e:
-    raise ValueError(f"{path}: cannot be read as {'gzipped ' if opener is gzip.open else ''}"
-                     f"UTF-8 JSONL ({e}); fix or remove the file") from None

@@ -2,6 +2,8 @@
 
 import collections
 import pathlib
+import re
+import sys
 
 import pytest
 
@@ -175,3 +177,119 @@ def test_jsonl_mixed_with_text_files_is_refused(tmp_path):
   with pytest.raises(ValueError, match=r"holds JSONL files and others \(e.g. .*notes.txt'\); "
                                        "point it at one kind"):
     corpus.load_documents(str(tmp_path), "train")
+
+
+def _write_records(root: pathlib.Path, fmt: str, texts: list[str], shards: int = 2,
+                   field: str = "text") -> None:
+  """`texts` as `shards` files of `fmt` ('jsonl.zst', 'parquet', or 'arrow': a
+  `datasets.save_to_disk` directory of IPC streams with its metadata), written with
+  pyarrow/zstandard themselves (`datasets` is not needed)."""
+  import json  # pylint: disable=import-outside-toplevel
+  pa = pytest.importorskip("pyarrow")  # the data extra (in dev)
+  pq = pytest.importorskip("pyarrow.parquet")
+  zstandard = pytest.importorskip("zstandard")
+  root.mkdir(parents=True, exist_ok=True)
+  for s in range(shards):
+    part = texts[s::shards]
+    table = pa.table({"id": list(range(len(part))), field: part})
+    if fmt == "jsonl.zst":
+      lines = "".join(json.dumps({"id": i, field: t}) + "\n" for i, t in enumerate(part))
+      (root / f"part{s}.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines.encode()))
+    elif fmt == "parquet":
+      pq.write_table(table, root / f"part{s}.parquet", row_group_size=97)
+    else:
+      with pa.OSFile(str(root / f"data-{s:05d}-of-{shards:05d}.arrow"), "wb") as sink:
+        with pa.ipc.new_stream(sink, table.schema) as writer:
+          writer.write_table(table, max_chunksize=97)
+  if fmt == "arrow":
+    (root / "dataset_info.json").write_text("{}")
+    (root / "state.json").write_text('{"_data_files": []}')
+
+
+@pytest.mark.parametrize("fmt", ["jsonl.zst", "parquet", "arrow"])
+def test_zst_parquet_and_arrow_records_are_documents_split_by_row(tmp_path, fmt):
+  """Each format's records are the documents, in file and row order, split ~96/2/2 by a hash
+  of (relative path, row) -- disjoint, covering, the same through a glob; nulls and empty
+  texts are no documents."""
+  texts = [f"{fmt} record {i}: héllo" for i in range(800)]
+  _write_records(tmp_path / "c", fmt, texts, field="body")
+  source = str(tmp_path / "c")
+  assert corpus.is_record_source(source)
+  every = [d.decode() for d in corpus.load_documents(source, "all", "body")]
+  assert every == texts[0::2] + texts[1::2]  # shard 0, then shard 1, rows in order
+  splits = {s: [d.decode() for d in corpus.load_documents(source, s, "body")]
+            for s in ("train", "val", "test")}
+  got = splits["train"] + splits["val"] + splits["test"]
+  assert sorted(got) == sorted(texts)
+  assert 0 < len(splits["val"]) < 0.06 * len(texts) and 0 < len(splits["test"]) < 0.06 * len(texts)
+  pattern = {"jsonl.zst": "*.jsonl.zst", "parquet": "*.parquet", "arrow": "*.arrow"}[fmt]
+  via_glob = corpus.load_documents(str(tmp_path / "c" / pattern), "val", "body")
+  assert [d.decode() for d in via_glob] == splits["val"]
+
+
+def test_parquet_nulls_and_empty_texts_are_skipped(tmp_path):
+  pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+  pq.write_table(pa.table({"text": ["a", None, "", "b"]}), tmp_path / "p.parquet")
+  assert corpus.load_documents(str(tmp_path), "all") == [b"a", b"b"]
+
+
+def _spoil(tmp_path: pathlib.Path, how: str) -> pathlib.Path:
+  """A one-shard corpus of `how`'s format, spoiled as `how` says; returns the bad file."""
+  fmt = how.split()[0]
+  _write_records(tmp_path / "c", fmt, [f"text {i} " * 30 for i in range(300)], shards=1)
+  path = next(p for p in (tmp_path / "c").iterdir() if not p.name.endswith(".json"))
+  data = path.read_bytes()
+  if "truncated" in how:
+    path.write_bytes(data[: len(data) // 2])
+  elif "corrupt" in how:
+    path.write_bytes(data[:8] + b"\x00garbage\x01" * 20 + data[-16:])
+  return path
+
+
+@pytest.mark.parametrize("how, field, message", [
+    ("parquet", "content", r"{path}: no column data.text_field='content' \(the Parquet file has "
+     r"\['id', 'text'\]\); set data.text_field to the column that holds the text"),
+    ("arrow", "content", r"{path}: no column data.text_field='content' \(the Arrow file has "
+     r"\['id', 'text'\]\)"),
+    ("parquet", "id", r"{path}: column data.text_field='id' holds int64, not strings; set "
+     r"data.text_field to a string column \(the file's: \['text'\]\)"),
+    ("arrow", "id", r"{path}: column data.text_field='id' holds int64, not strings"),
+    ("parquet truncated", "text", r"{path}: cannot be read as Parquet \(.*\); fix or remove"),
+    ("parquet corrupt", "text", r"{path}: cannot be read as Parquet \(.*\); fix or remove"),
+    ("arrow truncated", "text", r"{path}: cannot be read as Arrow IPC \(.*\); fix or remove"),
+    ("jsonl.zst truncated", "text", r"{path}: cannot be read as zstd-compressed UTF-8 JSONL "
+     r"\(the file ends inside a zstd frame \(truncated\)\); fix or remove the file"),
+    ("jsonl.zst corrupt", "text", r"{path}: cannot be read as zstd-compressed UTF-8 JSONL "
+     r"\(.*\); fix or remove the file"),
+])
+def test_bad_record_files_are_one_line_naming_file_and_column(tmp_path, how, field, message):
+  path = _spoil(tmp_path, how)
+  with pytest.raises(ValueError, match=message.format(path=re.escape(str(path)))) as e:
+    corpus.load_documents(str(tmp_path / "c"), "all", field)
+  assert "\n" not in str(e.value)
+
+
+def test_formats_mixed_in_one_source_are_refused(tmp_path):
+  _write_records(tmp_path, "parquet", ["a", "b"], shards=1)
+  _write_jsonl(tmp_path, files=1, records=3)
+  with pytest.raises(ValueError, match=r"holds files of 2 formats \(JSONL: .*part0.jsonl.gz', "
+                                       r"Parquet: .*part0.parquet'\); point a source at one "
+                                       "format, and mix formats as a mixture") as e:
+    corpus.load_documents(str(tmp_path), "train")
+  assert "\n" not in str(e.value)
+  # The same files as a mixture of two sources are fine.
+  both = corpus.load_documents(f"1:{tmp_path}/*.parquet;1:{tmp_path}/*.jsonl.gz", "all")
+  assert both[:2] == [b"a", b"b"] and len(both) == 5
+
+
+@pytest.mark.parametrize("fmt, module", [("parquet", "pyarrow"), ("arrow", "pyarrow"),
+                                         ("jsonl.zst", "zstandard")])
+def test_a_missing_package_names_the_extra(tmp_path, monkeypatch, fmt, module):
+  _write_records(tmp_path, fmt, ["a", "b"], shards=1)
+  for name in [m for m in sys.modules if m == module or m.startswith(module + ".")]:
+    monkeypatch.setitem(sys.modules, name, None)  # `import` of it raises ImportError
+  with pytest.raises(ValueError, match=rf"reading .* needs the {module} package, which is not "
+                                       r"installed; install the data extra: pip install "
+                                       r"'jaxsys\[data\]'") as e:
+    corpus.load_documents(str(tmp_path), "all")
+  assert "\n" not in str(e.value)
