@@ -5,6 +5,7 @@ r"""Samples text from a training run's checkpoint or a Hugging Face one, float o
       --prompt='import ' --max_new_tokens=64 --temperature=0.8 --top_p=0.95
   python -m experiments.generate --workdir=/tmp/jaxsys_tiny --prompt='class ' --quant=w4a16
   python -m experiments.generate --hf=/ckpt/Qwen2.5-0.5B --prompt='The capital of France is'
+  python -m experiments.generate --hf=/ckpt/Qwen2.5-0.5B-Instruct --chat --prompts_file=q.txt
 
 Loads the latest (or --step) checkpoint of --workdir (the model config from its meta) and
 the run's tokenizer (byte, or the BPE the run saved as <workdir>/tokenizer.json), or with
@@ -12,10 +13,12 @@ the run's tokenizer (byte, or the BPE the run saved as <workdir>/tokenizer.json)
 safetensors and tokenizer.json; a row stops at its EOS unless --eos_id says otherwise);
 optionally quantizes the layer matmuls with round-to-nearest (--quant; the embedding and
 LM head stay float), and decodes every --prompt as one batch with the KV cache
-(jaxsys/models/generate.py). Prints each prompt and its continuation, then the decoding
-rate. --timing decodes --repeat more times and reports their median tokens/s (the first
+(jaxsys/models/generate.py). --chat renders each prompt as one user message through the
+tokenizer's chat template (jaxsys/data/chat.py) first. Prints each prompt (with --chat: the
+rendered text) and its continuation, then the decoding rate. --timing decodes --repeat more times and reports their median tokens/s (the first
 run compiles); --no_cache decodes greedily by re-running the model on the whole prefix at
-every step (the baseline). --mesh splits the batch over `data` and the heads over
+every step (the baseline; a row's tokens after its EOS are EOS again, as the cached
+decoder writes them). --mesh splits the batch over `data` and the heads over
 `tensor`. Bad input exits 1 with one "error:" line.
 """
 import os
@@ -23,12 +26,14 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
 from jaxsys import mesh as mesh_lib
 from jaxsys import metrics as metrics_lib
 from jaxsys.checkpoint import hf
+from jaxsys.data import chat
 from jaxsys.data import tokenizer as tokenizer_lib
 from jaxsys.kernels.backends import IMPLS
 from jaxsys.kernels.quant_matmul import SCHEMES
@@ -61,6 +66,8 @@ _TIMING = flags.DEFINE_bool("timing", False, "Decode again after the first (comp
                             "report the median rate of --repeat such runs.")
 _REPEAT = flags.DEFINE_integer("repeat", 3, "Timed runs with --timing.")
 _NO_CACHE = flags.DEFINE_bool("no_cache", False, "Greedy, re-running the whole prefix each step.")
+_CHAT = flags.DEFINE_bool("chat", False, "Render each prompt as a user message with the "
+                          "tokenizer's chat template (and the assistant's generation prompt).")
 _FLAG_RULES = ((_STEP, fields.integer(0)), (_NEW, fields.integer(1)),
                (_MAX_LEN, fields.integer(1)), (_GROUP, fields.integer(1)),
                (_REPEAT, fields.integer(1)))
@@ -89,9 +96,8 @@ def _check_flags():
     raise ValueError("--prompt='' is empty; every prompt needs at least one character")
   if not _PROMPT.value and _PROMPTS.value is None:
     raise ValueError("no prompt: give --prompt (repeat it for a batch) or --prompts_file")
-  if _NO_CACHE.value and (_TEMPERATURE.value or _EOS.value is not None or _MESH.value):
-    raise ValueError("--no_cache decodes greedily on one device without EOS; drop "
-                     "--temperature, --eos_id and --mesh")
+  if _NO_CACHE.value and (_TEMPERATURE.value or _MESH.value):
+    raise ValueError("--no_cache decodes greedily on one device; drop --temperature and --mesh")
   try:
     return generate.Sampling(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value)
   except ValueError as e:
@@ -109,17 +115,54 @@ def _tokenizer(data_cfg, workdir):
   return tokenizer_lib.make_tokenizer(data_cfg.tokenizer)
 
 
+def _template(data_cfg, workdir):
+  """With --chat, the chat template of a run's tokenizer (only a Hugging Face one has one)."""
+  directory = tokenizer_lib.hf_directory(data_cfg.tokenizer)
+  if directory is None:
+    raise ValueError(f"--chat: {workdir}: the run's tokenizer (data.tokenizer="
+                     f"{data_cfg.tokenizer!r}) has no chat_template; --chat needs a Hugging Face "
+                     "tokenizer with one (--hf=<dir>, or a run with data.tokenizer='hf:<dir>')")
+  return chat.load_template(directory)
+
+
 def _load():
-  """(model config, parameters, tokenizer, EOS id or None, what was loaded)."""
+  """(model config, parameters, tokenizer, EOS id or None, chat template or None, what was
+  loaded)."""
   if _HF.value is not None:
-    cfg, params = hf.load(_HF.value)
     eos = hf.read_config(_HF.value).get("eos_token_id")
     eos = eos[0] if isinstance(eos, list) else eos  # Llama 3 instruct lists several
-    return (cfg, params, tokenizer_lib.make_tokenizer(f"{hf.PREFIX}{_HF.value}"), eos,
+    template = chat.load_template(_HF.value) if _CHAT.value else None  # before the weights
+    cfg, params = hf.load(_HF.value)
+    return (cfg, params, tokenizer_lib.make_tokenizer(f"{hf.PREFIX}{_HF.value}"), eos, template,
             f"{_HF.value} (Hugging Face)")
   run = quant_runs.load_run(_WORKDIR.value, _STEP.value)
+  template = _template(run.config.data, _WORKDIR.value) if _CHAT.value else None
   return (run.config.model, run.params, _tokenizer(run.config.data, _WORKDIR.value), None,
-          f"step {run.step}")
+          template, f"step {run.step}")
+
+
+def _encode(tokenizer, template, texts):
+  """(the texts the model reads, their ids): with a chat template, each prompt rendered as a
+  user message and encoded without the tokenizer's own special tokens (the template wrote
+  them: a BOS would otherwise come twice)."""
+  if template is None:
+    return texts, [tokenizer.encode(t) for t in texts]
+  rendered = [template.render_user(t) for t in texts]
+  return rendered, [tokenizer.encode(t, add_special_tokens=False) for t in rendered]
+
+
+def stop_at_eos(out: generate.Generation, eos_id: int | None) -> generate.Generation:
+  """The no-cache decoder's tokens as the cached one returns them: after a row's first EOS,
+  EOS again, and its length up to and including that EOS (the tokens before it are the
+  same: greedy decoding never looks ahead)."""
+  if eos_id is None:
+    return out
+  n = out.tokens.shape[1]
+  is_eos = out.tokens == eos_id
+  seen = jnp.cumsum(is_eos, axis=1) > 0
+  tokens = jnp.where(seen, eos_id, out.tokens)
+  lengths = jnp.where(is_eos.any(axis=1), jnp.argmax(is_eos, axis=1) + 1, n).astype(jnp.int32)
+  return generate.Generation(tokens, lengths, out.logits)
 
 
 def _prompts() -> list[str]:
@@ -143,13 +186,13 @@ def main(argv):
   try:
     sampling = _check_flags()
     mesh = mesh_lib.make_mesh(_MESH.value) if _MESH.value else None
-    cfg, params, tokenizer, eos_id, source = _load()
+    cfg, params, tokenizer, eos_id, template, source = _load()
     if _EOS.value is not None:
       eos_id = None if _EOS.value == -1 else _EOS.value
-    if _NO_CACHE.value and eos_id is not None and _EOS.value is None:
-      eos_id = None  # the baseline decodes without EOS
-    texts = _prompts()
-    encoded = [tokenizer.encode(p) for p in texts]
+    if _NO_CACHE.value and eos_id is not None and not 0 <= eos_id < cfg.vocab_size:
+      # as generate() says it for the cached decoder, which checks its eos_id itself
+      raise ValueError(f"generate: eos_id={eos_id} must be an int in [0, {cfg.vocab_size - 1}]")
+    texts, encoded = _encode(tokenizer, template, _prompts())
     prompts, lengths = generate.pad_prompts(encoded)
     if _QUANT.value != "none":
       params = ptq.quantize_params(cfg, params, rules.default_rules(_QUANT.value,
@@ -159,8 +202,9 @@ def main(argv):
 
     def decode():
       if _NO_CACHE.value:
-        return generate.greedy_without_cache(cfg, params, prompts, lengths,
-                                             max_new_tokens=_NEW.value, qmatmul_impl=_IMPL.value)
+        return stop_at_eos(generate.greedy_without_cache(
+            cfg, params, prompts, lengths, max_new_tokens=_NEW.value,
+            qmatmul_impl=_IMPL.value), eos_id)
       return generate.generate(cfg, params, prompts, lengths, jax.random.key(_SEED.value),
                                max_new_tokens=_NEW.value, max_len=_MAX_LEN.value,
                                sampling=sampling, eos_id=eos_id, qmatmul_impl=_IMPL.value,

@@ -246,10 +246,12 @@ class HFTokenizer:
   def hf_tokenizer(self) -> tokenizers.Tokenizer:
     return self._tok
 
-  def encode(self, text: str | bytes) -> np.ndarray:
-    """Ids of one document, with the special tokens the tokenizer adds (e.g. a BOS)."""
+  def encode(self, text: str | bytes, add_special_tokens: bool = True) -> np.ndarray:
+    """Ids of one document, with the special tokens the tokenizer adds (e.g. a BOS); a
+    rendered chat template writes its own, so it is encoded with add_special_tokens=False."""
     text = text if isinstance(text, str) else bytes(text).decode("utf-8", errors="replace")
-    return np.asarray(self._tok.encode(text, add_special_tokens=True).ids, dtype=self._dtype)
+    return np.asarray(self._tok.encode(text, add_special_tokens=add_special_tokens).ids,
+                      dtype=self._dtype)
 
   def encode_batch(self, texts: Sequence[str | bytes]) -> list[np.ndarray]:
     out = []
