@@ -8,7 +8,7 @@ or given (--rates, e.g. those experiments/hdp_calibrate fitted and checked again
 measured ring step); each global batch holds devices * tokens_per_device * batch_steps *
 fill tokens drawn from one length distribution (the stdlib's byte lengths, or a long
 tail shaped like ByteScale's data); every seed draws another batch. The simulated model
-is 7B-class (d 4096, 32 layers, bf16, hdp_sim.dense_params: 6.70B parameters MHA, 5.90B
+is 7B-class (d 4096, 32 layers, bf16, cost.dense_params: 6.70B parameters MHA, 5.90B
 GQA) with its K/V as MHA (kv_dim 4096) or GQA (8 K/V heads of 128: kv_dim 1024). The
 machines:
   cpu:   the fitted CPU rates, --link_gbps (default 100 GB/s) links (0: left out);
@@ -47,7 +47,7 @@ import time
 
 import numpy as np
 
-from jaxsys.parallel import hdp_sim
+from jaxsys.parallel import cost, hdp_sim
 
 DISTRIBUTIONS = ("long_tail", "stdlib")
 
@@ -81,14 +81,14 @@ def settings(fit: hdp_sim.Fit, *, link_gbps: float, accel_tflops: float,
 
 def fixed_fit(sec_per_attention_flop: float, sec_per_linear_flop: float) -> hdp_sim.Fit:
   """A Fit of given rates (no timing), e.g. those experiments/hdp_calibrate fitted."""
-  return hdp_sim.Fit(hdp_sim.CostModel(sec_per_attention_flop=sec_per_attention_flop,
+  return hdp_sim.Fit(cost.CostModel(sec_per_attention_flop=sec_per_attention_flop,
                                        sec_per_linear_flop=sec_per_linear_flop),
                      float("nan"), float("nan"), {})
 
 
-def with_attention(model: hdp_sim.CostModel, kv_dim: int) -> hdp_sim.CostModel:
+def with_attention(model: cost.CostModel, kv_dim: int) -> cost.CostModel:
   """`model` with K/V `kv_dim` wide, all-reducing that model's parameters."""
-  return dataclasses.replace(model, kv_dim=kv_dim, params=hdp_sim.dense_params(
+  return dataclasses.replace(model, kv_dim=kv_dim, params=cost.dense_params(
       model.d_model, model.n_layers, kv_dim))
 
 
@@ -115,7 +115,7 @@ STATICS = tuple(f"static_{s}" for s in hdp_sim.STATIC_SCHEDULES) + tuple(k for k
 
 
 def simulate_batch(lengths, *, num_devices: int, tokens_per_device: int,
-                   model: hdp_sim.CostModel, max_len: int, seed: int,
+                   model: cost.CostModel, max_len: int, seed: int,
                    per_rank=None) -> dict:
   """Seconds of every strategy on one batch, by row key (see PER_RANK, POOLS and
   hdp_sim.STATIC_SCHEDULES), the lower bound, per-rank HDP's steps and padding, and the
@@ -158,8 +158,8 @@ def _ratios(t: dict) -> dict:
   return out
 
 
-def sharded(model: hdp_sim.CostModel, *, tensor: int, fsdp: int, slots: int,
-            tensor_link_gbps: float) -> hdp_sim.CostModel:
+def sharded(model: cost.CostModel, *, tensor: int, fsdp: int, slots: int,
+            tensor_link_gbps: float) -> cost.CostModel:
   """`model` on slots that are tensor groups of `tensor`, sharded over `fsdp` slots (-1:
   all `slots`); unchanged when both are 1."""
   if tensor == 1 and fsdp == 1:
@@ -297,7 +297,7 @@ def plot_sim(rows: list[dict], path: str | None = None, *, setting: str | None =
 
 
 def bar_segments(steps, lengths, *, num_devices: int, tokens_per_device: int,
-                 model: hdp_sim.CostModel):
+                 model: cost.CostModel):
   """Per micro-step: (sequence index, device ids, seconds on each) bars to draw.
 
   steps: per micro-step, (sequence indices run together, device ids) groups (an hdp.plan
@@ -321,7 +321,7 @@ def bar_segments(steps, lengths, *, num_devices: int, tokens_per_device: int,
 
 
 def draw_plan(ax, steps, lengths, *, num_devices: int, tokens_per_device: int,
-              model: hdp_sim.CostModel, title: str) -> float:
+              model: cost.CostModel, title: str) -> float:
   """Device-by-time chart; each micro-step's column is as wide as its slowest device.
 
   A colour per sequence; heavy sequences (longer than tpd, so they need a ring) hatched,
@@ -356,7 +356,7 @@ def draw_plan(ax, steps, lengths, *, num_devices: int, tokens_per_device: int,
   return t0
 
 
-def draw_schedule(ax, sched, lengths, *, tokens_per_device: int, model: hdp_sim.CostModel,
+def draw_schedule(ax, sched, lengths, *, tokens_per_device: int, model: cost.CostModel,
                   title: str) -> float:
   """Device-by-time chart of a per-rank schedule (hdp_schedule.schedule), timed by
   hdp_sim.schedule_jobs: each ring or local micro-batch a run of bars on its devices.

@@ -5,7 +5,7 @@ The library of `experiments/hdp_calibrate.py`: `run` measures and prints the tab
 (`compute_table`, `table`) and returns every number.
 
 The model: a small MHA model (d 192, 2 layers, SwiGLU d_ff 512 = 8/3 d, so its shape is
-hdp_sim.dense_params'; float32, 256-byte vocabulary) trained with context parallelism
+cost.dense_params'; float32, 256-byte vocabulary) trained with context parallelism
 (`--config.mesh=context=2`: zigzag ring attention). The corpus is 200 slices of 128 KB of
 the stdlib's text, so nearly every row is one document and the ring's attention is one
 causal sequence a row (what the simulator counts for it).
@@ -53,7 +53,7 @@ import numpy as np
 
 from jaxsys import xla_flags
 from jaxsys.lab import link as link_lib, physics, run as lab_run
-from jaxsys.parallel import hdp_sim
+from jaxsys.parallel import cost, hdp_sim
 
 # The measured model: MHA (kv_dim = d), SwiGLU d_ff = 8/3 d, so hdp_sim's 24 d^2 matmul
 # FLOPs a token and dense_params hold for it.
@@ -108,9 +108,9 @@ def payload_rate(bits_per_s: float) -> float:
   return bits_per_s / 8 * physics.MSS / (physics.MSS + link_lib.HEADER_BYTES)
 
 
-def cost_model(rates: hdp_sim.CostModel, *, link_bytes_per_s: float, overlap: bool = True,
+def cost_model(rates: cost.CostModel, *, link_bytes_per_s: float, overlap: bool = True,
                hop_exchange: float = 1.0, model: dict = MODEL,
-               head: bool = False) -> hdp_sim.CostModel:
+               head: bool = False) -> cost.CostModel:
   """`rates`' compute terms on the measured model: float32, MHA, compiled collectives, its
   parameters' gradients all-reduced; head: count the vocabulary head's matmul (the
   calibrated model does; the microbenchmark's rates alone, as the tables, do not)."""
@@ -119,7 +119,7 @@ def cost_model(rates: hdp_sim.CostModel, *, link_bytes_per_s: float, overlap: bo
   return dataclasses.replace(
       rates, link_bytes_per_s=link_bytes_per_s, d_model=d, n_layers=layers, kv_dim=kv_dim,
       bytes_per_element=4, overlap=overlap, pad_compute=True, compiled=True,
-      params=hdp_sim.dense_params(d, layers, kv_dim, VOCAB), hop_exchange=hop_exchange,
+      params=cost.dense_params(d, layers, kv_dim, VOCAB), hop_exchange=hop_exchange,
       vocab_size=VOCAB if head else rates.vocab_size)
 
 
@@ -145,7 +145,7 @@ def measured_step(mix: str, seconds: float, ring: int = 2) -> hdp_sim.MeasuredSt
   return hdp_sim.MeasuredStep((seq_len,) * rows, seconds, seq_len // ring, ring=ring, name=mix)
 
 
-def predict(model: hdp_sim.CostModel, *, seq_len: int, ring: int = 2, rows: int = 2) -> dict:
+def predict(model: cost.CostModel, *, seq_len: int, ring: int = 2, rows: int = 2) -> dict:
   """Seconds of one step (`rows` rows of seq_len, one after another on a ring of `ring`:
   the program runs them as one batch, the same compute and bytes) by hdp_sim's static
   path, split into compute (an unlimited link) and communication, and the bytes each
@@ -188,8 +188,8 @@ def _spread(steps_s) -> dict:
               steps_s=[float(t) for t in steps_s])
 
 
-def compute_row(mix: str, role: str, steps_s, *, rates: hdp_sim.CostModel,
-                calibrated: hdp_sim.CostModel) -> dict:
+def compute_row(mix: str, role: str, steps_s, *, rates: cost.CostModel,
+                calibrated: cost.CostModel) -> dict:
   """One in-process mix: measured (median) against the microbenchmark's rates alone and the
   calibrated model (unlimited link)."""
   row = dict(case=mix, role=role, **_spread(steps_s))
@@ -236,7 +236,7 @@ def table(rows: list[dict]) -> str:
   return "\n".join(lines)
 
 
-def case_row(case: str, model: hdp_sim.CostModel, rate: float, steps_s, *, seq_len: int,
+def case_row(case: str, model: cost.CostModel, rate: float, steps_s, *, seq_len: int,
              rows: int = 2, compiled_bytes: float | None = None,
              measured_compute_s: float | None = None) -> dict:
   """One lab table row: `model` (its compute terms) under each of MODELS at `rate` payload
@@ -256,7 +256,7 @@ def case_row(case: str, model: hdp_sim.CostModel, rate: float, steps_s, *, seq_l
   return row
 
 
-def derived_7b(calibrated: hdp_sim.CostModel, tokens: int = 32768) -> dict:
+def derived_7b(calibrated: cost.CostModel, tokens: int = 32768) -> dict:
   """*Derived*: the share the calibrated per-token terms (the head's matmul, sec_per_element
   scaled with d_model) add to a device's compute of one `tokens`-token sequence (a layer's
   matmuls and attention, forward and backward alike) for the tables' 7B-class model (d
@@ -266,10 +266,10 @@ def derived_7b(calibrated: hdp_sim.CostModel, tokens: int = 32768) -> dict:
   for name, kv_dim in (("MHA", 4096), ("GQA", 1024)):
     plain = dataclasses.replace(calibrated, d_model=4096, n_layers=32, kv_dim=kv_dim,
                                 vocab_size=0, sec_per_element=0.0, tensor=1)
-    full = dataclasses.replace(plain, vocab_size=hdp_sim.VOCAB_SIZE,
+    full = dataclasses.replace(plain, vocab_size=cost.VOCAB_SIZE,
                                sec_per_element=calibrated.sec_per_element)
     base = float(plain.linear(tokens) + plain.attention(tokens))
-    head = float(dataclasses.replace(plain, vocab_size=hdp_sim.VOCAB_SIZE).linear(tokens)
+    head = float(dataclasses.replace(plain, vocab_size=cost.VOCAB_SIZE).linear(tokens)
                  - plain.linear(tokens))
     other = float(full.linear(tokens) + full.attention(tokens)) - base - head
     out[name] = dict(head=head / base, element=other / base, matmul_share=float(
@@ -344,6 +344,6 @@ def run(workdir: str, *, fit_mixes, heldout_mixes, lab_mix: str, bandwidths, top
                                   attention_r2=fit.attention_r2, linear_r2=fit.linear_r2,
                                   devices=2),
               fitted_terms=list(step_fit.terms),
-              calibrated={t: getattr(calibrated, t) for t in hdp_sim.STEP_TERMS},
+              calibrated={t: getattr(calibrated, t) for t in cost.STEP_TERMS},
               fit_errors=dict(zip(fit_mixes, step_fit.errors)), derived_7b=derived,
               lab_mix=lab_mix, compute_rows=compute_rows, lab_rows=lab_rows)

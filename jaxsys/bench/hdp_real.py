@@ -21,7 +21,7 @@ Per layout: micro-steps (per-rank: the most micro-batches a device runs), paddin
 (empty slots over all slots run), token imbalance (static: most loaded device over the
 mean, per micro-step, averaged; per-rank: over the whole step), FLOP imbalance (the time
 the layout takes on a pool where every device runs at the same FLOP rate, over perfect
-balance; FLOPs as `hdp.sequence_cost` counts them, real tokens only) and the measured
+balance; FLOPs as `cost.sequence_cost` counts them, real tokens only) and the measured
 step time (median over batches after a compile step).
 
 On simulated CPU devices all 8 "devices" share the host's cores, so a micro-step costs
@@ -43,7 +43,7 @@ from jaxsys import mesh as mesh_lib
 from jaxsys.data.documents import make_document_loader
 from jaxsys.data.packing import FIELDS
 from jaxsys.optim.inner import make_optimizer
-from jaxsys.parallel import context, hdp, hdp_layout, hdp_sim
+from jaxsys.parallel import context, cost, hdp, hdp_layout, hdp_sim
 from jaxsys.train import config_check, hdp_step
 from jaxsys.train import state as state_lib
 
@@ -98,14 +98,6 @@ def layout_plan(name: str, lengths, *, num_devices: int, tokens_per_device: int,
           for s in range(0, len(rows), per_step)]
 
 
-def flop_model(d_model: int) -> hdp_sim.CostModel:
-  """One FLOP per second, free links, real tokens only: times in FLOPs of work (K/V as
-  wide as the model: the matmul FLOPs the planner counts, `hdp.sequence_cost`)."""
-  return hdp_sim.CostModel(sec_per_attention_flop=1.0, sec_per_linear_flop=1.0,
-                           link_bytes_per_s=1e30, d_model=d_model, n_layers=1,
-                           kv_dim=d_model, pad_compute=False)
-
-
 def per_rank_stats(sched, lengths, *, tokens_per_device: int, d_model: int) -> dict:
   """A per-rank schedule's numbers, as the static layouts' (see the module docstring)."""
   lengths = np.asarray(lengths, np.int64)
@@ -117,7 +109,7 @@ def per_rank_stats(sched, lengths, *, tokens_per_device: int, d_model: int) -> d
       tokens[[ring.devices[k] for k in devs]] += lengths[seq] / len(devs)
   for d, batches in enumerate(sched.local):
     tokens[d] += sum(int(lengths[list(b)].sum()) for b in batches)
-  model = flop_model(d_model)
+  model = cost.flop_model(d_model)
   span = hdp_sim.schedule_times(sched, lengths, tokens_per_device=tokens_per_device,
                                 model=model).max()
   perfect = 3.0 * float(np.sum(model.attention(lengths) + model.linear(lengths))) / n

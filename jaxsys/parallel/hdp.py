@@ -44,25 +44,9 @@ from typing import Any
 
 import numpy as np
 
-# Forward FLOPs of one transformer layer, d = d_model: causal attention computes half of
-# QK^T and of PV, 2 * d FLOPs per token pair; the matmuls (q, k, v, o: 4 d^2, MLP 4x:
-# 8 d^2 weights) 2 * 12 d^2 FLOPs per token. Attention overtakes the matmuls at L = 12 d.
-DEFAULT_D_MODEL = 1024
-ATTENTION_FLOPS_PER_PAIR = 2  # times d_model
-LINEAR_FLOPS_PER_TOKEN = 24  # times d_model ** 2
+from jaxsys.parallel import cost
 
 Plan = list[list[tuple[int, tuple[int, ...]]]]
-
-
-def sequence_cost(length, *, d_model: int = DEFAULT_D_MODEL):
-  """Forward FLOPs of one layer on a sequence: 2 d L^2 (causal attention) + 24 d^2 L.
-
-  Works on ints and numpy arrays. A ring of c devices gives each device cost / c (the
-  zigzag layout evens the causal work); ring communication is not counted.
-  """
-  length = np.asarray(length, np.float64) if not isinstance(length, int) else float(length)
-  return ATTENTION_FLOPS_PER_PAIR * d_model * length * length + (
-      LINEAR_FLOPS_PER_TOKEN * d_model * d_model * length)
 
 
 def devices_needed(length: int, tokens_per_device: int) -> int:
@@ -249,18 +233,18 @@ def min_steps(lengths: Sequence[int], *, num_devices: int, tokens_per_device: in
 
 
 def plan(lengths: Sequence[int], *, num_devices: int, tokens_per_device: int,
-         d_model: int = DEFAULT_D_MODEL) -> Plan:
+         d_model: int = cost.DEFAULT_D_MODEL) -> Plan:
   """Micro-steps of (sequence index, device ids) entries; see the module docstring."""
   arr = _check(lengths, num_devices, tokens_per_device)
   if not arr.size:
     return []
   rings = np.array([devices_needed(n, tokens_per_device) for n in arr], np.int64)
-  costs = sequence_cost(arr, d_model=d_model)
+  costs = cost.sequence_cost(arr, d_model=d_model)
   # Two ways to ring the long sequences: one ring each, or rings shared (fewer slots
   # left empty, heavier rings); the plan with the shorter lock-step time wins.
   alone = [((i,), int(r)) for i, r in enumerate(rings) if r > 1]
   shared = share_groups(arr, tokens_per_device, num_devices)
-  step_cost = LINEAR_FLOPS_PER_TOKEN * d_model * d_model * tokens_per_device
+  step_cost = float(cost.flop_model(d_model).linear(tokens_per_device))  # a full cell's matmuls
   plans = [_fewest_steps(arr, groups, rings, costs, num_devices, tokens_per_device)
            for groups in ([alone, shared] if len(shared) < len(alone) else [alone])]
   entries = min(plans, key=lambda e: _lock_step_time(e, arr, costs, num_devices, step_cost))
@@ -295,7 +279,7 @@ def _lock_step_time(entries, lengths, costs, num_devices: int, step_cost: float)
 class Summary:
   """A plan's load, per micro-step and device.
 
-  tokens, cost [steps, devices]: tokens held and forward FLOPs per layer (sequence_cost).
+  tokens, cost [steps, devices]: tokens held and forward FLOPs per layer (cost.sequence_cost).
   step_imbalance [steps]: most loaded device's cost over the mean, per micro-step.
   imbalance: sum_m max_d cost / sum_m mean_d cost, lock-step time over perfect balance.
   utilisation: real tokens / (steps * devices * tokens_per_device), no padding counted.
@@ -362,21 +346,21 @@ def fit_documents(lengths: Sequence[int], *, budget: int, capacity: int,
 
 
 def summary(steps: Plan, lengths: Sequence[int], *, num_devices: int, tokens_per_device: int,
-            d_model: int = DEFAULT_D_MODEL) -> Summary:
+            d_model: int = cost.DEFAULT_D_MODEL) -> Summary:
   """Per-device tokens and cost of a plan (any plan of this format, e.g. a baseline's)."""
   arr = _check(lengths, num_devices, tokens_per_device)
   tokens = np.zeros((len(steps), num_devices), np.int64)
-  cost = np.zeros((len(steps), num_devices))
+  work = np.zeros((len(steps), num_devices))
   for m, step in enumerate(steps):
     for i, devs in step:
       c = len(devs)
       tokens[m, list(devs)] += -(-int(arr[i]) // c)
-      cost[m, list(devs)] += sequence_cost(int(arr[i]), d_model=d_model) / c
-  mean = cost.mean(axis=1) if len(steps) else np.zeros(0)
-  step_imb = np.divide(cost.max(axis=1, initial=0.0), mean, out=np.ones_like(mean),
+      work[m, list(devs)] += cost.sequence_cost(int(arr[i]), d_model=d_model) / c
+  mean = work.mean(axis=1) if len(steps) else np.zeros(0)
+  step_imb = np.divide(work.max(axis=1, initial=0.0), mean, out=np.ones_like(mean),
                        where=mean > 0)
   total_mean = mean.sum()
-  imbalance = float(cost.max(axis=1, initial=0.0).sum() / total_mean) if total_mean else 1.0
+  imbalance = float(work.max(axis=1, initial=0.0).sum() / total_mean) if total_mean else 1.0
   slots = len(steps) * num_devices * tokens_per_device
   util = float(arr.sum() / slots) if slots else 1.0
-  return Summary(tokens, cost, step_imb, imbalance, util)
+  return Summary(tokens, work, step_imb, imbalance, util)

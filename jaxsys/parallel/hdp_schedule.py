@@ -15,9 +15,9 @@ gradient all-reduce waits for all of them. A schedule has two kinds of work:
   local: a device's own micro-batches of whole short sequences, each of tpd, tpd/2, ...
          or tpd / 2^(LOCAL_SIZES - 1) slots, the smallest that holds them (`local_cell`).
 
-Placement is LPT on estimated time (`FlopCost` by default: a ring member runs its cell
-through the matmuls plus its share of the attention; a short sequence costs
-`hdp.sequence_cost`): rings heaviest first, each on a run of devices chosen with the
+Placement is LPT on estimated time (`cost.ForwardEstimate` by default: a ring member runs
+its cell through the matmuls plus its share of the attention; a short sequence costs
+`cost.sequence_cost`): rings heaviest first, each on a run of devices chosen with the
 time its members wait for the last one counted as lost (a ring's members start
 together). A ring may instead take an aligned power-of-two block of up to twice the
 devices it needs (widen=True): it then ends sooner, but the device time its empty slots
@@ -54,6 +54,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jaxsys.parallel import hdp
+from jaxsys.parallel.cost import DEFAULT_D_MODEL, ForwardEstimate, flop_model, sequence_cost
 
 # A ring's cells are sized to its largest share in steps of tokens_per_device / CELL_STEPS:
 # its matmuls and K/V hops then carry (nearly) only real tokens.
@@ -180,40 +181,14 @@ def _runs(load: np.ndarray, c: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]
   return firsts, starts, c * starts - windows[firsts].sum(axis=1)
 
 
-@dataclasses.dataclass(frozen=True)
-class FlopCost:
-  """The schedule's default time estimate: forward FLOPs of one layer (`hdp`'s terms).
-
-  A ring member runs its whole cell through the matmuls (fixed shapes: padding too) and
-  its share of the ring's attention; ring traffic is free.
-  """
-  tokens_per_device: int
-  d_model: int = hdp.DEFAULT_D_MODEL
-
-  def cell(self, tokens: int) -> float:
-    """The matmuls of a cell of `tokens` slots: what they cost, filled or not."""
-    return float(hdp.LINEAR_FLOPS_PER_TOKEN * self.d_model ** 2 * tokens)
-
-  def ring(self, lengths: np.ndarray, devices: int, cell: int) -> float:
-    """A member's time in a ring of `devices` with cells of `cell` slots holding
-    `lengths` (split over all of it)."""
-    attention = hdp.ATTENTION_FLOPS_PER_PAIR * self.d_model * np.sum(
-        np.asarray(lengths, np.float64) ** 2)
-    return self.cell(cell) + float(attention) / devices
-
-  def short(self, length: int) -> float:
-    """A whole short sequence's time on one device."""
-    return float(hdp.sequence_cost(int(length), d_model=self.d_model))
-
-
 def schedule(lengths: Sequence[int], *, num_devices: int, tokens_per_device: int,
-             d_model: int = hdp.DEFAULT_D_MODEL, widen: bool = True,
+             d_model: int = DEFAULT_D_MODEL, widen: bool = True,
              cost=None, budget: int | None = None, later: int | None = None) -> Schedule:
   """The per-rank schedule of `lengths` (see the module docstring); errors as hdp.plan.
 
   widen=False keeps every ring on the devices it needs. cost: the time estimate balanced
   (cell(tokens), ring(lengths, devices, cell), short(length), all in one unit); default
-  FlopCost(tokens_per_device, d_model). A simulator passes its own, links included
+  ForwardEstimate(flop_model(d_model)). A simulator passes its own, links included
   (`hdp_sim.ScheduleCost`).
 
   budget: at most that many micro-batches on any device; what does not fit is left out
@@ -229,7 +204,7 @@ def schedule(lengths: Sequence[int], *, num_devices: int, tokens_per_device: int
                      f"(at most tokens_per_device={tokens_per_device} tokens)")
   limit = Budget(budget if budget is not None else np.iinfo(np.int64).max, later,
                    first=budget is not None)
-  cost = FlopCost(tokens_per_device, d_model) if cost is None else cost
+  cost = ForwardEstimate(flop_model(d_model)) if cost is None else cost
   need = {i: hdp.devices_needed(int(n), tokens_per_device) for i, n in enumerate(arr)}
   alone = [((i,), c) for i, c in need.items() if c > 1]
   shared = hdp.share_groups(arr, tokens_per_device, num_devices)
@@ -303,7 +278,7 @@ def _place_rings(arr, groups, widen, ring_time, rule, short_work, budget: Budget
   after `load` and `counts`, their sizes chosen by `rule` (see below); ring_time: (seqs, c)
   -> (cell, member time)."""
   num_devices = load.size
-  costs = hdp.sequence_cost(arr, d_model=d_model) if arr.size else np.zeros(0)
+  costs = sequence_cost(arr, d_model=d_model) if arr.size else np.zeros(0)
   load, counts = load.copy(), counts.copy()
   # Device time still to place: every ring on the devices it needs, every short sequence.
   todo = sum(need * ring_time(seqs, need)[1] for seqs, need in groups) + short_work

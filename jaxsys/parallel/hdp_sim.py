@@ -1,4 +1,4 @@
-"""A cost model and simulator for HDP against static context-parallel meshes.
+"""A simulator for HDP against static context-parallel meshes.
 
 Ways to run one global batch of variable-length sequences on N devices, each holding at
 most `tokens_per_device` (tpd) tokens per micro-batch:
@@ -24,53 +24,8 @@ most `tokens_per_device` (tpd) tokens per micro-batch:
           all-reduce (`lower_bound`); `lockstep_bound` adds the lock step with hdp's ring
           sizes.
 
-Timing model, per device and layer (every layer alike, times n_layers; backward = twice the
-forward's compute):
-  attention forward  A = sec_per_attention_flop * 2 d L^2 per sequence (causal); a ring of c
-                     gives each member a = A / c (the zigzag layout evens it), in c blocks
-                     of b = a / c: its own and c - 1 visiting;
-  linear forward     Lin = sec_per_linear_flop * (20 d^2 + 4 d kv_dim) * tokens;
-  K/V hop            h = tokens * (2 kv_dim * bytes_per_element [+ 8: int32 segment ids
-                     and positions, compiled]) / link;
-  dK/dV hop          g = tokens * 2 kv_dim * 4 / link (the f32 accumulators; compiled).
-A ring member (overlap=True: the next K/V block moves while this one computes; False: add):
-  forward   Lin + b + (c - 1) max(b, h)
-  backward, compiled=True (jaxsys's ring attention, `context._ring_bwd`): the K/V blocks go
-            round again with their dK/dV accumulators, which can leave only after the step
-            that computes them (ring-flash-attention's deferred send), so those hops are
-            added, not overlapped; after the last step they go home:
-              2 Lin + 2b + (c - 1) (max(2b, h) + g) + g
-            (at c = 2 XLA reuses the forward's one K/V hop: h = 0 there);
-  backward, compiled=False (an idealised ring): twice the forward, hops included.
-A device holding short sequences (c = 1) spends 3 (Lin + sum A). Hops carry whole
-fixed-shape blocks (pad_compute) or real tokens only.
-
-Gradient all-reduces (params > 0): one over c devices sends 2 (c - 1) / c * 4 (params + 2)
-bytes from each (f32 gradients, the loss sum and token count), taking that / link (the
-bandwidth term; latency left out), added after the program that issues it:
-  per-rank HDP  one over each ring program's c devices, then one over the pool per sum
-                `HDPStep._reduce` adds (the rings', and one per local micro-batch
-                size: XLA compiles one each); ALLREDUCES names two executors that would
-                do fewer;
-  static        one over the pool at the end. (jaxsys's compiled static step all-reduces
-                every micro-batch over `context` and `data`; the baselines are spared that.)
-                Compiled, each static micro-step also all-gathers its batch's 5 fields over
-                `context` to lay its rows out zigzag (4 bytes a token each);
-  lock-step HDP one over the pool per micro-step (jaxsys's lock-step executor, removed
-                after it lost to per-rank HDP), or at the end ("ideal").
-A sharded model (CostModel.tensor, .fsdp): the N devices above are then slots, each a
-tensor group; a device computes 1/tensor of its slot's attention and matmuls, sends
-1/tensor of its K/V and dK/dV, and all-reduces activations over its group in every program
-(`tensor_bytes`, added, on tensor_link_bytes_per_s); gradient all-reduces carry a device's
-tensor shard (`shard_params`: norms whole). With fsdp (ZeRO) a step first gathers the
-parameters over fsdp (`gather_bytes`); HDPStep then all-reduces the gradients over
-the pool whole, as without fsdp (compiled: no reduce-scatter), and updates the shards.
-tests/train/test_hdp_sim_bytes.py ties these byte counts to the executors' compiled
-programs (data-only and data=2,fsdp=2,tensor=2). Link figures: `link_bytes_per_s` is one direction of one device's link, for hops
-and all-reduces alike; experiments/bench_hdp.py states the two it simulates.
-
 Example:
-  model = fit_cost_model(compiled=True, params=dense_params(4096, 32, 4096)).model  # ~5 s
+  model = fit_cost_model(compiled=True, params=cost.dense_params(4096, 32, 4096)).model  # ~5 s
   lengths = long_tail_lengths(2000, seed=0)
   kw = dict(num_devices=64, tokens_per_device=32768, model=model)
   static = simulate_static(lengths, max_len=262144, schedule="lpt", **kw)
@@ -81,280 +36,24 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import operator
 import time
 from collections.abc import Sequence
 
 import numpy as np
 
 from jaxsys.data import packing
-from jaxsys.parallel import hdp, hdp_schedule
+from jaxsys.parallel import cost, hdp, hdp_schedule
 
 Plan = hdp.Plan
 
-# Beside K and V, each compiled hop carries every token's int32 segment id and position
-# (the ring's causal keys).
-KEY_BYTES_PER_TOKEN = 8
-# jaxsys's ring backward accumulates dK and dV in f32, whatever the model's dtype.
-ACCUMULATOR_BYTES = 4
-# Gradients are all-reduced in f32.
-GRAD_BYTES_PER_PARAM = 4
-# Parameters are kept, and gathered over fsdp, in f32.
-PARAM_BYTES = 4
-# A tensor group's all-reduces of [tokens, d] activations, as XLA compiles the model's
-# Megatron split: per layer two forward (attention and MLP outputs) and five backward (the
-# input gradients of q, k, v, and of the MLP's two input matmuls, each all-reduced apart);
-# beside the layers, the embedding lookup (vocabulary split) and the logits' input gradient.
-TENSOR_ALLREDUCES_PER_LAYER = 7
-TENSOR_ALLREDUCES_OUTSIDE = 2
-# The vocabulary-split loss all-reduces three f32 values a token (max, sum, target logit).
-LOSS_BYTES_PER_TOKEN = 12
 # jaxsys's static step lays its rows out over `context` in the program: an all-gather of
 # each batch field, 4 bytes a token.
 LAYOUT_FIELDS = len(packing.FIELDS)
-# The simulated model's vocabulary (for its parameter count): Llama 2's.
-VOCAB_SIZE = 32000
-
-
-def dense_params(d_model: int, n_layers: int, kv_dim: int, vocab_size: int = VOCAB_SIZE) -> int:
-  """Parameters of the dense model the cost model times: per layer q and o (d x d), k and
-  v (d x kv_dim), an 8 d^2 MLP and two norms; untied embedding and head, a final norm.
-  d 4096, 32 layers: 6.70B with kv_dim 4096 (MHA), 5.90B with 1024 (GQA)."""
-  layer = 10 * d_model ** 2 + 2 * d_model * kv_dim + 2 * d_model
-  return n_layers * layer + 2 * vocab_size * d_model + d_model
-
-
-@dataclasses.dataclass(frozen=True)
-class CostModel:
-  """Seconds of one device's work; compute rates fitted, link bandwidth stated.
-
-  sec_per_attention_flop / sec_per_linear_flop: fitted (`fit_cost_model`); attention FLOPs
-    counted as hdp.sequence_cost does (2 d L^2 causal), matmul FLOPs 2 (10 d^2 + 2 d kv_dim)
-    a token (q, k, v, o and an 8 d^2 MLP: hdp's 24 d^2 when kv_dim = d).
-  link_bytes_per_s: one direction of one device's link, for ring hops and all-reduces.
-  d_model, n_layers, kv_dim (width of K, and of V, per token), bytes_per_element: the
-    simulated model (default: a 7B-class model, d 4096, 32 layers, MHA, bf16).
-  overlap: ring hops overlap the attention compute (max per hop) or add to it.
-  pad_compute: fixed-shape programs compute and send their padding (every device runs
-    tpd tokens through the matmuls; a hop carries tpd tokens), as jax SPMD programs do.
-  compiled: hops as jaxsys's ring attention compiles them (see the module docstring);
-    False: an idealised ring whose backward is twice its forward.
-  params: parameters whose f32 gradients the executors all-reduce; 0 leaves the
-    all-reduces out.
-  tensor: devices of a slot's tensor group (heads, K/V heads, MLP and vocabulary split
-    over them; norms whole on each): each computes 1/tensor of the slot's matmuls and
-    attention, sends 1/tensor of its K/V, all-reduces activations over the group (not
-    overlapped, on tensor_link_bytes_per_s; default link_bytes_per_s) and holds
-    `shard_params` parameters. Every other figure is per device of a slot.
-  fsdp: slots the parameters are sharded over (ZeRO): gathered once a step
-    (`gather_bytes`), before the step's first program.
-  hop_exchange: a ring hop's seconds over its bytes / link: 1 where every member sends
-    and receives at once (each on its own link); 2 where the exchange runs one direction
-    after the other, as XLA:CPU's collective-permute over gloo did across two processes
-    (experiments/hdp_calibrate.py: the link busy for twice the hops' bytes / rate).
-  vocab_size, sec_per_element, sec_per_step: the compute beside attention and the layers'
-    matmuls, fitted to measured whole steps (`fit_step_costs`); 0 by default, which
-    leaves them out (every table that does not set them):
-    vocab_size: the output head's matmul, 2 d vocab_size FLOPs a token at the linear rate;
-    sec_per_element: the layers' other work (norms, activations, residual adds, rotary,
-      softmax bookkeeping, the embedding and loss beside the head), seconds per token and
-      d_model element per layer; like the matmuls, counted once forward and twice backward,
-      and not split over a tensor group;
-    sec_per_step: seconds a step spends whatever its tokens (the optimizer update,
-      dispatch, the host's work), added once a step with the pool's collectives
-      (`pool_sync`).
-  """
-  sec_per_attention_flop: float
-  sec_per_linear_flop: float
-  link_bytes_per_s: float = 100e9
-  d_model: int = 4096
-  n_layers: int = 32
-  kv_dim: int = 4096
-  bytes_per_element: int = 2
-  overlap: bool = True
-  pad_compute: bool = True
-  compiled: bool = False
-  params: int = 0
-  tensor: int = 1
-  fsdp: int = 1
-  tensor_link_bytes_per_s: float | None = None
-  hop_exchange: float = 1.0
-  vocab_size: int = 0
-  sec_per_element: float = 0.0
-  sec_per_step: float = 0.0
-
-  def __post_init__(self):
-    for name in ("sec_per_attention_flop", "sec_per_linear_flop", "link_bytes_per_s",
-                 "tensor_link_bytes_per_s", "hop_exchange"):
-      value = getattr(self, name)
-      if value is not None and not value > 0:
-        raise ValueError(f"CostModel.{name}={value!r}: must be > 0")
-    for name in ("d_model", "n_layers", "kv_dim", "bytes_per_element", "tensor", "fsdp"):
-      value = getattr(self, name)
-      if not isinstance(value, int) or value < 1:
-        raise ValueError(f"CostModel.{name}={value!r}: must be an int >= 1")
-    for name in ("params", "vocab_size"):
-      value = getattr(self, name)
-      if not isinstance(value, int) or value < 0:
-        raise ValueError(f"CostModel.{name}={value!r}: must be an int >= 0")
-    for name in ("sec_per_element", "sec_per_step"):
-      value = getattr(self, name)
-      if not value >= 0:
-        raise ValueError(f"CostModel.{name}={value!r}: must be >= 0")
-    if self.kv_dim % self.tensor:
-      raise ValueError(f"CostModel.tensor={self.tensor}: must divide kv_dim={self.kv_dim} "
-                       f"(K/V heads split over the tensor group)")
-
-  def attention(self, length):
-    """Forward seconds of one layer's causal attention over a whole sequence, on one
-    device of a tensor group (its 1/tensor of the heads)."""
-    length = np.asarray(length, np.float64)
-    return (self.sec_per_attention_flop * hdp.ATTENTION_FLOPS_PER_PAIR * self.d_model
-            * length * length) / self.tensor
-
-  def linear(self, tokens):
-    """Forward seconds of one layer's matmuls (q, k, v, o and the MLP; a layer's share of
-    the head's) and other per-token work (sec_per_element) over `tokens` tokens on one
-    device of a tensor group, and a third of a layer's share of the group's all-reduces
-    (every caller counts `linear` three times a layer: forward, backward)."""
-    # hdp's 24 d^2 counts k and v as d x d; GQA's are d x kv_dim.
-    flops = (hdp.LINEAR_FLOPS_PER_TOKEN * self.d_model ** 2
-             - 4 * self.d_model * (self.d_model - self.kv_dim)
-             + 2 * self.d_model * self.vocab_size / self.n_layers)
-    tokens = np.asarray(tokens, np.float64)
-    matmuls = self.sec_per_linear_flop * flops * tokens / self.tensor
-    other = self.sec_per_element * self.d_model * tokens
-    return matmuls + other + self.tensor_allreduce(tokens) / (3 * self.n_layers)
-
-  def tensor_bytes(self, tokens) -> float:
-    """Bytes each device of a tensor group sends in a program's activation all-reduces
-    (see TENSOR_ALLREDUCES_PER_LAYER) over `tokens` tokens."""
-    width = ((TENSOR_ALLREDUCES_PER_LAYER * self.n_layers + TENSOR_ALLREDUCES_OUTSIDE)
-             * self.d_model * self.bytes_per_element + LOSS_BYTES_PER_TOKEN)
-    return 2.0 * (self.tensor - 1) / self.tensor * width * np.asarray(tokens, np.float64)
-
-  def tensor_allreduce(self, tokens):
-    """Seconds of a program's tensor all-reduces over `tokens` tokens (0 without tensor)."""
-    return self.tensor_bytes(tokens) / (self.tensor_link_bytes_per_s or self.link_bytes_per_s)
-
-  def kv_bytes(self, tokens) -> float:
-    """Bytes of one hop's K and V blocks of `tokens` tokens (a device's K/V heads)."""
-    return 2.0 * tokens * (self.kv_dim // self.tensor) * self.bytes_per_element
-
-  def key_bytes(self, tokens) -> float:
-    """Bytes of one hop's segment ids and positions (compiled only)."""
-    return float(tokens * KEY_BYTES_PER_TOKEN) if self.compiled else 0.0
-
-  def dkv_bytes(self, tokens) -> float:
-    """Bytes of one backward hop's dK and dV (f32 accumulators, compiled)."""
-    width = ACCUMULATOR_BYTES if self.compiled else self.bytes_per_element
-    return 2.0 * tokens * (self.kv_dim // self.tensor) * width
-
-  def hop(self, tokens) -> float:
-    """Seconds to pass one device's K/V block (with its keys) to the next ring member."""
-    return (self.hop_exchange * (self.kv_bytes(tokens) + self.key_bytes(tokens))
-            / self.link_bytes_per_s)
-
-  def hops(self, ring: int) -> tuple[int, int, int]:
-    """(forward K/V hops, backward K/V hops, backward dK/dV hops) per layer of a program
-    whose ring has `ring` devices."""
-    if ring == 1:
-      return 0, 0, 0
-    if not self.compiled:
-      return ring - 1, ring - 1, ring - 1
-    # XLA reuses the forward's single K/V hop at c = 2; dK/dV take one more hop home.
-    return ring - 1, (ring - 1 if ring > 2 else 0), ring
-
-  def sent(self, tokens, ring: int) -> dict[str, float]:
-    """Bytes each device of a ring program of `ring` devices sends, all layers, its hops
-    carrying `tokens` tokens: K/V ("kv"), their segment ids and positions ("keys") and
-    the backward's dK/dV ("dkv")."""
-    forward, backward, dkv = self.hops(ring)
-    return {"kv": self.n_layers * (forward + backward) * self.kv_bytes(tokens),
-            "keys": self.n_layers * (forward + backward) * self.key_bytes(tokens),
-            "dkv": self.n_layers * dkv * self.dkv_bytes(tokens)}
-
-  def shard_params(self) -> int:
-    """Parameters one device of a tensor group holds (gathered over fsdp): all but the
-    norms split over the group, the norms ((2 n_layers + 1) d: two a layer, one final) whole."""
-    if self.tensor == 1:
-      return self.params
-    norms = (2 * self.n_layers + 1) * self.d_model
-    return (self.params - norms) // self.tensor + norms
-
-  def grad_bytes(self) -> int:
-    """Bytes one gradient all-reduce carries: a device's f32 gradients, loss sum and token
-    count."""
-    return GRAD_BYTES_PER_PARAM * (self.shard_params() + 2) if self.params else 0
-
-  def gather_bytes(self) -> float:
-    """Bytes each device sends to gather its parameters over fsdp: its 1/fsdp share of
-    them to each of the fsdp - 1 others."""
-    return (self.fsdp - 1) / self.fsdp * PARAM_BYTES * self.shard_params()
-
-  def gather(self) -> float:
-    """Seconds of the parameters' gather over fsdp (0 without fsdp)."""
-    return self.gather_bytes() / self.link_bytes_per_s
-
-  def pool_sync(self, slots: int) -> float:
-    """Seconds a step spends beside its micro-batches: the pool's own collectives (one
-    gradient all-reduce over the `slots` slots, HDPStep's, with fsdp too:
-    all-reduced whole, then each slot keeps its shard; the parameters' gather over fsdp)
-    and the fixed sec_per_step."""
-    return self.allreduce(slots) + self.gather() + self.sec_per_step
-
-  def allreduce_bytes(self, devices: int) -> float:
-    """Bytes each of `devices` sends in a ring all-reduce of the gradients."""
-    return 2.0 * (devices - 1) / devices * self.grad_bytes()
-
-  def allreduce(self, devices: int) -> float:
-    """Seconds of a gradient all-reduce over `devices` (its bandwidth term)."""
-    return self.allreduce_bytes(devices) / self.link_bytes_per_s
-
-  def ring_member(self, attention, linear, share_tokens, ring):
-    """Forward + backward seconds, all layers, of one ring member (see the module doc)."""
-    return self.device(attention=attention, linear=linear, ring=ring,
-                       hop_tokens=share_tokens)
-
-  def device(self, *, attention, linear, ring=1, hop_tokens=0, program_ring=None,
-             local_attention=0.0):
-    """Forward + backward seconds, all layers, of one device in one micro-step.
-
-    attention: its share of its ring's sequence(s), in `ring` equal blocks (1 local, the
-    rest visiting); local_attention: sequences held whole on it; the program's ring
-    (default `ring`) moves `hop_tokens` tokens of K/V per hop, and the hops beyond `ring`
-    carry no work for this device (nothing to overlap them with).
-    """
-    program_ring = ring if program_ring is None else program_ring
-    _, backward_hops, dkv_hops = self.hops(program_ring)
-    block = attention / ring
-    compute = linear + local_attention + block
-    h = self.hop(hop_tokens)
-    g = self.hop_exchange * self.dkv_bytes(hop_tokens) / self.link_bytes_per_s
-    join = max if self.overlap else operator.add
-    visiting, bare = ring - 1, program_ring - ring
-    forward = compute + visiting * join(block, h) + bare * h
-    h_back = h if backward_hops else 0.0
-    if self.compiled:  # dK/dV leave after the step that computes them: added
-      backward = (2 * compute + visiting * join(2 * block, h_back) + bare * h_back
-                  + dkv_hops * g)
-    else:  # dK/dV travel with K/V, overlapped as they are
-      backward = 2 * compute + visiting * join(2 * block, h + g) + bare * (h + g)
-    return self.n_layers * (forward + backward)
-
-  def scaled(self, compute_speedup: float) -> CostModel:
-    """The same model on a device `compute_speedup` times faster (every compute term,
-    sec_per_step too); links unchanged."""
-    if not compute_speedup > 0:
-      raise ValueError(f"compute_speedup={compute_speedup!r}: must be > 0")
-    return dataclasses.replace(
-        self, **{name: getattr(self, name) / compute_speedup for name in STEP_TERMS})
-
 
 @dataclasses.dataclass(frozen=True)
 class Fit:
-  """A fitted CostModel and how well the lines fit (R^2 of time against FLOPs)."""
-  model: CostModel
+  """A fitted cost.CostModel and how well the lines fit (R^2 of time against FLOPs)."""
+  model: cost.CostModel
   attention_r2: float
   linear_r2: float
   points: dict
@@ -389,7 +88,7 @@ def fit_cost_model(*, lengths=(1024, 2048, 3072, 4096),
 
   The slopes of least-squares lines of seconds against FLOPs (2 d L^2 for attention,
   8 d^2 T for the matmul) become the per-FLOP rates; the intercepts (dispatch overhead)
-  are dropped. Nothing is cached. `model_kwargs` go to CostModel (link, d_model, ...).
+  are dropped. Nothing is cached. `model_kwargs` go to cost.CostModel (link, d_model, ...).
   The sizes keep every timing at milliseconds or more: smaller matmuls' slopes came out
   noisy (R^2 0.75 to 0.96) and implied more FLOP/s than the cores have.
   devices: the first `devices` jax devices each run the op at once on their own shard
@@ -416,7 +115,7 @@ def fit_cost_model(*, lengths=(1024, 2048, 3072, 4096),
     q = jax.device_put(jax.random.normal(key, (devices, length, heads, head_dim), jnp.float32),
                        split)
     a_secs.append(_min_time(attn, q, q, q, repeats=repeats))
-    a_flops.append(hdp.ATTENTION_FLOPS_PER_PAIR * d * length * length)
+    a_flops.append(cost.ATTENTION_FLOPS_PER_PAIR * d * length * length)
   matmul = jax.jit(lambda x, w: x @ w)
   w = jax.device_put(jax.random.normal(key, (d, 4 * d), jnp.float32), whole)
   m_flops, m_secs = [], []
@@ -430,16 +129,13 @@ def fit_cost_model(*, lengths=(1024, 2048, 3072, 4096),
     raise RuntimeError(f"fit_cost_model: non-positive slope (attention {a_slope:.3g}, linear "
                        f"{m_slope:.3g} s/FLOP); the machine was too busy to time, rerun")
   points = dict(attention=list(zip(a_flops, a_secs)), linear=list(zip(m_flops, m_secs)))
-  model = CostModel(sec_per_attention_flop=a_slope, sec_per_linear_flop=m_slope, **model_kwargs)
+  model = cost.CostModel(sec_per_attention_flop=a_slope, sec_per_linear_flop=m_slope,
+                         **model_kwargs)
   return Fit(model, a_r2, m_r2, points)
 
 
 # ------------------------------------------------------------- fits to measured steps
 
-# The CostModel fields that set compute (each time is linear in them): what
-# `fit_step_costs` may fit, and what `CostModel.scaled` divides.
-STEP_TERMS = ("sec_per_attention_flop", "sec_per_linear_flop", "sec_per_element",
-              "sec_per_step")
 # What a term's basis is computed with in place of 0 (the FLOP rates must be > 0).
 _NEGLIGIBLE = 1e-300
 
@@ -463,7 +159,7 @@ class MeasuredStep:
                        f"{self.seconds!r}: must be > 0")
 
 
-def step_compute(model: CostModel, step: MeasuredStep) -> float:
+def step_compute(model: cost.CostModel, step: MeasuredStep) -> float:
   """Seconds `model` gives `step` with an unlimited link: `simulate_static` (lock-step) of
   its lengths, compute and the fixed per-step term."""
   model = dataclasses.replace(model, link_bytes_per_s=1e300, tensor_link_bytes_per_s=None)
@@ -476,15 +172,15 @@ def step_compute(model: CostModel, step: MeasuredStep) -> float:
 class StepFit:
   """`fit_step_costs`' model, the terms it fitted, and each step's relative error
   (predicted / measured - 1)."""
-  model: CostModel
+  model: cost.CostModel
   terms: tuple[str, ...]
   errors: tuple[float, ...]
 
 
-def fit_step_costs(steps: Sequence[MeasuredStep], model: CostModel,
+def fit_step_costs(steps: Sequence[MeasuredStep], model: cost.CostModel,
                    terms: Sequence[str] = ("sec_per_attention_flop", "sec_per_element",
                                            "sec_per_step")) -> StepFit:
-  """`model` with `terms` (of STEP_TERMS) fitted to measured whole steps; its other
+  """`model` with `terms` (of cost.STEP_TERMS) fitted to measured whole steps; its other
   fields kept.
 
   Each step's predicted time (`step_compute`) is linear in the terms, so the fit is a
@@ -502,10 +198,10 @@ def fit_step_costs(steps: Sequence[MeasuredStep], model: CostModel,
   from scipy import optimize  # pylint: disable=import-outside-toplevel
 
   terms = tuple(terms)
-  unknown = sorted(set(terms) - set(STEP_TERMS))
+  unknown = sorted(set(terms) - set(cost.STEP_TERMS))
   if unknown or not terms or len(set(terms)) != len(terms):
     raise ValueError(f"fit_step_costs: terms={terms!r}: must be distinct names from "
-                     f"{STEP_TERMS}")
+                     f"{cost.STEP_TERMS}")
   if len(steps) < len(terms):
     raise ValueError(f"fit_step_costs: {len(steps)} measured steps cannot fit {len(terms)} "
                      f"terms {terms}; measure at least {len(terms)}")
@@ -633,7 +329,7 @@ def _most_sent(per_device: dict[str, np.ndarray]) -> dict[str, float]:
   return {kind: float(np.max(per_device.get(kind, 0.0))) for kind in SENT_KINDS}
 
 
-def group_time(model: CostModel, group_lengths, ring: int, tokens_per_device: int) -> float:
+def group_time(model: cost.CostModel, group_lengths, ring: int, tokens_per_device: int) -> float:
   """Seconds of one member of a ring of `ring` running the packed `group_lengths`."""
   real = int(np.sum(group_lengths))
   share = tokens_per_device if model.pad_compute else -(-real // ring)
@@ -641,9 +337,9 @@ def group_time(model: CostModel, group_lengths, ring: int, tokens_per_device: in
   return model.ring_member(attention, float(model.linear(share)), share, ring)
 
 
-def _programs(step, *, num_devices: int, tokens_per_device: int, model: CostModel,
+def _programs(step, *, num_devices: int, tokens_per_device: int, model: cost.CostModel,
               executor: str) -> list[tuple[dict, int]]:
-  """Per device, CostModel.device's arguments for one micro-step of device_times, and the
+  """Per device, cost.CostModel.device's arguments for one micro-step of device_times, and the
   tokens its matmuls run."""
   ring = np.ones(num_devices, np.int64)
   ring_attention = np.zeros(num_devices)
@@ -678,7 +374,7 @@ def _programs(step, *, num_devices: int, tokens_per_device: int, model: CostMode
 
 
 def device_times(groups: list[list[tuple[Sequence[int], tuple[int, ...]]]], *,
-                 num_devices: int, tokens_per_device: int, model: CostModel,
+                 num_devices: int, tokens_per_device: int, model: cost.CostModel,
                  executor: str = "ideal") -> np.ndarray:
   """[steps, devices] seconds; a step is a list of (lengths packed together, device ids).
 
@@ -702,7 +398,7 @@ def device_times(groups: list[list[tuple[Sequence[int], tuple[int, ...]]]], *,
   return out
 
 
-def _device_sent(groups, *, num_devices: int, tokens_per_device: int, model: CostModel,
+def _device_sent(groups, *, num_devices: int, tokens_per_device: int, model: cost.CostModel,
                  executor: str) -> dict[str, np.ndarray]:
   """{kind: [devices] bytes} the ring hops of device_times' micro-steps send."""
   kw = dict(num_devices=num_devices, tokens_per_device=tokens_per_device, model=model,
@@ -738,7 +434,7 @@ def hdp_groups(steps: Plan, lengths) -> list:
 
 
 def simulate_hdp(lengths, *, num_devices: int, tokens_per_device: int,
-                 model: CostModel, executor: str = "ideal") -> Result:
+                 model: cost.CostModel, executor: str = "ideal") -> Result:
   """Lock-step HDP: hdp.plan (costs with the model's d_model) timed by the cost model; one
   gradient all-reduce over the pool per micro-step ("step_ring": jaxsys's removed lock-step
   executor ran each micro-step as a program that ended with one) or at the end ("ideal")."""
@@ -788,7 +484,7 @@ def _check_allreduce(value: str, name: str = "allreduce") -> None:
 
 
 def _ring_job(devices: tuple[int, ...], cell: int, entries, lengths, start: float, *,
-              model: CostModel, allreduce: str) -> Job:
+              model: cost.CostModel, allreduce: str) -> Job:
   """A ring's Job from `start` (entries: as Ring.entries, indexing `lengths`): one program
   over its c devices (device_times' "run" executor, the cell as the program's tokens per
   device), then, with the executor's all-reduces, one over those devices."""
@@ -804,7 +500,7 @@ def _ring_job(devices: tuple[int, ...], cell: int, entries, lengths, start: floa
 
 
 def schedule_jobs(sched: hdp_schedule.Schedule, lengths, *, tokens_per_device: int,
-                  model: CostModel, allreduce: str = "executor") -> list[Job]:
+                  model: cost.CostModel, allreduce: str = "executor") -> list[Job]:
   """Every micro-batch of a per-rank schedule with its start and end, in run order.
 
   As jaxsys's per-rank executor runs it (jaxsys/train/hdp_step.py): each ring is one
@@ -840,7 +536,7 @@ def schedule_jobs(sched: hdp_schedule.Schedule, lengths, *, tokens_per_device: i
 
 
 def schedule_times(sched: hdp_schedule.Schedule, lengths, *, tokens_per_device: int,
-                   model: CostModel, allreduce: str = "executor") -> np.ndarray:
+                   model: cost.CostModel, allreduce: str = "executor") -> np.ndarray:
   """[devices] seconds until each device has run its part of a per-rank schedule
   (timed as `schedule_jobs` says; the final all-reduces not included)."""
   finish = np.zeros(sched.num_devices)
@@ -855,7 +551,7 @@ class ScheduleCost:
   """The cost model as hdp_schedule.schedule's time estimate (seconds, links and a ring's
   own all-reduce included unless allreduce="once"), so the schedule balances what
   schedule_jobs will time."""
-  model: CostModel
+  model: cost.CostModel
   tokens_per_device: int
   allreduce: str = "executor"
 
@@ -878,7 +574,7 @@ class ScheduleCost:
 
 
 def simulate_per_rank(lengths, *, num_devices: int, tokens_per_device: int,
-                      model: CostModel, widen: bool = True, allreduce: str = "executor",
+                      model: cost.CostModel, widen: bool = True, allreduce: str = "executor",
                       estimate: str | None = None) -> Result:
   """HDP without lock step: hdp_schedule.schedule (balancing this cost model's times,
   ScheduleCost) timed by schedule_jobs, then the all-reduces over the pool: as
@@ -890,10 +586,10 @@ def simulate_per_rank(lengths, *, num_devices: int, tokens_per_device: int,
   if estimate is not None:
     _check_allreduce(estimate, "estimate")
   lengths = np.asarray(lengths, np.int64)
-  cost = ScheduleCost(model, tokens_per_device, estimate or allreduce)
+  balanced = ScheduleCost(model, tokens_per_device, estimate or allreduce)
   sched = hdp_schedule.schedule(lengths, num_devices=num_devices,
                                 tokens_per_device=tokens_per_device, d_model=model.d_model,
-                                widen=widen, cost=cost)
+                                widen=widen, cost=balanced)
   jobs = schedule_jobs(sched, lengths, tokens_per_device=tokens_per_device, model=model,
                        allreduce=allreduce)
   finish = np.zeros(num_devices)
@@ -926,7 +622,7 @@ STATIC_SCHEDULES = ("lockstep", "groups", "lpt")
 
 
 def static_rows(lengths, *, num_devices: int, tokens_per_device: int, max_len: int,
-                order: str = "loader", seed: int = 0, d_model: int = hdp.DEFAULT_D_MODEL
+                order: str = "loader", seed: int = 0, d_model: int = cost.DEFAULT_D_MODEL
                 ) -> tuple[list[list[int]], int]:
   """(rows of sequence indices, c_max): FFD rows of c_max * tpd tokens in `order`:
   "loader" (a seeded random order, as a data loader hands them out), "sorted" (by cost,
@@ -942,13 +638,13 @@ def static_rows(lengths, *, num_devices: int, tokens_per_device: int, max_len: i
   elif order == "loader":
     rows = [rows[k] for k in np.random.default_rng(seed).permutation(len(rows))]
   else:
-    cost = [float(np.sum(hdp.sequence_cost(lengths[r], d_model=d_model))) for r in rows]
-    rows = [rows[k] for k in np.argsort(cost, kind="stable")[::-1]]
+    work = [float(np.sum(cost.sequence_cost(lengths[r], d_model=d_model))) for r in rows]
+    rows = [rows[k] for k in np.argsort(work, kind="stable")[::-1]]
   return rows, c
 
 
 def static_plan(lengths, *, num_devices: int, tokens_per_device: int, max_len: int,
-                order: str = "loader", seed: int = 0, d_model: int = hdp.DEFAULT_D_MODEL):
+                order: str = "loader", seed: int = 0, d_model: int = cost.DEFAULT_D_MODEL):
   """Lock-step static CP micro-steps: lists of (row's sequence indices, ring device ids),
   N / c_max of `static_rows`' rows per micro-step, in their order."""
   rows, c = static_rows(lengths, num_devices=num_devices, tokens_per_device=tokens_per_device,
@@ -959,13 +655,13 @@ def static_plan(lengths, *, num_devices: int, tokens_per_device: int, max_len: i
           for start in range(0, len(rows), per_step)]
 
 
-def layout_gather_bytes(model: CostModel, tokens_per_device: int, ring: int) -> float:
+def layout_gather_bytes(model: cost.CostModel, tokens_per_device: int, ring: int) -> float:
   """Bytes each device all-gathers to lay one static micro-step's rows out over `context`
   (compiled only): (ring - 1) / ring of every field's c * tpd tokens, 4 bytes each."""
   return float(LAYOUT_FIELDS * 4 * (ring - 1) * tokens_per_device) if model.compiled else 0.0
 
 
-def _static_row(model: CostModel, row_lengths, ring: int, tokens_per_device: int):
+def _static_row(model: cost.CostModel, row_lengths, ring: int, tokens_per_device: int):
   """(seconds, {kind: bytes}) of one ring member running a static row: a ring member's
   time (group_time) and hops, and the row's layout all-gather."""
   share = tokens_per_device if model.pad_compute else -(-int(np.sum(row_lengths)) // ring)
@@ -990,7 +686,7 @@ def _deal(row_times: np.ndarray, groups: int, schedule: str) -> list[list[int]]:
   return dealt
 
 
-def simulate_static(lengths, *, num_devices: int, tokens_per_device: int, model: CostModel,
+def simulate_static(lengths, *, num_devices: int, tokens_per_device: int, model: cost.CostModel,
                     max_len: int, order: str = "loader", schedule: str = "lockstep",
                     seed: int = 0) -> Result:
   """Static CP: `static_rows` run by the N / c_max data groups as `schedule` says (see the
@@ -1036,7 +732,7 @@ def simulate_static(lengths, *, num_devices: int, tokens_per_device: int, model:
 POOL_BALANCES = ("rows", "cost")
 
 
-def _local_batch_time(model: CostModel, batch_lengths, tokens_per_device: int) -> float:
+def _local_batch_time(model: cost.CostModel, batch_lengths, tokens_per_device: int) -> float:
   """Seconds of one device running a local micro-batch of whole sequences (no ring)."""
   lens = np.asarray(batch_lengths, np.int64)
   tokens = tokens_per_device if model.pad_compute else int(lens.sum())
@@ -1044,9 +740,10 @@ def _local_batch_time(model: CostModel, batch_lengths, tokens_per_device: int) -
                       local_attention=float(np.sum(model.attention(lens))))
 
 
-def _alone_times(model: CostModel, lengths, tokens_per_device: int) -> tuple[np.ndarray, float]:
+def _alone_times(model: cost.CostModel, lengths,
+                 tokens_per_device: int) -> tuple[np.ndarray, float]:
   """(each sequence's local micro-batch alone, seconds; an empty one's): a local
-  micro-batch's time is linear in its sequences (CostModel.device with no ring: three
+  micro-batch's time is linear in its sequences (cost.CostModel.device with no ring: three
   times, all layers, its matmuls and attention), so one holding several takes `empty`
   plus each one's `alone - empty`."""
   lens = np.asarray(lengths, np.int64)
@@ -1055,7 +752,7 @@ def _alone_times(model: CostModel, lengths, tokens_per_device: int) -> tuple[np.
   return alone, _local_batch_time(model, [], tokens_per_device)
 
 
-def balance_short(lengths, *, devices: int, tokens_per_device: int, model: CostModel,
+def balance_short(lengths, *, devices: int, tokens_per_device: int, model: cost.CostModel,
                   balance: str = "cost") -> tuple[np.ndarray, list[list[list[int]]]]:
   """(seconds [devices], micro-batches of sequence indices per device): `lengths`, each
   <= tpd, run whole on one device each, in micro-batches of at most tpd tokens.
@@ -1101,7 +798,7 @@ def balance_short(lengths, *, devices: int, tokens_per_device: int, model: CostM
   return finish, batches
 
 
-def simulate_two_pool(lengths, *, num_devices: int, tokens_per_device: int, model: CostModel,
+def simulate_two_pool(lengths, *, num_devices: int, tokens_per_device: int, model: cost.CostModel,
                       max_len: int, balance: str = "rows", long_threshold: int | None = None,
                       rings: int | None = None, seed: int = 0) -> Result:
   """A static layout of two pools: sequences over `long_threshold` tokens (default tpd)
@@ -1195,7 +892,7 @@ def simulate_two_pool(lengths, *, num_devices: int, tokens_per_device: int, mode
                   {"rings": k, "ring": c})
   return best
 
-def _exposed_hops(model: CostModel, length: int, tokens_per_device: int) -> float:
+def _exposed_hops(model: cost.CostModel, length: int, tokens_per_device: int) -> float:
   """Seconds a sequence's ring (on the devices it needs, hops of real tokens only) spends
   on hops its compute does not hide, all members together."""
   c = hdp.devices_needed(int(length), tokens_per_device)
@@ -1207,7 +904,7 @@ def _exposed_hops(model: CostModel, length: int, tokens_per_device: int) -> floa
 
 
 def lower_bound(lengths, *, num_devices: int, tokens_per_device: int,
-                model: CostModel) -> float:
+                model: cost.CostModel) -> float:
   """Seconds no plan can beat: (all compute + unavoidable exposed ring traffic) / N, then
   one gradient all-reduce over the pool.
 
@@ -1223,7 +920,7 @@ def lower_bound(lengths, *, num_devices: int, tokens_per_device: int,
 
 
 def lockstep_bound(lengths, *, num_devices: int, tokens_per_device: int,
-                   model: CostModel) -> float:
+                   model: cost.CostModel) -> float:
   """Seconds no lock-step plan with hdp's ring sizes can beat.
 
   Every member of a ring (c > 1) counts once per device, sorted by time, slowest first:
@@ -1245,7 +942,7 @@ def lockstep_bound(lengths, *, num_devices: int, tokens_per_device: int,
           + model.pool_sync(num_devices))
 
 
-def simulate(lengths, *, num_devices: int, tokens_per_device: int, model: CostModel,
+def simulate(lengths, *, num_devices: int, tokens_per_device: int, model: cost.CostModel,
              max_len: int | None = None, seed: int = 0) -> dict:
   """Every strategy's Result by name: hdp_per_rank (see simulate_per_rank), the lock-step
   hdp and hdp_step_ring (see simulate_hdp), static_loader, static_groups and static_lpt

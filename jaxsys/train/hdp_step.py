@@ -36,7 +36,7 @@ from jaxsys.config import RunConfig
 from jaxsys.kernels import sharded
 from jaxsys.models import transformer
 from jaxsys.data.packing import FIELDS
-from jaxsys.parallel import hdp, hdp_layout, hdp_schedule, pipeline, relocate
+from jaxsys.parallel import cost, hdp, hdp_layout, hdp_schedule, pipeline, relocate
 from jaxsys.train import grads, replicas
 from jaxsys.train import step as step_lib
 from jaxsys.train.state import TrainState
@@ -177,7 +177,7 @@ class Planner:
   that ends sooner (it knows no link speed; off: least padding)."""
   num_devices: int
   tokens_per_device: int
-  d_model: int = hdp.DEFAULT_D_MODEL
+  d_model: int = cost.DEFAULT_D_MODEL
   widen: bool = False
 
   def plan(self, lengths) -> hdp_schedule.Schedule:

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from jaxsys.bench import hdp as bench_hdp
-from jaxsys.parallel import hdp_sim
+from jaxsys.parallel import cost, hdp_sim
 
 pytestmark = pytest.mark.slow  # starts processes or trains end to end
 
@@ -56,7 +56,7 @@ def test_sim_part_tiny(tmp_path, capsys):
   models = saved["fit"]["models"]
   assert models["accel"]["link_bytes_per_s"] == 25e9 and models["cpu"]["compiled"]
   assert models["accel"]["sec_per_linear_flop"] == pytest.approx(1 / 400e12)
-  assert models["cpu"]["params"] == hdp_sim.dense_params(4096, 32, 4096)
+  assert models["cpu"]["params"] == cost.dense_params(4096, 32, 4096)
   assert saved["attentions"] == {"MHA": 4096, "GQA": 1024}
 
 
@@ -80,7 +80,7 @@ def test_draw_schedule_spans_the_schedule():
   import matplotlib.pyplot as plt
 
   from jaxsys.parallel import hdp_schedule
-  model = hdp_sim.CostModel(sec_per_attention_flop=1e-14, sec_per_linear_flop=5e-15)
+  model = cost.CostModel(sec_per_attention_flop=1e-14, sec_per_linear_flop=5e-15)
   lengths = [70000, 300, 5000, 120, 40000, 9000]
   sched = hdp_schedule.schedule(lengths, num_devices=4, tokens_per_device=32768)
   fig, ax = plt.subplots()

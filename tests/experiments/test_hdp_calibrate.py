@@ -8,11 +8,11 @@ import pytest
 
 from jaxsys.bench import hdp_calibrate
 from jaxsys.lab import link as link_lib, physics
-from jaxsys.parallel import hdp_sim
+from jaxsys.parallel import cost
 
 pytestmark = pytest.mark.slow  # starts processes or trains end to end
 
-RATES = hdp_sim.CostModel(sec_per_attention_flop=2e-11, sec_per_linear_flop=1e-11)
+RATES = cost.CostModel(sec_per_attention_flop=2e-11, sec_per_linear_flop=1e-11)
 
 
 def test_cost_model_is_the_measured_model():

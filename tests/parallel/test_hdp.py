@@ -7,7 +7,7 @@ from absl.testing import absltest, parameterized
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxsys.parallel import hdp
+from jaxsys.parallel import cost, hdp
 from tests.parallel import hdp_cases
 
 
@@ -108,13 +108,6 @@ class ExamplesTest(parameterized.TestCase):
     heavy_step = [m for m, s in enumerate(steps) if any(lengths[i] == 100 for i, _ in s)]
     self.assertLen(heavy_step, 1)
 
-  def test_sequence_cost(self):
-    d = 4
-    self.assertEqual(hdp.sequence_cost(10, d_model=d), 2 * d * 100 + 24 * d * d * 10)
-    np.testing.assert_allclose(hdp.sequence_cost(np.array([10, 20]), d_model=d),
-                               [hdp.sequence_cost(10, d_model=d),
-                                hdp.sequence_cost(20, d_model=d)])
-
   def test_summary(self):
     lengths = [9000, 300, 5000, 120]
     steps = hdp.plan(lengths, num_devices=4, tokens_per_device=4096)
@@ -123,7 +116,7 @@ class ExamplesTest(parameterized.TestCase):
     np.testing.assert_array_equal(s.tokens, [[3800, 3620, 3500, 3500]])
     self.assertGreater(s.step_imbalance[0], 1.0)
     self.assertAlmostEqual(s.utilisation, sum(lengths) / (1 * 4 * 4096))
-    self.assertAlmostEqual(s.cost.sum(), float(hdp.sequence_cost(np.array(lengths)).sum()))
+    self.assertAlmostEqual(s.cost.sum(), float(cost.sequence_cost(np.array(lengths)).sum()))
     self.assertAlmostEqual(s.imbalance, s.cost.max(axis=1).sum() / s.cost.mean(axis=1).sum())
 
 

@@ -9,11 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxsys.parallel import hdp, hdp_layout, hdp_schedule, hdp_sim
+from jaxsys.parallel import cost, hdp, hdp_layout, hdp_schedule, hdp_sim
 from tests.parallel import hdp_cases
 
 # As in test_hdp_sim: attention(L) = L^2, linear(T) = T, hop(s) = s, one layer.
-UNIT = hdp_sim.CostModel(sec_per_attention_flop=0.5, sec_per_linear_flop=1 / 24,
+UNIT = cost.CostModel(sec_per_attention_flop=0.5, sec_per_linear_flop=1 / 24,
                          link_bytes_per_s=2.0, d_model=1, n_layers=1, kv_dim=1,
                          bytes_per_element=1, overlap=True, pad_compute=False)
 
@@ -303,7 +303,7 @@ def test_per_rank_near_the_bound_on_long_tail():
   # Measured: cpu 1.006x the bound, 2.01x faster than the packed static mesh in loader
   # order (itself 2.02x the bound: the most any schedule could gain); accel 1.047x the
   # bound, 1.99x over static (2.09x the bound). Tight rings: 1.04x and 1.05x.
-  model = hdp_sim.CostModel(sec_per_attention_flop=6.275e-12, sec_per_linear_flop=5.301e-12,
+  model = cost.CostModel(sec_per_attention_flop=6.275e-12, sec_per_linear_flop=5.301e-12,
                             link_bytes_per_s=100e9)
   accel = dataclasses.replace(model.scaled(400e12 * 5.301e-12), link_bytes_per_s=25e9)
   pool = hdp_sim.long_tail_lengths(200_000, seed=1234)

@@ -5,11 +5,11 @@ import dataclasses
 import numpy as np
 import pytest
 
-from jaxsys.parallel import hdp, hdp_schedule, hdp_sim
+from jaxsys.parallel import cost, hdp, hdp_schedule, hdp_sim
 
 # d_model = kv_dim = 1 and one layer make every term a small number: attention(L) = L^2,
 # linear(T) = T, hop(s) = s (2 * s * 1 * 1 byte / 2 bytes per second).
-UNIT = hdp_sim.CostModel(sec_per_attention_flop=0.5, sec_per_linear_flop=1 / 24,
+UNIT = cost.CostModel(sec_per_attention_flop=0.5, sec_per_linear_flop=1 / 24,
                          link_bytes_per_s=2.0, d_model=1, n_layers=1, kv_dim=1,
                          bytes_per_element=1, overlap=True, pad_compute=False)
 
@@ -147,9 +147,9 @@ def test_padding_is_computed_when_asked():
 
 
 def test_hdp_beats_static_on_long_tail_and_respects_bound():
-  model = hdp_sim.CostModel(sec_per_attention_flop=1e-14, sec_per_linear_flop=5e-15,
+  model = cost.CostModel(sec_per_attention_flop=1e-14, sec_per_linear_flop=5e-15,
                             link_bytes_per_s=25e9, compiled=True,
-                            params=hdp_sim.dense_params(4096, 32, 4096))
+                            params=cost.dense_params(4096, 32, 4096))
   pool = hdp_sim.long_tail_lengths(20_000, seed=0)
   lengths = hdp_sim.sample_batch(pool, 64 * 32768 * 4, seed=1)
   r = hdp_sim.simulate(lengths, num_devices=64, tokens_per_device=32768, model=model,
@@ -169,7 +169,7 @@ def test_hdp_beats_static_on_long_tail_and_respects_bound():
 # d_model = 1, kv_dim = 4, one layer, 16 bytes/s: attention(L) = L^2, linear(T) = T, a
 # K/V hop of s tokens h = s (2 * 4 * 1 byte + 8 bytes of keys a token), its dK/dV g = 2s
 # (2 * 4 * 4 bytes a token).
-COMPILED = hdp_sim.CostModel(sec_per_attention_flop=0.5, sec_per_linear_flop=1 / 36,
+COMPILED = cost.CostModel(sec_per_attention_flop=0.5, sec_per_linear_flop=1 / 36,
                              link_bytes_per_s=16.0, d_model=1, n_layers=1, kv_dim=4,
                              bytes_per_element=1, overlap=True, pad_compute=False,
                              compiled=True)
@@ -201,8 +201,8 @@ def test_allreduce_bytes():
   assert model.allreduce_bytes(4) == pytest.approx(2 * 3 / 4 * 48)
   assert model.allreduce(4) == pytest.approx(72 / 16)
   assert COMPILED.allreduce_bytes(8) == 0.0  # params=0: no all-reduce modeled
-  assert hdp_sim.dense_params(4096, 32, 4096) == 6_704_861_184
-  assert hdp_sim.dense_params(4096, 32, 1024) == 5_899_554_816
+  assert cost.dense_params(4096, 32, 4096) == 6_704_861_184
+  assert cost.dense_params(4096, 32, 1024) == 5_899_554_816
   gqa = dataclasses.replace(COMPILED, d_model=4096, kv_dim=1024)
   mha = dataclasses.replace(gqa, kv_dim=4096)
   assert gqa.linear(1) / mha.linear(1) == pytest.approx(21 / 24)  # k, v are d x kv_dim

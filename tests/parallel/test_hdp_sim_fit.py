@@ -7,12 +7,12 @@ import dataclasses
 import numpy as np
 import pytest
 
-from jaxsys.parallel import hdp_sim
+from jaxsys.parallel import cost, hdp_sim
 
 # The measured model's shape (experiments/hdp_calibrate.py): d 192, 2 layers, MHA, f32.
 SHAPE = dict(d_model=192, n_layers=2, kv_dim=192, bytes_per_element=4, compiled=True,
-             params=hdp_sim.dense_params(192, 2, 192, 256), vocab_size=256)
-RATES = hdp_sim.CostModel(sec_per_attention_flop=9e-12, sec_per_linear_flop=6.7e-12, **SHAPE)
+             params=cost.dense_params(192, 2, 192, 256), vocab_size=256)
+RATES = cost.CostModel(sec_per_attention_flop=9e-12, sec_per_linear_flop=6.7e-12, **SHAPE)
 TRUE = dataclasses.replace(RATES, sec_per_attention_flop=2e-11, sec_per_element=2e-8,
                            sec_per_step=0.05)
 # rows x tokens a row: attention against tokens, and tokens a step, varied.
@@ -32,7 +32,7 @@ def steps(model=TRUE, mixes=MIXES, noise=()):
 def test_terms_by_hand():
   """d = 1, one layer: linear(T) = T (matmuls) + 2 V T / n_layers (head) + e T; a step
   adds sec_per_step once, with the pool's collectives."""
-  unit = hdp_sim.CostModel(sec_per_attention_flop=0.5, sec_per_linear_flop=1.0,
+  unit = cost.CostModel(sec_per_attention_flop=0.5, sec_per_linear_flop=1.0,
                            link_bytes_per_s=2.0, d_model=1, n_layers=2, kv_dim=1,
                            bytes_per_element=1, pad_compute=False)
   assert unit.linear(5) == pytest.approx(24 * 5)
@@ -71,7 +71,7 @@ def test_fit_recovers_known_terms(terms):
                               if "sec_per_linear_flop" not in terms else 5e-12)
   measured = steps(true)
   fit = hdp_sim.fit_step_costs(measured[:3], start, terms)
-  for term in hdp_sim.STEP_TERMS:
+  for term in cost.STEP_TERMS:
     assert getattr(fit.model, term) == pytest.approx(getattr(true, term), rel=1e-9, abs=1e-18)
   assert np.allclose(fit.errors, 0.0, atol=1e-12) and fit.terms == terms
   for held_out in measured[3:]:

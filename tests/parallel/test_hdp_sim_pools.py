@@ -6,10 +6,10 @@ import dataclasses
 import numpy as np
 import pytest
 
-from jaxsys.parallel import hdp_sim
+from jaxsys.parallel import cost, hdp_sim
 
 # As test_hdp_sim.UNIT: attention(L) = L^2, linear(T) = T, hop(s) = s, one layer.
-UNIT = hdp_sim.CostModel(sec_per_attention_flop=0.5, sec_per_linear_flop=1 / 24,
+UNIT = cost.CostModel(sec_per_attention_flop=0.5, sec_per_linear_flop=1 / 24,
                          link_bytes_per_s=2.0, d_model=1, n_layers=1, kv_dim=1,
                          bytes_per_element=1, overlap=True, pad_compute=False)
 KW = dict(num_devices=4, tokens_per_device=2, max_len=4, model=UNIT)
@@ -63,9 +63,9 @@ def test_two_pool_no_long_sequences():
 @pytest.mark.parametrize("balance", hdp_sim.POOL_BALANCES)
 def test_two_pool_never_behind_the_lpt_mesh(seed, balance):
   """The search includes N / c_max rings, which is the LPT static mesh."""
-  model = hdp_sim.CostModel(sec_per_attention_flop=3e-15, sec_per_linear_flop=2.5e-15,
+  model = cost.CostModel(sec_per_attention_flop=3e-15, sec_per_linear_flop=2.5e-15,
                             link_bytes_per_s=25e9, compiled=True,
-                            params=hdp_sim.dense_params(4096, 32, 4096))
+                            params=cost.dense_params(4096, 32, 4096))
   lengths = hdp_sim.long_tail_lengths(300, seed=seed)
   kw = dict(num_devices=32, tokens_per_device=32768, max_len=262144, model=model)
   pooled = hdp_sim.simulate_two_pool(lengths, balance=balance, **kw)
@@ -123,9 +123,9 @@ def test_pool_errors():
 def test_two_pool_search_finds_the_best_count(seed):
   """The bisection's pick is the best of every ring count (a slow link, where the split
   matters: the best count lies inside the range, not at its ends)."""
-  model = hdp_sim.CostModel(sec_per_attention_flop=3e-15, sec_per_linear_flop=2.5e-15,
+  model = cost.CostModel(sec_per_attention_flop=3e-15, sec_per_linear_flop=2.5e-15,
                             link_bytes_per_s=25e9, compiled=True,
-                            params=hdp_sim.dense_params(4096, 32, 4096))
+                            params=cost.dense_params(4096, 32, 4096))
   lengths = hdp_sim.long_tail_lengths(1200, seed=seed)
   kw = dict(num_devices=256, tokens_per_device=32768, max_len=262144, model=model)
   times = {k: hdp_sim.simulate_two_pool(lengths, rings=k, **kw).time for k in range(1, 33)}

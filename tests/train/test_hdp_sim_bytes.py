@@ -35,7 +35,7 @@ from jaxsys import comm_bytes
 from jaxsys import mesh as mesh_lib
 from jaxsys.data.packing import FIELDS
 from jaxsys.models import transformer
-from jaxsys.parallel import hdp_schedule, hdp_sim
+from jaxsys.parallel import cost, hdp_schedule, hdp_sim
 from jaxsys.train import aot, hdp_step
 from jaxsys.train import setup as setup_lib
 
@@ -69,11 +69,11 @@ def _sent(compiled, devices: int) -> dict[str, int]:
   return sent
 
 
-def _model(run) -> hdp_sim.CostModel:
+def _model(run) -> cost.CostModel:
   """The simulator's cost model of `run`'s model and mesh (a slot's tensor group, fsdp),
   its hops and all-reduces as compiled."""
   cfg, mesh = run.model, dict(mesh_lib.parse_mesh_spec(run.mesh))
-  return hdp_sim.CostModel(sec_per_attention_flop=1.0, sec_per_linear_flop=1.0,
+  return cost.CostModel(sec_per_attention_flop=1.0, sec_per_linear_flop=1.0,
                            d_model=cfg.d_model, n_layers=cfg.n_layers,
                            kv_dim=cfg.n_kv_heads * cfg.hd,
                            bytes_per_element=np.dtype(cfg.dtype).itemsize,
