@@ -2,13 +2,16 @@
 
 Corpora are the same texts in every format (4 shards each, no download); the loader runs
 on one thread at a config's rows, timed to its first batch (read, tokenize, pack) and then
-in tokens/s.
+in tokens/s; with `data.token_cache`, the first batch of a cold run (which tokenizes and
+writes it) and of a warm one (which memory-maps it).
 """
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 import pathlib
+import shutil
 import time
 
 import numpy as np
@@ -70,13 +73,27 @@ def write_corpora(out: pathlib.Path, texts: list[str], copies: int,
   return sources
 
 
-def time_loader(data_cfg, batches: int) -> dict[str, float]:
+def time_loader(data_cfg, batches: int, tokenizer=None) -> dict[str, float]:
   """Seconds to the loader's first batch, then tokens/s of `batches` more."""
   start = time.perf_counter()
-  ld = loader.make_loader(data_cfg, "train", batch_size=data_cfg.batch_size, seed=0)
+  ld = loader.make_loader(data_cfg, "train", batch_size=data_cfg.batch_size, seed=0,
+                          tokenizer=tokenizer)
   next(ld)
   ready = time.perf_counter() - start
   start = time.perf_counter()
   tokens = sum(int(np.asarray(next(ld)["inputs"]).size) for _ in range(batches))
   return {"first batch s": ready, "tokens/s": tokens / (time.perf_counter() - start),
           "corpus tokens": ld.num_tokens}
+
+
+def time_token_cache(data_cfg, cache_dir: pathlib.Path, batches: int,
+                     tokenizer=None) -> dict[str, float]:
+  """Seconds to the first batch without `data.token_cache`, then with it cold (tokenized and
+  written) and warm (memory-mapped); the warm loader's tokens/s after it."""
+  shutil.rmtree(cache_dir, ignore_errors=True)
+  off = time_loader(data_cfg, batches, tokenizer)
+  cached = dataclasses.replace(data_cfg, token_cache=str(cache_dir))
+  cold, warm = (time_loader(cached, batches, tokenizer) for _ in range(2))
+  return {"off s": off["first batch s"], "cold s": cold["first batch s"],
+          "warm s": warm["first batch s"], "warm tokens/s": warm["tokens/s"],
+          "corpus tokens": warm["corpus tokens"]}

@@ -46,3 +46,8 @@ class DataConfig:
                           "holds its text",
                           text("the name of the records' text field or column, e.g. 'text'",
                                bool))
+  token_cache: str = field(
+      "", "a directory of pre-tokenized splits (packed rows): written once, memory-mapped by "
+      "later runs, rebuilt when the source's files or the tokenizer change; '' = off",
+      text("'' (off) or a directory path (created if missing), not a file",
+           lambda v: not os.path.exists(v) or os.path.isdir(v)))

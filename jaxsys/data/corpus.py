@@ -18,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import hashlib
 import os
@@ -122,28 +123,29 @@ def _check_split(split: str) -> None:
                      f"{', '.join(map(repr, SPLITS))}")
 
 
-def list_documents(source: str, split: str) -> list[pathlib.Path]:
+def list_documents(source: str | Source, split: str) -> list[pathlib.Path]:
   """Sorted document paths of `split` in {"train", "val", "test", "all"} of `source`.
 
   `source` is "stdlib" (every *.py of the interpreter's stdlib, without site-packages),
-  a directory (every non-hidden file under it), or a glob (recursive `**` allowed).
-  Documents go to val (2%), test (2%) or train (96%) by a sha1 of their path relative to
-  the source root, so adding a file never moves another one between splits.
+  a directory (every non-hidden file under it), or a glob (recursive `**` allowed), or its
+  `resolve`d form. Documents go to val (2%), test (2%) or train (96%) by a sha1 of their path
+  relative to the source root, so adding a file never moves another one between splits.
 
   Example::
 
     list_documents("/data/books", "val")  # -> [PosixPath('/data/books/a.txt'), ...]
   """
   _check_split(split)
-  root, files = _source_files(source)
+  src = resolve(source)
+  files = list(src.files)
   if split != "all":
-    files = [p for p in files if _split_of(p.relative_to(root).as_posix()) == split]
+    files = [p for p in files if _split_of(p.relative_to(src.root).as_posix()) == split]
     if not files:
       raise ValueError(
-          f"data.source={source!r} has no files in split {split!r} (val and test each get"
+          f"data.source={src.spec!r} has no files in split {split!r} (val and test each get"
           f" ~{VAL_FRACTION:.0%} of documents by path hash); use more documents or split='all'"
       )
-  return sorted(files)
+  return files
 
 
 def read_documents(paths: Iterable[str | os.PathLike], *, require_utf8: bool = True) -> list[bytes]:
@@ -174,41 +176,48 @@ def read_documents(paths: Iterable[str | os.PathLike], *, require_utf8: bool = T
   return docs
 
 
-def record_files(source: str) -> tuple[pathlib.Path, list[pathlib.Path], records.Format | None]:
-  """(root, sorted files, their format) of one source; format None for files of one document
-  each. A source of records in two formats, or of records and other files, is one error."""
+@dataclasses.dataclass(frozen=True)
+class Source:
+  """One source resolved: its root, sorted files and their format (None: a file a document).
+  The readers take it, so a run lists a directory or glob once however many read it."""
+  spec: str  # the data.source value (one part of a mixture)
+  root: pathlib.Path
+  files: tuple[pathlib.Path, ...]
+  format: records.Format | None
+
+
+def resolve(source: str | Source) -> Source:
+  """`source`'s files and format, listed once (a `Source` passes through). A source of records
+  in two formats, or of records and other files, is one error."""
+  if isinstance(source, Source):
+    return source
   root, files = _source_files(source)
-  if source == "stdlib":
-    return root, files, None
-  formats = {p: records.format_of(p) for p in files}
-  if not any(formats.values()):
-    return root, files, None
+  formats = {p: None if source == "stdlib" else records.format_of(p) for p in sorted(files)}
   if any(f is not None and f.name == "Arrow" for f in formats.values()):
     # A `datasets.save_to_disk` directory's metadata beside its shards.
     formats = {p: f for p, f in formats.items() if p.name not in records.HF_SIDECARS}
-  named = {f.name: p for p, f in sorted(formats.items(), reverse=True) if f is not None}
+  named = {f.name: p for p, f in reversed(formats.items()) if f is not None}
   if len(named) > 1:
     examples = ", ".join(f"{name}: {str(p)!r}" for name, p in sorted(named.items()))
     raise ValueError(f"data.source={source!r} holds files of {len(named)} formats ({examples}); "
                      "point a source at one format, and mix formats as a mixture "
                      "'<weight>:<source>;<weight>:<source>'")
-  fmt = next(f for f in formats.values() if f is not None)
-  other = next((p for p, f in sorted(formats.items()) if f is None), None)
-  if other is not None:
+  fmt = next((f for f in formats.values() if f is not None), None)
+  other = next((p for p, f in formats.items() if f is None), None)
+  if fmt is not None and other is not None:
     raise ValueError(f"data.source={source!r} holds {fmt.name} files and others (e.g. "
                      f"{str(other)!r}); point it at one kind: {fmt.name} files (a record a "
                      "document) or text files (a file a document)")
-  return root, sorted(formats), fmt
+  return Source(source, root, tuple(formats), fmt)
 
 
-def is_record_source(source: str) -> bool:
+def is_record_source(source: str | Source) -> bool:
   """Whether `source`'s files hold records (JSONL, Parquet, Arrow), not a document each."""
-  return record_files(source)[2] is not None
+  return resolve(source).format is not None
 
 
-def mixture(source: str) -> list[tuple[float, str]]:
-  """(weight, source) of each part of a mixture '<weight>:<source>;...', the weights summing
-  to 1; [(1.0, source)] for one source. A malformed part is one error naming it."""
+def _mixture_parts(source: str) -> list[tuple[float, str]]:
+  """(weight, source) of each part as written, nothing listed; a malformed part is one error."""
   if ";" not in source and not source.partition(":")[0].replace(".", "", 1).isdigit():
     return [(1.0, source)]
   parts = []
@@ -221,24 +230,39 @@ def mixture(source: str) -> list[tuple[float, str]]:
     if not path or not w > 0:
       raise ValueError(f"data.source={source!r}: the part {part!r} is not <weight>:<source> with "
                        "a weight > 0; a mixture is e.g. '0.7:/data/web/*.jsonl.gz;0.3:stdlib'")
-    _source_files(path)  # an empty or missing part is its own error
     parts.append((w, path))
   total = sum(w for w, _ in parts)
   return [(w / total, path) for w, path in parts]
 
 
-def load_documents(source: str, split: str, text_field: str = "text") -> list[bytes]:
-  """The UTF-8 documents of `split` of `source` (see the module docstring): a file each
-  (`list_documents`, `read_documents`), or a record each (JSONL, Parquet, Arrow: `records`).
-  A source that mixes formats or records with other files, a record without a string
-  `text_field`, or a file that cannot be read is one error naming the file."""
+def mixture(source: str) -> list[tuple[float, str]]:
+  """(weight, source) of each part of a mixture '<weight>:<source>;...', the weights summing
+  to 1; [(1.0, source)] for one source. A malformed, empty or missing part is one error."""
+  parts = _mixture_parts(source)
+  if len(parts) > 1:
+    for _, path in parts:
+      _source_files(path)  # an empty or missing part is its own error
+  return parts
+
+
+def resolve_mixture(source: str) -> list[tuple[float, Source]]:
+  """`mixture`'s parts, each `resolve`d once (what a loader reads them through)."""
+  return [(w, resolve(path)) for w, path in _mixture_parts(source)]
+
+
+def load_documents(source: str | Source, split: str, text_field: str = "text") -> list[bytes]:
+  """The UTF-8 documents of `split` of `source` (see the module docstring; or its `resolve`d
+  form): a file each (`list_documents`, `read_documents`), or a record each (JSONL, Parquet,
+  Arrow: `records`). A source that mixes formats or records with other files, a record
+  without a string `text_field`, or a file that cannot be read is one error naming the file."""
   _check_split(split)
-  parts = mixture(source)
-  if len(parts) > 1:  # every part's documents (e.g. to train a tokenizer on)
+  if not isinstance(source, Source) and len(parts := _mixture_parts(source)) > 1:
+    # every part's documents (e.g. to train a tokenizer on)
     return [doc for _, part in parts for doc in load_documents(part, split, text_field)]
-  root, files, fmt = record_files(source)
+  src = resolve(source)
+  root, files, fmt = src.root, src.files, src.format
   if fmt is None:
-    return read_documents(list_documents(source, split))
+    return read_documents(list_documents(src, split))
   docs = []
   for path in files:
     relative = path.relative_to(root).as_posix() if path.is_relative_to(root) else str(path)
@@ -246,6 +270,6 @@ def load_documents(source: str, split: str, text_field: str = "text") -> list[by
       if text and (split == "all" or _split_of(f"{relative}#{row}") == split):
         docs.append(text.encode("utf-8"))
   if not docs:
-    raise ValueError(f"data.source={source!r} has no non-empty records in split {split!r} (val "
+    raise ValueError(f"data.source={src.spec!r} has no non-empty records in split {split!r} (val "
                      f"and test each get ~{VAL_FRACTION:.0%} of records by hash); use more data")
   return docs

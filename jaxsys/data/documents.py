@@ -58,15 +58,6 @@ def _read_indexed(paths: list[pathlib.Path]) -> tuple[list[int], list[bytes]]:
   return ids, docs
 
 
-def _corpus_root(source: str) -> pathlib.Path:
-  """The directory that `corpus.list_documents` splits paths relative to."""
-  if source == "stdlib":
-    return corpus.stdlib_root()
-  if os.path.isdir(source):
-    return pathlib.Path(source)
-  return corpus._glob_root(source)  # pylint: disable=protected-access
-
-
 def _relative(path: pathlib.Path, root: pathlib.Path) -> str:
   try:
     return path.relative_to(root).as_posix()
@@ -191,7 +182,8 @@ class DocumentLoader:
     self._epoch, self._position, self._carry, self._last = epoch, position, list(carry), None
 
 
-def _fit_to_max_len(docs, doc_ids, paths, *, source: str, max_len: int, truncate_long: bool):
+def _fit_to_max_len(docs, doc_ids, paths, *, source: corpus.Source, max_len: int,
+                    truncate_long: bool):
   """Drops documents without pairs, then truncates or refuses those over max_len pairs."""
   keep = [j for j, d in enumerate(docs) if d.size >= 2]
   docs = [docs[j] for j in keep]
@@ -200,10 +192,10 @@ def _fit_to_max_len(docs, doc_ids, paths, *, source: str, max_len: int, truncate
   truncated_tokens = sum(docs[j].size - (max_len + 1) for j in over)
   if over and not truncate_long:
     worst = max(over, key=lambda j: docs[j].size)
-    name = _relative(paths[doc_ids[worst]], _corpus_root(source))
+    name = _relative(paths[doc_ids[worst]], source.root)
     longest = docs[worst].size - 1
     raise ValueError(
-        f"data.max_len={max_len} is shorter than {len(over)} document(s) of data.source={source!r}; the longest,"
+        f"data.max_len={max_len} is shorter than {len(over)} document(s) of data.source={source.spec!r}; the longest,"
         f" {name!r}, has {longest} (input, target) pairs ({longest + 1} tokens); raise data.max_len to at least"
         f" {longest} or set data.truncate_long=true"
     )
@@ -248,17 +240,19 @@ def make_document_loader(
   if tokens_per_batch < max_len:
     raise ValueError(f"tokens_per_batch={tokens_per_batch} is smaller than data.max_len={max_len}, so a document of max_len pairs fits no batch; use tokens_per_batch >= {max_len}")
 
-  paths = corpus.list_documents(source, split)
+  src = corpus.resolve(source)  # listed once, for the split and the tokenizer
+  paths = corpus.list_documents(src, split)
   doc_ids, raw = _read_indexed(paths)
   if not raw:
     raise ValueError(f"data.source={source!r} split {split!r} has no non-empty UTF-8 documents")
   if tokenizer is None:
     # Non-empty docs only: the same training text as make_loader, so a shared workdir cache agrees.
-    tokenizer = loader_lib._default_tokenizer(data_cfg, split, [d for d in raw if d], workdir)  # pylint: disable=protected-access
+    tokenizer = loader_lib._default_tokenizer(data_cfg, split, lambda: [d for d in raw if d], workdir,
+                                              sources=[src])  # pylint: disable=protected-access
   docs = [np.asarray(d).reshape(-1) for d in tokenizer.encode_batch(raw)]
   del raw  # Token arrays (1-2 bytes per token) are all we keep.
   docs, doc_ids, truncated, truncated_tokens = _fit_to_max_len(
-      docs, doc_ids, paths, source=source, max_len=int(max_len), truncate_long=bool(truncate_long))
+      docs, doc_ids, paths, source=src, max_len=int(max_len), truncate_long=bool(truncate_long))
   if not docs:
     raise ValueError(f"data.source={source!r} split {split!r} has no document of >= 2 tokens; use more data")
   meta = dict(

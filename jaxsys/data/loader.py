@@ -10,6 +10,7 @@ Example::
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import grain
@@ -18,6 +19,7 @@ from absl import logging
 
 from jaxsys.data import corpus
 from jaxsys.data import packing
+from jaxsys.data import token_cache
 from jaxsys.data import tokenizer as tokenizer_lib
 from jaxsys.data.config import DataConfig
 
@@ -122,17 +124,30 @@ def make_loader(
   local_batch_size = batch_size // process_count
   source, seq_len, num_threads = data_cfg.source, data_cfg.seq_len, data_cfg.num_threads
 
-  parts = corpus.mixture(source)
-  docs = [corpus.load_documents(part, split, data_cfg.text_field) for _, part in parts]
+  parts = corpus.resolve_mixture(source)  # each part listed once, read through it
+  loaded: dict[int, list[bytes]] = {}
+
+  def docs_of(i: int, keep: bool) -> list[bytes]:
+    """Part i's documents, read once: kept for its rows if a tokenizer trains on them first."""
+    docs = loaded.pop(i) if i in loaded else corpus.load_documents(
+        parts[i][1], split, data_cfg.text_field)
+    if keep:
+      loaded[i] = docs
+    return docs
+
   if tokenizer is None:
-    tokenizer = _default_tokenizer(data_cfg, split, [d for part in docs for d in part], workdir)
-  rows = [packing.PackedRows(tokenizer.encode_batch(part), seq_len) for part in docs]
-  del docs  # The packed stream is all we keep; raw text can be ~1 GB.
+    tokenizer = _default_tokenizer(
+        data_cfg, split, lambda: [d for i in range(len(parts)) for d in docs_of(i, True)], workdir,
+        sources=[part for _, part in parts])
+  # Each part's raw text is dropped once packed: the packed stream is all we keep (raw text
+  # can be ~1 GB); with data.token_cache, a part already cached is not read at all.
+  rows = [_packed_rows(data_cfg, part, split, tokenizer, lambda i=i: docs_of(i, False))
+          for i, (_, part) in enumerate(parts)]
   datasets = []
   for (_, part), part_rows in zip(parts, rows):
     if len(part_rows) < batch_size:
       raise ValueError(
-          f"data.source={part!r} split {split!r} packs into {len(part_rows)} rows of "
+          f"data.source={part.spec!r} split {split!r} packs into {len(part_rows)} rows of "
           f"data.seq_len={seq_len}, fewer than batch_size={batch_size}; use a smaller batch_size "
           "or seq_len, or more data")
     ds = grain.MapDataset.source(part_rows)
@@ -175,8 +190,21 @@ def _check_int(name: str, value: Any, *, minimum: int) -> None:
     raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
 
 
-def _default_tokenizer(data_cfg: DataConfig, split: str, docs: list[bytes], workdir) -> tokenizer_lib.Tokenizer:
-  """make_tokenizer for data_cfg; BPE trains on the TRAIN split only, cached in workdir."""
+def _packed_rows(data_cfg: DataConfig, source: corpus.Source, split: str, tokenizer,
+                 docs: Callable[[], list[bytes]]) -> packing.PackedRows:
+  """One source's packed rows: from data.token_cache when set, else tokenized here."""
+  if data_cfg.token_cache:
+    return token_cache.packed_rows(data_cfg.token_cache, source, split, data_cfg.text_field,
+                                   tokenizer, seq_len=data_cfg.seq_len, docs=docs)
+  return packing.PackedRows(tokenizer.encode_batch(docs()), data_cfg.seq_len)
+
+
+def _default_tokenizer(data_cfg: DataConfig, split: str, docs: Callable[[], list[bytes]],
+                       workdir, sources: list[corpus.Source] | None = None
+                       ) -> tokenizer_lib.Tokenizer:
+  """make_tokenizer for data_cfg; BPE trains on the TRAIN split only (`docs()` when `split`
+  is train, called only if it trains; else read from `sources`, the resolved parts, or
+  data.source), cached in workdir."""
   name = data_cfg.tokenizer
   if name != "bpe":
     return tokenizer_lib.make_tokenizer(name)
@@ -184,7 +212,9 @@ def _default_tokenizer(data_cfg: DataConfig, split: str, docs: list[bytes], work
   train_docs = None
   if cache_path is None or not os.path.exists(cache_path):
     # Training on val/test would leak held-out text into the vocabulary.
-    train_docs = docs if split == "train" else corpus.load_documents(data_cfg.source, "train", data_cfg.text_field)
+    train_docs = docs() if split == "train" else [
+        d for src in (sources or [data_cfg.source])
+        for d in corpus.load_documents(src, "train", data_cfg.text_field)]
   return tokenizer_lib.make_tokenizer(
       name, vocab_size=data_cfg.vocab_size, train_docs=train_docs, cache_path=cache_path
   )

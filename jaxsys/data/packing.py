@@ -36,17 +36,29 @@ class PackedRows:
   """
 
   def __init__(self, docs: Sequence[np.ndarray], seq_len: int):
-    if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len < 2:
-      raise ValueError(f"data.seq_len={seq_len!r} must be an int >= 2")
-    self.seq_len = int(seq_len)
     docs = [np.asarray(d).reshape(-1) for d in docs]
     # Empty documents would create zero-length segments; they carry no tokens anyway.
     docs = [d for d in docs if d.size]
     lengths = np.array([d.size for d in docs], dtype=np.int64)
-    self.num_docs = len(docs)
     # np.concatenate keeps the small token dtype (uint8 / uint16) when all docs share it.
-    self.stream = np.concatenate(docs) if docs else np.zeros((0,), np.int32)
-    self.doc_starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64) if docs else np.zeros((0,), np.int64)
+    stream = np.concatenate(docs) if docs else np.zeros((0,), np.int32)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64) if docs else np.zeros((0,), np.int64)
+    self._set(stream, starts, seq_len)
+
+  @classmethod
+  def from_stream(cls, stream: np.ndarray, doc_starts: np.ndarray, seq_len: int) -> PackedRows:
+    """Rows of a stream already concatenated (e.g. memory-mapped from a token cache):
+    `doc_starts` int64 [num_docs] are its documents' first tokens, increasing from 0."""
+    rows = cls.__new__(cls)
+    rows._set(stream, doc_starts, seq_len)
+    return rows
+
+  def _set(self, stream: np.ndarray, doc_starts: np.ndarray, seq_len: int) -> None:
+    if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len < 2:
+      raise ValueError(f"data.seq_len={seq_len!r} must be an int >= 2")
+    self.seq_len = int(seq_len)
+    self.stream, self.doc_starts = stream, doc_starts
+    self.num_docs = int(doc_starts.size)
     self.num_tokens = int(self.stream.size)
     if self.num_tokens < self.seq_len + 1:
       raise ValueError(

@@ -241,3 +241,19 @@ def test_a_mixture_part_that_is_not_weight_and_source_is_one_line():
   with pytest.raises(ValueError, match=r"the part 'heavy:stdlib' is not <weight>:<source> with "
                                        "a weight > 0"):
     loader_lib.make_loader(cfg, "train", batch_size=4, seed=0)
+
+
+def test_each_source_is_listed_once_per_loader(tmp_path, monkeypatch):
+  """The loader resolves each part of a mixture once; its documents, the token cache's key
+  and a BPE trained on the train split (loading all) all read through that resolution."""
+  jsonl = tmp_path / "j"
+  jsonl.mkdir()
+  (jsonl / "part.jsonl").write_text("".join(json.dumps({"text": f"alpha {i} " * 4}) + "\n"
+                                            for i in range(400)))
+  source = f"0.5:{jsonl};0.5:{_write_corpus(tmp_path / 'py')}"
+  listed = []
+  real = corpus._source_files  # pylint: disable=protected-access
+  monkeypatch.setattr(corpus, "_source_files", lambda s: listed.append(s) or real(s))
+  cfg = _data(source=source, tokenizer="bpe", vocab_size=270, token_cache=str(tmp_path / "c"))
+  ld = loader_lib.make_loader(cfg, "all", batch_size=1, seed=0)
+  assert sorted(listed) == sorted([str(jsonl), str(tmp_path / "py")]) and next(ld)
