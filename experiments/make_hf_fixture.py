@@ -3,6 +3,11 @@ and runs, so the suite checks jaxsys against transformers' numbers without torch
 
   pip install -e '.[hf]'   # transformers + torch (CPU)
   python -m experiments.make_hf_fixture --out=tests/data/hf_fixture
+  python -m experiments.make_hf_fixture --models=mistral_window   # add or redo some models
+
+--models rewrites only those models' directories and entries, keeping the others' expected
+numbers byte for byte (torch's CPU reductions vary in the last bits between runs and
+thread counts, so a full rerun moves every logit by ~5e-7 relative).
 
 Writes, under --out:
   untied/   LlamaForCausalLM, float32 safetensors in shards (+ index), config.json,
@@ -15,6 +20,8 @@ Writes, under --out:
   llama3_tied/  the same scaling at Llama 3.2's factor 32, tied embeddings, bfloat16 files
   qwen2/    Qwen2ForCausalLM (q/k/v biases), float32, tied as Qwen2.5's small models are
   qwen3/    Qwen3ForCausalLM (q/k norms, head_dim 16 != hidden / heads), float32, untied
+  mistral_window/  MistralForCausalLM with sliding_window 5, shorter than most prompts plus
+            their continuations (up to 20 tokens), float32, untied
   expected.json  versions; per prompt: its text, the ids transformers' tokenizer gives
             (AutoTokenizer on the directory), and per model the greedy continuation of
             `model.generate(do_sample=False)` (ids and text) and the smallest gap between
@@ -38,6 +45,8 @@ from jaxsys.cli import hf_runs
 
 _OUT = flags.DEFINE_string("out", "tests/data/hf_fixture", "Directory the fixture is written to.")
 _NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 8, "Greedy tokens generated per prompt.")
+_ONLY = flags.DEFINE_list("models", [], "Models to (re)make, merged into the existing expected "
+                          "files; empty: every model, expected files written anew.")
 
 # name: LlamaConfig fields; "dtype" and "shard" say how save_pretrained writes it.
 MODELS = {
@@ -73,6 +82,10 @@ MODELS = {
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=16, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
                   tie_word_embeddings=False, dtype="float32", shard=None, seed=4),
+    "mistral_window": dict(arch="Mistral", vocab_size=280, hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           sliding_window=5, rope_theta=10_000.0, rms_norm_eps=1e-5,
+                           tie_word_embeddings=False, dtype="float32", shard=None, seed=6),
 }
 TOKENIZER_VOCAB = 280  # 256 bytes, <s>, </s> and 22 merges
 PROMPTS = ["def fib(n):", "import os", "x", "héllo wörld"]
@@ -141,24 +154,44 @@ def run_model(directory: str, ids: list[list[int]], max_new_tokens: int):
   return rows, logits
 
 
+def _previous(out: str, names) -> tuple[dict, dict]:
+  """The expected.json and expected.npz entries of the models not in `names` (for --models)."""
+  with open(os.path.join(out, "expected.json")) as f:
+    expected = json.load(f)
+  with np.load(os.path.join(out, "expected.npz")) as z:
+    arrays = {k: z[k] for k in z.files if k.split("/")[0] not in names}
+  expected["models"] = {k: v for k, v in expected["models"].items() if k not in names}
+  return expected, arrays
+
+
 def main(argv):
   del argv
   import tokenizers  # pylint: disable=import-outside-toplevel
   import torch  # pylint: disable=import-outside-toplevel
   import transformers  # pylint: disable=import-outside-toplevel
   out = _OUT.value
+  names = _ONLY.value or list(MODELS)
+  unknown = sorted(set(names) - set(MODELS))
+  if unknown:
+    raise app.UsageError(f"--models={','.join(unknown)} is unknown; valid: {', '.join(MODELS)}")
   tokenizer = make_tokenizer()
-  expected = {"transformers": transformers.__version__, "torch": torch.__version__,
-              "tokenizers": tokenizers.__version__, "max_new_tokens": _NEW_TOKENS.value,
-              "prompts": [], "models": {}}
-  arrays = {}
-  for name, spec in MODELS.items():
-    directory = os.path.join(out, name)
-    make_model(directory, spec, tokenizer)
-  auto = transformers.AutoTokenizer.from_pretrained(os.path.join(out, "untied"))
+  versions = {"transformers": transformers.__version__, "torch": torch.__version__,
+              "tokenizers": tokenizers.__version__}
+  if _ONLY.value:
+    expected, arrays = _previous(out, names)
+    expected.update(versions)  # the new models' numbers come from these versions
+  else:
+    expected, arrays = {**versions, "max_new_tokens": _NEW_TOKENS.value, "prompts": [],
+                        "models": {}}, {}
+  for name in names:
+    make_model(os.path.join(out, name), MODELS[name], tokenizer)
+  auto = transformers.AutoTokenizer.from_pretrained(os.path.join(out, names[0]))
   ids = [auto(text)["input_ids"] for text in PROMPTS]
+  if _ONLY.value and [p["ids"] for p in expected["prompts"]] != ids:
+    raise app.UsageError("the tokenizer's prompt ids differ from expected.json's; remake "
+                         "every model (no --models)")
   expected["prompts"] = [{"text": t, "ids": i} for t, i in zip(PROMPTS, ids)]
-  for name in MODELS:
+  for name in names:
     rows, logits = run_model(os.path.join(out, name), ids, _NEW_TOKENS.value)
     for row in rows:
       row["text"] = auto.decode(row["ids"])
@@ -166,6 +199,7 @@ def main(argv):
     arrays.update({f"{name}/{i}": x for i, x in enumerate(logits)})
     print(f"{name}: continuations {[r['ids'] for r in rows]}, smallest top-1/top-2 gap "
           f"{min(r['gap'] for r in rows):.3f}")
+  expected["models"] = {k: expected["models"][k] for k in MODELS if k in expected["models"]}
   with open(os.path.join(out, "expected.json"), "w") as f:
     json.dump(expected, f, indent=1, ensure_ascii=False)
   np.savez_compressed(os.path.join(out, "expected.npz"), **arrays)

@@ -1,7 +1,8 @@
 """Hugging Face Llama checkpoints in and out: config.json + safetensors <-> model config + params.
 
-Llama 2 and 3.x (`llama3` rope scaling), Mistral without a sliding window, Qwen2/2.5 (q/k/v
-biases) and Qwen3 (q/k norms) are one block here (`ARCHITECTURES`). `load` reads such a
+Llama 2 and 3.x (`llama3` rope scaling), Mistral (`sliding_window`: model.sliding_window, the
+attention kernels' window), Qwen2/2.5 (q/k/v biases) and Qwen3 (q/k norms; either with
+`use_sliding_window` when every layer slides) are one block here (`ARCHITECTURES`). `load` reads such a
 directory (`config.json`, `model.safetensors` or sharded
 `model-0000x-of-0000y.safetensors` with `model.safetensors.index.json`) into
 `jaxsys.models.transformer`'s parameters. Each tensor file is memory-mapped and every
@@ -44,15 +45,19 @@ from jaxsys import mesh as mesh_lib
 from jaxsys.models import transformer
 
 PREFIX = "hf:"  # init_from=hf:<dir>, data.tokenizer=hf:<dir>
-# Llama's block with what each adds: Mistral nothing without a sliding window (7B v0.2 and
-# v0.3: `sliding_window` null); Qwen2 (and 2.5) q/k/v biases; Qwen3 q/k norms.
+# Llama's block with what each adds: Mistral a sliding window where `sliding_window` is set
+# (7B v0.1: 4096; v0.2 and v0.3: null); Qwen2 (and 2.5) q/k/v biases; Qwen3 q/k norms.
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                  "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 MODEL_TYPES = tuple(ARCHITECTURES.values())
 # Fields of the model config the checkpoint decides; the run keeps dtype, param_dtype,
 # attention_impl, remat and vocab_tiles.
 ARCH_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
-               "rope_theta", "rope_scaling", "norm_eps", "tie_embeddings", "qkv_bias", "qk_norm")
+               "rope_theta", "rope_scaling", "norm_eps", "tie_embeddings", "qkv_bias", "qk_norm",
+               "sliding_window")
+# The model types whose transformers classes read `sliding_window` (Qwen's only with
+# use_sliding_window, on the layers its layer_types call sliding_attention).
+_WINDOWED = ("mistral", "qwen2", "qwen3")
 # What jaxsys's block lacks for the architectures people ask for most.
 _GEMMA = "(1 + w) RMSNorm, scaled embeddings and GeGLU differ from Llama's block"
 _MOE = "a mixture of experts: jaxsys.models.transformer has no expert layers"
@@ -129,6 +134,42 @@ def _number(value) -> str:
   return str(int(value)) if float(value).is_integer() else repr(float(value))
 
 
+def _window(hf: dict[str, Any], model_type: str, where: str) -> int | None:
+  """The attention window transformers applies to every layer (None: none), or a one-line
+  error naming the field when it is malformed or differs between layers."""
+  window = hf.get("sliding_window")
+  n = int(hf.get("num_hidden_layers") or 0)
+  if model_type.startswith("qwen"):  # the window only with use_sliding_window, from layer
+    # max_window_layers on, as transformers' Qwen2Config/Qwen3Config compute layer_types
+    if not hf.get("use_sliding_window", False):
+      window = None
+    first = int(hf.get("max_window_layers", 28)) if window is not None else n  # their default
+    default = ["full_attention"] * min(first, n) + ["sliding_attention"] * max(n - first, 0)
+  else:
+    default = ["full_attention" if window is None else "sliding_attention"] * n
+  kinds = set(hf.get("layer_types") or default)
+  if not model_type.startswith("qwen"):  # their classes window every layer whatever it says
+    kinds |= set(default)
+  if len(kinds) > 1:
+    raise ValueError(f"{where} layer_types={sorted(kinds)!r} (max_window_layers="
+                     f"{hf.get('max_window_layers')!r}) is not supported; valid: every layer "
+                     "full_attention, or every layer sliding_attention with sliding_window set "
+                     "(jaxsys's layers share one attention)")
+  if kinds != {"sliding_attention"}:
+    if kinds - {"full_attention"}:
+      raise ValueError(f"{where} layer_types={sorted(kinds)!r} is not supported; valid: "
+                       "full_attention, or sliding_attention with sliding_window set")
+    return None
+  if model_type not in _WINDOWED:
+    raise ValueError(f"{where} sliding_window={window!r} is not supported for model_type "
+                     f"{model_type!r}; valid: null (a window is read for "
+                     f"{', '.join(_WINDOWED)})")
+  if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+    raise ValueError(f"{where} sliding_window={window!r} is not supported; valid: null or an "
+                     "int >= 1 (the keys each token attends to, itself included)")
+  return window
+
+
 def model_fields(directory: str) -> dict[str, Any]:
   """The model config fields (`ARCH_FIELDS`) a checkpoint's config.json gives, or a one-line
   error naming the field that jaxsys's model cannot run."""
@@ -144,16 +185,12 @@ def model_fields(directory: str) -> dict[str, Any]:
   if model_type not in MODEL_TYPES:
     raise ValueError(f"{where} model_type={hf.get('model_type')!r} (and no architectures) is not "
                      f"supported; valid: {', '.join(map(repr, MODEL_TYPES))}")
-  # Qwen's sliding_window applies only with use_sliding_window (off in every published one).
-  window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
+  window = _window(hf, model_type, where)
   checks = (("hidden_act", hf.get("hidden_act"), "silu", "SwiGLU"),
             ("attention_bias", hf.get("attention_bias"), False,
              "q/k/v biases only as Qwen2's, no o_proj bias"),
             ("mlp_bias", hf.get("mlp_bias"), False, "no MLP biases"),
-            ("quantization_config", hf.get("quantization_config"), None, "float weights"),
-            ("sliding_window", window, None, "every token attends to all before it: no window"),
-            ("layer_types", set(hf.get("layer_types") or ["full_attention"]),
-             {"full_attention"}, "every layer's attention is full"))
+            ("quantization_config", hf.get("quantization_config"), None, "float weights"))
   for field, value, ok, why in checks:
     if value is not None and value != ok:
       raise ValueError(f"{where} {field}={hf[field]!r} is not supported; valid: {ok!r} "
@@ -174,6 +211,7 @@ def model_fields(directory: str) -> dict[str, Any]:
       d_ff=int(need("intermediate_size")), rope_theta=theta, rope_scaling=scaling,
       norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
       qkv_bias=model_type == "qwen2", qk_norm=model_type == "qwen3",
+      sliding_window=window or 0,
       tie_embeddings=False)  # a tied checkpoint imports untied: see the module docstring
 
 
@@ -427,12 +465,18 @@ def hf_config(cfg: transformer.TransformerConfig, *, dtype: str | None = None,
               bos_token_id: int | None = None, eos_token_id: int | None = None,
               max_position_embeddings: int = 4096) -> dict[str, Any]:
   """config.json of `cfg` for `LlamaForCausalLM`, or `Qwen2ForCausalLM` with q/k/v biases,
-  `Qwen3ForCausalLM` with q/k norms (transformers 4 and 5 read it)."""
+  `Qwen3ForCausalLM` with q/k norms, else `MistralForCausalLM` with a sliding window (a Qwen
+  with one slides on every layer: max_window_layers 0); transformers 4 and 5 read it."""
   if cfg.qkv_bias and cfg.qk_norm:
     raise ValueError("model.qkv_bias=True with model.qk_norm=True has no transformers class to "
                      "export to; valid: at most one of them (Qwen2: qkv_bias, Qwen3: qk_norm)")
   arch = ("Qwen3ForCausalLM" if cfg.qk_norm else "Qwen2ForCausalLM" if cfg.qkv_bias
-          else "LlamaForCausalLM")
+          else "MistralForCausalLM" if cfg.sliding_window else "LlamaForCausalLM")
+  window = {}
+  if cfg.sliding_window:
+    window = {"sliding_window": cfg.sliding_window}
+    if arch.startswith("Qwen"):
+      window.update(use_sliding_window=True, max_window_layers=0)
   theta = float(cfg.rope_theta)
   kind, scaling = transformer.parse_rope_scaling(cfg.rope_scaling)
   scaling = {k: int(v) if k == "original_max_position_embeddings" else v
@@ -449,7 +493,7 @@ def hf_config(cfg: transformer.TransformerConfig, *, dtype: str | None = None,
       "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
       "max_position_embeddings": int(max_position_embeddings),
       "bos_token_id": bos_token_id, "eos_token_id": eos_token_id,
-      "torch_dtype": str(jnp.dtype(dtype or cfg.param_dtype)),
+      "torch_dtype": str(jnp.dtype(dtype or cfg.param_dtype)), **window,
   }
 
 

@@ -367,9 +367,9 @@ SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "h
                 "tie_embeddings", "qkv_bias", "qk_norm", "param_dtype")
 # Fields that keep the shapes but change the function the parameters compute: a resume or
 # init_from with another value only when the run names the field in `allow_model_change`.
-NUMERIC_FIELDS = ("rope_theta", "rope_scaling", "norm_eps", "dtype")
+NUMERIC_FIELDS = ("rope_theta", "rope_scaling", "sliding_window", "norm_eps", "dtype")
 # Fields added after checkpoints were first written, with what their absence means.
-ADDED_LATER = {"rope_scaling": "", "qkv_bias": False, "qk_norm": False}
+ADDED_LATER = {"rope_scaling": "", "qkv_bias": False, "qk_norm": False, "sliding_window": 0}
 
 
 def _differences(fields, saved: dict, current: dict) -> str:

@@ -2,9 +2,10 @@
 
 Block skipping: tile (i, j) of q block i and kv block j is visited iff it may hold an
 unmasked pair: both blocks hold a real token, their [min, max] segment ids overlap and
-(when causal) the last real query of block i reaches the first key of block j; with
-explicit per-token causal keys (positions), the block's largest query key reaches its
-kv block's smallest. A loop
+(when causal) the last real query of block i reaches the first key of block j and
+(with a sliding window) the last key of block j is still inside the window of block i's
+first query; with explicit per-token causal keys (positions), the same by the blocks'
+largest and smallest keys. A loop
 visits the span from the first to the last such tile: exact for packed (increasing)
 ids, a safe superset otherwise, and the visited tiles are masked element-wise.
 
@@ -32,6 +33,7 @@ class FlashConfig:
   scale: float
   causal: bool
   offset: int          # S - T of the unpadded inputs: query i sees key j iff i + offset >= j
+  window: int          # > 0: query i sees key j only if j > i + offset - window; 0: no window
   kv_len: int          # unpadded S; keys at or past it are padding
   has_segments: bool
   groups: int          # G = Hq // Hkv
@@ -43,23 +45,31 @@ class FlashConfig:
 
 def visitable_blocks(q_ids_BIQ, kv_ids_BJK, *, t: int, s: int, num_q_blocks: int,
                      num_kv_blocks: int, block_q: int, block_k: int, causal: bool,
-                     q_pos_BIQ=None, kv_pos_BJK=None) -> jax.Array:
+                     q_pos_BIQ=None, kv_pos_BJK=None, window: int = 0) -> jax.Array:
   """Bool [B, nq, nk] ([1, nq, nk] without ids): tiles that may hold an unmasked pair.
 
   q_ids_BIQ [B, nq, block_q] and kv_ids_BJK [B, nk, block_k] are the edge-padded
   segment ids cut into blocks (or both None); t, s the real lengths. q_pos_BIQ,
   kv_pos_BJK (both or neither): edge-padded per-token causal keys, query i sees key j
   iff q_pos[i] >= kv_pos[j]; None means positions 0..t-1 aligned to the end of 0..s-1.
+  window > 0 (causal only): key j must also be within the query's last `window` keys,
+  q_pos[i] - window < kv_pos[j]; tiles wholly before every window are not visited.
   """
   real_q = jnp.arange(num_q_blocks) * block_q < t
   real_k = jnp.arange(num_kv_blocks) * block_k < s
   ok = (real_q[:, None] & real_k[None, :])[None]
   if causal and q_pos_BIQ is not None:
     ok = ok & (q_pos_BIQ.max(-1)[:, :, None] >= kv_pos_BJK.min(-1)[:, None, :])
+    if window:
+      ok &= q_pos_BIQ.min(-1)[:, :, None] - window < kv_pos_BJK.max(-1)[:, None, :]
   elif causal:
-    last_q = jnp.minimum(jnp.arange(num_q_blocks) * block_q + block_q - 1, t - 1)
+    first_q = jnp.arange(num_q_blocks) * block_q
+    last_q = jnp.minimum(first_q + block_q - 1, t - 1)
     first_k = jnp.arange(num_kv_blocks) * block_k
     ok &= ((last_q[:, None] + (s - t)) >= first_k[None, :])[None]
+    if window:  # the block's first query still sees the kv block's last real key
+      last_k = jnp.minimum(first_k + block_k - 1, s - 1)
+      ok &= ((first_q[:, None] + (s - t) - window) < last_k[None, :])[None]
   if q_ids_BIQ is not None:
     q_min, q_max = q_ids_BIQ.min(-1), q_ids_BIQ.max(-1)
     kv_min, kv_max = kv_ids_BJK.min(-1), kv_ids_BJK.max(-1)
@@ -77,7 +87,7 @@ def spans(mask) -> tuple[jax.Array, jax.Array]:
 
 def block_ranges(q_segment_ids, kv_segment_ids, *, t: int, s: int, block_q: int,
                  block_k: int, causal: bool, batch: int, padded_t: int | None = None,
-                 padded_s: int | None = None):
+                 padded_s: int | None = None, window: int = 0):
   """Per batch row: (kv_lo, kv_hi) [B, Tp/bq] per q block, (q_lo, q_hi) [B, Sp/bk] per kv block.
 
   t, s are the real lengths; padded_t, padded_s (default: rounded up to the blocks) the
@@ -91,7 +101,7 @@ def block_ranges(q_segment_ids, kv_segment_ids, *, t: int, s: int, block_q: int,
   blocked = lambda ids, n, size: None if ids is None else ids.reshape(batch, n, size)
   ok = visitable_blocks(blocked(q_segment_ids, nq, block_q), blocked(kv_segment_ids, nk, block_k),
                         t=t, s=s, num_q_blocks=nq, num_kv_blocks=nk, block_q=block_q,
-                        block_k=block_k, causal=causal)
+                        block_k=block_k, causal=causal, window=window)
   ok = jnp.broadcast_to(ok, (batch, nq, nk))
   return (*spans(ok), *spans(jnp.swapaxes(ok, 1, 2)))
 
@@ -135,6 +145,16 @@ def check_pallas_inputs(who: str, flavor: str, q, k, v, q_segment_ids, kv_segmen
                    static_scale(sm_scale, q.shape[-1], who))
 
 
+def check_window(who: str, window, causal: bool) -> int:
+  """A sliding window (an int >= 0, 0: none; only with causal masking), or a one-line error."""
+  if not isinstance(window, int) or isinstance(window, bool) or window < 0:
+    raise ValueError(f"{who}: window must be an int >= 0 (0: no window); got window={window!r}")
+  if window and not causal:
+    raise ValueError(f"{who}: window={window} needs causal=True (a window of the keys before "
+                     "each query, as transformers' sliding_window); got causal=False")
+  return window
+
+
 def check_block(who: str, name: str, value, valid: Callable[[int], bool], rule: str) -> int:
   """A block size (a plain positive int satisfying `valid`), or a one-line error."""
   if not isinstance(value, int) or isinstance(value, bool) or value <= 0 or not valid(value):
@@ -144,12 +164,13 @@ def check_block(who: str, name: str, value, valid: Callable[[int], bool], rule: 
 
 def padded_ids_and_ranges(q_seg, kv_seg, *, t: int, s: int, padded_t: int, padded_s: int,
                           block_q: int, block_q_dkv: int, block_k: int, causal: bool,
-                          batch: int):
+                          batch: int, window: int = 0):
   """(q_ids, kv_ids, (kv_lo, kv_hi, q_lo, q_hi)): the forward/dq kernels walk kv blocks
   per block_q rows, the dk/dv kernel q blocks of block_q_dkv rows per kv block."""
   q_ids, kv_ids = pad_segment_ids(q_seg, kv_seg, padded_t, padded_s)
   ranges = functools.partial(block_ranges, q_ids, kv_ids, t=t, s=s, block_k=block_k,
-                             causal=causal, batch=batch, padded_t=padded_t, padded_s=padded_s)
+                             causal=causal, batch=batch, padded_t=padded_t, padded_s=padded_s,
+                             window=window)
   kv_lo, kv_hi, _, _ = ranges(block_q=block_q)
   _, _, q_lo, q_hi = ranges(block_q=block_q_dkv)
   return q_ids, kv_ids, (kv_lo, kv_hi, q_lo, q_hi)

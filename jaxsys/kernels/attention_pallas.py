@@ -3,8 +3,9 @@
 `pallas_attention(q, k, v, ...)` has exactly the semantics of
 `jaxsys.kernels.attention.reference_attention`: q [B, T, Hq, D], k/v [B, S, Hkv, D],
 GQA (q head h reads kv head h // (Hq // Hkv)), optional segment ids (attend only within
-equal ids), causal masking with queries aligned to the END of the keys, and a query row
-with nothing to attend to gives exactly zeros (values and gradients).
+equal ids), causal masking with queries aligned to the END of the keys, an optional
+sliding window (query i sees only keys j > i - window), and a query row with nothing to
+attend to gives exactly zeros (values and gradients).
 
 Structure (FlashAttention-2):
 - forward: grid (q blocks, batch, q heads); each program keeps its q tile resident and
@@ -14,7 +15,8 @@ Structure (FlashAttention-2):
   and kv ranges as the forward) and one for dk/dv (grid (kv blocks, batch, kv heads),
   looping over the G q heads sharing the kv head and over q blocks [q_lo, q_hi)).
 - block skipping: the ranges are computed in XLA from per-block min/max segment ids and
-  the causal diagonal (`attention_blocks.block_ranges`), so compute follows the unmasked area.
+  the causal diagonal and window (`attention_blocks.block_ranges`), so compute follows the
+  unmasked area: with a window each q block visits only the kv blocks its band touches.
 
 Example:
   out = pallas_attention(q, k, v, q_segment_ids=ids, kv_segment_ids=ids, causal=True)
@@ -32,7 +34,7 @@ from jax.experimental import pallas as pl
 
 from jaxsys.kernels import backends
 from jaxsys.kernels.attention_blocks import (FlashConfig, check_block, check_pallas_inputs,
-                                           flash_vjp, padded_ids_and_ranges)
+                                           check_window, flash_vjp, padded_ids_and_ranges)
 
 _LOG2E = math.log2(math.e)
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -91,6 +93,8 @@ def _element_mask(cfg: _Config, q_start, k_start, bq: int, bk: int, q_ids, k_ids
 
   if cfg.causal:
     mask = both(mask, q_pos + cfg.offset >= k_pos)
+  if cfg.window:
+    mask = both(mask, q_pos + (cfg.offset - cfg.window) < k_pos)
   if cfg.kv_padded:
     mask = both(mask, k_pos < cfg.kv_len)
   if cfg.has_segments:
@@ -296,7 +300,7 @@ def pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
                      kv_segment_ids: jax.Array | None = None,
                      causal: bool = True, sm_scale: float | None = None,
                      block_q: int | None = None, block_k: int | None = None,
-                     interpret: bool | None = None) -> jax.Array:
+                     interpret: bool | None = None, window: int = 0) -> jax.Array:
   """Flash attention, same values as `reference_attention`; [B,T,Hq,D] in q.dtype.
 
   Differentiable in q, k, v (Pallas backward). Any T and S (padded inside to the
@@ -306,6 +310,7 @@ def pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
   q_seg, kv_seg, interpret, scale = check_pallas_inputs(
       "pallas_attention", "gpu", q, k, v, q_segment_ids, kv_segment_ids, _DTYPES,
       interpret=interpret, sm_scale=sm_scale)
+  window = check_window("pallas_attention", window, causal)
   b, t, hq, d = q.shape
   s, hkv = k.shape[1], k.shape[2]
   default_q, default_k = default_blocks(t, s, d)
@@ -326,9 +331,9 @@ def pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
   block_q_dkv = min(block_q, block_k)
   q_ids, kv_ids, ranges = padded_ids_and_ranges(
       q_seg, kv_seg, t=t, s=s, padded_t=tp, padded_s=sp, block_q=block_q,
-      block_q_dkv=block_q_dkv, block_k=block_k, causal=causal, batch=b)
+      block_q_dkv=block_q_dkv, block_k=block_k, causal=causal, batch=b, window=window)
   cfg = _Config(
-      scale=scale, causal=bool(causal), offset=s - t, kv_len=s, kv_padded=sp != s,
+      scale=scale, causal=bool(causal), offset=s - t, window=window, kv_len=s, kv_padded=sp != s,
       has_segments=q_seg is not None, groups=hq // hkv, block_q=block_q, block_k=block_k,
       block_q_dkv=block_q_dkv, interpret=interpret,
       num_warps=4 if dp <= 64 else 8, num_stages=2)

@@ -4,8 +4,8 @@
 `jaxsys.kernels.attention.reference_attention` and the contract of the GPU kernel
 `jaxsys.kernels.attention_pallas.pallas_attention`: q [B, T, Hq, D], k/v [B, S, Hkv, D],
 GQA (q head h reads kv head h // (Hq // Hkv)), optional segment ids, causal masking with
-queries aligned to the END of the keys, and rows with nothing to attend to give zeros
-(values and gradients).
+queries aligned to the END of the keys, an optional sliding window (query i sees only keys
+j > i - window), and rows with nothing to attend to give zeros (values and gradients).
 
 Structure (the Mosaic style of jax's `ops/tpu/flash_attention.py` and splash attention):
 - Layout [B, H, T, D] with D padded to a multiple of 128 (lanes); blocks of block_q rows
@@ -45,7 +45,7 @@ from jaxsys.kernels.backends import (ARBITRARY as _ARBITRARY, PARALLEL as _PARAL
                                     SQUEEZED as _SQUEEZED,
                                     TpuParams as _CompilerParams, pltpu)
 from jaxsys.kernels.attention_blocks import (FlashConfig, check_block, check_pallas_inputs,
-                                           flash_vjp, padded_ids_and_ranges)
+                                           check_window, flash_vjp, padded_ids_and_ranges)
 
 NUM_LANES = 128
 NUM_SUBLANES = 8
@@ -131,6 +131,8 @@ def _tile_needs_mask(cfg: _Config, q_start, k_start, bq: int, bk: int):
   full = True
   if cfg.causal:  # the tile's first query sees its last key
     full = jnp.logical_and(full, q_start + cfg.offset >= k_start + bk - 1)
+  if cfg.window:  # the tile's last query's window still holds its first key
+    full = jnp.logical_and(full, q_start + bq - 1 + cfg.offset - cfg.window < k_start)
   if cfg.q_padded:
     full = jnp.logical_and(full, q_start + bq <= cfg.q_len)
   if cfg.kv_padded:
@@ -145,6 +147,8 @@ def _element_mask(cfg: _Config, q_pos, k_pos, same_segment):
     return b if a is None else jnp.logical_and(a, b)
   if cfg.causal:
     mask = both(mask, q_pos + cfg.offset >= k_pos)
+    if cfg.window:
+      mask = both(mask, q_pos + (cfg.offset - cfg.window) < k_pos)
   elif cfg.kv_padded:  # causal already excludes padded keys for every real query
     mask = both(mask, k_pos < cfg.kv_len)
   if cfg.q_padded:  # padded queries attend nothing: exact zeros, no stray gradients
@@ -362,7 +366,8 @@ def _cost(cfg: _Config, flops_per_pair: int, q, *arrays):
   # they mask is data-dependent).
   b, hq, _, dp = q.shape
   t, s = cfg.q_len, cfg.kv_len
-  per_row = (sum(min(max(i + cfg.offset + 1, 0), s) for i in range(t)) if cfg.causal
+  lo = lambda i: max(i + cfg.offset - cfg.window + 1, 0) if cfg.window else 0
+  per_row = (sum(max(min(i + cfg.offset + 1, s) - lo(i), 0) for i in range(t)) if cfg.causal
              else t * s)
   pairs = b * hq * per_row
   return pl.CostEstimate(flops=flops_per_pair * pairs * dp, transcendentals=pairs,
@@ -452,7 +457,7 @@ def pallas_tpu_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
                          kv_segment_ids: jax.Array | None = None,
                          causal: bool = True, sm_scale: float | None = None,
                          block_q: int | None = None, block_k: int | None = None,
-                         interpret: bool | Any | None = None) -> jax.Array:
+                         interpret: bool | Any | None = None, window: int = 0) -> jax.Array:
   """Flash attention, same values as `reference_attention`; [B,T,Hq,D] in q.dtype.
 
   Differentiable in q, k, v (Pallas backward). Any T and S (padded inside to the
@@ -465,6 +470,7 @@ def pallas_tpu_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
   q_seg, kv_seg, interpret, scale = check_pallas_inputs(
       "pallas_tpu_attention", "tpu", q, k, v, q_segment_ids, kv_segment_ids, _DTYPES,
       interpret=interpret, sm_scale=sm_scale)
+  window = check_window("pallas_tpu_attention", window, causal)
   b, t, hq, d = q.shape
   s, hkv = k.shape[1], k.shape[2]
   default_q, default_k = default_blocks(t, s, d)
@@ -476,7 +482,7 @@ def pallas_tpu_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
   if t == 0 or s == 0:  # no query or no key: every row is empty
     return jnp.zeros(q.shape, q.dtype)
   cfg = _plan(t, s, d, groups=hq // hkv, block_q=block_q, block_k=block_k, causal=causal,
-              scale=scale, has_segments=q_seg is not None, interpret=interpret)
+              scale=scale, has_segments=q_seg is not None, interpret=interpret, window=window)
   tp, sp = cfg.num_q_blocks * block_q, cfg.num_kv_blocks * block_k
   dp = _round_up(d, NUM_LANES)
   # [B, T, H, D] -> [B, H, Tp, Dp]: the sequence on sublanes and D on lanes. Zero columns
@@ -486,7 +492,7 @@ def pallas_tpu_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
   q_p, k_p, v_p = layout(q, t, tp), layout(k, s, sp), layout(v, s, sp)
   q_ids, kv_ids, ranges = padded_ids_and_ranges(
       q_seg, kv_seg, t=t, s=s, padded_t=tp, padded_s=sp, block_q=block_q,
-      block_q_dkv=cfg.block_q_dkv, block_k=block_k, causal=cfg.causal, batch=b)
+      block_q_dkv=cfg.block_q_dkv, block_k=block_k, causal=cfg.causal, batch=b, window=window)
   # 1-D int32 in SMEM (2-D SMEM arrays pad their minor dimension).
   flat = lambda x: x.reshape(-1).astype(jnp.int32)
   out = _flash(cfg, q_p, k_p, v_p, q_ids, kv_ids, tuple(map(flat, ranges)))
@@ -494,7 +500,7 @@ def pallas_tpu_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
 
 
 def _plan(t: int, s: int, d: int, *, groups: int, block_q: int, block_k: int, causal: bool,
-          scale: float, has_segments: bool, interpret) -> _Config:
+          scale: float, has_segments: bool, interpret, window: int = 0) -> _Config:
   """The static configuration: padded lengths (as block counts) and block sizes."""
   # The dk/dv kernel puts queries on the lanes: its q block is a multiple of 128, and
   # the padded T is a multiple of both q blocks.
@@ -502,7 +508,7 @@ def _plan(t: int, s: int, d: int, *, groups: int, block_q: int, block_k: int, ca
   tp = _round_up(t, math.lcm(block_q, block_q_dkv))
   sp = _round_up(s, block_k)
   return _Config(
-      scale=scale, causal=bool(causal), offset=s - t, q_len=t, kv_len=s,
+      scale=scale, causal=bool(causal), offset=s - t, window=window, q_len=t, kv_len=s,
       has_segments=has_segments, groups=groups, block_q=block_q, block_k=block_k,
       block_q_dkv=block_q_dkv, num_q_blocks=tp // block_q, num_kv_blocks=sp // block_k,
       num_q_blocks_dkv=tp // block_q_dkv, interpret=interpret)

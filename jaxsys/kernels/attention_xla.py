@@ -1,11 +1,11 @@
 """Blockwise (flash-style) attention in pure JAX: memory linear in T, forward and backward.
 
 `xla_attention` has the semantics of `attention.reference_attention` (causal queries
-aligned to the end of the keys, segment ids, GQA, zeros for rows with nothing to attend
-to) but never builds the [T, S] score matrix. q is cut into `block_q` rows and k/v into
+aligned to the end of the keys, an optional sliding window, segment ids, GQA, zeros for
+rows with nothing to attend to) but never builds the [T, S] score matrix. q is cut into `block_q` rows and k/v into
 `block_k` keys; for every q block a loop runs over only the kv blocks that can hold an
-unmasked pair (causal structure and, for packed segment ids, the overlap of per-block
-min/max ids), carrying an online softmax (running max, denominator, f32 accumulator).
+unmasked pair (causal structure, the sliding window's band and, for packed segment ids,
+the overlap of per-block min/max ids), carrying an online softmax (running max, denominator, f32 accumulator).
 So compute follows the unmasked area: about half the tiles for causal T == S, about
 sum_i T_i^2 for packed documents whose ids increase along the sequence. The loops are
 `lax.scan` over q blocks around a `lax.fori_loop` with data-dependent bounds; that is
@@ -56,7 +56,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxsys.kernels.attention_inputs import check_inputs, static_scale
-from jaxsys.kernels.attention_blocks import spans, visitable_blocks
+from jaxsys.kernels.attention_blocks import check_window, spans, visitable_blocks
 
 # Default block sizes: one [B*Hq, block_q, block_k] f32 score tile is the unit of work,
 # and on CPU it runs fastest at about 2 MiB (in cache, yet big enough to amortise the
@@ -83,6 +83,7 @@ class _Config(NamedTuple):
   # Re-lay q and dO (`to_q_input`) and transpose k, q, dO one tile at a time instead of
   # whole arrays up front: no full copies, for callers that run many calls (ring steps).
   tile_transpose: bool = False
+  window: int = 0  # > 0: a query sees only the keys within `window` of it (causal only)
 
 
 class _Keys(NamedTuple):
@@ -97,7 +98,7 @@ def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
                   causal: bool = True, sm_scale: float | None = None,
                   block_q: int | None = None, block_k: int | None = None,
                   q_positions: jax.Array | None = None,
-                  kv_positions: jax.Array | None = None) -> jax.Array:
+                  kv_positions: jax.Array | None = None, window: int = 0) -> jax.Array:
   """Blockwise attention, q [B,T,Hq,D], k/v [B,S,Hkv,D] -> [B,T,Hq,D] in q.dtype.
 
   q_segment_ids [B,T], kv_segment_ids [B,S] (ints): attend only where equal. Passing
@@ -105,18 +106,20 @@ def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
   block_q, block_k: rows / keys per tile; None picks them from `default_blocks`.
   q_positions [B,T], kv_positions [B,S] (both or neither, used when causal): per-token
   causal keys replacing the end-aligned index, tokens in any order.
+  window > 0 (causal only): query i sees key j only if j > i - window (by index, or by
+  positions: q_positions[i] - window < kv_positions[j]), transformers' sliding_window.
   """
   if q_segment_ids is None and kv_segment_ids is not None:
     raise ValueError("xla_attention: kv_segment_ids given without q_segment_ids; pass both")
   cfg, q_IBKMD, k_JBKSD, v_JBKSD, q_keys, kv_keys = _prepare(
       "xla_attention", q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_positions,
-      causal, sm_scale, block_q, block_k)
+      causal, sm_scale, block_q, block_k, window)
   return from_q_blocks(cfg, _flash(cfg, q_IBKMD, k_JBKSD, v_JBKSD, q_keys, kv_keys))
 
 
 def forward_with_lse(q, k, v, *, q_segment_ids=None, kv_segment_ids=None, q_positions=None,
                      kv_positions=None, causal: bool = True, sm_scale: float | None = None,
-                     block_q: int | None = None, block_k: int | None = None):
+                     block_q: int | None = None, block_k: int | None = None, window: int = 0):
   """(out [B,T,Hq,D] f32, lse [B,T,Hq] f32): the blockwise forward, not differentiable.
 
   lse is -inf for rows with nothing to attend to (their output is 0), so partial
@@ -126,7 +129,7 @@ def forward_with_lse(q, k, v, *, q_segment_ids=None, kv_segment_ids=None, q_posi
   """
   cfg, q_IBKMD, k_JBKSD, v_JBKSD, q_keys, kv_keys = _prepare(
       "forward_with_lse", q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_positions,
-      causal, sm_scale, block_q, block_k)
+      causal, sm_scale, block_q, block_k, window)
   out, lse = _forward(cfg, q_IBKMD, k_JBKSD, v_JBKSD, q_keys, kv_keys)
   return from_q_blocks(cfg, out), from_q_blocks(cfg, lse[..., None])[..., 0]
 
@@ -134,7 +137,7 @@ def forward_with_lse(q, k, v, *, q_segment_ids=None, kv_segment_ids=None, q_posi
 def backward_from_lse(q, k, v, d_out, lse, delta, *, q_segment_ids=None, kv_segment_ids=None,
                       q_positions=None, kv_positions=None, causal: bool = True,
                       sm_scale: float | None = None, block_q: int | None = None,
-                      block_k: int | None = None):
+                      block_k: int | None = None, window: int = 0):
   """f32 (dq, dk, dv) of the attention of q to these keys, given the row statistics.
 
   d_out [B,T,Hq,D]; lse, delta [B,T,Hq] f32: the logsumexp of each query row's scores
@@ -144,7 +147,7 @@ def backward_from_lse(q, k, v, d_out, lse, delta, *, q_segment_ids=None, kv_segm
   """
   cfg, q_IBKMD, k_JBKSD, v_JBKSD, q_keys, kv_keys = _prepare(
       "backward_from_lse", q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_positions,
-      causal, sm_scale, block_q, block_k)
+      causal, sm_scale, block_q, block_k, window)
   if d_out.shape != q.shape or lse.shape != q.shape[:3] or delta.shape != q.shape[:3]:
     raise ValueError(f"backward_from_lse: d_out must be q's shape {q.shape} and lse, delta "
                      f"[B, T, Hq]={q.shape[:3]}; got d_out{d_out.shape} lse{lse.shape} "
@@ -163,12 +166,13 @@ def backward_from_lse(q, k, v, d_out, lse, delta, *, q_segment_ids=None, kv_segm
 
 def plan_tiles(q, k, *, q_segment_ids=None, kv_segment_ids=None, q_positions=None,
                kv_positions=None, causal: bool = True, sm_scale: float | None = None,
-               block_q: int | None = None, block_k: int | None = None) -> _Config:
+               block_q: int | None = None, block_k: int | None = None,
+               window: int = 0) -> _Config:
   """The static tiling of q [B,T,Hq,D] (or a ShapeDtypeStruct) against k [B,S,Hkv,D] for
   the block-layout entries (tile_transpose on); which keys are given (arrays or
   ShapeDtypeStructs) fixes which masks the tiles build."""
   return _plan("plan_tiles", q, k, k, q_segment_ids, kv_segment_ids, q_positions, kv_positions,
-               causal, sm_scale, block_q, block_k)[0]._replace(tile_transpose=True)
+               causal, sm_scale, block_q, block_k, window)[0]._replace(tile_transpose=True)
 
 
 def key_blocks(cfg: _Config, segment_ids, positions, side: str) -> _Keys:
@@ -207,27 +211,30 @@ def blocked_backward(cfg: _Config, q_input, k_blocks, v_blocks, q_keys: _Keys, k
 
 def visited_tiles(q, k, *, q_segment_ids=None, kv_segment_ids=None, q_positions=None,
                   kv_positions=None, causal: bool = True, block_q: int | None = None,
-                  block_k: int | None = None) -> tuple[jax.Array, tuple[int, int]]:
+                  block_k: int | None = None, window: int = 0) -> tuple[jax.Array, tuple[int, int]]:
   """(tiles the forward's loops visit, (block_q, block_k) used): the work a call does.
 
   q, k may be jax.ShapeDtypeStruct; other arguments as `forward_with_lse`. One tile is
   [B, Hq, block_q, block_k] scores; the backward visits the same tiles.
   """
   cfg, q_keys, kv_keys = _plan("visited_tiles", q, k, k, q_segment_ids, kv_segment_ids,
-                               q_positions, kv_positions, causal, None, block_q, block_k)
+                               q_positions, kv_positions, causal, None, block_q, block_k, window)
   (lo, hi), _ = _block_ranges(cfg, q_keys, kv_keys)
   return jnp.sum(hi - lo), (cfg.bq, cfg.bk)
 
 
-def _prepare(who, q, k, v, q_seg, kv_seg, q_pos, kv_pos, causal, sm_scale, block_q, block_k):
+def _prepare(who, q, k, v, q_seg, kv_seg, q_pos, kv_pos, causal, sm_scale, block_q, block_k,
+             window=0):
   """Checks the arguments; (cfg, q, k, v in block layout, q keys, kv keys)."""
   cfg, q_keys, kv_keys = _plan(who, q, k, v, q_seg, kv_seg, q_pos, kv_pos, causal, sm_scale,
-                               block_q, block_k)
+                               block_q, block_k, window)
   return cfg, to_q_blocks(cfg, q), to_kv_blocks(cfg, k), to_kv_blocks(cfg, v), q_keys, kv_keys
 
 
-def _plan(who, q, k, v, q_seg, kv_seg, q_pos, kv_pos, causal, sm_scale, block_q, block_k):
+def _plan(who, q, k, v, q_seg, kv_seg, q_pos, kv_pos, causal, sm_scale, block_q, block_k,
+          window=0):
   """Checks the arguments (shapes only); (cfg, q keys, kv keys)."""
+  window = check_window(who, window, causal)
   if q_seg is None:
     segment_ids = None
   elif kv_seg is None:
@@ -253,7 +260,7 @@ def _plan(who, q, k, v, q_seg, kv_seg, q_pos, kv_pos, causal, sm_scale, block_q,
   bk, nk = _balanced_block(s, block_k)
   has_positions = bool(causal) and q_pos is not None
   cfg = _Config(b, hkv, hq // hkv, t, s, bq, bk, nq, nk, bool(causal),
-                static_scale(sm_scale, d, who), q_seg is not None, has_positions)
+                static_scale(sm_scale, d, who), q_seg is not None, has_positions, window=window)
   return cfg, key_blocks(cfg, q_seg, q_pos, "q"), key_blocks(cfg, kv_seg, kv_pos, "kv")
 
 
@@ -331,9 +338,13 @@ def _tile_mask(cfg: _Config, i, j, q_keys: _Keys, kv_keys: _Keys) -> jax.Array |
     parts.append((kv_idx < cfg.s)[None, None, :])
   if cfg.has_positions:
     parts.append(q_keys.pos[:, :, None] >= kv_keys.pos[:, None, :])
+    if cfg.window:
+      parts.append(q_keys.pos[:, :, None] - cfg.window < kv_keys.pos[:, None, :])
   elif cfg.causal:
-    q_idx = i * cfg.bq + jnp.arange(cfg.bq)
-    parts.append(((q_idx[:, None] + (cfg.s - cfg.t)) >= kv_idx[None, :])[None])
+    q_idx = i * cfg.bq + jnp.arange(cfg.bq) + (cfg.s - cfg.t)
+    parts.append((q_idx[:, None] >= kv_idx[None, :])[None])
+    if cfg.window:
+      parts.append((q_idx[:, None] - cfg.window < kv_idx[None, :])[None])
   if cfg.has_segments:
     parts.append(q_keys.seg[:, :, None] == kv_keys.seg[:, None, :])
   return functools.reduce(jnp.logical_and, parts) if parts else None
@@ -369,7 +380,7 @@ def _block_ranges(cfg: _Config, q_keys: _Keys, kv_keys: _Keys):
   allowed = visitable_blocks(
       swap(q_keys.seg), swap(kv_keys.seg), t=cfg.t, s=cfg.s, num_q_blocks=cfg.nq,
       num_kv_blocks=cfg.nk, block_q=cfg.bq, block_k=cfg.bk, causal=cfg.causal,
-      q_pos_BIQ=swap(q_keys.pos), kv_pos_BJK=swap(kv_keys.pos)).any(0)
+      q_pos_BIQ=swap(q_keys.pos), kv_pos_BJK=swap(kv_keys.pos), window=cfg.window).any(0)
   return spans(allowed), spans(allowed.T)
 
 

@@ -112,20 +112,25 @@ def _write(cache_BSKD, positions_BT, new_BTKD):
   return jax.vmap(lambda c, p, x: c.at[p].set(x, mode="drop"))(cache_BSKD, positions_BT, new_BTKD)
 
 
-def cached_attention(q, k, v, *, segment_ids, positions, causal, cache, impl: str = "auto"):
+def cached_attention(q, k, v, *, segment_ids, positions, causal, cache, impl: str = "auto",
+                     window: int = 0):
   """`block`'s attention with this layer's cache (k [B, S, K, hd], v): writes the new keys
   at their positions, then attends. Several tokens a row (the prefill, from an empty
   cache) attend causally among themselves, as in `apply`; one token a row attends over
   the cache's slots up to its position (a key-validity mask as segment ids), with dense
   attention whatever `impl` says: one query row leaves a blockwise or flash kernel nothing
-  to tile, and its scores are one row per head (dense was 18-24% faster at batch 16)."""
+  to tile, and its scores are one row per head (dense was 18-24% faster at batch 16).
+  window > 0 (`model.sliding_window`): a token sees only the slots within `window` of it."""
   del segment_ids, causal
   k_cache, v_cache = _write(cache[0], positions, k), _write(cache[1], positions, v)
   if q.shape[1] > 1:
-    o = attention_lib.attention(q, k, v, causal=True, impl=impl)
+    o = attention_lib.attention(q, k, v, causal=True, impl=impl, window=window)
   else:
     slots = jnp.arange(k_cache.shape[1])
-    kv_seg = (slots[None, :] <= positions).astype(jnp.int32)  # [B, S]: 1 = may attend
+    seen = slots[None, :] <= positions  # [B, S]: True = may attend
+    if window:
+      seen &= slots[None, :] > positions - window
+    kv_seg = seen.astype(jnp.int32)
     q_seg = jnp.ones(positions.shape, jnp.int32)
     o = attention_lib.attention(q, k_cache, v_cache, segment_ids=(q_seg, kv_seg), causal=False,
                                 impl="reference")

@@ -65,6 +65,9 @@ class TransformerConfig:
   tie_embeddings: bool = field(False, "the output layer is the embedding's transpose")
   qkv_bias: bool = field(False, "q, k and v projections with biases (Qwen2)")
   qk_norm: bool = field(False, "q and k RMS-normed per head before RoPE (Qwen3)")
+  sliding_window: int = field(
+      0, "each token attends to itself and the sliding_window - 1 tokens before it (Mistral's "
+      "sliding_window)", integer(0, meaning="0: no window, every earlier token"))
   dtype: Literal["float32", "bfloat16", "float16"] = field("float32", "the compute dtype")
   param_dtype: Literal["float32", "bfloat16", "float16"] = field("float32", "the parameters'")
   attention_impl: Literal[IMPLS] = field("auto", "the attention kernels (kernels/backends.py)")
@@ -253,7 +256,8 @@ def block(p: dict[str, jax.Array], x_BTD, positions_BT, segment_ids_BT, cfg: Tra
   """One pre-norm decoder layer on ONE layer's parameters (no leading `layers` axis).
 
   `attention_fn(q, k, v, *, segment_ids, positions, causal)`: the tokens' positions go with
-  them, so an injected attention (a ring over `context`) masks right in any token order.
+  them, so an injected attention (a ring over `context`) masks right in any token order;
+  with `model.sliding_window` set it also takes `window=`.
   With `cache` (this layer's, e.g. a decoder's keys and values) attention_fn also takes
   `cache=` and returns (o, new cache), and block returns (x, new cache).
   """
@@ -274,6 +278,8 @@ def block(p: dict[str, jax.Array], x_BTD, positions_BT, segment_ids_BT, cfg: Tra
   q = name(rope(q, positions_BT, cfg.rope_theta, cfg.rope_scaling), "q")
   k = name(rope(k, positions_BT, cfg.rope_theta, cfg.rope_scaling), "k")
   kw = dict(segment_ids=segment_ids_BT, positions=positions_BT, causal=True)
+  if cfg.sliding_window:  # only when set: attention functions without windows keep working
+    kw["window"] = cfg.sliding_window
   if cache is None:
     o = attention_fn(q, k, v, **kw)
   else:
@@ -435,10 +441,12 @@ def default_inputs(cfg: TransformerConfig, tokens_BT, positions_BT, attention_fn
     attention_fn = functools.partial(local_attention, impl=cfg.attention_impl)
   return positions_BT, attention_fn
 
-def local_attention(q, k, v, *, segment_ids=None, positions=None, causal=True, impl="auto"):
+def local_attention(q, k, v, *, segment_ids=None, positions=None, causal=True, impl="auto",
+                    window: int = 0):
   """The attention kernel on the tokens in their own order (positions are not needed)."""
   del positions
-  return attention_lib.attention(q, k, v, segment_ids=segment_ids, causal=causal, impl=impl)
+  return attention_lib.attention(q, k, v, segment_ids=segment_ids, causal=causal, impl=impl,
+                                 window=window)
 
 def embed(cfg: TransformerConfig, embedding_VD, tokens_BT) -> jax.Array:
   """Token embeddings [B, T, D] in the compute dtype."""

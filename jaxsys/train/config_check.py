@@ -148,6 +148,11 @@ RELATIONS: tuple[Relation, ...] = (
              "be ring or all_gather unless each device's query and K/V heads (each count "
              "over its mesh shards) divide by the mesh axis context: ulysses splits them "
              "over it"),
+    Relation(("model.sliding_window", "mesh axis context"), lambda w, c: w == 0 or c == 1,
+             "be 0 with a context axis larger than 1: the context-parallel kernels (ring, "
+             "all_gather, ulysses) have no sliding window"),
+    Relation(("model.sliding_window", "parallel.hdp"), lambda w, hdp: w == 0 or not hdp,
+             "be 0 with HDP: its context rings have no sliding window"),
     Relation(("data.variable_length", "data.source"),
              lambda var, source: not var or (len(corpus.mixture(source)) == 1
                                              and not corpus.is_record_source(source)),

@@ -203,8 +203,17 @@ def _edited(src, tmp_path, **fields):
     (dict(architectures=["Qwen3MoeForCausalLM"]),
      "(a mixture of experts: jaxsys.models.transformer has no expert layers); valid: "
      "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"),
-    (dict(architectures=["Qwen2ForCausalLM"], use_sliding_window=True, sliding_window=4096),
-     "sliding_window=4096 is not supported; valid: None"),
+    (dict(architectures=["Qwen2ForCausalLM"], use_sliding_window=True, sliding_window=4096,
+          max_window_layers=1),
+     "layer_types=['full_attention', 'sliding_attention'] (max_window_layers=1) is not "
+     "supported; valid: every layer full_attention, or every layer sliding_attention"),
+    (dict(architectures=["MistralForCausalLM"], sliding_window=4,
+          layer_types=["full_attention", "full_attention"]),
+     "layer_types=['full_attention', 'sliding_attention'] (max_window_layers=None) is not"),
+    (dict(sliding_window=4096), "sliding_window=4096 is not supported for model_type 'llama'; "
+     "valid: null (a window is read for mistral, qwen2, qwen3)"),
+    (dict(architectures=["MistralForCausalLM"], sliding_window=0),
+     "sliding_window=0 is not supported; valid: null or an int >= 1"),
     (dict(architectures=["Qwen3ForCausalLM"], attention_bias=True),
      "attention_bias=True is not supported; valid: False (jaxsys.models.transformer's attention "
      "and MLP: q/k/v biases only as Qwen2's, no o_proj bias)"),
@@ -220,9 +229,6 @@ def _edited(src, tmp_path, **fields):
     (dict(rope_scaling=dict(type="yarn", factor=4.0)),
      "rope_scaling.rope_type='yarn' is not supported"),
     (dict(attention_bias=True), "attention_bias=True is not supported"),
-    (dict(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=4096),
-     "sliding_window=4096 is not supported; valid: None (jaxsys.models.transformer's attention "
-     "and MLP: every token attends to all before it: no window)"),
     (dict(hidden_act="gelu"), "hidden_act='gelu' is not supported"),
     (dict(intermediate_size=128), "tensor 'model.layers.0.mlp.down_proj.weight' has "
      "shape (32, 64) but config.json gives (32, 128)"),
@@ -241,6 +247,19 @@ def test_mistral_without_a_window_is_a_llama(tmp_path):
   (cfg, params), (want_cfg, want) = hf.load(directory), hf.load(FIXTURE["untied"])
   assert cfg == want_cfg
   chex.assert_trees_all_equal(params, want)
+
+
+@pytest.mark.parametrize("fields, window", [
+    (dict(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=4096), 4096),
+    (dict(architectures=["Qwen2ForCausalLM"], use_sliding_window=True, sliding_window=6,
+          max_window_layers=0), 6),
+    # max_window_layers defaults to 28 (transformers' Qwen2Config): no layer of 2 slides
+    (dict(architectures=["Qwen2ForCausalLM"], use_sliding_window=True, sliding_window=6), 0),
+    (dict(architectures=["Qwen3ForCausalLM"], use_sliding_window=False, sliding_window=6,
+          max_window_layers=0), 0),
+])
+def test_sliding_window_as_transformers_applies_it(tmp_path, fields, window):
+  assert hf.model_config(_edited(FIXTURE["untied"], tmp_path, **fields)).sliding_window == window
 
 
 @needs_transformers

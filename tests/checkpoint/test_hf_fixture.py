@@ -1,10 +1,11 @@
 """jaxsys against transformers' recorded numbers, no torch needed: the fixture in
 tests/data/hf_fixture (made by experiments/make_hf_fixture.py with transformers 5 and CPU
-torch) holds six tiny random checkpoints as save_pretrained wrote them (Llamas: untied
+torch) holds seven tiny random checkpoints as save_pretrained wrote them (Llamas: untied
 float32 in shards, tied bfloat16 with head_dim 16 != hidden / heads, Llama 3.x's `llama3`
 rope scaling untied in float32 and tied in bfloat16; Qwen2 with q/k/v biases, tied; Qwen3
-with q/k norms), their tokenizer, and transformers' prompt ids, greedy continuations and
-float32 logits."""
+with q/k norms; Mistral with a sliding window of 5 tokens, shorter than the sequences), their
+tokenizer, and transformers' prompt ids, greedy continuations and float32 logits."""
+import dataclasses
 import functools
 import json
 import os
@@ -19,7 +20,7 @@ from jaxsys.data import tokenizer as tokenizer_lib
 from jaxsys.models import generate, transformer
 
 FIXTURE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "hf_fixture")
-KINDS = ("untied", "tied", "llama3", "llama3_tied", "qwen2", "qwen3")
+KINDS = ("untied", "tied", "llama3", "llama3_tied", "qwen2", "qwen3", "mistral_window")
 RTOL = 1e-4  # max |diff| / max |logit|, as the issue asks in float32
 
 
@@ -77,10 +78,23 @@ def test_logits_equal_transformers(kind):
     assert err < RTOL, f"prompt {i}: max |diff| / max |logit| = {err:.1e}"
 
 
+def test_the_window_matters():
+  """mistral_window's sequences outrun its window: without it, the logits are far off."""
+  cfg, params = _load("mistral_window")
+  assert cfg.sliding_window == 5
+  _, want = _expected()
+  tokens, lengths = _sequences("mistral_window")
+  cfg = dataclasses.replace(cfg, sliding_window=0)
+  got = np.asarray(_apply(cfg)(params, tokens))
+  assert min(_relative(got[i, :n], want[f"mistral_window/{i}"])
+             for i, n in enumerate(lengths)) > 1e-2
+
+
 @pytest.mark.parametrize("kind, padding", [("untied", "right"), ("tied", "left"),
                                            ("llama3", "right"), ("llama3_tied", "left"),
                                            ("qwen2", "left"),
-                                           ("qwen3", "right")])
+                                           ("qwen3", "right"), ("mistral_window", "right"),
+                                           ("mistral_window", "left")])
 def test_greedy_continuations_equal_transformers(kind, padding):
   """jaxsys's KV-cache greedy decoding of the prompts as one batch (different lengths)
   gives transformers' `generate(do_sample=False)` tokens, each step's logits those
@@ -126,6 +140,7 @@ def test_export_writes_transformers_tensors_and_reimports(kind, tmp_path):
             "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
             "rope_parameters", "bos_token_id", "eos_token_id", "architectures", "model_type")
   fields = [f for f in fields if f in source]  # Qwen2's has no head_dim: the re-import checks it
+  fields += ["sliding_window"] if cfg.sliding_window else []  # Qwen's inert one is not written
   assert {f: exported[f] for f in fields} == {f: source[f] for f in fields}
   assert exported["tie_word_embeddings"] is False
 

@@ -174,7 +174,7 @@ class FieldsTest(parameterized.TestCase):
        "invalid; it must be 1 or 2"),
       ("allow_change", dict(allow_model_change="rope_theta,d_model"),
        "allow_model_change='rope_theta,d_model' is invalid; it must be '' or a comma-separated "
-       "subset of rope_theta, rope_scaling, norm_eps, dtype"),
+       "subset of rope_theta, rope_scaling, sliding_window, norm_eps, dtype"),
       ("mesh_parse", dict(mesh="data=0"), "mesh: axis 'data' has size 0"),
       ("mesh_empty", dict(mesh=""), "mesh='' is invalid; it must be a mesh spec such as"),
   )
@@ -307,6 +307,13 @@ class RelationsTest(parameterized.TestCase):
                            parallel__hdp=True),
        "parallel.hdp=True is invalid with mesh axis context=2; it must be False with a context "
        "axis: HDP makes its own context rings"),
+      ("window_context", dict(mesh="data=2,context=4", model__sliding_window=16),
+       "model.sliding_window=16 is invalid with mesh axis context=4; it must be 0 with a "
+       "context axis larger than 1: the context-parallel kernels (ring, all_gather, ulysses) "
+       "have no sliding window"),
+      ("window_hdp", dict(data__variable_length=True, parallel__hdp=True, data__max_len=512,
+                          model__sliding_window=16),
+       "model.sliding_window=16 is invalid with parallel.hdp=True; it must be 0 with HDP"),
       ("hdp_pool", dict(mesh="data=4,tensor=2", data__variable_length=True, parallel__hdp=True,
                         data__max_len=257),
        "data.max_len=257 is invalid with data.seq_len=64, mesh axes data x fsdp=4, "
