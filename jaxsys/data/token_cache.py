@@ -1,14 +1,15 @@
 """Pre-tokenized corpora on disk (`data.token_cache=<dir>`): a source's split tokenized once,
 memory-mapped by every later run instead of read and tokenized again.
 
-An entry is a directory `<dir>/<source name>-<key hash>/` holding `tokens.npy` (the split's
-non-empty documents' tokens, one flat array in the tokenizer's dtype), `starts.npy` (int64
-[num_docs], each document's first token) and `key.json`. The key is everything the tokens
-depend on: the source's files (path, size, mtime), the tokenizer (its class and the sha256 of
-its tokenizer.json), `data.text_field`, the split and its fractions, and this format's
-version. A changed file or tokenizer is a new key, so a stale entry is never read: it is
-rebuilt (and the source's older entries removed). An entry is written in a temporary
-directory and renamed into place, so a run killed while writing leaves nothing that is read.
+An entry is a directory `<dir>/<source>-<split>-<tokenizer hash>-<key hash>/` holding
+`tokens.npy` (the split's non-empty documents' tokens, one flat array in the tokenizer's
+dtype), `starts.npy` (int64 [num_docs], each document's first token) and `key.json`. The key
+is everything the tokens depend on: the source's files (path, size, mtime), the tokenizer
+(its class and the sha256 of its tokenizer.json), `data.text_field`, the split and its
+fractions, and this format's version. A changed file or tokenizer is a new key, so a stale
+entry is never read: it is rebuilt, and the older entries of that source, split and
+tokenizer are removed. An entry is written in a temporary directory and renamed into place,
+so a run killed while writing leaves nothing that is read.
 
 Example::
 
@@ -70,6 +71,14 @@ def _write(directory: pathlib.Path, key: dict, tokens: list[np.ndarray]) -> None
   (directory / "key.json").write_text(json.dumps(key))
 
 
+def _complete(entry: pathlib.Path, key: dict) -> bool:
+  """Whether `entry` was published whole for `key` (its key.json is written last)."""
+  try:
+    return json.loads((entry / "key.json").read_text()) == key
+  except (OSError, ValueError):
+    return False
+
+
 def packed_rows(cache_dir: str | os.PathLike, source: str | corpus.Source, split: str,
                 text_field: str, tokenizer, *, seq_len: int,
                 docs: Callable[[], list[bytes]]) -> packing.PackedRows:
@@ -79,18 +88,18 @@ def packed_rows(cache_dir: str | os.PathLike, source: str | corpus.Source, split
   key = cache_key(source, split, text_field, tokenizer)
   digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
   cache = pathlib.Path(cache_dir)
-  prefix = f"{_entry_name(key['source'])}-{split}-"
+  # Entries differing only in the files are one source's versions: older ones are stale.
+  # Another tokenizer or text field is another entry, kept beside it.
+  reader = hashlib.sha256(f"{key['tokenizer']}/{key['text_field']}".encode()).hexdigest()[:8]
+  prefix = f"{_entry_name(key['source'])}-{split}-{reader}-"
   entry = cache / f"{prefix}{digest}"
-  try:
-    hit = json.loads((entry / "key.json").read_text()) == key
-  except (OSError, ValueError):
-    hit = False
-  if not hit:
+  if not _complete(entry, key):
     cache.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=".tmp-", dir=cache))
     try:
       _write(tmp, key, tokenizer.encode_batch(docs()))
-      if entry.exists():  # a broken entry (its key.json unreadable): replace it
+      # A broken entry is replaced; one another process completed meanwhile is equal: kept.
+      if entry.exists() and not _complete(entry, key):
         shutil.rmtree(entry, ignore_errors=True)
       try:
         os.rename(tmp, entry)

@@ -68,6 +68,8 @@ def test_a_changed_file_or_tokenizer_is_a_new_entry(tmp_path):
   bpe = tokenizer_lib.BPETokenizer.train(docs(), 270)
   assert token_cache.cache_key(source, "all", "text", bpe) != token_cache.cache_key(
       source, "all", "text", byte)
+  token_cache.packed_rows(cache, source, "all", "text", bpe, seq_len=16, docs=docs)
+  assert len(list(cache.iterdir())) == 2  # another tokenizer's entry is kept beside it
 
 
 def test_a_half_written_entry_is_never_read(tmp_path, monkeypatch):
