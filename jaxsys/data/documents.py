@@ -195,7 +195,8 @@ def _fit_to_max_len(docs, doc_ids, paths, *, source: corpus.Source, max_len: int
     name = _relative(paths[doc_ids[worst]], source.root)
     longest = docs[worst].size - 1
     raise ValueError(
-        f"data.max_len={max_len} is shorter than {len(over)} document(s) of data.source={source.spec!r}; the longest,"
+        f"data.max_len={max_len} is shorter than {len(over)} document(s) of "
+        f"data.source={source.spec!r}; the longest,"
         f" {name!r}, has {longest} (input, target) pairs ({longest + 1} tokens); raise data.max_len to at least"
         f" {longest} or set data.truncate_long=true"
     )
@@ -247,8 +248,8 @@ def make_document_loader(
     raise ValueError(f"data.source={source!r} split {split!r} has no non-empty UTF-8 documents")
   if tokenizer is None:
     # Non-empty docs only: the same training text as make_loader, so a shared workdir cache agrees.
-    tokenizer = loader_lib._default_tokenizer(data_cfg, split, lambda: [d for d in raw if d], workdir,
-                                              sources=[src])  # pylint: disable=protected-access
+    tokenizer = loader_lib._default_tokenizer(  # pylint: disable=protected-access
+        data_cfg, split, lambda: [d for d in raw if d], workdir, sources=[src])
   docs = [np.asarray(d).reshape(-1) for d in tokenizer.encode_batch(raw)]
   del raw  # Token arrays (1-2 bytes per token) are all we keep.
   docs, doc_ids, truncated, truncated_tokens = _fit_to_max_len(

@@ -42,7 +42,8 @@ class PackedRows:
     lengths = np.array([d.size for d in docs], dtype=np.int64)
     # np.concatenate keeps the small token dtype (uint8 / uint16) when all docs share it.
     stream = np.concatenate(docs) if docs else np.zeros((0,), np.int32)
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64) if docs else np.zeros((0,), np.int64)
+    starts = (np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64) if docs
+              else np.zeros((0,), np.int64))
     self._set(stream, starts, seq_len)
 
   @classmethod
