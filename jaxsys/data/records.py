@@ -114,16 +114,21 @@ def _jsonl(path: pathlib.Path, text_field: str) -> Iterator[tuple[int, str]]:
                      "remove the file") from None
 
 
+def _is_strings(pa, kind) -> bool:
+  if pa.types.is_dictionary(kind):  # e.g. a pandas categorical column
+    kind = kind.value_type
+  return pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(
+      kind)
+
+
 def _text_column(pa, path: pathlib.Path, schema, text_field: str, kind: str) -> None:
   """Refuses a schema whose `text_field` is missing or not strings, naming what it has."""
   if text_field not in schema.names:
     raise ValueError(f"{path}: no column data.text_field={text_field!r} (the {kind} file has "
                      f"{schema.names}); set data.text_field to the column that holds the text")
   kind_of = schema.field(text_field).type
-  if not (pa.types.is_string(kind_of) or pa.types.is_large_string(kind_of)
-          or pa.types.is_string_view(kind_of)):
-    strings = [f.name for f in schema if pa.types.is_string(f.type)
-               or pa.types.is_large_string(f.type) or pa.types.is_string_view(f.type)]
+  if not _is_strings(pa, kind_of):
+    strings = [f.name for f in schema if _is_strings(pa, f.type)]
     raise ValueError(f"{path}: column data.text_field={text_field!r} holds {kind_of}, not "
                      f"strings; set data.text_field to a string column (the file's: {strings})")
 

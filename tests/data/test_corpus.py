@@ -227,10 +227,17 @@ def test_zst_parquet_and_arrow_records_are_documents_split_by_row(tmp_path, fmt)
   assert [d.decode() for d in via_glob] == splits["val"]
 
 
-def test_parquet_nulls_and_empty_texts_are_skipped(tmp_path):
+def test_nulls_empty_texts_dictionary_strings_and_the_arrow_file_format(tmp_path):
+  """Null and empty texts are no documents; a dictionary-encoded string column (a pandas
+  categorical) is strings; an .arrow file in IPC file (not stream) format reads too."""
   pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
-  pq.write_table(pa.table({"text": ["a", None, "", "b"]}), tmp_path / "p.parquet")
+  table = pa.table({"text": pa.array(["a", None, "", "b"]).dictionary_encode()})
+  pq.write_table(table, tmp_path / "p.parquet")
   assert corpus.load_documents(str(tmp_path), "all") == [b"a", b"b"]
+  with pa.OSFile(str(tmp_path / "f.arrow"), "wb") as sink, pa.ipc.new_file(
+      sink, table.schema) as writer:
+    writer.write_table(table)
+  assert corpus.load_documents(str(tmp_path / "*.arrow"), "all") == [b"a", b"b"]
 
 
 def _spoil(tmp_path: pathlib.Path, how: str) -> pathlib.Path:
