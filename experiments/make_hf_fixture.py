@@ -22,6 +22,9 @@ Writes, under --out:
   qwen3/    Qwen3ForCausalLM (q/k norms, head_dim 16 != hidden / heads), float32, untied
   mistral_window/  MistralForCausalLM with sliding_window 5, shorter than most prompts plus
             their continuations (up to 20 tokens), float32, untied
+  qwen2_yarn/  Qwen2ForCausalLM with Qwen2.5's long-context `yarn` rope scaling (factor 4
+            over an original context of 64: of head dim 16's 8 frequencies one kept, two
+            blended, five divided by 4; cos/sin scaled by 1.139), float32, untied
   expected.json  versions; per prompt: its text, the ids transformers' tokenizer gives
             (AutoTokenizer on the directory), and per model the greedy continuation of
             `model.generate(do_sample=False)` (ids and text) and the smallest gap between
@@ -86,6 +89,13 @@ MODELS = {
                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                            sliding_window=5, rope_theta=10_000.0, rms_norm_eps=1e-5,
                            tie_word_embeddings=False, dtype="float32", shard=None, seed=6),
+    "qwen2_yarn": dict(arch="Qwen2", vocab_size=280, hidden_size=32, intermediate_size=64,
+                       num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                       head_dim=16,
+                       rope_parameters=dict(rope_type="yarn", rope_theta=10_000.0, factor=4.0,
+                                            original_max_position_embeddings=64),
+                       rms_norm_eps=1e-6, tie_word_embeddings=False, dtype="float32",
+                       shard=None, seed=7),
 }
 TOKENIZER_VOCAB = 280  # 256 bytes, <s>, </s> and 22 merges
 PROMPTS = ["def fib(n):", "import os", "x", "héllo wörld"]

@@ -1,13 +1,14 @@
 """Hugging Face Llama checkpoints in and out: config.json + safetensors <-> model config + params.
 
-Llama 2 and 3.x (`llama3` rope scaling), Mistral (`sliding_window`: model.sliding_window, the
-attention kernels' window), Qwen2/2.5 (q/k/v biases) and Qwen3 (q/k norms; either with
-`use_sliding_window` when every layer slides) are one block here (`ARCHITECTURES`). `load` reads such a
-directory (`config.json`, `model.safetensors` or sharded
-`model-0000x-of-0000y.safetensors` with `model.safetensors.index.json`) into
-`jaxsys.models.transformer`'s parameters. Each tensor file is memory-mapped and every
-device's block of every parameter is read straight from it into its sharding
-(`jax.make_array_from_callback`), so a sharded target never holds a full host copy.
+Llama 2 and 3.x (`llama3` rope scaling; `linear` and `yarn`, Qwen2.5's long context, too),
+Mistral (`sliding_window`: model.sliding_window, the attention kernels' window), Qwen2/2.5
+(q/k/v biases) and Qwen3 (q/k norms; either with `use_sliding_window` when every layer
+slides) are one block here (`ARCHITECTURES`). `load` reads such a directory (`config.json`,
+`model.safetensors` or sharded `model-0000x-of-0000y.safetensors` with
+`model.safetensors.index.json`) into `jaxsys.models.transformer`'s parameters. Each tensor
+file is memory-mapped and every device's block of every parameter is read straight from it
+into its sharding (`jax.make_array_from_callback`), so a sharded target never holds a full
+host copy.
 `save` writes a model (float, or quantized: its QWeights are dequantized) as a checkpoint
 `transformers.AutoModelForCausalLM.from_pretrained` loads unchanged, with its tokenizer.
 
@@ -112,11 +113,16 @@ def _rope(hf: dict[str, Any], where: str) -> tuple[float, str]:
     kind = d.get("rope_type", d.get("type", "default"))
     if kind in (None, "default"):
       continue
+    d = _rope_defaults(hf, kind, d)
     keys = transformer.ROPE_SCALING_KEYS.get(kind)
-    if keys is None or any(k not in d for k in keys):
-      raise ValueError(f"{where} {field}.rope_type={kind!r} is not supported; valid: 'default', "
+    if keys is None or any(d.get(k) is None for k in keys):
+      why = transformer.ROPE_NOT_COMPUTED.get(kind)
+      raise ValueError(f"{where} {field}.rope_type={kind!r} is not supported"
+                       + (f" ({why})" if why else "") + "; valid: 'default', "
                        + ", ".join(f"{k!r} (with {', '.join(v)})"
                                    for k, v in transformer.ROPE_SCALING_KEYS.items()))
+    keys += tuple(k for k in transformer.ROPE_SCALING_OPTIONAL.get(kind, ())
+                  if d.get(k) is not None)
     spec = f"{kind}:" + ",".join(f"{k}={_number(d[k])}" for k in keys)
     try:
       transformer.parse_rope_scaling(spec)
@@ -127,6 +133,22 @@ def _rope(hf: dict[str, Any], where: str) -> tuple[float, str]:
     raise ValueError(f"{where} partial_rotary_factor={factor!r} is not supported; valid: 1.0 "
                      "(rope rotates every head dim)")
   return float(params.get("rope_theta", hf.get("rope_theta", 10_000.0))), spec
+
+
+def _rope_defaults(hf: dict[str, Any], kind: str, d: dict[str, Any]) -> dict[str, Any]:
+  """The values transformers fills in: llama3's and yarn's original context from the config
+  (top-level original_max_position_embeddings, else max_position_embeddings), yarn's factor
+  from max_position_embeddings / that when null (DeepSeek's way)."""
+  d = dict(d)
+  if kind in ("llama3", "yarn") and d.get("original_max_position_embeddings") is None:
+    d["original_max_position_embeddings"] = hf.get("original_max_position_embeddings",
+                                                   hf.get("max_position_embeddings"))
+  old = d.get("original_max_position_embeddings")
+  if kind == "yarn" and d.get("factor") is None and old and hf.get("max_position_embeddings"):
+    d["factor"] = hf["max_position_embeddings"] / old
+  if kind == "yarn":  # transformers reads `beta_fast or 32`: a 0 is the default too
+    d = {k: v for k, v in d.items() if not (k in ("beta_fast", "beta_slow") and not v)}
+  return d
 
 
 def _number(value) -> str:
@@ -479,8 +501,8 @@ def hf_config(cfg: transformer.TransformerConfig, *, dtype: str | None = None,
       window.update(use_sliding_window=True, max_window_layers=0)
   theta = float(cfg.rope_theta)
   kind, scaling = transformer.parse_rope_scaling(cfg.rope_scaling)
-  scaling = {k: int(v) if k == "original_max_position_embeddings" else v
-             for k, v in scaling.items()}
+  as_type = {"original_max_position_embeddings": int, "truncate": bool}
+  scaling = {k: as_type.get(k, float)(v) for k, v in scaling.items()}
   return {
       "architectures": [arch], "model_type": ARCHITECTURES[arch],
       "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,

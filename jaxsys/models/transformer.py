@@ -57,8 +57,8 @@ class TransformerConfig:
   rope_theta: float = field(10_000.0, "RoPE's base", number(0, lo_open=True))
   # parse_rope_scaling raises its own line for a malformed spec.
   rope_scaling: str = field(
-      "", "transformers' rope_scaling as one string, e.g. 'linear:factor=4' or Llama 3.1's "
-      "'llama3:factor=8,...'; '': plain RoPE",
+      "", "transformers' rope_scaling as one string, e.g. 'linear:factor=4', Llama 3.1's "
+      "'llama3:factor=8,...' or Qwen2.5's 'yarn:factor=4,...'; '': plain RoPE",
       text("'' (plain RoPE) or transformers' rope_scaling as '<rope_type>:<key>=<value>,...'",
            lambda v: parse_rope_scaling(v) is not None))
   norm_eps: float = field(1e-6, "RMSNorm's epsilon", number(0, lo_open=True))
@@ -126,52 +126,121 @@ def rms_norm(x, scale, eps):
   y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
   return (y * scale.astype(jnp.float32)).astype(x.dtype)
 
-# transformers' rope types with frequency scaling that jaxsys computes, and their keys.
+# transformers' rope types with frequency scaling that jaxsys computes: the keys each must
+# set, then those it may (transformers' defaults when absent; truncate is 0 or 1).
 ROPE_SCALING_KEYS = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor",
                "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings"),
 }
+ROPE_SCALING_OPTIONAL = {
+    "yarn": ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+             "truncate"),
+}
+# Why the others are not computed (hf.py names it when a checkpoint asks for one).
+ROPE_NOT_COMPUTED = {
+    "dynamic": "transformers recomputes dynamic NTK frequencies from the longest sequence the "
+               "model instance has run so far (state kept across calls), so a token's logits "
+               "depend on earlier calls; jaxsys's RoPE is a function of the positions only",
+    "longrope": "its per-dimension factors switch with the sequence length",
+}
+
+
+def _rope_error(spec: str, what: str) -> ValueError:
+  valid = " or ".join(
+      f"'{k}:" + ",".join(f"{key}=<number>" for key in keys) + "'"
+      + (f" (optional: {', '.join(ROPE_SCALING_OPTIONAL[k])})" if k in ROPE_SCALING_OPTIONAL
+         else "") for k, keys in ROPE_SCALING_KEYS.items())
+  return ValueError(f"model.rope_scaling={spec!r}: {what}; valid: '' or {valid}")
+
 
 def parse_rope_scaling(spec: str) -> tuple[str, dict[str, float]]:
   """`model.rope_scaling` -> (rope type, its parameters): '' is plain RoPE; else
   transformers' rope_scaling as '<rope_type>:<key>=<value>,...', e.g. Llama 3.1's
-  'llama3:factor=8,low_freq_factor=1,high_freq_factor=4,original_max_position_embeddings=8192'
-  or 'linear:factor=4'. A bad spec is one error naming what is valid."""
+  'llama3:factor=8,low_freq_factor=1,high_freq_factor=4,original_max_position_embeddings=8192',
+  'linear:factor=4' or Qwen2.5's 'yarn:factor=4,original_max_position_embeddings=32768'.
+  A bad spec is one error naming what is valid."""
   if not spec:
     return "default", {}
   kind, _, rest = spec.partition(":")
-  valid = "; valid: '' or " + " or ".join(
-      f"'{k}:" + ",".join(f"{key}=<number>" for key in keys) + "'"
-      for k, keys in ROPE_SCALING_KEYS.items())
   if kind not in ROPE_SCALING_KEYS:
-    raise ValueError(f"model.rope_scaling={spec!r}: rope type {kind!r} is not supported{valid}")
+    why = f" ({ROPE_NOT_COMPUTED[kind]})" if kind in ROPE_NOT_COMPUTED else ""
+    raise _rope_error(spec, f"rope type {kind!r} is not supported{why}")
   values = {}
   for item in rest.split(",") if rest else []:
     key, _, value = item.partition("=")
     try:
       values[key.strip()] = float(value)
     except ValueError:
-      raise ValueError(f"model.rope_scaling={spec!r}: {item!r} is not <key>=<number>"
-                       f"{valid}") from None
-  if set(values) != set(ROPE_SCALING_KEYS[kind]):
-    raise ValueError(f"model.rope_scaling={spec!r} must set exactly the keys "
-                     f"{', '.join(ROPE_SCALING_KEYS[kind])}{valid}")
-  if values["factor"] <= 0 or kind == "llama3" and not (
-      0 < values["low_freq_factor"] < values["high_freq_factor"]
-      and values["original_max_position_embeddings"] > 0):
-    raise ValueError(f"model.rope_scaling={spec!r}: factor and "
-                     "original_max_position_embeddings must be > 0 and 0 < low_freq_factor < "
-                     "high_freq_factor")
+      raise _rope_error(spec, f"{item!r} is not <key>=<number>") from None
+  required, optional = set(ROPE_SCALING_KEYS[kind]), set(ROPE_SCALING_OPTIONAL.get(kind, ()))
+  if not required <= set(values) <= required | optional:
+    raise _rope_error(spec, f"{kind} must set the keys {', '.join(ROPE_SCALING_KEYS[kind])}"
+                      + (f" and may set {', '.join(sorted(optional))}" if optional else ""))
+  _check_rope_values(spec, kind, values)
   return kind, values
+
+
+def _check_rope_values(spec: str, kind: str, v: dict[str, float]) -> None:
+  if v["factor"] <= 0 or v.get("original_max_position_embeddings", 1) <= 0 or (
+      kind == "llama3" and not 0 < v["low_freq_factor"] < v["high_freq_factor"]):
+    raise _rope_error(spec, "factor and original_max_position_embeddings must be > 0 and 0 < "
+                      "low_freq_factor < high_freq_factor")
+  if kind == "yarn" and (v.get("truncate", 1) not in (0, 1) or v.get("attention_factor", 1) <= 0
+                         or v.get("beta_fast", 32) <= 0 or v.get("beta_slow", 1) <= 0):
+    raise _rope_error(spec, "yarn's truncate must be 0 or 1, and attention_factor, beta_fast "
+                      "and beta_slow > 0")
+
+
+def _yarn(powers: np.ndarray, d: int, theta: float, p: dict[str, float]) -> np.ndarray:
+  """YaRN's blend (transformers' `_compute_yarn_parameters`, in its float32 steps): slow
+  dims interpolated (divided by factor), fast ones kept, a linear ramp between the dims
+  that turn beta_slow and beta_fast times over the original context."""
+  factor, old_len = p["factor"], p["original_max_position_embeddings"]
+  beta_fast, beta_slow = p.get("beta_fast", 32.0), p.get("beta_slow", 1.0)
+
+  def correction_dim(rotations):
+    return d * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+  low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+  if p.get("truncate", 1):
+    low, high = math.floor(low), math.ceil(high)
+  low, high = max(low, 0), min(high, d - 1)
+  if low == high:
+    high += 0.001  # transformers' guard against a zero-width ramp
+  ramp = np.clip((np.arange(d // 2, dtype=np.float32) - np.float32(low))
+                 / np.float32(high - low), 0, 1).astype(np.float32)
+  keep = np.float32(1) - ramp  # 1: the dim's own frequency (extrapolated)
+  kept, interpolated = np.float32(1) / powers, np.float32(1) / (np.float32(factor) * powers)
+  return (interpolated * (np.float32(1) - keep) + kept * keep).astype(np.float32)
+
+
+def rope_attention_factor(scaling: str = "") -> float:
+  """The factor transformers multiplies cos and sin by (so q.k by its square): YaRN's
+  attention_factor, or 0.1 ln(factor) + 1 (with mscale and mscale_all_dim: their ratio);
+  1 for every other rope type."""
+  kind, p = parse_rope_scaling(scaling)
+  if kind != "yarn":
+    return 1.0
+  if "attention_factor" in p:
+    return p["attention_factor"]
+  scale = lambda m=1.0: 1.0 if p["factor"] <= 1 else 0.1 * m * math.log(p["factor"]) + 1.0
+  if p.get("mscale") and p.get("mscale_all_dim"):
+    return float(scale(p["mscale"]) / scale(p["mscale_all_dim"]))
+  return scale()
+
 
 def rope_frequencies(d: int, theta: float, scaling: str = "") -> np.ndarray:
   """The D/2 rotation frequencies of a head dim `d`, in float32 as transformers computes
-  them (`modeling_rope_utils`: the default, then linear or llama3 scaling)."""
+  them (`modeling_rope_utils`: the default, then linear, llama3 or yarn scaling)."""
   kind, p = parse_rope_scaling(scaling)
-  freqs = 1.0 / np.float32(theta) ** (np.arange(0, d, 2, dtype=np.float32) / np.float32(d))
+  powers = np.float32(theta) ** (np.arange(0, d, 2, dtype=np.float32) / np.float32(d))
+  freqs = 1.0 / powers
   if kind == "linear":
     return freqs / np.float32(p["factor"])
+  if kind == "yarn":
+    return _yarn(powers, d, theta, p)
   if kind == "llama3":  # low frequencies slowed by `factor`, high kept, a ramp between
     factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
     old_len = p["original_max_position_embeddings"]
@@ -183,9 +252,11 @@ def rope_frequencies(d: int, theta: float, scaling: str = "") -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
   return freqs
 
+
 def rope(x_BTHD, positions_BT, theta: float, scaling: str = ""):
   """Rotary embedding (rotate-half form) at arbitrary per-token positions; `scaling`: a
-  `model.rope_scaling` spec (its frequencies are constants of the program)."""
+  `model.rope_scaling` spec (its frequencies and YaRN's cos/sin factor are constants of
+  the program)."""
   d = x_BTHD.shape[-1]
   if scaling:
     freqs = jnp.asarray(rope_frequencies(d, theta, scaling))
@@ -193,6 +264,9 @@ def rope(x_BTHD, positions_BT, theta: float, scaling: str = ""):
     freqs = theta ** (-jnp.arange(0, d // 2, dtype=jnp.float32) * 2.0 / d)
   angles = positions_BT.astype(jnp.float32)[:, :, None, None] * freqs  # [B, T, 1, D/2]
   sin, cos = jnp.sin(angles), jnp.cos(angles)
+  factor = rope_attention_factor(scaling) if scaling else 1.0
+  if factor != 1.0:
+    sin, cos = sin * np.float32(factor), cos * np.float32(factor)
   x1, x2 = jnp.split(x_BTHD.astype(jnp.float32), 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return out.astype(x_BTHD.dtype)

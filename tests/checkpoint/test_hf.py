@@ -220,14 +220,18 @@ def _edited(src, tmp_path, **fields):
     (dict(rope_parameters=dict(rope_type="llama3", factor=8.0, rope_theta=5e5)),  # no keys
      "rope_parameters.rope_type='llama3' is not supported; valid: 'default', 'linear' (with "
      "factor), 'llama3' (with factor, low_freq_factor, high_freq_factor, "
-     "original_max_position_embeddings)"),
+     "original_max_position_embeddings), 'yarn' (with factor, original_max_position_embeddings)"),
     (dict(rope_parameters=dict(rope_type="llama3", factor=8.0, rope_theta=5e5,
                                low_freq_factor=4.0, high_freq_factor=1.0,
                                original_max_position_embeddings=8192)),
      "rope_parameters: model.rope_scaling='llama3:factor=8,low_freq_factor=4,"
      "high_freq_factor=1,original_max_position_embeddings=8192': factor and"),
-    (dict(rope_scaling=dict(type="yarn", factor=4.0)),
-     "rope_scaling.rope_type='yarn' is not supported"),
+    (dict(rope_scaling=dict(type="dynamic", factor=4.0)),
+     "rope_scaling.rope_type='dynamic' is not supported (transformers recomputes dynamic NTK "
+     "frequencies from the longest sequence the model instance has run so far"),
+    (dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0, truncate=3)),
+     "rope_parameters: model.rope_scaling='yarn:factor=4,original_max_position_embeddings=256,"
+     "truncate=3': yarn's truncate must be 0 or 1"),
     (dict(attention_bias=True), "attention_bias=True is not supported"),
     (dict(hidden_act="gelu"), "hidden_act='gelu' is not supported"),
     (dict(intermediate_size=128), "tensor 'model.layers.0.mlp.down_proj.weight' has "
@@ -260,6 +264,21 @@ def test_mistral_without_a_window_is_a_llama(tmp_path):
 ])
 def test_sliding_window_as_transformers_applies_it(tmp_path, fields, window):
   assert hf.model_config(_edited(FIXTURE["untied"], tmp_path, **fields)).sliding_window == window
+
+
+@pytest.mark.parametrize("fields, spec", [
+    (dict(rope_scaling=dict(type="yarn", factor=4.0, original_max_position_embeddings=32768)),
+     "yarn:factor=4,original_max_position_embeddings=32768"),  # Qwen2.5's, transformers 4 form
+    # the original context from max_position_embeddings (256), DeepSeek's null factor from it
+    (dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=None,
+                               original_max_position_embeddings=64, mscale=0.707,
+                               mscale_all_dim=1.0, beta_fast=0, truncate=False)),
+     "yarn:factor=4,original_max_position_embeddings=64,mscale=0.707,mscale_all_dim=1,truncate=0"),
+    (dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=2.0)),
+     "yarn:factor=2,original_max_position_embeddings=256"),
+])
+def test_rope_scaling_as_transformers_reads_it(tmp_path, fields, spec):
+  assert hf.model_config(_edited(FIXTURE["untied"], tmp_path, **fields)).rope_scaling == spec
 
 
 @needs_transformers

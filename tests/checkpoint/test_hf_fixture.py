@@ -1,10 +1,11 @@
 """jaxsys against transformers' recorded numbers, no torch needed: the fixture in
 tests/data/hf_fixture (made by experiments/make_hf_fixture.py with transformers 5 and CPU
-torch) holds seven tiny random checkpoints as save_pretrained wrote them (Llamas: untied
+torch) holds eight tiny random checkpoints as save_pretrained wrote them (Llamas: untied
 float32 in shards, tied bfloat16 with head_dim 16 != hidden / heads, Llama 3.x's `llama3`
 rope scaling untied in float32 and tied in bfloat16; Qwen2 with q/k/v biases, tied; Qwen3
-with q/k norms; Mistral with a sliding window of 5 tokens, shorter than the sequences), their
-tokenizer, and transformers' prompt ids, greedy continuations and float32 logits."""
+with q/k norms; Mistral with a sliding window of 5 tokens, shorter than the sequences; Qwen2
+with Qwen2.5's long-context yarn rope scaling), their tokenizer, and transformers' prompt ids,
+greedy continuations and float32 logits."""
 import dataclasses
 import functools
 import json
@@ -20,7 +21,8 @@ from jaxsys.data import tokenizer as tokenizer_lib
 from jaxsys.models import generate, transformer
 
 FIXTURE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "hf_fixture")
-KINDS = ("untied", "tied", "llama3", "llama3_tied", "qwen2", "qwen3", "mistral_window")
+KINDS = ("untied", "tied", "llama3", "llama3_tied", "qwen2", "qwen3", "mistral_window",
+         "qwen2_yarn")
 RTOL = 1e-4  # max |diff| / max |logit|, as the issue asks in float32
 
 
@@ -78,23 +80,28 @@ def test_logits_equal_transformers(kind):
     assert err < RTOL, f"prompt {i}: max |diff| / max |logit| = {err:.1e}"
 
 
-def test_the_window_matters():
-  """mistral_window's sequences outrun its window: without it, the logits are far off."""
-  cfg, params = _load("mistral_window")
-  assert cfg.sliding_window == 5
+@pytest.mark.parametrize("kind, field, value", [
+    ("mistral_window", "sliding_window", 0),  # the sequences outrun the window of 5
+    ("qwen2_yarn", "rope_scaling", ""),
+    # yarn's frequencies without its cos/sin factor (1.139)
+    ("qwen2_yarn", "rope_scaling", "yarn:factor=4,original_max_position_embeddings=64,"
+     "attention_factor=1"),
+])
+def test_what_the_model_adds_matters(kind, field, value):
+  """Without its window or its yarn scaling (or yarn's factor alone) the model is far off."""
+  cfg, params = _load(kind)
+  assert getattr(cfg, field) != value
   _, want = _expected()
-  tokens, lengths = _sequences("mistral_window")
-  cfg = dataclasses.replace(cfg, sliding_window=0)
-  got = np.asarray(_apply(cfg)(params, tokens))
-  assert min(_relative(got[i, :n], want[f"mistral_window/{i}"])
-             for i, n in enumerate(lengths)) > 1e-2
+  tokens, lengths = _sequences(kind)
+  got = np.asarray(_apply(dataclasses.replace(cfg, **{field: value}))(params, tokens))
+  assert min(_relative(got[i, :n], want[f"{kind}/{i}"]) for i, n in enumerate(lengths)) > 1e-2
 
 
 @pytest.mark.parametrize("kind, padding", [("untied", "right"), ("tied", "left"),
                                            ("llama3", "right"), ("llama3_tied", "left"),
                                            ("qwen2", "left"),
                                            ("qwen3", "right"), ("mistral_window", "right"),
-                                           ("mistral_window", "left")])
+                                           ("mistral_window", "left"), ("qwen2_yarn", "right")])
 def test_greedy_continuations_equal_transformers(kind, padding):
   """jaxsys's KV-cache greedy decoding of the prompts as one batch (different lengths)
   gives transformers' `generate(do_sample=False)` tokens, each step's logits those

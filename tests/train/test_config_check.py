@@ -120,12 +120,15 @@ class FieldsTest(parameterized.TestCase):
        "or None (model.d_model // model.n_heads)"),
       ("rope_theta", dict(model__rope_theta=0.0), "model.rope_theta=0.0 is invalid; it must be a "
        "number > 0"),
-      ("rope_scaling_type", dict(model__rope_scaling="yarn:factor=4"),
-       "model.rope_scaling='yarn:factor=4': rope type 'yarn' is not supported; valid: '' or "
+      ("rope_scaling_type", dict(model__rope_scaling="longrope:factor=4"),
+       "model.rope_scaling='longrope:factor=4': rope type 'longrope' is not supported (its "
+       "per-dimension factors switch with the sequence length); valid: '' or "
        "'linear:factor=<number>' or 'llama3:factor=<number>,low_freq_factor=<number>,"
-       "high_freq_factor=<number>,original_max_position_embeddings=<number>'"),
+       "high_freq_factor=<number>,original_max_position_embeddings=<number>' or "
+       "'yarn:factor=<number>,original_max_position_embeddings=<number>' (optional: "
+       "attention_factor, beta_fast, beta_slow, mscale, mscale_all_dim, truncate)"),
       ("rope_scaling_keys", dict(model__rope_scaling="linear:factor=4,low_freq_factor=1"),
-       "model.rope_scaling='linear:factor=4,low_freq_factor=1' must set exactly the keys factor;"),
+       "model.rope_scaling='linear:factor=4,low_freq_factor=1': linear must set the keys factor;"),
       ("rope_scaling_value", dict(model__rope_scaling="linear:factor=x"),
        "model.rope_scaling='linear:factor=x': 'factor=x' is not <key>=<number>;"),
       ("rope_scaling_range", dict(model__rope_scaling="linear:factor=0"),
