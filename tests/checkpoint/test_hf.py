@@ -3,6 +3,7 @@ torch, the `hf` extra: skipped without it); sharded import, refusals, the checkp
 tokenizer and init_from=hf:<dir> on the committed fixture (tests/data/hf_fixture, no torch).
 test_hf_fixture.py checks the fixture against transformers' recorded numbers."""
 import copy
+import dataclasses
 import importlib
 import importlib.util
 import json
@@ -41,7 +42,7 @@ needs_transformers = pytest.mark.skipif(
 # Checkpoints transformers saved (experiments/make_hf_fixture.py): untied float32 in shards;
 # tied bfloat16 with head_dim 16 (hidden 32, 4 heads) and 296 rows for its tokenizer's 280 ids.
 FIXTURE = {kind: os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "hf_fixture",
-                              kind) for kind in ("untied", "tied")}
+                              kind) for kind in ("untied", "tied", "qwen2", "qwen3")}
 
 TOKENS = np.random.RandomState(0).randint(0, 256, (2, 16))
 # Untied with the default head dim and a sharded save; tied with head_dim 8 != 64 / 4 and
@@ -264,6 +265,19 @@ def test_mistral_without_a_window_is_a_llama(tmp_path):
 ])
 def test_sliding_window_as_transformers_applies_it(tmp_path, fields, window):
   assert hf.model_config(_edited(FIXTURE["untied"], tmp_path, **fields)).sliding_window == window
+
+
+@pytest.mark.parametrize("kind, arch", [("qwen2", "Qwen2ForCausalLM"),
+                                        ("qwen3", "Qwen3ForCausalLM"),
+                                        ("untied", "MistralForCausalLM")])
+def test_a_window_exports_to_a_class_that_applies_it(tmp_path, kind, arch):
+  """A Qwen keeps its class with use_sliding_window on every layer; a Llama becomes a
+  Mistral; each re-imports with its window (transformers' logits checked by hand: hf.md)."""
+  cfg, params = hf.load(FIXTURE[kind])
+  cfg = dataclasses.replace(cfg, sliding_window=4)
+  hf.save(str(tmp_path), cfg, params)
+  assert hf.read_config(str(tmp_path))["architectures"] == [arch]
+  assert hf.model_config(str(tmp_path)) == cfg
 
 
 @pytest.mark.parametrize("fields, spec", [
