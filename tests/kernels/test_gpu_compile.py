@@ -5,6 +5,8 @@ attached: XLA lowers each kernel through Triton to sm_90 machine code. Interpret
 checks the kernels' values; this checks that the GPU compiler accepts them at the
 model's shapes (a failure to compile fails the test).
 """
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -39,6 +41,20 @@ def test_flash_attention_compiles(head_dim, seq_len, causal, packed):
   ids = _spec((1, seq_len), jnp.int32, on)
 
   value_and_grads = flash_value_and_grads(pallas_attention, causal=causal, packed=packed)
+  compiled = jax.jit(value_and_grads).lower(q, kv, kv, ids).compile()
+  assert compiled.as_text().count(f"custom_call_target={TRITON}") == 3
+
+
+@pytest.mark.slow  # about 2 s of compile
+def test_flash_attention_with_a_window_compiles():
+  """Mistral 7B v0.1's window of 4096 over 8192 tokens, packed: the kernels with the band's
+  element mask and block ranges."""
+  on = _on_one_gpu()
+  q = _spec((1, 8192, 8, 128), jnp.bfloat16, on)
+  kv = _spec((1, 8192, 2, 128), jnp.bfloat16, on)
+  ids = _spec((1, 8192), jnp.int32, on)
+  windowed = functools.partial(pallas_attention, window=4096)
+  value_and_grads = flash_value_and_grads(windowed, causal=True, packed=True)
   compiled = jax.jit(value_and_grads).lower(q, kv, kv, ids).compile()
   assert compiled.as_text().count(f"custom_call_target={TRITON}") == 3
 
