@@ -1,10 +1,13 @@
 r"""jaxsys's KV-cache greedy decoding against transformers' `generate` on the same model and CPU.
 
   python -m experiments.bench_generate --out=/tmp/bench_generate.json
+  python -m experiments.bench_generate --archs=qwen2,qwen3,llama3 --cores=1,all
 
-For each size, transformers builds a `LlamaForCausalLM` with random weights
+For each architecture and size, transformers builds a model with random weights
 (`hf_runs.randomize_torch_llama`) and writes it with `save_pretrained`; jaxsys imports those
-files (`hf.load`), so both run the same float32 weights. For each batch, every row gets its
+files (`hf.load`), so both run the same float32 weights. Architectures (--archs): Llama;
+Llama 3.x (Llama with Llama 3.2's `llama3` rope scaling); Qwen2 (q/k/v biases); Qwen3 (q/k
+norms). For each batch, every row gets its
 own random prompt of --prompt_len tokens (no padding) and --new_tokens greedy tokens are
 generated with no EOS (neither model config has one, so no row stops early).
 
@@ -15,14 +18,19 @@ generated with no EOS (neither model config has one, so no row stops early).
    call (prefill included) and is reported as median [min, max]. Each timing records
    the load average and the share of the machine's CPU other processes used meanwhile.
 
-torch runs with `torch.set_num_threads` = the cores this process may use (--threads), the
-size of the thread pool XLA:CPU starts. Needs torch and transformers (the `hf` extra).
+--cores: the number of CPU cores each measurement runs on ('all': those this process may use).
+The process is pinned to that many cores (`os.sched_setaffinity`, before jax starts its
+XLA:CPU thread pool) and torch runs `torch.set_num_threads` of them, so both frameworks get the
+same cores; with several values, each runs in a child process of its own (XLA:CPU's pool is
+sized once a process), one after the other, and the parent gathers their results. Needs
+torch and transformers (the `hf` extra).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -45,14 +53,28 @@ SIZES = {
     "125m": (768, 12, 12, 4, 2048, 32000),  # GPT-2-small-sized Llama (Llama 2's vocabulary)
 }
 
+# name: transformers architecture, config fields beyond the size's
+ARCHS = {
+    "llama": ("Llama", dict(rope_theta=500_000.0)),
+    "llama3": ("Llama", dict(rope_parameters=dict(  # Llama 3.2's scaling
+        rope_type="llama3", rope_theta=500_000.0, factor=32.0, low_freq_factor=1.0,
+        high_freq_factor=4.0, original_max_position_embeddings=8192),
+        max_position_embeddings=131_072)),
+    "qwen2": ("Qwen2", dict(rope_theta=1_000_000.0)),  # q/k/v biases by default
+    "qwen3": ("Qwen3", dict(rope_theta=1_000_000.0)),  # q/k norms; head_dim set below
+}
+
 _SIZES = flags.DEFINE_list("sizes", ["tiny", "125m"], f"Model sizes, of {list(SIZES)}.")
+_ARCHS = flags.DEFINE_list("archs", ["llama"], f"Architectures, of {list(ARCHS)}.")
+_CORES = flags.DEFINE_list("cores", ["all"], "Core counts to measure on ('all': the cores this "
+                           "process may use); several: one child process each.")
 _BATCHES = flags.DEFINE_list("batches", ["1", "16"], "Batch sizes.")
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 32, "Prompt tokens per row.")
 _NEW = flags.DEFINE_integer("new_tokens", 128, "Greedy tokens generated per row.")
 _ROUNDS = flags.DEFINE_integer("rounds", 5, "Timed rounds per framework, interleaved.")
-_THREADS = flags.DEFINE_integer("threads", 0, "torch threads; 0: the cores this process may use.")
 _DIR = flags.DEFINE_string("dir", None, "Where the checkpoints are written (default: a temp dir).")
 _OUT = flags.DEFINE_string("out", None, "Also write the results as JSON here.")
+_CHILD = flags.DEFINE_bool("child", False, "Set by the parent of --cores' children: no header.")
 
 
 def import_hf():
@@ -62,18 +84,22 @@ def import_hf():
   return torch, transformers
 
 
-def build(size: str, directory: str, seed: int = 0):
-  """(transformers model, jaxsys config, jaxsys params) of one random Llama saved in `directory`."""
+def build(size: str, directory: str, seed: int = 0, arch: str = "llama"):
+  """(transformers model, jaxsys config, jaxsys params) of one random model of `arch`
+  (ARCHS) saved in `directory`."""
   _, transformers = import_hf()
   d, layers, heads, kv, ff, vocab = SIZES[size]
+  name, extra = ARCHS[arch]
+  extra = {**extra, **({"head_dim": d // heads} if name == "Qwen3" else {})}  # its default: 128
   # No BOS/EOS/pad ids: generate then never stops a row early (min_new_tokens would instead
   # mask the EOS logit, which changes the argmax jaxsys computes).
-  config = transformers.LlamaConfig(
+  config = getattr(transformers, f"{name}Config")(
       vocab_size=vocab, hidden_size=d, intermediate_size=ff, num_hidden_layers=layers,
-      num_attention_heads=heads, num_key_value_heads=kv, rope_theta=500_000.0, rms_norm_eps=1e-5,
-      tie_word_embeddings=False, max_position_embeddings=1024, bos_token_id=None,
-      eos_token_id=None, pad_token_id=None)
-  model = hf_runs.randomize_torch_llama(transformers.LlamaForCausalLM(config), seed=seed).eval()
+      num_attention_heads=heads, num_key_value_heads=kv, rms_norm_eps=1e-5,
+      tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+      **{"max_position_embeddings": 1024, **extra})
+  model = getattr(transformers, f"{name}ForCausalLM")(config)
+  model = hf_runs.randomize_torch_llama(model, seed=seed).eval()
   model.save_pretrained(directory)
   cfg, params = hf.load(directory)
   return model, cfg, params
@@ -188,49 +214,97 @@ def rate(tokens: int, seconds: list[float]) -> tuple[float, float, float]:
   return float(np.median(r)), float(r.min()), float(r.max())
 
 
+def pin(cores: str) -> int:
+  """Pins this process to the first `cores` ('all' or a count) of the cores it may use; how many."""
+  allowed = sorted(os.sched_getaffinity(0))
+  n = len(allowed) if cores == "all" else int(cores) if cores.isdigit() else 0
+  if not 1 <= n <= len(allowed):
+    raise ValueError(f"--cores={cores!r} is not a core count; use 'all' or an int in "
+                     f"[1, {len(allowed)}] (the cores this process may use)")
+  os.sched_setaffinity(0, allowed[:n])
+  return n
+
+
+def measure(arch: str, size: str, batch: int, built, cores: int) -> dict[str, Any]:
+  """One row: the same-tokens check and the interleaved timings; prints the table row."""
+  model, cfg, params = built
+  new = _NEW.value
+  p = prompts(batch, _PROMPT_LEN.value, cfg.vocab_size, seed=batch)
+  same = same_tokens(model, cfg, params, p, new)
+  t = timings(model, cfg, params, p, new, _ROUNDS.value)
+  mine, theirs = (rate(batch * new, t[k].runs_s) for k in ("jaxsys", "transformers"))
+  others = t["jaxsys"].others + t["transformers"].others
+  loads = t["jaxsys"].loads + t["transformers"].loads
+  agree = f"{same['rows_equal']}/{same['rows']} rows" + (
+      "" if same["rows_equal"] == same["rows"] else
+      f" (first differs at step {min(same['first_diff'])})")
+  print(f"| {arch} | {size} | {transformer.param_count(cfg) / 1e6:.1f}M | {cores} | {batch} | "
+        f"{agree} | {mine[0]:,.0f} [{mine[1]:,.0f}, {mine[2]:,.0f}] | "
+        f"{theirs[0]:,.0f} [{theirs[1]:,.0f}, {theirs[2]:,.0f}] | "
+        f"{mine[0] / theirs[0]:.2f}x | {t['jaxsys'].first_s:.1f} s | "
+        f"{np.median(others):.0%} [{min(others):.0%}, {max(others):.0%}] | "
+        f"{min(loads):.1f}-{max(loads):.1f} |", flush=True)
+  return {"arch": arch, "size": size, "params": transformer.param_count(cfg), "cores": cores,
+          "batch": batch, "same_tokens": same, "jaxsys_tokens_per_s": mine,
+          "transformers_tokens_per_s": theirs,
+          **{k: dataclasses.asdict(v) for k, v in t.items()}}
+
+
+def _children(argv: list[str]) -> list[dict]:
+  """Each --cores value measured by a child process of its own, one after the other."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  passed = [a for a in argv[1:] if not a.startswith(("--cores", "--out", "--child"))]
+  runs = []
+  for cores in _CORES.value:
+    with tempfile.TemporaryDirectory() as tmp:
+      out = os.path.join(tmp, "out.json")
+      subprocess.run([sys.executable, "-m", "experiments.bench_generate", *passed, "--child",
+                      f"--cores={cores}", f"--out={out}"], cwd=root, check=True)
+      with open(out) as f:
+        runs.append(json.load(f))
+  return [r for run in runs for r in run["results"]]
+
+
 def main(argv):
-  del argv
   try:
     torch, transformers = import_hf()
   except ImportError:
     print(MISSING, file=sys.stderr)
     sys.exit(1)
-  threads = _THREADS.value or len(os.sched_getaffinity(0))
-  torch.set_num_threads(threads)
-  new = _NEW.value
-  print(f"jax {jax.__version__}, transformers {transformers.__version__}, torch "
-        f"{torch.__version__}; torch threads {threads}; float32 on {jax.devices()[0].device_kind}; "
-        f"prompt {_PROMPT_LEN.value} tokens, {new} new tokens greedy, {_ROUNDS.value} rounds\n")
-  print("| model | params | batch | same tokens | jaxsys tokens/s | transformers tokens/s | "
-        "ratio | jaxsys first call | others' CPU share |")
-  print("|---|---:|---:|---|---:|---:|---:|---:|---:|")
-  results = []
-  with tempfile.TemporaryDirectory(dir=_DIR.value) as tmp:
-    for size in _SIZES.value:
-      model, cfg, params = build(size, os.path.join(tmp, size))
-      for batch in map(int, _BATCHES.value):
-        p = prompts(batch, _PROMPT_LEN.value, cfg.vocab_size, seed=batch)
-        same = same_tokens(model, cfg, params, p, new)
-        t = timings(model, cfg, params, p, new, _ROUNDS.value)
-        mine, theirs = (rate(batch * new, t[k].runs_s) for k in ("jaxsys", "transformers"))
-        others = t["jaxsys"].others + t["transformers"].others
-        agree = f"{same['rows_equal']}/{same['rows']} rows" + (
-            "" if same["rows_equal"] == same["rows"] else
-            f" (first differs at step {min(same['first_diff'])})")
-        print(f"| {size} | {transformer.param_count(cfg) / 1e6:.1f}M | {batch} | {agree} | "
-              f"{mine[0]:,.0f} [{mine[1]:,.0f}, {mine[2]:,.0f}] | "
-              f"{theirs[0]:,.0f} [{theirs[1]:,.0f}, {theirs[2]:,.0f}] | "
-              f"{mine[0] / theirs[0]:.2f}x | {t['jaxsys'].first_s:.1f} s | "
-              f"{np.median(others):.0%} [{min(others):.0%}, {max(others):.0%}] |", flush=True)
-        results.append({"size": size, "params": transformer.param_count(cfg), "batch": batch,
-                        "same_tokens": same, "jaxsys_tokens_per_s": mine,
-                        "transformers_tokens_per_s": theirs,
-                        **{k: dataclasses.asdict(v) for k, v in t.items()}})
+  del argv
+  for flag, known in ((_ARCHS, ARCHS), (_SIZES, SIZES)):
+    if unknown := [v for v in flag.value if v not in known]:
+      sys.exit(f"error: --{flag.name}={','.join(flag.value)}: {unknown} not known; choose "
+               f"from {list(known)}")
+  try:
+    cores = pin(_CORES.value[0]) if len(_CORES.value) == 1 else None
+  except ValueError as e:
+    sys.exit(f"error: {e}")
+  if not _CHILD.value:
+    print(f"jax {jax.__version__}, transformers {transformers.__version__}, torch "
+          f"{torch.__version__}; float32 on {jax.devices()[0].device_kind}; prompt "
+          f"{_PROMPT_LEN.value} tokens, {_NEW.value} new tokens greedy, {_ROUNDS.value} rounds; "
+          "each row's process pinned to its cores, torch threads = cores\n")
+    print("| arch | size | params | cores | batch | same tokens | jaxsys tokens/s | "
+          "transformers tokens/s | ratio | jaxsys first call | others' CPU share | load |")
+    print("|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|", flush=True)
+  if cores is None:
+    results = _children(sys.argv)
+  else:
+    torch.set_num_threads(cores)
+    results = []
+    with tempfile.TemporaryDirectory(dir=_DIR.value) as tmp:
+      for arch in _ARCHS.value:
+        for size in _SIZES.value:
+          built = build(size, os.path.join(tmp, f"{arch}_{size}"), arch=arch)
+          for batch in map(int, _BATCHES.value):
+            results.append(measure(arch, size, batch, built, cores))
+          del built
   if _OUT.value:
     with open(_OUT.value, "w") as f:
       json.dump({"jax": jax.__version__, "transformers": transformers.__version__,
-                 "torch": torch.__version__, "torch_threads": threads, "prompt_len":
-                 _PROMPT_LEN.value, "new_tokens": new, "results": results}, f, indent=1)
+                 "torch": torch.__version__, "prompt_len": _PROMPT_LEN.value,
+                 "new_tokens": _NEW.value, "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -52,3 +52,17 @@ def test_timings_of_each_framework(test_model):
     assert all(0 <= share <= 1 for share in timing.others)
   median, lo, hi = bench_generate.rate(6, t["jaxsys"].runs_s)
   assert lo <= median <= hi and hi == pytest.approx(6 / min(t["jaxsys"].runs_s))
+
+
+@needs_transformers
+@pytest.mark.parametrize("arch, feature", [("qwen2", "qkv_bias"), ("qwen3", "qk_norm"),
+                                           ("llama3", "rope_scaling")])
+def test_newer_architectures_same_greedy_tokens(tmp_path, arch, feature):
+  """The benchmark's Qwen2, Qwen3 and Llama 3.x models: imported with what sets them apart,
+  and decoded to transformers' greedy tokens."""
+  model, cfg, params = bench_generate.build("test", str(tmp_path), arch=arch)
+  assert getattr(cfg, feature), cfg
+  same = bench_generate.same_tokens(model, cfg, params, bench_generate.prompts(2, 8, cfg.vocab_size),
+                                    new=8)
+  assert same["rows_equal"] == 2, same
+  assert same["max_logit_diff"] < 1e-4 * same["max_logit"], same
