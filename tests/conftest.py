@@ -54,6 +54,27 @@ def pytest_collection_modifyitems(items):
                                     len(LONGEST)), item.get_closest_marker("slow") is None))
 
 
+# JAXSYS_TEST_CPU=<file>: each test's CPU seconds (its worker's threads and the processes it
+# waited for) appended to <file> as "seconds nodeid" lines. Unlike --durations' wall time, a
+# loaded machine hardly changes it, so it says where the suite's time goes on any machine.
+_CPU_LOG = os.environ.get("JAXSYS_TEST_CPU")
+
+
+def _cpu_seconds() -> float:
+  import resource  # pylint: disable=import-outside-toplevel
+  return sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
+                                                resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):  # pylint: disable=unused-argument
+  start = _cpu_seconds() if _CPU_LOG else None
+  yield
+  if start is not None:
+    with open(_CPU_LOG, "a", encoding="utf-8") as log:
+      log.write(f"{_cpu_seconds() - start:.2f} {item.nodeid}\n")
+
+
 def pytest_sessionfinish(session):
   if _OWN_CACHE and not hasattr(session.config, "workerinput"):  # the controller, at the end
     shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
