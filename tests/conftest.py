@@ -108,6 +108,20 @@ def flash_value_and_grads(attention, *, causal: bool, packed: bool):
   return value_and_grads
 
 
+def windowed_flash_hlo(attention, sharding) -> str:
+  """The compiled HLO of `attention`'s flash kernels (forward and both backward) with
+  Mistral 7B v0.1's window of 4096 over 8192 packed tokens, inputs on `sharding`: for the
+  tests that compile the windowed kernels for real TPU and GPU chips."""
+  import functools  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+  q, kv = spec((1, 8192, 8, 128), jnp.bfloat16), spec((1, 8192, 2, 128), jnp.bfloat16)
+  value_and_grads = flash_value_and_grads(functools.partial(attention, window=4096),
+                                          causal=True, packed=True)
+  return jax.jit(value_and_grads).lower(q, kv, kv, spec((1, 8192), jnp.int32)).compile().as_text()
+
+
 @pytest.fixture(scope="session")
 def small_corpus(tmp_path_factory) -> str:
   """A directory of ~200 real stdlib source files (a few hundred KB): fast loaders in tests.

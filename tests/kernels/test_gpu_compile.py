@@ -5,7 +5,6 @@ attached: XLA lowers each kernel through Triton to sm_90 machine code. Interpret
 checks the kernels' values; this checks that the GPU compiler accepts them at the
 model's shapes (a failure to compile fails the test).
 """
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +12,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from conftest import flash_value_and_grads, needs_cuda_plugin
+from conftest import flash_value_and_grads, windowed_flash_hlo, needs_cuda_plugin
 from jaxsys import chips
 from jaxsys.kernels import qweight
 from jaxsys.kernels.attention_pallas import pallas_attention
@@ -49,14 +48,8 @@ def test_flash_attention_compiles(head_dim, seq_len, causal, packed):
 def test_flash_attention_with_a_window_compiles():
   """Mistral 7B v0.1's window of 4096 over 8192 tokens, packed: the kernels with the band's
   element mask and block ranges."""
-  on = _on_one_gpu()
-  q = _spec((1, 8192, 8, 128), jnp.bfloat16, on)
-  kv = _spec((1, 8192, 2, 128), jnp.bfloat16, on)
-  ids = _spec((1, 8192), jnp.int32, on)
-  windowed = functools.partial(pallas_attention, window=4096)
-  value_and_grads = flash_value_and_grads(windowed, causal=True, packed=True)
-  compiled = jax.jit(value_and_grads).lower(q, kv, kv, ids).compile()
-  assert compiled.as_text().count(f"custom_call_target={TRITON}") == 3
+  hlo = windowed_flash_hlo(pallas_attention, _on_one_gpu())
+  assert hlo.count(f"custom_call_target={TRITON}") == 3
 
 
 @pytest.mark.parametrize("scheme", qweight.SCHEMES)

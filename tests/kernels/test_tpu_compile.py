@@ -3,7 +3,6 @@
 Interpret mode checks the kernels' values; this checks that libtpu's Mosaic compiler
 accepts them for each chip at the model's shapes (a failure to compile fails the test).
 """
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from conftest import flash_value_and_grads, needs_libtpu
+from conftest import flash_value_and_grads, windowed_flash_hlo, needs_libtpu
 from jaxsys import chips
 from jaxsys.kernels import qweight
 from jaxsys.kernels.attention_pallas_tpu import pallas_tpu_attention
@@ -50,14 +49,8 @@ def test_flash_attention_compiles(topology, head_dim, seq_len, causal, packed):
 def test_flash_attention_with_a_window_compiles(topology):
   """Mistral 7B v0.1's window of 4096 over 8192 tokens, packed: the kernels with the band's
   element mask and block ranges."""
-  on = _on_one_chip(topology)
-  q = _spec((1, 8192, 8, 128), jnp.bfloat16, on)
-  kv = _spec((1, 8192, 2, 128), jnp.bfloat16, on)
-  ids = _spec((1, 8192), jnp.int32, on)
-  windowed = functools.partial(pallas_tpu_attention, window=4096)
-  value_and_grads = flash_value_and_grads(windowed, causal=True, packed=True)
-  compiled = jax.jit(value_and_grads).lower(q, kv, kv, ids).compile()
-  assert compiled.as_text().count('custom_call_target="tpu_custom_call"') == 3
+  hlo = windowed_flash_hlo(pallas_tpu_attention, _on_one_chip(topology))
+  assert hlo.count('custom_call_target="tpu_custom_call"') == 3
 
 
 @pytest.mark.parametrize("topology", SLICES)
