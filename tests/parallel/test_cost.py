@@ -13,6 +13,12 @@ def test_sequence_cost_is_causal_attention_plus_the_matmuls():
                                 [2 * D * 100 + 24 * D * D * 10, 2 * D * 400 + 24 * D * D * 20])
 
 
+def test_sequence_cost_is_the_flop_models_sequence():
+  lengths = np.array([1, 10, 4096, 262144])
+  np.testing.assert_array_equal(cost.sequence_cost(lengths, d_model=D),
+                                cost.flop_model(D).sequence(lengths))
+
+
 def test_forward_estimate_counts_a_ring_member_and_a_short_sequence():
   estimate = cost.ForwardEstimate(cost.flop_model(D))
   # A cell's matmuls run over every slot, filled or not.
