@@ -7,8 +7,9 @@ whose routes change every step. Three implement it:
   - `autodiff`: `jax.value_and_grad` of the model, any mesh of data/fsdp/tensor/context;
   - `pipelined`: the pipeline executor over `stage` (any schedule, with or without
     vocabulary parallelism);
-  - `routed_pipeline`: R pipelines over `replica` x `stage` whose microbatches may cross
-    replicas at chunk boundaries (NoLoCo's random routing), fixed routing otherwise.
+  - `routed_pipeline`: R pipelines over `replica` x `stage` whose microbatches cross
+    replicas at chunk boundaries (NoLoCo's random routing). With fixed routing each
+    replica runs its own pipeline: `over_replicas` of `pipelined`, like any other.
 
 Attention is injected, not owned: with a `context_split` every one of them lays the batch
 out over the `context` axis and runs the model with its context-parallel attention (the
@@ -70,14 +71,35 @@ def pipelined(model_cfg: transformer.TransformerConfig, schedule: pipeline.Sched
               context_split: step_lib.ContextSplit | None = None,
               gather_once: bool = False) -> GradFn:
   """Gradients of the stage-view parameters by the pipeline executor running `schedule`
-  (`gather_once`: `pipeline.pipeline_loss_and_grads`')."""
-  def grad_fn(params, batch, step=None):
-    count = jnp.sum(batch["loss_mask"])
+  (`gather_once`: `pipeline.pipeline_loss_and_grads`').
+
+  Vmapped over `replica` (`over_replicas`), it runs every replica's pipeline in one
+  program, the executor's `replica` x `stage` (jax 0.10 cannot vmap the executor's
+  `shard_map` itself: the replica axis is left automatic, and the kernels' own shard_maps
+  inside divide the vmapped size a second time).
+  """
+  options = dict(mesh=mesh, vocab_algorithm=vocab_algorithm, gather_once=gather_once)
+
+  @jax.custom_batching.custom_vmap
+  def loss_and_grads(params, batch):
     batch, attention_fn = with_attention(batch, context_split)
-    total, grads = pipeline.pipeline_loss_and_grads(
-        model_cfg, schedule, layout, params, batch, mesh=mesh, vocab_algorithm=vocab_algorithm,
-        attention_fn=attention_fn, gather_once=gather_once)
-    return total, count, grads
+    return pipeline.pipeline_loss_and_grads(model_cfg, schedule, layout, params, batch,
+                                            attention_fn=attention_fn, **options)
+
+  @loss_and_grads.def_vmap
+  def replicas_loss_and_grads(replicas, in_batched, params, batch):
+    params, batch = (jax.tree.map(
+        lambda x, batched: x if batched else jnp.broadcast_to(x, (replicas, *x.shape)),
+        tree, batched) for tree, batched in zip((params, batch), in_batched))
+    rows = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), batch)  # replica r's block r
+    rows, attention_fn = with_attention(rows, context_split)
+    out = pipeline.replica_loss_and_grads(model_cfg, schedule, layout, params, rows,
+                                          attention_fn=attention_fn, **options)
+    return out, jax.tree.map(lambda _: True, out)
+
+  def grad_fn(params, batch, step=None):
+    total, grads = loss_and_grads(params, batch)
+    return total, jnp.sum(batch["loss_mask"]), grads
   return grad_fn
 
 
@@ -150,23 +172,23 @@ def over_replicas(grad_fn: GradFn, replicas: int) -> ReplicaGradFn:
 
 
 def routed_pipeline(model_cfg: transformer.TransformerConfig, schedule: pipeline.Schedule,
-                    layout: pipeline.Layout, mesh, replicas: int, *,
-                    routing_seed: int | None = None, vocab_algorithm: int = 2,
-                    accum_steps: int = 1, context_split: step_lib.ContextSplit | None = None,
+                    layout: pipeline.Layout, mesh, replicas: int, *, routing_seed: int,
+                    vocab_algorithm: int = 2, accum_steps: int = 1,
+                    context_split: step_lib.ContextSplit | None = None,
                     gather_once: bool = False) -> ReplicaGradFn:
-  """R pipelines over `replica` x `stage`; `routing_seed` None routes each replica's rows
-  through its own stages, else through replicas drawn from (seed, step, accumulation step).
+  """R pipelines over `replica` x `stage`, each microbatch routed through replicas drawn
+  from (`routing_seed`, step, accumulation step).
 
   Replica r's parameters get the gradient of sum_r' loss_r' / tokens_r' (each replica's
-  rows normalised by their own token count over the whole batch), so with fixed routing
-  each replica steps exactly as an unpipelined replica would.
+  rows normalised by their own token count over the whole batch): with every route fixed
+  to its own replica, exactly the step of `over_replicas`.
   """
   def replica_grad_fn(params, batch, step):
     counts = jnp.sum(batch["loss_mask"].reshape(replicas, -1), axis=1)
     weights = 1.0 / jnp.maximum(counts, 1.0)
 
     def one(a, mb):
-      shifts = None if routing_seed is None else routing.draw_shifts(
+      shifts = routing.draw_shifts(
           routing_seed, step * accum_steps + a, replicas, schedule.microbatches, layout.chunks)
       mb, attention_fn = with_attention(mb, context_split)
       return pipeline.replica_loss_and_grads(

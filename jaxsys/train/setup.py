@@ -160,20 +160,18 @@ def _gradient_fn(run: RunConfig, mesh, view: layouts.View, schedule, context_spl
   model_cfg, accum = run.model, run.optimizer.grad_accum_steps
   vocab_algorithm, gather_once = run.pipeline.vocab_algorithm, run.pipeline.gather_once
   if view.stages is None:
-    once = None
-    if run.optimizer.accum_gather_once:
-      once = grads.GatherOnce.of(model_cfg, param_sh)
+    once = grads.GatherOnce.of(model_cfg, param_sh) if run.optimizer.accum_gather_once else None
     fn = grads.accumulate(grads.autodiff(model_cfg, context_split), accum, once)
-    return grads.over_replicas(fn, view.replicas) if view.replicas else fn
-  if view.replicas:
-    seed = run.outer.seed if run.pipeline.routing == "random" else None
+  elif view.replicas and run.pipeline.routing == "random":  # microbatches cross replicas
     return grads.routed_pipeline(model_cfg, schedule, view.stages, mesh, view.replicas,
-                                 routing_seed=seed, vocab_algorithm=vocab_algorithm,
+                                 routing_seed=run.outer.seed, vocab_algorithm=vocab_algorithm,
                                  accum_steps=accum, context_split=context_split,
                                  gather_once=gather_once)
-  fn = grads.pipelined(model_cfg, schedule, view.stages, mesh, vocab_algorithm=vocab_algorithm,
-                       context_split=context_split, gather_once=gather_once)
-  return grads.accumulate(fn, accum)
+  else:
+    fn = grads.accumulate(grads.pipelined(
+        model_cfg, schedule, view.stages, mesh, vocab_algorithm=vocab_algorithm,
+        context_split=context_split, gather_once=gather_once), accum)
+  return grads.over_replicas(fn, view.replicas) if view.replicas else fn
 
 
 def _eval_fn(model_cfg, mesh, view: layouts.View, schedule, param_sh, batch_sh,
