@@ -23,12 +23,16 @@ from jaxsys.train.setup import make_setup
 pytestmark = pytest.mark.slow  # starts processes or trains end to end
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+# The rows' model and batch: 8 rows still split over DP's 8 workers and DiLoCo's 4 replicas
+# x 2, and a step computes an eighth of the config's 32 x 128 tokens.
+SIZES = {"model": dict(d_model=32, d_ff=64), "data": dict(batch_size=8, seq_len=64)}
 
 
 def _cmd(workdir, source, *flags):
   return [sys.executable, "-m", "experiments.compare_outer", "--config=configs/compare_outer.py",
           f"--workdir={workdir}", f"--config.data.source={source}",
-          "--config.data.num_threads=0", "--config.model.d_model=32", "--config.model.d_ff=64",
+          "--config.data.num_threads=0",
+          *(f"--config.{part}.{k}={v}" for part, kv in SIZES.items() for k, v in kv.items()),
           *flags]
 
 
@@ -36,7 +40,7 @@ def test_two_rows_from_a_warm_start(small_corpus, tmp_path):
   proc = subprocess.run(
       _cmd(tmp_path, small_corpus, "--runs=dp,diloco_k4_h10", "--time_sync=diloco_k4_h10",
            "--seeds=3",
-           "--time_reps=2", "--config.pretrain_steps=2", "--config.total_steps=4",
+           "--time_reps=1", "--config.pretrain_steps=2", "--config.total_steps=4",
            "--config.eval_every=2", "--config.eval_steps=1", "--config.log_every=2",
            "--config.checkpoint_every=4", "--config.continue_schedule=true",
            "--config.optimizer.warmup_steps=5",
@@ -91,12 +95,13 @@ def test_two_rows_from_a_warm_start(small_corpus, tmp_path):
 
 
 def _run_config(name: str):
-  """Row `name` of configs/compare_outer.py with the model sizes `_cmd` sets."""
+  """Row `name` of configs/compare_outer.py with the sizes `_cmd` sets."""
   spec = importlib.util.spec_from_file_location("compare", ROOT / "configs" / "compare_outer.py")
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   base = module.get_config()
-  base.model.update(dict(d_model=32, d_ff=64))
+  for part, kv in SIZES.items():
+    base[part].update(kv)
   return compare_outer.run_config(base, base.run_specs[name].to_dict())
 
 
@@ -109,7 +114,7 @@ def _compiled_bytes(name: str) -> int:
   """Bytes one worker sends in row `name`'s compiled program: DP's step or the outer sync."""
   config = _run_config(name)
   run = config_check.check_config(config)
-  mesh, model_cfg = mesh_lib.make_mesh(run.mesh), run.model
+  mesh = mesh_lib.make_mesh(run.mesh)
   setup = make_setup(run, mesh)
   if setup.outer is None:
     b, t = config.data.batch_size, config.data.seq_len

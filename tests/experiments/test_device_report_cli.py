@@ -7,6 +7,7 @@ import subprocess
 import sys
 import pytest
 
+import forked_cli
 from jaxsys import xla_flags
 from jaxsys.device_report import report
 
@@ -42,16 +43,33 @@ def test_smoke_report_runs_every_part_and_writes_both_files(tmp_path):
   assert text in r.stdout
 
 
-def test_without_a_gpu_or_smoke_one_line(tmp_path):
-  r = _run(f"--out={tmp_path}")
-  assert r.returncode == 1
-  assert r.stderr.strip().splitlines()[-1].startswith(
+@pytest.fixture(scope="module")
+def bad_command_lines(tmp_path_factory):
+  """{name: (exit status, stderr, --out directory)} of the two bad command lines below, run
+  on one device from one start-up of the binary (tests/experiments/forked_cli.py: a child
+  forked for each, ~2.5 s of CPU less than a process each); each --out exists, empty."""
+  root = tmp_path_factory.mktemp("bad_command_lines")
+  lines = {"no_gpu": [], "unknown_part": ["--smoke", "--parts=checks,speed"]}
+  for name in lines:
+    (root / name).mkdir()
+  with pytest.MonkeyPatch.context() as env:
+    env.setenv("XLA_FLAGS", xla_flags.with_cpu_devices(1))
+    runs = forked_cli.run("experiments.device_report",
+                          [[*flags, f"--out={root / name}"] for name, flags in lines.items()],
+                          root / "forked")
+  return {name: (code, err, root / name) for name, (code, _, err) in zip(lines, runs)}
+
+
+def test_without_a_gpu_or_smoke_one_line(bad_command_lines):
+  returncode, stderr, out = bad_command_lines["no_gpu"]
+  assert returncode == 1
+  assert stderr.strip().splitlines()[-1].startswith(
       "error: no GPU found (jax's backend is 'cpu'): run this on a GPU machine, or pass --smoke")
-  assert not list(tmp_path.iterdir())
+  assert not list(out.iterdir())
 
 
-def test_unknown_part_one_line(tmp_path):
-  r = _run("--smoke", f"--out={tmp_path}", "--parts=checks,speed")
-  assert r.returncode == 1
-  assert r.stderr.strip().splitlines()[-1] == (
+def test_unknown_part_one_line(bad_command_lines):
+  returncode, stderr, _ = bad_command_lines["unknown_part"]
+  assert returncode == 1
+  assert stderr.strip().splitlines()[-1] == (
       "error: --parts: 'speed' is not a part; choose from " + ", ".join(report.NAMES))
