@@ -9,18 +9,15 @@ import json
 import os
 import pathlib
 import re
-import resource
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import time
-import types
 
 import pytest
 
-import forked_cli
+import fork_server
 from jaxsys import metrics, storage
 from jaxsys.checkpoint import integrity, ledger
 
@@ -29,20 +26,22 @@ pytestmark = pytest.mark.slow  # starts processes or trains end to end
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def _cmd(workdir, source, *flags):
-  return [sys.executable, "-m", "experiments.train", "--config=configs/tiny_lm.py:size=test",
-          f"--config.data.source={source}", "--config.data.num_threads=0", f"--workdir={workdir}",
-          "--config.eval_every=0", "--config.log_every=1", *flags]
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+  """The train binary's runs in this module, each a child forked from one start-up of it
+  (tests/experiments/fork_server.py: ~2.5 s of CPU less than a process each). JAXSYS_TEST_CPU
+  counts its CPU, its runs' too, at the end of the module's last test, when it ends."""
+  with fork_server.Server(tmp_path_factory.mktemp("forked")) as server:
+    yield server
 
 
-def _train(workdir, source, *flags, file_limit=None, timeout=300):
+def _train(server, workdir, source, *flags, file_limit=None):
   """experiments.train on configs/tiny_lm.py:size=test; `file_limit` caps the size of each
   file it writes (bytes): writes past it fail with EFBIG, as on a full disk with ENOSPC."""
-  def limit_files():
-    resource.setrlimit(resource.RLIMIT_FSIZE, (file_limit, file_limit))
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write error, not death by signal
-  return subprocess.run(_cmd(workdir, source, *flags), cwd=ROOT, capture_output=True, text=True,
-                        timeout=timeout, preexec_fn=None if file_limit is None else limit_files)
+  return server.run(["--config=configs/tiny_lm.py:size=test", f"--config.data.source={source}",
+                     "--config.data.num_threads=0", f"--workdir={workdir}",
+                     "--config.eval_every=0", "--config.log_every=1", *flags],
+                    file_limit=file_limit)
 
 
 def _one_error_line(proc) -> str:
@@ -74,8 +73,10 @@ def test_sigkill_at_random_points_resumes_from_committed_steps(small_corpus, tmp
   run's exactly."""
   report = tmp_path / "faults.json"
   t0 = time.monotonic()
+  # 20 steps: the ten kills of seed 0 end by step 7-11 on the 2-core VM (each lands in the
+  # save of a step 1-3 past the newest); the steps after them only lengthen both runs.
   proc = subprocess.run([sys.executable, "-m", "experiments.fault_injection",
-                         f"--workdir={tmp_path / 'runs'}", "--crashes=10", "--total_steps=28",
+                         f"--workdir={tmp_path / 'runs'}", "--crashes=10", "--total_steps=20",
                          f"--data_source={small_corpus}", f"--json={report}"],
                         cwd=ROOT, capture_output=True, text=True, timeout=600)
   print(proc.stdout, f"\n{time.monotonic() - t0:.1f} s")  # the table, with pytest -s
@@ -98,7 +99,7 @@ def test_sigkill_at_random_points_resumes_from_committed_steps(small_corpus, tmp
   # The losses, read here: every step once, each equal to the uninterrupted run's.
   crashed, reference = (pathlib.Path(result[k]) for k in ("crashed", "reference"))
   read = lambda w: [(r["step"], r["loss"]) for r in metrics.read_metrics(str(w)) if "loss" in r]
-  assert read(crashed) == read(reference) and len(read(reference)) == 28
+  assert read(crashed) == read(reference) and len(read(reference)) == 20
   ckpt = crashed / "checkpoints"
   assert not (crashed / "run.lock").exists()
   entries = ledger.read(str(ckpt))  # its chain verifies
@@ -129,17 +130,18 @@ def test_damaged_checkpoints_are_refused_on_real_runs(small_corpus, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def two_checkpoints(small_corpus, tmp_path_factory):
+def two_checkpoints(server, small_corpus, tmp_path_factory):
   """A run of 4 steps with checkpoints at steps 2 and 4 (copied by each test that uses it)."""
   workdir = tmp_path_factory.mktemp("trained") / "run"
-  proc = _train(workdir, small_corpus, "--config.total_steps=4", "--config.checkpoint_every=2",
-                "--config.keep_checkpoints=2")
+  proc = _train(server, workdir, small_corpus, "--config.total_steps=4",
+                "--config.checkpoint_every=2", "--config.keep_checkpoints=2")
   assert proc.returncode == 0, proc.stderr[-3000:]
   return workdir
 
 
 @pytest.mark.parametrize("disk", ["file-size limit", "small tmpfs"])
-def test_a_save_on_a_full_disk_stops_in_one_line(two_checkpoints, small_corpus, tmp_path, disk):
+def test_a_save_on_a_full_disk_stops_in_one_line(server, two_checkpoints, small_corpus, tmp_path,
+                                                  disk):
   """The save of step 6 finds the disk full: one `error:` line naming the step, the reason
   and the intact older steps; those verify, and the next run (with space) resumes from 4."""
   workdir = tmp_path / "run"
@@ -157,7 +159,7 @@ def test_a_save_on_a_full_disk_stops_in_one_line(two_checkpoints, small_corpus, 
     flags = ("--config.total_steps=8", "--config.checkpoint_every=2",
              "--config.keep_checkpoints=2")
     # Files of a step are up to half its size: a limit of a tenth stops the first save.
-    proc = _train(workdir, small_corpus, *flags,
+    proc = _train(server, workdir, small_corpus, *flags,
                   file_limit=step_bytes // 10 if disk == "file-size limit" else None)
     reason = ("File too large (errno 27)" if disk == "file-size limit"
               else "No space left on device (errno 28)")
@@ -169,7 +171,7 @@ def test_a_save_on_a_full_disk_stops_in_one_line(two_checkpoints, small_corpus, 
       assert integrity.problem(str(workdir / "checkpoints" / str(step))) is None
     if disk == "small tmpfs":
       return  # the resume, the same after either, is checked once (the limit needs no root)
-    proc = _train(workdir, small_corpus, *flags)
+    proc = _train(server, workdir, small_corpus, *flags)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"resumed from {workdir / 'checkpoints'} at step 4" in proc.stderr
     assert _loss_steps(workdir) == list(range(1, 9))
@@ -180,21 +182,16 @@ def test_a_save_on_a_full_disk_stops_in_one_line(two_checkpoints, small_corpus, 
 
 
 @pytest.fixture(scope="module")
-def disk_full_early(small_corpus, tmp_path_factory):
-  """The two runs below that find the disk full before their first step is written, as
-  children forked from one start-up of the binary (tests/experiments/forked_cli.py: ~2 s
-  of CPU less than a process each), each with its own file-size limit: {name: (process
-  with returncode and stderr, workdir)}."""
+def disk_full_early(server, small_corpus, tmp_path_factory):
+  """The two runs below that find the disk full before their first step is written, each
+  with its own file-size limit: {name: (process with returncode and stderr, workdir)}."""
   root = tmp_path_factory.mktemp("disk_full_early")
   lock = json.dumps({"pid": 4194304, "host": socket.gethostname(), "started": time.time()})
   limits = {"start": 1, "first_row": len(lock) + 8}  # nothing; room for run.lock only
   for name in limits:
     (root / name).mkdir()
-  runs = forked_cli.run("experiments.train", [_cmd(root / name, source=small_corpus)[3:] +
-                                              ["--config.total_steps=2"] for name in limits],
-                        root / "forked", file_limits=list(limits.values()))
-  return {name: (types.SimpleNamespace(returncode=code, stderr=err), root / name)
-          for name, (code, _, err) in zip(limits, runs)}
+  return {name: (_train(server, root / name, small_corpus, "--config.total_steps=2",
+                        file_limit=limit), root / name) for name, limit in limits.items()}
 
 
 def test_a_full_disk_at_start_is_one_line_and_leaves_no_lock(disk_full_early):
