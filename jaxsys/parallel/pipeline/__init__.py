@@ -46,8 +46,9 @@ token count, so the step equals the unpipelined one.
 
 `replica_loss_and_grads` runs R such pipelines at once, one per replica of a `replica` x
 `stage` mesh (parameters [R, ...], the shard_map manual over both axes). With fixed
-routing they are independent (what `grads.over_replicas` of a pipeline runs); with `shifts` (`routing.py`, NoLoCo's random routing) each
-chunk boundary moves a microbatch's activation to another replica's next stage, and its
+routing they are independent (what `grads.over_replicas` of a pipeline runs); with
+`shifts` (`routing.py`, NoLoCo's random routing) each chunk boundary moves a
+microbatch's activation to another replica's next stage, and its
 gradient back along the same path: the executor's transport (`transport.py`: `Ring` or
 `Routed`) is the one place that knows. Every replica then holds the whole batch's small
 integer arrays, so the chunk, head and embedding that meet a microbatch read its
