@@ -43,31 +43,17 @@ def _drop_capabilities() -> None:
 
 def _start(case: dict, replies: int) -> tuple[int, list[threading.Thread]]:
   """Forks the child of `case`; (its pid, the threads copying its output into files)."""
-  sys.stdout.flush()
-  sys.stderr.flush()
-  pipes = [os.pipe(), os.pipe()]
-  pid = os.fork()
-  if pid == 0:
-    code = 1
-    try:
-      # Not the server's pipes: with a child holding them, the client would wait for ever
-      # on a server that died.
-      os.close(replies)
-      os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-      os.environ.update(case["env"])
-      if case["unprivileged"]:
-        _drop_capabilities()
-      code = forked_cli._child(MODULE, case, pipes)  # pylint: disable=protected-access
-    finally:
-      sys.stdout.flush()
-      sys.stderr.flush()
-      os._exit(code)  # pylint: disable=protected-access
-  into_file, copies = forked_cli._copy, []  # pylint: disable=protected-access
-  for (read, write), key in zip(pipes, ("stdout", "stderr")):
-    os.close(write)
-    copies.append(threading.Thread(target=into_file, args=(read, case[key])))
-    copies[-1].start()
-  return pid, copies
+
+  def before() -> None:
+    # Not the server's pipes: with a child holding them, the client would wait for ever on
+    # a server that died.
+    os.close(replies)
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    os.environ.update(case["env"])
+    if case["unprivileged"]:
+      _drop_capabilities()
+
+  return forked_cli.fork(MODULE, case, before)
 
 
 def main() -> None:

@@ -63,6 +63,30 @@ def _copy(fd: int, path: str) -> None:
     shutil.copyfileobj(pipe, out)
 
 
+def fork(module: str, case, before=lambda: None) -> tuple[int, list[threading.Thread]]:
+  """Forks a child that runs `case` (after `before()`, in the child) and exits with its
+  status; (its pid, the threads copying its stdout and stderr into the case's files)."""
+  sys.stdout.flush()
+  sys.stderr.flush()
+  pipes = [os.pipe(), os.pipe()]
+  pid = os.fork()
+  if pid == 0:
+    code = 1
+    try:
+      before()
+      code = _child(module, case, pipes)
+    finally:
+      sys.stdout.flush()
+      sys.stderr.flush()
+      os._exit(code)  # pylint: disable=protected-access
+  copies = []
+  for (read, write), key in zip(pipes, ("stdout", "stderr")):
+    os.close(write)
+    copies.append(threading.Thread(target=_copy, args=(read, case[key])))
+    copies[-1].start()
+  return pid, copies
+
+
 def _import_what_it_imports(module: str) -> None:
   """The modules `module`'s source imports at its top level (`from a import b`: a.b where
   that is a module, else a)."""
@@ -89,23 +113,7 @@ def main(path: str) -> None:
     _import_what_it_imports(module)
   codes = []
   for case in spec["cases"]:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pipes = [os.pipe(), os.pipe()]
-    pid = os.fork()
-    if pid == 0:
-      code = 1
-      try:
-        code = _child(module, case, pipes)
-      finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)  # pylint: disable=protected-access
-    copies = []
-    for (read, write), key in zip(pipes, ("stdout", "stderr")):
-      os.close(write)
-      copies.append(threading.Thread(target=_copy, args=(read, case[key])))
-      copies[-1].start()
+    pid, copies = fork(module, case)
     for copy in copies:
       copy.join()
     codes.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
