@@ -23,19 +23,38 @@ class Chunk:
   the weights alone (the weights themselves, reshaped or transposed weights) are
   recomputed by the backward from the live weights, so a residual slot never holds a
   copy of the stage's weights.
+
+  Each pass is traced once per argument types and re-run from its jaxpr: the executor
+  runs a chunk's forward and backward in every branch that holds them, and tracing their
+  vjps again each time dominated its tracing.
   """
 
   def __init__(self, cfg: transformer.TransformerConfig, attention_fn: Callable):
     self.cfg, self.attention_fn = cfg, attention_fn
     self._stored: dict[Any, list[int]] = {}
     self._splits: dict[Any, _Split] = {}
+    self._jaxprs: dict[Any, tuple[jax_core.ClosedJaxpr, Any]] = {}
+
+  def _once(self, fn: Callable, *args):
+    """fn(*args) from fn's jaxpr for these argument types, traced on the first call."""
+    flat, tree = jax.tree.flatten(args)
+    key = (fn, tree, tuple(map(jax.typeof, flat)))
+    if key not in self._jaxprs:
+      closed, shape = jax.make_jaxpr(lambda *f: fn(*jax.tree.unflatten(tree, f)),
+                                     return_shape=True)(*flat)
+      self._jaxprs[key] = closed, jax.tree.structure(shape)
+    closed, out_tree = self._jaxprs[key]
+    return jax.tree.unflatten(out_tree, jax_core.jaxpr_as_fun(closed)(*flat))
 
   def apply(self, params, x, mb: Batch):
+    return self._once(self._apply, params, x, mb)
+
+  def _apply(self, params, x, mb: Batch):
     return transformer.apply_layers(self.cfg, params, x, mb["positions"], mb["segment_ids"],
                                     self.attention_fn)
 
   def _vjp(self, params, x, mb: Batch):
-    y, vjp_fn = jax.vjp(lambda params, x: self.apply(params, x, mb), params, x)
+    y, vjp_fn = jax.vjp(lambda params, x: self._apply(params, x, mb), params, x)
     leaves, treedef = jax.tree.flatten(vjp_fn)
     return y, leaves, treedef
 
@@ -56,10 +75,18 @@ class Chunk:
     return [leaves[i] for i in self._stored_indices(params, x, mb)]
 
   def forward(self, params, x, mb: Batch):
+    """(y, the residuals the backward reads from storage)."""
+    return self._once(self._forward, params, x, mb)
+
+  def _forward(self, params, x, mb: Batch):
     y, leaves, _ = self._vjp(params, x, mb)
     return y, [leaves[i] for i in self._stored_indices(params, x, mb)]
 
   def backward(self, params, residuals, dy, mb: Batch):
+    """(d params, d x) from the stored residuals."""
+    return self._once(self._backward, params, residuals, dy, mb)
+
+  def _backward(self, params, residuals, dy, mb: Batch):
     # A fresh trace gives the vjp's structure and the weight-only residuals from the live
     # weights; the rest of its forward is dead code, which XLA removes.
     x = jnp.zeros_like(dy)
@@ -84,7 +111,7 @@ class Chunk:
 
       def flat_backward(*flat):
         p, r, d, m = jax.tree.unflatten(tree, flat)
-        dparams, dx = self.backward(p, r, d, m)
+        dparams, dx = self._backward(p, r, d, m)
         return [dx, *jax.tree.leaves(dparams)]
       closed = jax.make_jaxpr(flat_backward)(*leaves)
       n_out = len(closed.out_avals)
