@@ -132,7 +132,7 @@ def test_compiled_flops_are_the_model_s():
     run = config_check.check_config(load_test_config(
         "stdlib", mesh="fsdp=4", model__d_model=256, model__n_heads=4, model__n_kv_heads=2,
         model__d_ff=768, model__n_layers=2, model__attention_impl="xla", model__remat=remat,
-        data__seq_len=256, data__batch_size=8), devices=slice_.devices)
+        data__seq_len=256, data__batch_size=4), devices=slice_.devices)
     setup = make_setup(run, mesh_lib.make_mesh(run.mesh, slice_.devices))
     lowered = setup.train_fn.lower(aot._abstract(setup.abstract, setup.state_sh),
                                    aot._batch(run, setup.batch_sh))
@@ -243,15 +243,15 @@ def test_offload_moves_saved_activations_to_host():
   def memory(offload):
     _, _, lowered = _lowered_step(
         "v5e:2x2", mesh="fsdp=4", model__remat_offload=offload, model__n_layers=4,
-        model__d_ff=512, data__batch_size=16)
+        model__d_ff=512, data__batch_size=8)  # 2 rows a device: libtpu's compile grows with rows
     analysis = lowered.compile().memory_analysis()
     return ("pinned_host" in lowered.as_text(), analysis.temp_size_in_bytes,
             analysis.host_temp_size_in_bytes)
 
   kept, offloaded = memory(""), memory("layer_input,q,k,v")
   assert not kept[0] and kept[2] == 0
-  # 4 layers x 4 rows x 256 tokens x (256 + 256 + 2 x 128) bf16 values a device.
-  assert offloaded[0] and offloaded[2] >= 4 * 4 * 256 * 768 * 2
+  # 4 layers x 2 rows x 256 tokens x (256 + 256 + 2 x 128) bf16 values a device.
+  assert offloaded[0] and offloaded[2] >= 4 * 2 * 256 * 768 * 2
   assert offloaded[1] < kept[1]
 
 
