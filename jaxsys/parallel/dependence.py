@@ -19,8 +19,12 @@ def depends_on(fn: Callable, args: Sequence, data: Sequence[bool]) -> list[bool]
   """For each leaf of fn(*args)'s output: does it depend on the args flagged in `data`?"""
   leaves = [jax.tree.leaves(a) for a in args]
   flags = [flag for arg, flag in zip(leaves, data) for _ in arg]
-  closed = jax.make_jaxpr(fn)(*args)
-  return _walk(closed.jaxpr, flags)
+  return outputs_depend_on(jax.make_jaxpr(fn)(*args).jaxpr, flags)
+
+
+def outputs_depend_on(jaxpr: core.Jaxpr, inputs: Sequence[bool]) -> list[bool]:
+  """For each output of `jaxpr`: does it depend on the inputs flagged in `inputs`?"""
+  return _walk(jaxpr, inputs)
 
 
 def _walk(jaxpr, inputs: Sequence[bool]) -> list[bool]:

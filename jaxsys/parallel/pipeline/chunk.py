@@ -31,7 +31,7 @@ class Chunk:
 
   def __init__(self, cfg: transformer.TransformerConfig, attention_fn: Callable):
     self.cfg, self.attention_fn = cfg, attention_fn
-    self._stored: dict[Any, list[int]] = {}
+    self._forwards: dict[Any, _Forward] = {}
     self._splits: dict[Any, _Split] = {}
     self._jaxprs: dict[Any, tuple[jax_core.ClosedJaxpr, Any]] = {}
 
@@ -58,29 +58,36 @@ class Chunk:
     leaves, treedef = jax.tree.flatten(vjp_fn)
     return y, leaves, treedef
 
-  def _residuals(self, params, x, mb: Batch):
-    return self._vjp(params, x, mb)[1]
-
-  def _stored_indices(self, params, x, mb: Batch) -> list[int]:
-    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (params, x, mb))
-    key = (jax.tree.structure(shapes), tuple((a.shape, a.dtype) for a in jax.tree.leaves(shapes)))
-    if key not in self._stored:  # one analysis per argument shapes, not per call
-      data = dependence.depends_on(self._residuals, shapes, (False, True, True))
-      self._stored[key] = [i for i, d in enumerate(data) if d]
-    return self._stored[key]
+  def _forward_pass(self, params, x, mb: Batch) -> "_Forward":
+    """The forward for these argument types, traced once: a jaxpr of y and the residuals
+    that depend on the microbatch (the stored ones)."""
+    flat, tree = jax.tree.flatten((params, x, mb))
+    key = (tree, tuple(map(_type_key, flat)))
+    if key not in self._forwards:
+      def flat_forward(*flat):
+        y, leaves, _ = self._vjp(*jax.tree.unflatten(tree, flat))
+        return [y, *leaves]
+      closed = jax.make_jaxpr(flat_forward)(*flat)
+      n_params = len(jax.tree.leaves(params))
+      data = dependence.outputs_depend_on(closed.jaxpr,
+                                          [i >= n_params for i in range(len(flat))])[1:]
+      jaxpr, _ = pe.dce_jaxpr(closed.jaxpr, [True, *data], instantiate=True)
+      stored = [i for i, d in enumerate(data) if d]
+      self._forwards[key] = _Forward(
+          jax_core.ClosedJaxpr(jaxpr, closed.consts), stored,
+          [jax.ShapeDtypeStruct(closed.out_avals[1 + i].shape, closed.out_avals[1 + i].dtype)
+           for i in stored])
+    return self._forwards[key]
 
   def residual_shapes(self, params, x, mb: Batch):
     """Shapes of the residuals a forward stores."""
-    leaves = jax.eval_shape(self._residuals, params, x, mb)
-    return [leaves[i] for i in self._stored_indices(params, x, mb)]
+    return self._forward_pass(params, x, mb).stored_shapes
 
   def forward(self, params, x, mb: Batch):
     """(y, the residuals the backward reads from storage)."""
-    return self._once(self._forward, params, x, mb)
-
-  def _forward(self, params, x, mb: Batch):
-    y, leaves, _ = self._vjp(params, x, mb)
-    return y, [leaves[i] for i in self._stored_indices(params, x, mb)]
+    outs = jax_core.jaxpr_as_fun(self._forward_pass(params, x, mb).jaxpr)(
+        *jax.tree.leaves((params, x, mb)))
+    return outs[0], list(outs[1:])
 
   def backward(self, params, residuals, dy, mb: Batch):
     """(d params, d x) from the stored residuals."""
@@ -91,7 +98,7 @@ class Chunk:
     # weights; the rest of its forward is dead code, which XLA removes.
     x = jnp.zeros_like(dy)
     _, leaves, treedef = self._vjp(params, x, mb)
-    for i, r in zip(self._stored_indices(params, x, mb), residuals):
+    for i, r in zip(self._forward_pass(params, x, mb).stored, residuals):
       leaves[i] = r
     return jax.tree.unflatten(treedef, leaves)(dy)
 
@@ -152,6 +159,23 @@ class Chunk:
         *stash, *[x for x, w in zip(flat, split.weight_only) if w]))
     values = [next(outs) if u else None for u in split.out_unknown]
     return split.dparams(params, values[1:])
+
+
+def _type_key(value):
+  """Shape, dtype and varying manual axes: the stored residuals' shapes are asked with a
+  ShapeDtypeStruct, whose type has no sharding, and the same trace serves the forward
+  (jax 0.10 keeps the varying axes in `manual_axis_type`, later versions in `vma`)."""
+  t = jax.typeof(value)
+  return t.shape, t.dtype, getattr(getattr(t, "manual_axis_type", None), "varying",
+                                   getattr(t, "vma", None))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Forward:
+  """A chunk forward's jaxpr: (params, x, mb) leaves -> y and the stored residuals."""
+  jaxpr: Any
+  stored: list[int]  # which of the vjp's residual leaves those are
+  stored_shapes: list[jax.ShapeDtypeStruct]
 
 
 @dataclasses.dataclass(frozen=True)
