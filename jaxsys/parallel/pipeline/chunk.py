@@ -31,20 +31,25 @@ class Chunk:
 
   def __init__(self, cfg: transformer.TransformerConfig, attention_fn: Callable):
     self.cfg, self.attention_fn = cfg, attention_fn
-    self._forwards: dict[Any, _Forward] = {}
-    self._splits: dict[Any, _Split] = {}
-    self._jaxprs: dict[Any, tuple[jax_core.ClosedJaxpr, Any]] = {}
+    self._traces: dict[Any, Any] = {}
+
+  def _traced(self, kind, args, build: Callable, key: Callable | None = None):
+    """build(flat args, their tree), once per pass `kind` and argument types (`key` of each
+    leaf, default `_type_key`)."""
+    flat, tree = jax.tree.flatten(args)
+    cache_key = (kind, tree, tuple(map(key or _type_key, flat)))
+    if cache_key not in self._traces:
+      self._traces[cache_key] = build(flat, tree)
+    return self._traces[cache_key]
 
   def _once(self, fn: Callable, *args):
     """fn(*args) from fn's jaxpr for these argument types, traced on the first call."""
-    flat, tree = jax.tree.flatten(args)
-    key = (fn, tree, tuple(map(jax.typeof, flat)))
-    if key not in self._jaxprs:
+    def build(flat, tree):
       closed, shape = jax.make_jaxpr(lambda *f: fn(*jax.tree.unflatten(tree, f)),
                                      return_shape=True)(*flat)
-      self._jaxprs[key] = closed, jax.tree.structure(shape)
-    closed, out_tree = self._jaxprs[key]
-    return jax.tree.unflatten(out_tree, jax_core.jaxpr_as_fun(closed)(*flat))
+      return closed, jax.tree.structure(shape)
+    closed, out_tree = self._traced(fn, args, build)
+    return jax.tree.unflatten(out_tree, jax_core.jaxpr_as_fun(closed)(*jax.tree.leaves(args)))
 
   def apply(self, params, x, mb: Batch):
     return self._once(self._apply, params, x, mb)
@@ -61,27 +66,23 @@ class Chunk:
   def _forward_pass(self, params, x, mb: Batch) -> "_Forward":
     """The forward for these argument types, traced once: a jaxpr of y and the residuals
     that depend on the microbatch (the stored ones)."""
-    flat, tree = jax.tree.flatten((params, x, mb))
-    key = (tree, tuple(map(_type_key, flat)))
-    if key not in self._forwards:
+    n_params = len(jax.tree.leaves(params))
+
+    def build(flat, tree):
       def flat_forward(*flat):
         y, leaves, _ = self._vjp(*jax.tree.unflatten(tree, flat))
         return [y, *leaves]
       closed = jax.make_jaxpr(flat_forward)(*flat)
-      n_params = len(jax.tree.leaves(params))
       data = dependence.outputs_depend_on(closed.jaxpr,
                                           [i >= n_params for i in range(len(flat))])[1:]
       jaxpr, _ = pe.dce_jaxpr(closed.jaxpr, [True, *data], instantiate=True)
-      stored = [i for i, d in enumerate(data) if d]
-      self._forwards[key] = _Forward(
-          jax_core.ClosedJaxpr(jaxpr, closed.consts), stored,
-          [jax.ShapeDtypeStruct(closed.out_avals[1 + i].shape, closed.out_avals[1 + i].dtype)
-           for i in stored])
-    return self._forwards[key]
+      return _Forward(jax_core.ClosedJaxpr(jaxpr, closed.consts),
+                      [i for i, d in enumerate(data) if d])
+    return self._traced("forward", (params, x, mb), build)
 
   def residual_shapes(self, params, x, mb: Batch):
     """Shapes of the residuals a forward stores."""
-    return self._forward_pass(params, x, mb).stored_shapes
+    return _shapes(self._forward_pass(params, x, mb).jaxpr.out_avals[1:])
 
   def forward(self, params, x, mb: Batch):
     """(y, the residuals the backward reads from storage)."""
@@ -109,34 +110,33 @@ class Chunk:
     reads them, each weight gradient's matmul, goes to W, and the rest, the input
     gradient and the whole cotangent chain, to B, which hands W the cotangents it needs
     (the stash). B + W does the backward's work once: no op runs in both."""
-    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
-                          (params, residuals, dy, mb))
-    leaves, tree = jax.tree.flatten(shapes)
-    key = (tree, tuple((a.shape, a.dtype) for a in leaves))
-    if key not in self._splits:
-      n_params, n_res = len(jax.tree.leaves(params)), len(residuals)
+    n_params, n_res = len(jax.tree.leaves(params)), len(residuals)
 
+    def build(flat, tree):
       def flat_backward(*flat):
         p, r, d, m = jax.tree.unflatten(tree, flat)
         dparams, dx = self._backward(p, r, d, m)
         return [dx, *jax.tree.leaves(dparams)]
-      closed = jax.make_jaxpr(flat_backward)(*leaves)
+      closed = jax.make_jaxpr(flat_backward)(*_shapes(flat))
       n_out = len(closed.out_avals)
       # The backward's fresh forward trace is dead code: drop it before splitting.
       jaxpr, _ = pe.dce_jaxpr(closed.jaxpr, [True] * n_out, instantiate=True)
       _, for_dx = pe.dce_jaxpr(jaxpr, [True] + [False] * (n_out - 1))
       weight_only = [n_params <= i < n_params + n_res and not used
                      for i, used in enumerate(for_dx)]
-      known, unknown, out_unknown, stash = pe.partial_eval_jaxpr_nounits(
+      known, unknown, out_unknown, _ = pe.partial_eval_jaxpr_nounits(
           jax_core.ClosedJaxpr(jaxpr, closed.consts), weight_only, False)
       assert not out_unknown[0], "the input gradient reads no weight-only residual"
-      self._splits[key] = _Split(weight_only, out_unknown, known, unknown,
-                                 [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in stash])
-    return self._splits[key]
+      return _Split(weight_only, out_unknown, known, unknown)
+    # Traced from shapes alone: the stash's shapes are asked with the residuals'
+    # ShapeDtypeStructs before the ticks, and that one trace serves every B and W.
+    return self._traced("split", (params, residuals, dy, mb), build,
+                        key=lambda a: (a.shape, a.dtype))
 
   def stash_shapes(self, params, residuals, dy, mb: Batch):
     """Shapes of what B hands W (held from B to W, one entry per held output gradient)."""
-    return self._split(params, residuals, dy, mb).stash
+    split = self._split(params, residuals, dy, mb)
+    return _shapes(split.known.out_avals[split.out_unknown.count(False):])
 
   def backward_input(self, params, residuals, dy, mb: Batch):
     """Zero-bubble B: (input gradient, the weight gradients B computes (zeros where W
@@ -166,8 +166,12 @@ def _type_key(value):
   ShapeDtypeStruct, whose type has no sharding, and the same trace serves the forward
   (jax 0.10 keeps the varying axes in `manual_axis_type`, later versions in `vma`)."""
   t = jax.typeof(value)
-  return t.shape, t.dtype, getattr(getattr(t, "manual_axis_type", None), "varying",
-                                   getattr(t, "vma", None))
+  return t.shape, t.dtype, t.weak_type, getattr(getattr(t, "manual_axis_type", None),
+                                                "varying", getattr(t, "vma", None))
+
+
+def _shapes(avals) -> list[jax.ShapeDtypeStruct]:
+  return [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,7 +179,6 @@ class _Forward:
   """A chunk forward's jaxpr: (params, x, mb) leaves -> y and the stored residuals."""
   jaxpr: Any
   stored: list[int]  # which of the vjp's residual leaves those are
-  stored_shapes: list[jax.ShapeDtypeStruct]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,9 +186,8 @@ class _Split:
   """A chunk backward unzipped into B (`known`) and W (`unknown`) jaxprs (see Chunk._split)."""
   weight_only: list[bool]  # per flat (params, residuals, dy, mb) input: read by W alone
   out_unknown: list[bool]  # per output (dx, *dparams leaves): computed by W
-  known: Any
+  known: Any  # -> the outputs B computes, then the stash
   unknown: Any
-  stash: list[jax.ShapeDtypeStruct]
 
   def dparams(self, params, leaves):
     """The params-shaped gradient from its leaves, zeros where None."""
