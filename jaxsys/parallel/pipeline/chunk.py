@@ -69,15 +69,19 @@ class Chunk:
     n_params = len(jax.tree.leaves(params))
 
     def build(flat, tree):
+      vjp_tree = []
+
       def flat_forward(*flat):
-        y, leaves, _ = self._vjp(*jax.tree.unflatten(tree, flat))
+        y, leaves, treedef = self._vjp(*jax.tree.unflatten(tree, flat))
+        vjp_tree.append(treedef)
         return [y, *leaves]
       closed = jax.make_jaxpr(flat_forward)(*flat)
       data = dependence.outputs_depend_on(closed.jaxpr,
                                           [i >= n_params for i in range(len(flat))])[1:]
-      jaxpr, _ = pe.dce_jaxpr(closed.jaxpr, [True, *data], instantiate=True)
-      return _Forward(jax_core.ClosedJaxpr(jaxpr, closed.consts),
-                      [i for i, d in enumerate(data) if d])
+      part = lambda used: jax_core.ClosedJaxpr(
+          pe.dce_jaxpr(closed.jaxpr, used, instantiate=True)[0], closed.consts)
+      return _Forward(part([True, *data]), part([False, *(not d for d in data)]), data,
+                      vjp_tree[0])
     return self._traced("forward", (params, x, mb), build)
 
   def residual_shapes(self, params, x, mb: Batch):
@@ -95,13 +99,15 @@ class Chunk:
     return self._once(self._backward, params, residuals, dy, mb)
 
   def _backward(self, params, residuals, dy, mb: Batch):
-    # A fresh trace gives the vjp's structure and the weight-only residuals from the live
-    # weights; the rest of its forward is dead code, which XLA removes.
-    x = jnp.zeros_like(dy)
-    _, leaves, treedef = self._vjp(params, x, mb)
-    for i, r in zip(self._forward_pass(params, x, mb).stored, residuals):
-      leaves[i] = r
-    return jax.tree.unflatten(treedef, leaves)(dy)
+    # The vjp's structure and the residuals of the weights alone come from the forward's
+    # trace, those recomputed here from the live weights: only the transpose is traced.
+    x = jnp.zeros_like(dy)  # read by no residual of the weights alone
+    forward = self._forward_pass(params, x, mb)
+    weights_only = iter(jax_core.jaxpr_as_fun(forward.weights_only)(
+        *jax.tree.leaves((params, x, mb))))
+    stored = iter(residuals)
+    leaves = [next(stored) if d else next(weights_only) for d in forward.stored]
+    return jax.tree.unflatten(forward.vjp_tree, leaves)(dy)
 
   def _split(self, params, residuals, dy, mb: Batch) -> "_Split":
     """The backward unzipped in two by data dependence (jax's partial evaluation, as
@@ -176,10 +182,11 @@ def _shapes(avals) -> list[jax.ShapeDtypeStruct]:
 
 @dataclasses.dataclass(frozen=True)
 class _Forward:
-  """A chunk forward's jaxpr: (params, x, mb) leaves -> y and the stored residuals."""
-  jaxpr: Any
-  stored: list[int]  # which of the vjp's residual leaves those are
-
+  """A chunk forward's vjp as jaxprs of the (params, x, mb) leaves."""
+  jaxpr: Any  # -> y and the stored residuals
+  weights_only: Any  # -> the residuals of the weights alone, which the backward recomputes
+  stored: list[bool]  # per vjp residual leaf: stored (it depends on the microbatch)
+  vjp_tree: Any  # the vjp function's treedef, over its residual leaves
 
 @dataclasses.dataclass(frozen=True)
 class _Split:
