@@ -125,7 +125,7 @@ class Chunk:
         return [dx, *jax.tree.leaves(dparams)]
       closed = jax.make_jaxpr(flat_backward)(*_shapes(flat))
       n_out = len(closed.out_avals)
-      # The backward's fresh forward trace is dead code: drop it before splitting.
+      # What no output reads (the zeros standing in for x) is dead code: drop it first.
       jaxpr, _ = pe.dce_jaxpr(closed.jaxpr, [True] * n_out, instantiate=True)
       _, for_dx = pe.dce_jaxpr(jaxpr, [True] + [False] * (n_out - 1))
       weight_only = [n_params <= i < n_params + n_res and not used
@@ -187,6 +187,7 @@ class _Forward:
   weights_only: Any  # -> the residuals of the weights alone, which the backward recomputes
   stored: list[bool]  # per vjp residual leaf: stored (it depends on the microbatch)
   vjp_tree: Any  # the vjp function's treedef, over its residual leaves
+
 
 @dataclasses.dataclass(frozen=True)
 class _Split:
