@@ -11,11 +11,6 @@ _CHEAP_COMPILES = {"xla_backend_optimization_level": "0", "xla_cpu_use_fusion_em
 os.environ["XLA_FLAGS"] = (_FLAGS + " --xla_force_host_platform_device_count=8" + "".join(
     f" --{flag}={value}" for flag, value in _CHEAP_COMPILES.items() if flag not in _FLAGS)).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# Two threads per device: with one each, a pipeline tick with two collectives ready on every
-# device deadlocked XLA:CPU on 2 cores (`jaxsys.xla_flags.default_cpu_threads`).
-from jaxsys import xla_flags  # pylint: disable=wrong-import-position  # imports no jax
-
-xla_flags.default_cpu_threads()
 # One compilation cache for the whole run, shared by every xdist worker and every run they
 # start as a process: the trainer's tiny programs compile once, not once per subprocess.
 _OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
