@@ -16,13 +16,6 @@ def with_cpu_devices(n: int | None, flags: str | None = None) -> str:
   return rest if n is None else f"{rest} --{DEVICE_COUNT}={n}".strip()
 
 
-def cpu_devices(flags: str | None = None) -> int | None:
-  """The simulated CPU device count `flags` (default: XLA_FLAGS) names, if any."""
-  found = re.findall(rf"--{DEVICE_COUNT}=(\d+)", os.environ.get("XLA_FLAGS", "")
-                     if flags is None else flags)
-  return int(found[-1]) if found else None
-
-
 def default_cpu_devices(n: int) -> None:
   """Sets n simulated CPU devices in the environment unless XLA_FLAGS names a count."""
   if DEVICE_COUNT not in os.environ.get("XLA_FLAGS", ""):
